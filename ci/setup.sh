@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Sets up everything pyflowbuf needs in a virtual environment inside the checkout:
+# Python packages, the compiled extension, and a JDK 17+ for PySpark (installed
+# from the system package manager when missing). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${PYFLOWBUF_VENV:-.venv}
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+java_major() {
+  command -v java >/dev/null 2>&1 || { echo 0; return; }
+  java -version 2>&1 | awk -F'"' '/version/ {split($2, v, "."); print (v[1] == "1" ? v[2] : v[1]); exit}'
+}
+
+if [ "${PYFLOWBUF_SKIP_JDK:-0}" != 1 ]; then
+  if [ "$(java_major)" -lt 17 ]; then
+    log "no JDK 17+ found; installing one with the system package manager"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    if command -v apt-get >/dev/null 2>&1; then
+      $SUDO apt-get update -qq
+      $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless \
+        || $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq default-jre-headless
+    elif command -v dnf >/dev/null 2>&1; then
+      $SUDO dnf install -y java-17-openjdk-headless
+    elif command -v brew >/dev/null 2>&1; then
+      brew install openjdk@17
+    else
+      echo "setup: PySpark needs Java 17 or newer; install a JDK and run again" >&2; exit 1
+    fi
+  fi
+  log "java $(java_major) found"
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating virtual environment $VENV"
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+log "installing pyflowbuf with its test, Spark and benchmark extras (compiles the extension)"
+"$VENV/bin/python" -m pip install -q -e ".[all]"
+log "ready: $("$VENV/bin/python" -c 'import pyflowbuf; print("pyflowbuf", pyflowbuf.__version__)')"

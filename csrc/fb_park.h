@@ -1,0 +1,104 @@
+/* Eventcount: lets a thread park until "something changed" without a lost
+ * wake-up, while the notifying side pays one load when nobody waits.
+ *
+ * Waiter:   t = fb_event_prepare(e); if (ready()) fb_event_cancel(e);
+ *           else fb_event_wait(e, t, timeout);
+ * Notifier: make the change visible; fb_event_notify(e);
+ *
+ * prepare() publishes the waiter before it re-checks the condition and the
+ * notifier re-reads the waiter count after publishing its change (both
+ * seq_cst), so at least one side sees the other. */
+#ifndef FB_PARK_H
+#define FB_PARK_H
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <time.h>
+#include "fb_atomic.h"
+#include "fb_errors.h"
+
+typedef struct fb_event {
+    uint32_t epoch;
+    uint32_t waiters;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+} fb_event;
+
+static inline int fb_event_init(fb_event *e) {
+    e->epoch = 0;
+    e->waiters = 0;
+    if (pthread_mutex_init(&e->mu, NULL) != 0) return FB_E_NOMEM;
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+#if defined(__linux__)
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+#endif
+    int rc = pthread_cond_init(&e->cv, &attr);
+    pthread_condattr_destroy(&attr);
+    return rc == 0 ? FB_OK : FB_E_NOMEM;
+}
+
+static inline void fb_event_destroy(fb_event *e) {
+    pthread_cond_destroy(&e->cv);
+    pthread_mutex_destroy(&e->mu);
+}
+
+static inline uint32_t fb_event_prepare(fb_event *e) {
+    fb_fetch_add_seqcst(&e->waiters, 1);
+    return fb_load_seqcst(&e->epoch);
+}
+
+static inline void fb_event_cancel(fb_event *e) { fb_fetch_add_seqcst(&e->waiters, (uint32_t)-1); }
+
+static inline int64_t fb_monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Parks until the epoch moves past `token` or timeout_ns passes (< 0: no limit).
+ * Returns FB_OK or FB_E_TIMEOUT; always retires the waiter registered by prepare(). */
+static inline int fb_event_wait(fb_event *e, uint32_t token, int64_t timeout_ns) {
+    int rc = FB_OK;
+    struct timespec deadline;
+    if (timeout_ns >= 0) {
+#if defined(__linux__)
+        clock_gettime(CLOCK_MONOTONIC, &deadline);
+#else
+        clock_gettime(CLOCK_REALTIME, &deadline);
+#endif
+        int64_t ns = deadline.tv_nsec + timeout_ns % 1000000000LL;
+        deadline.tv_sec += (time_t)(timeout_ns / 1000000000LL + ns / 1000000000LL);
+        deadline.tv_nsec = (long)(ns % 1000000000LL);
+    }
+    pthread_mutex_lock(&e->mu);
+    while (fb_load_seqcst(&e->epoch) == token) {
+        if (timeout_ns < 0) {
+            pthread_cond_wait(&e->cv, &e->mu);
+        } else if (pthread_cond_timedwait(&e->cv, &e->mu, &deadline) == ETIMEDOUT) {
+            if (fb_load_seqcst(&e->epoch) == token) rc = FB_E_TIMEOUT;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    fb_event_cancel(e);
+    return rc;
+}
+
+static inline void fb_event_notify(fb_event *e) {
+    fb_fence_seqcst();
+    if (fb_load_seqcst(&e->waiters) == 0) return;
+    fb_fetch_add_seqcst(&e->epoch, 1);
+    pthread_mutex_lock(&e->mu);
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Wakes waiters unconditionally (cancellation, shutdown). */
+static inline void fb_event_notify_all(fb_event *e) {
+    fb_fetch_add_seqcst(&e->epoch, 1);
+    pthread_mutex_lock(&e->mu);
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+#endif

@@ -1,0 +1,11 @@
+"""pyflowbuf: Flink-style network buffers and backpressure for Python pipelines."""
+from pyflowbuf._version import __version__
+from pyflowbuf._core.memory import Buffer, LocalBufferPool, NetworkBufferPool, Notifier
+from pyflowbuf._core.channel import BufferQueue, InputGate
+from pyflowbuf._core.serde import RecordReader, RecordWriter, stable_hash
+from pyflowbuf import errors
+
+__all__ = [
+    "__version__", "Buffer", "BufferQueue", "InputGate", "LocalBufferPool", "NetworkBufferPool",
+    "Notifier", "RecordReader", "RecordWriter", "errors", "stable_hash",
+]

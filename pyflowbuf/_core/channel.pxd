@@ -1,0 +1,44 @@
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+
+from pyflowbuf._core.memory cimport NetworkBufferPool, Notifier
+from pyflowbuf.includes.park cimport fb_event
+from pyflowbuf.includes.ring cimport fb_bufdesc, fb_ring
+
+cdef enum:
+    EVT_END_OF_PARTITION = 0
+    EVT_BARRIER = 1
+    EVT_CANCEL_BARRIER = 4
+    EVT_END_OF_DATA = 8
+    EVT_USER = 16
+
+
+cdef class BufferQueue:
+    cdef fb_ring ring
+    cdef fb_ring prio
+    cdef bint _ready
+    cdef fb_event space            # the producer parks here when the ring is full
+    cdef fb_event *consumer        # the gate's notifier, told on every push
+    cdef Notifier _consumer_ref
+    cdef readonly NetworkBufferPool network_pool
+    cdef public int cancelled
+    cdef readonly uint64_t buffers_pushed
+    cdef readonly uint64_t bytes_pushed
+    cdef int push(self, const fb_bufdesc *d, bint priority) except -1 nogil
+    cdef int pop(self, fb_bufdesc *d) noexcept nogil
+    cdef int attach(self, Notifier consumer) except -1
+
+
+cdef class InputGate:
+    cdef list _queues
+    cdef fb_ring **rings
+    cdef fb_ring **prios
+    cdef fb_event **spaces
+    cdef unsigned char *blocked
+    cdef unsigned char *finished
+    cdef readonly int num_channels
+    cdef int next_channel
+    cdef readonly Notifier notifier
+    cdef public int cancelled
+    cdef readonly int64_t idle_ns
+    cdef int poll(self, fb_bufdesc *d, int *channel) noexcept nogil
+    cdef int poll_wait(self, fb_bufdesc *d, int *channel, int64_t timeout_ns) noexcept nogil

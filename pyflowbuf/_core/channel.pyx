@@ -1,0 +1,279 @@
+"""ResultSubpartition queues and InputGates for the in-process (local) exchange.
+
+A BufferQueue is the queue of finished buffers of one ResultSubpartition; the
+consuming task's InputGate reads it directly as a local InputChannel (a remote
+channel fills the same kind of queue from the network). Data buffers are
+bounded by the producer's LocalBufferPool, so the ring never needs to grow.
+"""
+cimport cython
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.string cimport memset
+
+from pyflowbuf._core.errors cimport check
+from pyflowbuf._core.memory cimport Buffer, NetworkBufferPool, Notifier
+from pyflowbuf.includes.arena cimport fb_pool_recycle
+from pyflowbuf.includes.errors cimport *
+from pyflowbuf.includes.park cimport *
+from pyflowbuf.includes.ring cimport *
+
+END_OF_PARTITION = EVT_END_OF_PARTITION
+BARRIER = EVT_BARRIER
+CANCEL_BARRIER = EVT_CANCEL_BARRIER
+END_OF_DATA = EVT_END_OF_DATA
+USER_EVENT = EVT_USER
+
+
+@cython.final
+cdef class BufferQueue:
+    """Finished buffers of one subpartition, in order, plus a priority lane
+    that events (checkpoint barriers) use to overtake queued data."""
+
+    def __cinit__(self, NetworkBufferPool network_pool, capacity=None):
+        if capacity is None:
+            capacity = network_pool.total_segments + 64
+        if capacity < 2:
+            raise ValueError(f"capacity must be >= 2, got {capacity}")
+        check(fb_ring_init(&self.ring, capacity), "BufferQueue")
+        check(fb_ring_init(&self.prio, 64), "BufferQueue")
+        check(fb_event_init(&self.space), "BufferQueue")
+        self._ready = True
+        self.network_pool = network_pool
+
+    def __dealloc__(self):
+        if not self._ready:
+            return
+        cdef fb_bufdesc d
+        while fb_ring_pop(&self.prio, &d) == FB_OK:
+            pass
+        while fb_ring_pop(&self.ring, &d) == FB_OK:
+            if d.pool is not NULL:
+                fb_pool_recycle(d.pool, d.seg)
+        fb_ring_free(&self.ring)
+        fb_ring_free(&self.prio)
+        fb_event_destroy(&self.space)
+
+    cdef int attach(self, Notifier consumer) except -1:
+        self._consumer_ref = consumer
+        self.consumer = &consumer.ev
+        return 0
+
+    cdef int push(self, const fb_bufdesc *d, bint priority) except -1 nogil:
+        cdef fb_ring *r = &self.prio if priority else &self.ring
+        cdef uint32_t token
+        while fb_ring_push(r, d) != FB_OK:
+            token = fb_event_prepare(&self.space)
+            if fb_ring_push(r, d) == FB_OK:
+                fb_event_cancel(&self.space)
+                break
+            if self.cancelled:
+                fb_event_cancel(&self.space)
+                return FB_E_CANCELLED
+            fb_event_wait(&self.space, token, 100000000)
+        self.buffers_pushed += 1
+        self.bytes_pushed += d.size
+        if self.consumer is not NULL:
+            fb_event_notify(self.consumer)
+        return 0
+
+    cdef int pop(self, fb_bufdesc *d) noexcept nogil:
+        if fb_ring_pop(&self.prio, d) == FB_OK or fb_ring_pop(&self.ring, d) == FB_OK:
+            fb_event_notify(&self.space)
+            return FB_OK
+        return FB_E_UNAVAILABLE
+
+    def push_event(self, int kind, long long aux=0, int flags=0, bint priority=False):
+        """Enqueue an event (end of partition, barrier, ...). Events take no
+        segment and are never blocked by a dry pool."""
+        cdef fb_bufdesc d
+        d.pool = NULL
+        d.seg = 0
+        d.size = 0
+        d.width = kind
+        d.type = FB_DATA_EVENT
+        d.flags = flags
+        d.aux = aux
+        cdef int rc
+        with nogil:
+            rc = self.push(&d, priority)
+        check(rc, "push_event")
+
+    def push_buffer(self, Buffer buf, bint priority=False):
+        """Hand a finished Buffer to the consumer (ownership moves with it)."""
+        if buf._state != 0:
+            from pyflowbuf.errors import BufferRecycledError
+            raise BufferRecycledError("cannot enqueue a released buffer")
+        if buf._exports:
+            raise BufferError("cannot enqueue a buffer with live views")
+        cdef fb_bufdesc d = buf.d
+        cdef int rc
+        with nogil:
+            rc = self.push(&d, priority)
+        check(rc, "push_buffer")
+        buf._state = 1  # the queue owns the segment now
+
+    def pop_buffer(self):
+        """Take the next Buffer (data) or ``(kind, aux, flags)`` (event), or None."""
+        cdef fb_bufdesc d
+        if self.pop(&d) != FB_OK:
+            return None
+        if d.type == FB_DATA_EVENT:
+            return (d.width, d.aux, d.flags)
+        return Buffer.wrap(&d, self.network_pool)
+
+    def cancel(self):
+        self.cancelled = 1
+        fb_event_notify_all(&self.space)
+        if self.consumer is not NULL:
+            fb_event_notify_all(self.consumer)
+
+    @property
+    def backlog(self):
+        """Finished buffers queued and not yet consumed (Flink's backlog)."""
+        return fb_ring_size(&self.ring)
+
+    @property
+    def priority_backlog(self):
+        return fb_ring_size(&self.prio)
+
+    def __len__(self):
+        return fb_ring_size(&self.ring) + fb_ring_size(&self.prio)
+
+    def __repr__(self):
+        return f"BufferQueue(backlog={self.backlog}, pushed={self.buffers_pushed})"
+
+
+@cython.final
+cdef class InputGate:
+    """A consumer task's input: one channel per producer subpartition.
+
+    Reading is fair across channels (round robin), priority events first.
+    Blocked channels (barrier alignment) are skipped. Waiting parks the thread
+    on the gate's Notifier with the GIL released."""
+
+    def __cinit__(self, queues, Notifier notifier=None):
+        queues = list(queues)
+        if not queues:
+            raise ValueError("an InputGate needs at least one channel")
+        for obj in queues:
+            if not isinstance(obj, BufferQueue):
+                raise TypeError(f"channels must be BufferQueues, got {type(obj).__name__}")
+        self._queues = queues
+        self.num_channels = len(queues)
+        self.notifier = notifier if notifier is not None else Notifier()
+        self.rings = <fb_ring **>PyMem_Malloc(sizeof(fb_ring *) * self.num_channels)
+        self.prios = <fb_ring **>PyMem_Malloc(sizeof(fb_ring *) * self.num_channels)
+        self.spaces = <fb_event **>PyMem_Malloc(sizeof(fb_event *) * self.num_channels)
+        self.blocked = <unsigned char *>PyMem_Malloc(self.num_channels)
+        self.finished = <unsigned char *>PyMem_Malloc(self.num_channels)
+        if not self.rings or not self.prios or not self.spaces or not self.blocked or not self.finished:
+            raise MemoryError()
+        memset(self.blocked, 0, self.num_channels)
+        memset(self.finished, 0, self.num_channels)
+        cdef BufferQueue q
+        cdef int i
+        for i in range(self.num_channels):
+            q = <BufferQueue>queues[i]
+            self.rings[i] = &q.ring
+            self.prios[i] = &q.prio
+            self.spaces[i] = &q.space
+            q.attach(self.notifier)
+
+    def __dealloc__(self):
+        PyMem_Free(self.rings)
+        PyMem_Free(self.prios)
+        PyMem_Free(self.spaces)
+        PyMem_Free(self.blocked)
+        PyMem_Free(self.finished)
+
+    cdef int poll(self, fb_bufdesc *d, int *channel) noexcept nogil:
+        cdef int n = self.num_channels, i, idx
+        for i in range(n):
+            if fb_ring_pop(self.prios[i], d) == FB_OK:
+                channel[0] = i
+                return FB_OK
+        for i in range(n):
+            idx = self.next_channel + i
+            if idx >= n:
+                idx -= n
+            if self.blocked[idx]:
+                continue
+            if fb_ring_pop(self.rings[idx], d) == FB_OK:
+                fb_event_notify(self.spaces[idx])
+                self.next_channel = idx + 1 if idx + 1 < n else 0
+                channel[0] = idx
+                return FB_OK
+        return FB_E_UNAVAILABLE
+
+    cdef int poll_wait(self, fb_bufdesc *d, int *channel, int64_t timeout_ns) noexcept nogil:
+        """Poll; when nothing is there park until a producer pushes, the
+        timeout passes (FB_E_TIMEOUT) or the gate is cancelled."""
+        cdef int rc = self.poll(d, channel)
+        if rc == FB_OK:
+            return rc
+        cdef fb_event *ev = &self.notifier.ev
+        cdef int64_t start = fb_monotonic_ns()
+        cdef int64_t deadline = start + timeout_ns if timeout_ns >= 0 else -1
+        cdef int64_t left = -1
+        cdef uint32_t token
+        while True:
+            token = fb_event_prepare(ev)
+            rc = self.poll(d, channel)
+            if rc == FB_OK:
+                fb_event_cancel(ev)
+                break
+            if self.cancelled:
+                fb_event_cancel(ev)
+                rc = FB_E_CANCELLED
+                break
+            if deadline >= 0:
+                left = deadline - fb_monotonic_ns()
+                if left <= 0:
+                    fb_event_cancel(ev)
+                    rc = FB_E_TIMEOUT
+                    break
+            fb_event_wait(ev, token, left)
+        self.idle_ns += fb_monotonic_ns() - start
+        return rc
+
+    def block(self, int channel):
+        """Stop reading data from ``channel`` (barrier alignment); priority
+        events still get through."""
+        self._check(channel)
+        self.blocked[channel] = 1
+
+    def resume(self, int channel=-1):
+        """Resume one channel, or all with -1."""
+        if channel == -1:
+            memset(self.blocked, 0, self.num_channels)
+        else:
+            self._check(channel)
+            self.blocked[channel] = 0
+        fb_event_notify_all(&self.notifier.ev)
+
+    def is_blocked(self, int channel):
+        self._check(channel)
+        return bool(self.blocked[channel])
+
+    def _check(self, int channel):
+        if not 0 <= channel < self.num_channels:
+            raise IndexError(f"channel {channel} out of range (gate has {self.num_channels})")
+
+    def cancel(self):
+        self.cancelled = 1
+        fb_event_notify_all(&self.notifier.ev)
+
+    @property
+    def channels(self):
+        return tuple(self._queues)
+
+    @property
+    def queued_buffers(self):
+        cdef int i
+        cdef uint64_t total = 0
+        for i in range(self.num_channels):
+            total += fb_ring_size(self.rings[i]) + fb_ring_size(self.prios[i])
+        return total
+
+    def __repr__(self):
+        return f"InputGate(channels={self.num_channels}, queued={self.queued_buffers})"

@@ -1,0 +1,54 @@
+"""Exceptions raised by pyflowbuf.
+
+Every error also subclasses the builtin a caller would naturally catch
+(``ValueError``, ``TimeoutError``, ``BufferError``...), so code that does not
+know pyflowbuf still handles it sensibly. C error codes become these
+exceptions in exactly one place: ``pyflowbuf._core.errors``.
+"""
+
+
+class FlowBufError(Exception):
+    """Base class of every pyflowbuf error."""
+
+
+class InsufficientBuffersError(FlowBufError, MemoryError):
+    """The NetworkBufferPool cannot guarantee a pool's minimum number of segments."""
+
+
+class BufferRequestTimeout(FlowBufError, TimeoutError):
+    """A blocking buffer request did not get a segment within its timeout."""
+
+
+class PoolDestroyedError(FlowBufError, RuntimeError):
+    """The LocalBufferPool was destroyed."""
+
+
+class BufferRecycledError(FlowBufError, BufferError):
+    """A Buffer was used or released after it went back to its pool."""
+
+
+class RecordTooLargeError(FlowBufError, ValueError):
+    """A record exceeds the configured maximum record size."""
+
+
+class CorruptRecordError(FlowBufError, ValueError):
+    """Bytes in a buffer do not form a valid record stream."""
+
+
+class ChannelClosedError(FlowBufError, RuntimeError):
+    """The channel or gate was closed or cancelled."""
+
+
+class CancelledError(FlowBufError):
+    """A blocking operation was cancelled (job failure or cancel())."""
+
+
+class ProtocolError(FlowBufError, ConnectionError):
+    """A peer sent bytes that break the network protocol."""
+
+
+class JobFailedError(FlowBufError, RuntimeError):
+    """A task of the job raised; ``__cause__`` holds the original exception."""
+
+
+__all__ = [n for n in dir() if n.endswith("Error") or n in ("FlowBufError", "BufferRequestTimeout")]
