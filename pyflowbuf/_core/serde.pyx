@@ -712,6 +712,11 @@ cdef class RecordReader:
         self.cur_ch = -1
         return arr
 
+    def set_kind(self, kind):
+        """Set the record kind before the first record is decoded (the runtime
+        learns an inferred kind from the producer)."""
+        self.kind = _kind_code(kind)
+
     def take_event(self):
         """The pending event as ``(channel, kind, aux, flags)``, or None."""
         ev = self._event

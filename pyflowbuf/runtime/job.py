@@ -1,0 +1,191 @@
+"""Running a job: memory, exchanges and subtask threads; failure and cancel;
+metric sampling."""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+from pyflowbuf import errors
+from pyflowbuf._core.channel import BufferQueue, InputGate
+from pyflowbuf._core.memory import NetworkBufferPool, Notifier
+from pyflowbuf.runtime.exchange import EdgeKind, InputSide, OutputSide
+from pyflowbuf.runtime.metrics import MetricsSampler
+from pyflowbuf.runtime.sources import RateLimiter
+from pyflowbuf.runtime.task import Subtask
+
+# How long a cancelled job waits for its threads: tasks blocked in C wake at
+# once; only a user function that never returns can hold a thread longer.
+CANCEL_GRACE_S = 10.0
+
+
+class JobExecution:
+    def __init__(self, env):
+        self.env = env
+        self.vertices, self.edges = env.plan()
+        self.cancelled = False
+        self.failure = None            # (task name, operator name, exception, formatted traceback)
+        self.event_handler = None
+        self.tasks: list[Subtask] = []
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.started = self.ended = None
+        self.iterator_input = None
+        self.sampler = None
+
+    # ---- building ----
+    def _output_pool_size(self, nsub: int):
+        if self.env.output_buffers is not None:
+            return self.env.output_buffers
+        return nsub + 1, 2 * nsub + 8
+
+    def _build(self):
+        env = self.env
+        outs_by_edge = {}
+        total = 0
+        for e in self.edges:
+            nsub = 1 if e.pointwise else e.target.parallelism
+            total += e.source.parallelism * self._output_pool_size(nsub)[1]
+        num_segments = env.num_segments or max(total + 16, 64)
+        self.network_pool = net = NetworkBufferPool(num_segments, env.segment_size)
+
+        inputs = {}      # (vertex id, subtask) -> InputSide
+        outputs = {}     # (vertex id, subtask) -> [OutputSide]
+        for e in self.edges:
+            up, down = e.source, e.target
+            kind = EdgeKind(e.kind, producers=up.parallelism)
+            queues = [[BufferQueue(net) if (not e.pointwise or i == j) else None
+                       for j in range(down.parallelism)] for i in range(up.parallelism)]
+            pools = []
+            for i in range(up.parallelism):
+                mine = [q for q in queues[i] if q is not None]
+                lo, hi = self._output_pool_size(len(mine))
+                pool = net.create_pool(lo, hi)
+                pools.append(pool)
+                outputs.setdefault((up.id, i), []).append(
+                    OutputSide(pool, mine, e.partitioner, e.key_fn, kind, env.max_record_size))
+            for j in range(down.parallelism):
+                chans = [queues[i][j] for i in range(up.parallelism) if queues[i][j] is not None]
+                producer_pools = [pools[i] for i in range(up.parallelism) if queues[i][j] is not None]
+                gate = InputGate(chans, Notifier())
+                if (down.id, j) in inputs:
+                    raise ValueError(f"{down.name!r} has two inputs; union/join are not supported yet")
+                inputs[(down.id, j)] = InputSide(gate, kind, env.max_record_size, producer_pools)
+            outs_by_edge[id(e)] = kind
+
+        for v in self.vertices:
+            if v.is_iterator:
+                self.iterator_input = inputs[(v.id, 0)]
+                continue
+            for i in range(v.parallelism):
+                head = v.head
+                ops = [n.make_operator() for n in v.nodes if n.make_operator is not None]
+                source = head.source() if head.source is not None else None
+                limiter = None
+                if head.rate_limit is not None:
+                    rl = head.rate_limit
+                    limiter = rl if isinstance(rl, RateLimiter) else RateLimiter(records_per_s=rl)
+                self.tasks.append(Subtask(self, v, i, ops, outputs.get((v.id, i), []),
+                                          source=source, input_side=inputs.get((v.id, i)),
+                                          rate_limiter=limiter))
+
+    # ---- running ----
+    def start(self):
+        self._build()
+        self.started = time.monotonic()
+        self.sampler = MetricsSampler(self, self.env.metrics_interval)
+        for t in self.tasks:
+            t.start()
+        self.sampler.start()
+        threading.Thread(target=self._watch, name="pyflowbuf: job watcher", daemon=True).start()
+        return self
+
+    def _watch(self):
+        for t in self.tasks:
+            t.join()
+        self.ended = time.monotonic()
+        self._done.set()
+
+    def task_failed(self, task, exc):
+        with self._lock:
+            first = self.failure is None and not (self.cancelled and isinstance(exc, errors.CancelledError))
+            if first:
+                tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                self.failure = (task.task_name, task.current_operator, exc, tb)
+        if first:
+            self.cancel()
+
+    def cancel(self):
+        """Stop every task: blocked waits wake at once and raise inside the task."""
+        self.cancelled = True
+        for t in self.tasks:
+            t.cancel()
+        if self.iterator_input is not None:
+            self.iterator_input.gate.cancel()
+
+    def join(self, timeout=None):
+        """Wait for the job; raise JobFailedError on failure, TimeoutError if it
+        did not finish (the job is then cancelled)."""
+        try:
+            if not self._done.wait(timeout):
+                self.cancel()
+                self._done.wait(CANCEL_GRACE_S)
+                raise TimeoutError(f"job {self.env.name!r} did not finish within {timeout} s (cancelled)")
+        except KeyboardInterrupt:
+            self.cancel()
+            self._done.wait(CANCEL_GRACE_S)
+            raise
+        finally:
+            self._close()
+        self.raise_if_failed()
+        return self
+
+    def _close(self):
+        if self.sampler is not None:
+            self.sampler.stop()
+
+    def raise_if_failed(self):
+        if self.failure is not None:
+            task, op, exc, tb = self.failure
+            raise errors.JobFailedError(
+                f"job {self.env.name!r} failed: operator {op!r} in task {task!r} raised "
+                f"{type(exc).__name__}: {exc}\n\nOriginal traceback:\n{tb}") from exc
+
+    def run(self, timeout=None):
+        self.start()
+        return self.join(timeout)
+
+    def iterate(self, sink_node):
+        """Generator: the records reaching the iterator sink, in this thread."""
+        self.start()
+        inp = self.iterator_input
+        try:
+            while True:
+                batch = inp.read(self.env.max_batch, 0.1)
+                if batch:
+                    yield from batch
+                    continue
+                if inp.reader.take_event() is not None:
+                    continue
+                if self.failure is not None:
+                    break
+                if inp.finished:
+                    break
+            self._done.wait(CANCEL_GRACE_S if self.failure else None)
+            self.raise_if_failed()
+        finally:
+            if not self._done.is_set():
+                self.cancel()
+                self._done.wait(CANCEL_GRACE_S)
+            self._close()
+
+    # ---- inspection ----
+    @property
+    def done(self):
+        return self._done.is_set()
+
+    def metrics(self) -> dict:
+        return {} if self.sampler is None else self.sampler.latest()
+
+    def summary(self) -> dict:
+        return {} if self.sampler is None else self.sampler.summary()

@@ -1,0 +1,199 @@
+"""A subtask: one thread running a mailbox loop over its chain of operators.
+
+Processing input is the default action; control messages (cancel, flush,
+user callables) arrive as mails and are handled between batches. Time is
+accounted as Flink does: idle = waiting for input, backpressured = waiting for
+an output buffer, busy = the rest.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from pyflowbuf import errors
+
+
+class Subtask(threading.Thread):
+    def __init__(self, job, vertex, index: int, operators: list, outputs: list,
+                 source=None, input_side=None, rate_limiter=None):
+        name = f"{vertex.name} ({index + 1}/{vertex.parallelism})"
+        super().__init__(name=f"pyflowbuf: {name}", daemon=True)
+        self.job = job
+        self.vertex = vertex
+        self.index = index
+        self.task_name = name
+        self.operators = operators
+        self.outputs = outputs
+        self.source = source
+        self.input = input_side
+        self.rate_limiter = rate_limiter
+        self.mailbox: collections.deque = collections.deque()
+        self.current_operator = vertex.head.name
+        self.records_in = 0
+        self.bytes_in_source = 0
+        self.source_idle_ns = 0
+        self.started_ns = 0
+        self.finished_ns = 0
+        self.state = "CREATED"
+
+    # ---- mailbox ----
+    def post(self, mail) -> None:
+        """Run ``mail()`` in this task's thread between batches."""
+        self.mailbox.append(mail)
+        if self.input is not None:
+            self.input.gate.notifier.notify()
+
+    def _drain_mailbox(self):
+        mb = self.mailbox
+        while mb:
+            mb.popleft()()
+
+    # ---- the loop ----
+    def run(self):
+        self.started_ns = time.monotonic_ns()
+        self.state = "RUNNING"
+        try:
+            for op in self.operators:
+                self.current_operator = op.name
+                op.open(self.index, self.vertex.parallelism)
+            if self.source is not None:
+                self._run_source()
+            else:
+                self._run_input()
+            if not self.job.cancelled:
+                self._finish()
+                self.state = "FINISHED"
+        except BaseException as exc:  # noqa: BLE001 - every failure fails the job
+            self.state = "FAILED"
+            self.job.task_failed(self, exc)
+        finally:
+            self.finished_ns = time.monotonic_ns()
+            if self.source is not None:
+                try:
+                    self.source.close()
+                except Exception:
+                    pass
+
+    def _process(self, batch: list) -> None:
+        for op in self.operators:
+            self.current_operator = op.name
+            batch = op.process_batch(batch)
+            if not batch:
+                return
+        for out in self.outputs:
+            out.emit(batch)
+
+    def _flush_if_due(self, now_ns: int) -> None:
+        if now_ns >= self._next_flush:
+            for out in self.outputs:
+                out.flush()
+            self._next_flush = now_ns + self._timeout_ns
+
+    def _run_source(self):
+        job, src, limiter = self.job, self.source, self.rate_limiter
+        self.current_operator = self.vertex.head.name
+        src.open(self.index, self.vertex.parallelism)
+        self._timeout_ns = int(job.env.buffer_timeout * 1e9)
+        self._next_flush = time.monotonic_ns() + self._timeout_ns
+        per_record = job.env.buffer_timeout == 0
+        max_batch = 1 if per_record else job.env.max_batch
+        n = 1
+        while not job.cancelled:
+            if self.mailbox:
+                self._drain_mailbox()
+            self.current_operator = self.vertex.head.name
+            batch = src.next_batch(n)
+            if batch is None:
+                break
+            if limiter is not None:
+                t0 = time.monotonic_ns()
+                limiter.acquire(len(batch))
+                self.source_idle_ns += time.monotonic_ns() - t0
+            self.records_in += len(batch)
+            self._process(batch)
+            if per_record:
+                for out in self.outputs:
+                    out.flush()
+            else:
+                self._flush_if_due(time.monotonic_ns())
+                # Grow the pull size while batches are cheap, so a lazy source
+                # (Spark's iterator) is never drained ahead of backpressure.
+                n = min(max_batch, n * 2)
+
+    def _run_input(self):
+        job, inp = self.job, self.input
+        self._timeout_ns = int(job.env.buffer_timeout * 1e9)
+        self._next_flush = time.monotonic_ns() + self._timeout_ns
+        per_record = job.env.buffer_timeout == 0
+        max_batch = job.env.max_batch
+        idle_wait = max(job.env.buffer_timeout, 0.05)
+        while not job.cancelled:
+            if self.mailbox:
+                self._drain_mailbox()
+            batch = inp.read(max_batch, 0)
+            if not batch:
+                event = inp.reader.take_event()
+                if event is not None:
+                    self._on_event(event)
+                    continue
+                if inp.finished:
+                    return
+                # about to idle: ship what is buffered first (Flink flushes too)
+                for out in self.outputs:
+                    out.flush()
+                self._next_flush = time.monotonic_ns() + self._timeout_ns
+                batch = inp.read(max_batch, idle_wait)
+                if not batch:
+                    continue
+            self.records_in += len(batch)
+            if per_record:
+                for rec in batch:
+                    self._process([rec])
+                    for out in self.outputs:
+                        out.flush()
+            else:
+                self._process(batch)
+                self._flush_if_due(time.monotonic_ns())
+
+    def _on_event(self, event):
+        """Events other than end-of-partition (barriers arrive here)."""
+        handler = self.job.event_handler
+        if handler is not None:
+            handler(self, event)
+
+    def _finish(self):
+        tail: list = []
+        for i, op in enumerate(self.operators):
+            self.current_operator = op.name
+            if tail:
+                tail = op.process_batch(tail)
+            tail = tail + op.finish()
+        if tail:
+            for out in self.outputs:
+                out.emit(tail)
+        for out in self.outputs:
+            out.end_input()
+
+    def cancel(self):
+        for out in self.outputs:
+            out.cancel()
+        if self.input is not None:
+            self.input.gate.cancel()
+        if self.rate_limiter is not None:
+            self.rate_limiter.cancel()
+
+    # ---- counters for metrics ----
+    def counters(self) -> dict:
+        inp = self.input
+        idle = self.source_idle_ns + (inp.gate.idle_ns if inp is not None else 0)
+        return {
+            "idle_ns": idle,
+            "backpressure_ns": sum(o.backpressure_ns for o in self.outputs),
+            "records_in": self.records_in,
+            "records_out": sum(o.records for o in self.outputs),
+            "bytes_in": inp.reader.bytes_in if inp is not None else 0,
+            "bytes_out": sum(o.bytes for o in self.outputs),
+            "in_pool_usage": inp.in_pool_usage if inp is not None else 0.0,
+            "out_pool_usage": max((o.pool.usage for o in self.outputs), default=0.0),
+        }
