@@ -4,8 +4,11 @@ from pyflowbuf._core.memory import Buffer, LocalBufferPool, NetworkBufferPool, N
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.serde import RecordReader, RecordWriter, stable_hash
 from pyflowbuf import errors
+from pyflowbuf.api import CollectSink, Environment, IteratorSink, KeyedStream, Stream
+from pyflowbuf.runtime.sources import RateLimiter
 
 __all__ = [
     "__version__", "Buffer", "BufferQueue", "InputGate", "LocalBufferPool", "NetworkBufferPool",
     "Notifier", "RecordReader", "RecordWriter", "errors", "stable_hash",
+    "Environment", "Stream", "KeyedStream", "CollectSink", "IteratorSink", "RateLimiter",
 ]
