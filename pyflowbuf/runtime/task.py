@@ -13,6 +13,8 @@ import time
 
 from pyflowbuf import errors
 
+_SLOW_PULL_NS = 2_000_000  # a pull that took over 2 ms waited on its source
+
 
 class Subtask(threading.Thread):
     def __init__(self, job, vertex, index: int, operators: list, outputs: list,
@@ -99,11 +101,19 @@ class Subtask(threading.Thread):
         per_record = job.env.buffer_timeout == 0
         max_batch = 1 if per_record else job.env.max_batch
         n = 1
+        slow = False
         while not job.cancelled:
             if self.mailbox:
                 self._drain_mailbox()
             self.current_operator = self.vertex.head.name
+            if slow:
+                # the source may block for a while: ship what is buffered first
+                # (Flink's OutputFlusher would, on the buffer timeout)
+                for out in self.outputs:
+                    out.flush()
+            t0 = time.monotonic_ns()
             batch = src.next_batch(n)
+            pulled_ns = time.monotonic_ns() - t0
             if batch is None:
                 break
             if limiter is not None:
@@ -115,11 +125,13 @@ class Subtask(threading.Thread):
             if per_record:
                 for out in self.outputs:
                     out.flush()
-            else:
-                self._flush_if_due(time.monotonic_ns())
-                # Grow the pull size while batches are cheap, so a lazy source
-                # (Spark's iterator) is never drained ahead of backpressure.
-                n = min(max_batch, n * 2)
+                continue
+            self._flush_if_due(time.monotonic_ns())
+            # Grow the pull while the source delivers fast; shrink it when a
+            # pull waits (a trickle, or Spark's iterator producing a batch), so
+            # neither latency nor read-ahead exceeds what backpressure allows.
+            slow = pulled_ns > _SLOW_PULL_NS
+            n = max(1, n // 2) if slow else min(max_batch, n * 2)
 
     def _run_input(self):
         job, inp = self.job, self.input
