@@ -1,0 +1,256 @@
+"""Backpressure monitoring front ends: Prometheus gauges, a live terminal
+table, and a plain-text table.
+
+All three read the snapshots that :class:`pyflowbuf.runtime.metrics.MetricsSampler`
+takes every ``metrics_interval`` seconds: ``{task_name: {busy_ms_per_s,
+idle_ms_per_s, backpressured_ms_per_s, records_in/out(_per_s), bytes_in/out(_per_s),
+in_pool_usage, out_pool_usage, level, vertex, subtask, state}}``. The sampler
+creates them when the job's Environment asks for them::
+
+    env = Environment(prometheus_port=9249)   # gauges on http://127.0.0.1:9249/metrics
+    env = Environment(live_view=True)         # a rich table refreshed on each sample
+
+Each is also a plain callable taking one snapshot, with ``close()``, so it
+can be used on its own (``job.sampler.listeners.append(LiveView("job"))``).
+Flink's levels: OK when backpressured <= 10 % of the time, LOW <= 50 %, HIGH above.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from pyflowbuf.runtime.metrics import backpressure_level
+
+__all__ = ["PrometheusExporter", "LiveView", "snapshot_table", "LEVEL_CODES", "LEVEL_STYLES"]
+
+#: Numeric value of the level gauge.
+LEVEL_CODES = {"OK": 0, "LOW": 1, "HIGH": 2}
+#: Colour of each level in the live view.
+LEVEL_STYLES = {"OK": "green", "LOW": "yellow", "HIGH": "red"}
+
+# (snapshot key, gauge suffix, help text)
+_GAUGES = (
+    ("busy_ms_per_s", "busy_ms_per_s", "Time busy (not idle, not backpressured), ms per second"),
+    ("idle_ms_per_s", "idle_ms_per_s", "Time waiting for input, ms per second"),
+    ("backpressured_ms_per_s", "backpressured_ms_per_s",
+     "Time waiting for an output buffer, ms per second"),
+    ("records_in", "records_in", "Records read since the task started"),
+    ("records_out", "records_out", "Records written since the task started"),
+    ("records_in_per_s", "records_in_per_s", "Records read per second over the last sample"),
+    ("records_out_per_s", "records_out_per_s", "Records written per second over the last sample"),
+    ("bytes_in", "bytes_in", "Bytes read from the network stack since the task started"),
+    ("bytes_out", "bytes_out", "Bytes written to the network stack since the task started"),
+    ("bytes_in_per_s", "bytes_in_per_s", "Bytes read per second over the last sample"),
+    ("bytes_out_per_s", "bytes_out_per_s", "Bytes written per second over the last sample"),
+    ("in_pool_usage", "in_pool_usage", "Input buffers queued / input capacity (0..1)"),
+    ("out_pool_usage", "out_pool_usage", "Output pool segments in use / pool cap (0..1)"),
+)
+_LABELS = ("job", "task", "vertex")
+_TIME_KEYS = ("busy_ms_per_s", "idle_ms_per_s", "backpressured_ms_per_s")
+_NAN = float("nan")
+
+
+def _is_live(m: dict) -> bool:
+    """Whether the ms/s figures mean anything: once a task has ended its
+    counters stop, and the sampler reports it as busy 1000 ms/s."""
+    return m.get("state", "RUNNING") in ("RUNNING", "CREATED")
+
+
+def _ms(m: dict, key: str) -> str:
+    return f"{m.get(key, 0):.0f}" if _is_live(m) else "-"
+
+
+def _level_of(m: dict) -> str:
+    level = m.get("level")
+    if level in LEVEL_CODES:
+        return level
+    return backpressure_level(m.get("backpressured_ms_per_s", 0.0) / 1000.0)
+
+
+class PrometheusExporter:
+    """Per-task gauges served over HTTP for Prometheus to scrape.
+
+    Off unless asked for (``Environment(prometheus_port=...)``). Binds
+    ``addr`` (127.0.0.1 by default: expose it on purpose, not by accident);
+    ``port=0`` takes a free port, read it back from :attr:`port`. Each exporter
+    has its own registry, so several jobs in one process do not collide.
+    Gauges are named ``pyflowbuf_task_<metric>`` and labelled job/task/vertex;
+    ``pyflowbuf_task_backpressure_level`` is 0 (OK), 1 (LOW) or 2 (HIGH).
+    """
+
+    def __init__(self, port: int = 9249, job_name: str = "job", *, addr: str = "127.0.0.1",
+                 registry=None, serve: bool = True):
+        import prometheus_client as pc
+
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise ValueError(f"prometheus port must be an int in 0..65535, got {port!r}")
+        self.job_name = job_name
+        self.addr = addr
+        self.registry = registry if registry is not None else pc.CollectorRegistry(auto_describe=True)
+        self._lock = threading.Lock()
+        self._gauges = {
+            key: pc.Gauge(f"pyflowbuf_task_{suffix}", doc, _LABELS, registry=self.registry)
+            for key, suffix, doc in _GAUGES
+        }
+        self._level = pc.Gauge("pyflowbuf_task_backpressure_level",
+                               "Backpressure level: 0 OK (<= 10 %), 1 LOW (<= 50 %), 2 HIGH",
+                               _LABELS, registry=self.registry)
+        self._running = pc.Gauge("pyflowbuf_task_running", "1 while the task is RUNNING, else 0",
+                                 _LABELS, registry=self.registry)
+        self._server = self._thread = None
+        self.port = None
+        if serve:
+            started = pc.start_http_server(port, addr=addr, registry=self.registry)
+            # prometheus-client >= 0.17 returns (server, thread); older ones None
+            if started is not None:
+                self._server, self._thread = started
+                self.port = self._server.server_address[1]
+            else:  # pragma: no cover - old prometheus-client
+                self.port = port
+
+    @property
+    def url(self) -> str | None:
+        return None if self.port is None else f"http://{self.addr}:{self.port}/metrics"
+
+    def __call__(self, snapshot: dict) -> None:
+        with self._lock:
+            for task, m in snapshot.items():
+                labels = (self.job_name, task, str(m.get("vertex", task)))
+                live = _is_live(m)
+                for key, gauge in self._gauges.items():
+                    value = m.get(key)
+                    if key in _TIME_KEYS and not live:
+                        value = _NAN     # an ended task is neither busy nor idle
+                    if value is not None:
+                        gauge.labels(*labels).set(float(value))
+                self._level.labels(*labels).set(LEVEL_CODES[_level_of(m)])
+                self._running.labels(*labels).set(1.0 if m.get("state") == "RUNNING" else 0.0)
+
+    def close(self) -> None:
+        """Stop serving (the gauges keep their last values)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+# ---- plain text ----
+_COLUMNS = (
+    # header, width, formatter
+    ("task", None, None),
+    ("state", 9, lambda m: str(m.get("state", ""))),
+    ("level", 5, _level_of),
+    ("busy", 6, lambda m: _ms(m, "busy_ms_per_s")),
+    ("idle", 6, lambda m: _ms(m, "idle_ms_per_s")),
+    ("backpr", 6, lambda m: _ms(m, "backpressured_ms_per_s")),
+    ("rec in/s", 10, lambda m: _si(m.get("records_in_per_s", 0))),
+    ("rec out/s", 10, lambda m: _si(m.get("records_out_per_s", 0))),
+    ("in pool", 7, lambda m: f"{100 * m.get('in_pool_usage', 0):.0f}%"),
+    ("out pool", 8, lambda m: f"{100 * m.get('out_pool_usage', 0):.0f}%"),
+)
+
+
+def _si(x: float) -> str:
+    x = float(x)
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def snapshot_table(snapshot: dict) -> str:
+    """One snapshot as a fixed-width text table (busy/idle/backpressured in ms
+    per second), one row per task."""
+    names = list(snapshot)
+    w0 = max([len("task")] + [len(n) for n in names])
+    header = ["task".ljust(w0)] + [h.rjust(w) for h, w, _ in _COLUMNS[1:]]
+    lines = ["  ".join(header)]
+    for name in names:
+        m = snapshot[name]
+        row = [name.ljust(w0)] + [f(m).rjust(w) for _, w, f in _COLUMNS[1:]]
+        lines.append("  ".join(row))
+    return "\n".join(lines)
+
+
+# ---- rich live view ----
+class LiveView:
+    """A rich table of every task, redrawn on each snapshot.
+
+    On a terminal it updates in place (rich ``Live``); when the console is
+    not a terminal (a pipe, a log file, CI) nothing is redrawn and the last
+    table is printed once at ``close()`` - or every ``print_every`` snapshots
+    if set - so logs stay readable.
+    """
+
+    def __init__(self, job_name: str = "job", *, console=None, print_every: int | None = None):
+        from rich.console import Console
+
+        self.job_name = job_name
+        if console is None:
+            console = Console()
+            if not console.is_terminal and "COLUMNS" not in os.environ:
+                console = Console(width=120)    # a log file: no need to squeeze
+        self.console = console
+        self.print_every = print_every
+        self._live = None
+        self._lock = threading.Lock()
+        self._count = 0
+        self._last = None
+        self._closed = False
+
+    def render(self, snapshot: dict):
+        """The rich Table for one snapshot."""
+        from rich import box
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(title=f"pyflowbuf job {self.job_name!r}", title_justify="left",
+                      caption="busy / idle / backpr.: ms per second", caption_justify="left",
+                      box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+        table.add_column("task", no_wrap=True, overflow="ellipsis", max_width=32)
+        table.add_column("state", no_wrap=True)
+        table.add_column("level", no_wrap=True)
+        for h in ("busy", "idle", "backpr.", "in\nrec/s", "out\nrec/s", "in\npool", "out\npool"):
+            table.add_column(h, justify="right", no_wrap=True)
+        for name, m in snapshot.items():
+            level = _level_of(m)
+            table.add_row(
+                name, str(m.get("state", "")), Text(level, style=f"bold {LEVEL_STYLES[level]}"),
+                _ms(m, "busy_ms_per_s"), _ms(m, "idle_ms_per_s"),
+                Text(_ms(m, "backpressured_ms_per_s"), style=LEVEL_STYLES[level]),
+                _si(m.get("records_in_per_s", 0)), _si(m.get("records_out_per_s", 0)),
+                f"{100 * m.get('in_pool_usage', 0):.0f}%", f"{100 * m.get('out_pool_usage', 0):.0f}%",
+            )
+        return table
+
+    def __call__(self, snapshot: dict) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            table = self.render(snapshot)
+            self._last = table
+            self._count += 1
+            if self.console.is_terminal and not self.console.is_dumb_terminal:
+                if self._live is None:
+                    from rich.live import Live
+                    self._live = Live(table, console=self.console, auto_refresh=False,
+                                      redirect_stdout=False, redirect_stderr=False)
+                    self._live.start(refresh=True)
+                else:
+                    self._live.update(table, refresh=True)
+            elif self.print_every and self._count % self.print_every == 0:
+                self.console.print(table)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._live is not None:
+                self._live.stop()          # leaves the last table on screen
+                self._live = None
+            elif self._last is not None and not (self.print_every and self._count % self.print_every == 0):
+                self.console.print(self._last)
