@@ -187,9 +187,23 @@ class InputSide:
             batch = self.decode(batch)
         return batch
 
+    def release(self):
+        """Once nothing reads this input any more: drop the reader, giving back
+        the buffers it still holds (a failed or cancelled job stops mid-buffer)."""
+        r = self.reader
+        if r is not None:
+            self._final = (r.bytes_in, r.finished)
+            self.reader = None
+
     @property
     def finished(self):
-        return self.reader.finished
+        r = self.reader      # read once: release() may run in another thread
+        return self._final[1] if r is None else r.finished
+
+    @property
+    def bytes_in(self):
+        r = self.reader
+        return self._final[0] if r is None else r.bytes_in
 
     @property
     def in_pool_usage(self):

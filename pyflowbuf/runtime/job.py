@@ -49,6 +49,7 @@ class JobExecution:
         num_segments = env.num_segments or max(total + 16, 64)
         self.network_pool = net = NetworkBufferPool(num_segments, env.segment_size)
 
+        self._queues = []  # every BufferQueue, to give back what is left in them
         inputs = {}      # (vertex id, subtask) -> InputSide
         outputs = {}     # (vertex id, subtask) -> [OutputSide]
         for e in self.edges:
@@ -56,6 +57,7 @@ class JobExecution:
             kind = EdgeKind(e.kind, producers=up.parallelism)
             queues = [[BufferQueue(net) if (not e.pointwise or i == j) else None
                        for j in range(down.parallelism)] for i in range(up.parallelism)]
+            self._queues += [q for row in queues for q in row if q is not None]
             pools = []
             for i in range(up.parallelism):
                 mine = [q for q in queues[i] if q is not None]
@@ -97,14 +99,47 @@ class JobExecution:
         for t in self.tasks:
             t.start()
         self.sampler.start()
-        threading.Thread(target=self._watch, name="pyflowbuf: job watcher", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="pyflowbuf: job watcher", daemon=True)
+        self._watcher.start()
         return self
 
     def _watch(self):
         for t in self.tasks:
             t.join()
         self.ended = time.monotonic()
-        self._done.set()
+        try:
+            self._release_buffers()
+        finally:
+            self._done.set()
+
+    def _release_buffers(self, iterator_side=False):
+        """After the tasks ended, give every segment still in flight back to its
+        pool: partly filled output buffers, queued buffers and the buffers
+        readers hold (a failed or cancelled job stops with data in flight).
+        The iterator input is read by the caller's thread, which releases it
+        (``iterator_side=True``) when it stops reading."""
+        it = self.iterator_input
+        it_queues = set() if it is None else {id(q) for q in it.gate.channels}
+        if iterator_side:
+            queues, readers = [q for q in self._queues if id(q) in it_queues], [it]
+        else:
+            for t in self.tasks:
+                for out in t.outputs:
+                    try:
+                        out.flush()       # ships a partial buffer into its queue
+                    except Exception:
+                        pass
+            queues = [q for q in self._queues if id(q) not in it_queues]
+            readers = [t.input for t in self.tasks if t.input is not None]
+        for inp in readers:
+            inp.release()
+        for q in queues:
+            while True:
+                item = q.pop_buffer()
+                if item is None:
+                    break
+                if not isinstance(item, tuple):   # a Buffer (events are tuples)
+                    item.release()
 
     def task_failed(self, task, exc):
         with self._lock:
@@ -112,6 +147,9 @@ class JobExecution:
             if first:
                 tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
                 self.failure = (task.task_name, task.current_operator, exc, tb)
+        # The frames of the traceback hold the batch that was in flight, and
+        # its zero-copy records pin their segments: keep the text, drop locals.
+        traceback.clear_frames(exc.__traceback__)
         if first:
             self.cancel()
 
@@ -143,6 +181,10 @@ class JobExecution:
     def _close(self):
         if self.sampler is not None:
             self.sampler.stop()
+        # once every task ended, leave no pyflowbuf thread behind the caller
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None and self._done.is_set() and watcher is not threading.current_thread():
+            watcher.join()
 
     def raise_if_failed(self):
         if self.failure is not None:
@@ -161,7 +203,12 @@ class JobExecution:
         inp = self.iterator_input
         try:
             while True:
-                batch = inp.read(self.env.max_batch, 0.1)
+                try:
+                    batch = inp.read(self.env.max_batch, 0.1)
+                except errors.CancelledError:
+                    if self.failure is None and not self.cancelled:
+                        raise
+                    break       # a task failed (raised below) or the job was cancelled
                 if batch:
                     yield from batch
                     continue
@@ -177,6 +224,8 @@ class JobExecution:
             if not self._done.is_set():
                 self.cancel()
                 self._done.wait(CANCEL_GRACE_S)
+            if self._done.is_set():
+                self._release_buffers(iterator_side=True)
             self._close()
 
     # ---- inspection ----

@@ -104,7 +104,11 @@ class MetricsSampler(threading.Thread):
         if self._stop_event.is_set():
             return
         self._stop_event.set()
-        self._sample()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join()
+        # a final sample over a sliver of time gives noisy per-second rates
+        if time.monotonic_ns() - self._prev_t >= self.interval * 0.25e9 or not self._latest:
+            self._sample()
         for listener in self.listeners:
             close = getattr(listener, "close", None)
             if close:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 
 class Operator:
     """One step of a chain. ``name`` shows in metrics and errors."""
@@ -76,10 +78,10 @@ class MapBatch(Operator):
         self.per_record = per_record
 
     def process_batch(self, batch):
+        # A rows stream's batch is a list of array chunks, an arrow/pandas
+        # stream's a list of RecordBatches/DataFrames: fn sees each one.
         fn = self.fn
-        if self.per_record:
-            return [fn(b) for b in batch]
-        return [fn(batch)]
+        return [fn(b) for b in batch]
 
 
 class KeyedReduce(Operator):
@@ -153,8 +155,39 @@ class CollectSink(Operator):
         self.out = self.target[subtask] = []
 
     def process_batch(self, batch):
-        self.out.extend(batch)
+        if batch and type(batch[0]) in _PLAIN:
+            self.out.extend(batch)
+        else:
+            # Records read zero-copy (memoryviews of large bytes records, NumPy
+            # views of rows) hold their segment: keeping them would pin the
+            # producer's pool until it runs dry, so the result keeps copies.
+            self.out.extend(map(_detach, batch))
         return []
+
+
+_PLAIN = (int, float, str)
+
+
+def _detach(x):
+    t = type(x)
+    if t is memoryview:
+        return x.tobytes()
+    if t is np.ndarray and x.base is not None:
+        return x.copy()
+    if t.__module__.startswith("pyarrow") and hasattr(x, "schema"):
+        return _copy_arrow(x)
+    return x
+
+
+def _copy_arrow(x):
+    """A RecordBatch/Table whose buffers are the Arrow library's own (one copy)."""
+    import pyarrow as pa
+
+    out = pa.BufferOutputStream()
+    with pa.ipc.new_stream(out, x.schema) as w:
+        w.write(x)
+    reader = pa.ipc.open_stream(out.getvalue())
+    return reader.read_next_batch() if isinstance(x, pa.RecordBatch) else reader.read_all()
 
 
 class FunctionSink(Operator):

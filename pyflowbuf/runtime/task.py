@@ -66,8 +66,11 @@ class Subtask(threading.Thread):
             if not self.job.cancelled:
                 self._finish()
                 self.state = "FINISHED"
+            else:
+                self.state = "CANCELED"
         except BaseException as exc:  # noqa: BLE001 - every failure fails the job
-            self.state = "FAILED"
+            cancelled = self.job.cancelled and isinstance(exc, errors.CancelledError)
+            self.state = "CANCELED" if cancelled else "FAILED"
             self.job.task_failed(self, exc)
         finally:
             self.finished_ns = time.monotonic_ns()
@@ -199,12 +202,15 @@ class Subtask(threading.Thread):
     def counters(self) -> dict:
         inp = self.input
         idle = self.source_idle_ns + (inp.gate.idle_ns if inp is not None else 0)
+        if self.finished_ns:
+            # a task that has ended is idle from then on, not busy
+            idle += time.monotonic_ns() - self.finished_ns
         return {
             "idle_ns": idle,
             "backpressure_ns": sum(o.backpressure_ns for o in self.outputs),
             "records_in": self.records_in,
             "records_out": sum(o.records for o in self.outputs),
-            "bytes_in": inp.reader.bytes_in if inp is not None else 0,
+            "bytes_in": inp.bytes_in if inp is not None else 0,
             "bytes_out": sum(o.bytes for o in self.outputs),
             "in_pool_usage": inp.in_pool_usage if inp is not None else 0.0,
             "out_pool_usage": max((o.pool.usage for o in self.outputs), default=0.0),
