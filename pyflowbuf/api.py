@@ -59,6 +59,12 @@ class Environment:
             _positive_int("output_buffers max", hi)
             if not 0 <= lo <= hi:
                 raise ValueError(f"output_buffers must be (min, max) with 0 <= min <= max, got {output_buffers!r}")
+        _positive_int("segment_size", segment_size)
+        if segment_size & (segment_size - 1) or not 256 <= segment_size <= 1 << 20:
+            raise ValueError(f"segment_size must be a power of two between 256 and 1048576, got {segment_size}")
+        _positive_int("max_record_size", max_record_size)
+        if max_record_size >= 1 << 32:
+            raise ValueError(f"max_record_size must be < 2**32, got {max_record_size}")
         if not metrics_interval > 0:
             raise ValueError(f"metrics_interval must be > 0, got {metrics_interval!r}")
         self.parallelism = parallelism
