@@ -39,6 +39,13 @@ class Environment:
         (subpartitions + 1, 2 * subpartitions + 8).
     max_batch : records a task moves per crossing into the core.
     metrics_interval : seconds between metric samples.
+    workers : run subtasks in this many worker processes (subtask i of each
+        operator on worker i % workers), connected by the TCP exchange with
+        credit-based flow control; None runs everything in this process.
+    allow_pickle : let streams of pickled Python objects cross processes
+        (unpickling runs code the sender chose; only for trusted workers).
+    bind_host : interface the workers' exchange listens on (loopback by default).
+    credit_based : False uses the pre-credit mode (TCP window only), to compare.
     """
 
     def __init__(self, parallelism: int = 1, *, segment_size: int = 32 * 1024,
@@ -47,7 +54,8 @@ class Environment:
                  max_batch: int = 1024, max_record_size: int = 64 * 1024 * 1024,
                  metrics_interval: float = 1.0, name: str = "job",
                  metrics_log: str | os.PathLike | None = None, prometheus_port: int | None = None,
-                 live_view: bool = False):
+                 live_view: bool = False, workers: int | None = None, allow_pickle: bool = False,
+                 bind_host: str = "127.0.0.1", credit_based: bool = True):
         _positive_int("parallelism", parallelism)
         _positive_int("max_batch", max_batch)
         if num_segments is not None:
@@ -65,6 +73,8 @@ class Environment:
         _positive_int("max_record_size", max_record_size)
         if max_record_size >= 1 << 32:
             raise ValueError(f"max_record_size must be < 2**32, got {max_record_size}")
+        if workers is not None:
+            _positive_int("workers", workers)
         if not metrics_interval > 0:
             raise ValueError(f"metrics_interval must be > 0, got {metrics_interval!r}")
         self.parallelism = parallelism
@@ -80,6 +90,10 @@ class Environment:
         self.prometheus_port = prometheus_port
         self.live_view = live_view
         self.name = name
+        self.workers = workers
+        self.allow_pickle = allow_pickle
+        self.bind_host = bind_host
+        self.credit_based = credit_based
         self.nodes: list[Node] = []
         self.last_execution = None
 

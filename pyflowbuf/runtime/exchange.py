@@ -7,18 +7,39 @@ import threading
 
 import numpy as np
 
+from pyflowbuf import errors
+from pyflowbuf._core.channel import USER_EVENT
 from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf.serializers import CoreSerializer, get_serializer, infer_kind
 
 
-class EdgeKind:
-    """The record kind of one edge, fixed by the graph or by the first record a
-    producer emits (set once, shared by all producers and consumers)."""
+# Event carrying an inferred record kind, sent by a producer on all its
+# subpartitions before its first data buffer, so consumers in this or another
+# process decode with the right serializer. The kind's name (<= 8 ASCII bytes)
+# travels in the event's int64 payload.
+EVT_KIND = USER_EVENT + 1
 
-    def __init__(self, kind, producers: int = 1):
+
+def kind_code(name: str) -> int:
+    raw = name.encode("ascii")
+    if len(raw) > 8:
+        raise ValueError(f"kind name {name!r} is longer than 8 bytes")
+    return int.from_bytes(raw.ljust(8, b"\0"), "little", signed=True)
+
+
+def kind_name(code: int) -> str:
+    return code.to_bytes(8, "little", signed=True).rstrip(b"\0").decode("ascii")
+
+
+class EdgeKind:
+    """The record kind of one edge: fixed by the graph (``fixed``), or inferred
+    from the first record a producer emits (set once, shared by the producers
+    in this process; consumers learn it from the EVT_KIND event)."""
+
+    def __init__(self, kind):
         self._lock = threading.Lock()
+        self.fixed = kind is not None
         self.value = None if kind is None else self._resolve(kind)
-        self._open_producers = producers
 
     @staticmethod
     def _resolve(kind):
@@ -32,13 +53,6 @@ class EdgeKind:
                 if self.value is None:
                     self.value = self._resolve(infer_kind(record))
         return self.value
-
-    def producer_ended_empty(self):
-        """A producer ended without writing; once all have, any kind will do."""
-        with self._lock:
-            self._open_producers -= 1
-            if self._open_producers <= 0 and self.value is None:
-                self.value = CoreSerializer("bytes")
 
     @property
     def is_rows(self):
@@ -68,6 +82,8 @@ class OutputSide:
         self.dtype = kind if isinstance(kind, np.dtype) else None
         if self.dtype is not None and self.partitioner == "hash":
             raise ValueError("key_by on a rows (NumPy) stream is not supported; map rows to records first")
+        if not self.kind.fixed:
+            self.writer.broadcast_event(EVT_KIND, kind_code(kind.name))
 
     def emit(self, batch: list) -> None:
         w = self.writer
@@ -115,7 +131,6 @@ class OutputSide:
     def end_input(self):
         if self.writer is None:
             # nothing was written: still tell every consumer this partition is done
-            self.kind.producer_ended_empty()
             RecordWriter(self.pool, self.queues).end_input()
             return
         self.writer.end_input()
@@ -139,53 +154,75 @@ class OutputSide:
 
 
 class InputSide:
-    """An InputGate and its RecordReader for one subtask."""
+    """An InputGate and its RecordReader for one subtask.
 
-    def __init__(self, gate, kind: EdgeKind, max_record_size, producer_pools):
+    The reader starts undecided unless the graph fixed the kind: the first
+    thing each producer sends is EVT_KIND (or end-of-partition), never data,
+    so nothing is decoded before the kind is known."""
+
+    def __init__(self, gate, kind: EdgeKind, max_record_size, producer_pools,
+                 remote_channels=(), allow_pickle=False):
         self.gate = gate
-        self.kind = kind
         self.producer_pools = producer_pools
+        self.remote_channels = tuple(remote_channels)
+        self.allow_pickle = allow_pickle
         self.reader = RecordReader(gate, max_record_size=max_record_size)
-        self._configured = False
+        self.kind = None
         self.decode = None
         self.dtype = None
+        self._event = None
+        if kind.fixed:
+            self._configure(kind.value)
 
-    def _configure(self):
-        kind = self.kind.value
-        if kind is None:
-            return False
+    def _configure(self, kind):
+        if self.kind is not None:
+            if kind.name != self.kind.name:
+                raise TypeError(
+                    f"producers of one stream inferred different record kinds ({self.kind.name} and "
+                    f"{kind.name}); give the operator an explicit kind=")
+            return
+        if self.remote_channels and getattr(kind, "in_process_only", False) and not self.allow_pickle:
+            raise errors.FlowBufError(
+                f"a {kind.name!r} stream would unpickle bytes received from another process; give the "
+                "operator a kind= that crosses processes (int64, float64, str, bytes, arrow, pandas, "
+                "numpy) or pass Environment(allow_pickle=True) if every worker is trusted")
+        self.kind = kind
         if isinstance(kind, np.dtype):
             self.dtype = kind
-        else:
-            self.reader.set_kind(kind.core_kind)
-            if type(kind) is not CoreSerializer:
-                self.decode = kind.decode_batch
-                if kind.zero_copy_min == 0:
-                    # must be set before the first record: rebuild the reader
-                    self.reader = RecordReader(self.gate, kind=kind.core_kind, zero_copy_min=0,
-                                               max_record_size=self.reader.max_record_size)
-        self._configured = True
-        return True
+            return
+        if type(kind) is not CoreSerializer:
+            self.decode = kind.decode_batch
+            if kind.zero_copy_min != self.reader.zero_copy_min:
+                # nothing has been decoded yet, so a fresh reader loses nothing
+                self.reader = RecordReader(self.gate, kind=kind.core_kind, zero_copy_min=kind.zero_copy_min,
+                                           max_record_size=self.reader.max_record_size)
+                return
+        self.reader.set_kind(kind.core_kind)
 
     def read(self, max_records, timeout):
-        """A batch of records ([] on timeout/event/end)."""
-        if not self._configured and not self._configure():
-            # No producer has fixed the kind yet, so nothing can be decoded: park
-            # until a producer pushes (it fixes the kind before its first write).
-            n = self.gate.notifier
-            token = n.prepare()
-            if self._configure():
-                n.cancel()
+        """A batch of records ([] on timeout, at an event, at the end)."""
+        while True:
+            if self.dtype is not None:
+                arr = self.reader.read_array(self.dtype, timeout=timeout)
+                if arr is not None:
+                    return [arr]
             else:
-                n.wait(token, 0.05 if timeout is None else min(timeout, 0.05))
+                batch = self.reader.read_batch(max_records, timeout=timeout)
+                if batch:
+                    return self.decode(batch) if self.decode is not None else batch
+            event = self.reader.take_event()
+            if event is None:
                 return []
-        if self.dtype is not None:
-            arr = self.reader.read_array(self.dtype, timeout=timeout)
-            return [] if arr is None else [arr]
-        batch = self.reader.read_batch(max_records, timeout=timeout)
-        if self.decode is not None and batch:
-            batch = self.decode(batch)
-        return batch
+            if event[1] != EVT_KIND:
+                self._event = event
+                return []
+            self._configure(get_serializer(kind_name(event[2])))
+            timeout = 0
+
+    def take_event(self):
+        """The event that ended the last read, as (channel, kind, aux, flags)."""
+        ev, self._event = self._event, None
+        return ev
 
     def release(self):
         """Once nothing reads this input any more: drop the reader, giving back

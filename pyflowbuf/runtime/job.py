@@ -20,9 +20,17 @@ CANCEL_GRACE_S = 10.0
 
 
 class JobExecution:
-    def __init__(self, env):
+    """One process's share of a job. Without ``placement`` every subtask runs
+    here (threads); with it, only the subtasks placed on worker ``me`` do, and
+    exchanges with subtasks elsewhere go through ``remote`` (a
+    ``pyflowbuf.runtime.cluster.RemoteContext``)."""
+
+    def __init__(self, env, placement=None, me=0, remote=None):
         self.env = env
         self.vertices, self.edges = env.plan()
+        self.placement = placement or (lambda vertex, subtask: 0)
+        self.me = me
+        self.remote = remote
         self.cancelled = False
         self.failure = None            # (task name, operator name, exception, formatted traceback)
         self.event_handler = None
@@ -32,6 +40,7 @@ class JobExecution:
         self.started = self.ended = None
         self.iterator_input = None
         self.sampler = None
+        self._exported = set()         # ids of queues a remote consumer drains
 
     # ---- building ----
     def _output_pool_size(self, nsub: int):
@@ -39,49 +48,89 @@ class JobExecution:
             return self.env.output_buffers
         return nsub + 1, 2 * nsub + 8
 
-    def _build(self):
-        env = self.env
-        outs_by_edge = {}
+    def _here(self, vertex, subtask):
+        return self.placement(vertex, subtask) == self.me
+
+    def _segments_needed(self):
+        """Every local output pool at its cap plus the exclusive and floating
+        buffers of remote input channels: memory is bounded by construction
+        and no pool ever waits on another pool's share."""
         total = 0
         for e in self.edges:
-            nsub = 1 if e.pointwise else e.target.parallelism
-            total += e.source.parallelism * self._output_pool_size(nsub)[1]
-        num_segments = env.num_segments or max(total + 16, 64)
-        self.network_pool = net = NetworkBufferPool(num_segments, env.segment_size)
+            up, down = e.source, e.target
+            nsub = 1 if e.pointwise else down.parallelism
+            total += sum(self._here(up, i) for i in range(up.parallelism)) * self._output_pool_size(nsub)[1]
+            if self.remote is not None:
+                for j in range(down.parallelism):
+                    if self._here(down, j):
+                        n = sum(not self._here(up, i) for i in range(up.parallelism)
+                                if not e.pointwise or i == j)
+                        if n:
+                            total += n * self.remote.exclusive_buffers + self.remote.floating_buffers
+        return total
 
+    def _build(self):
+        env = self.env
+        num_segments = env.num_segments or max(self._segments_needed() + 16, 64)
+        self.network_pool = net = NetworkBufferPool(num_segments, env.segment_size)
         self._queues = []  # every BufferQueue, to give back what is left in them
         inputs = {}      # (vertex id, subtask) -> InputSide
         outputs = {}     # (vertex id, subtask) -> [OutputSide]
-        for e in self.edges:
+        here = self._here
+        for k, e in enumerate(self.edges):
             up, down = e.source, e.target
-            kind = EdgeKind(e.kind, producers=up.parallelism)
-            queues = [[BufferQueue(net) if (not e.pointwise or i == j) else None
-                       for j in range(down.parallelism)] for i in range(up.parallelism)]
-            self._queues += [q for row in queues for q in row if q is not None]
-            pools = []
+            kind = EdgeKind(e.kind)
+            # A kind fixed by the graph is checked on both ends of a remote
+            # channel; an inferred one travels in-band (EVT_KIND) as bytes.
+            wire_kind = kind.value.core_kind if kind.fixed and not kind.is_rows else "bytes"
+            needed = [(i, j) for i in range(up.parallelism) for j in range(down.parallelism)
+                      if not e.pointwise or i == j]
+            queues = {}
+            for i, j in needed:
+                if here(up, i) or here(down, j):
+                    q = queues[i, j] = BufferQueue(net)
+                    self._queues.append(q)
+                    if not here(down, j):
+                        self.remote.export(f"{k}/{i}", j, q, wire_kind, self._remote_failed)
+                        self._exported.add(id(q))
+            pools = {}
             for i in range(up.parallelism):
-                mine = [q for q in queues[i] if q is not None]
+                if not here(up, i):
+                    continue
+                mine = [queues[i, j] for (a, j) in needed if a == i]
                 lo, hi = self._output_pool_size(len(mine))
-                pool = net.create_pool(lo, hi)
-                pools.append(pool)
+                pools[i] = pool = net.create_pool(lo, hi)
                 outputs.setdefault((up.id, i), []).append(
                     OutputSide(pool, mine, e.partitioner, e.key_fn, kind, env.max_record_size))
             for j in range(down.parallelism):
-                chans = [queues[i][j] for i in range(up.parallelism) if queues[i][j] is not None]
-                producer_pools = [pools[i] for i in range(up.parallelism) if queues[i][j] is not None]
-                gate = InputGate(chans, Notifier())
+                if not here(down, j):
+                    continue
                 if (down.id, j) in inputs:
                     raise ValueError(f"{down.name!r} has two inputs; union/join are not supported yet")
-                inputs[(down.id, j)] = InputSide(gate, kind, env.max_record_size, producer_pools)
-            outs_by_edge[id(e)] = kind
+                producers = [i for (i, b) in needed if b == j]
+                chans = [queues[i, j] for i in producers]
+                remote_from = [i for i in producers if not here(up, i)]
+                gate = InputGate(chans, Notifier())
+                remote_channels = []
+                if remote_from:
+                    remote_channels = self.remote.connect(
+                        net, gate, [(self.placement(up, i), f"{k}/{i}", j, queues[i, j]) for i in remote_from],
+                        wire_kind, self._remote_failed)
+                inputs[(down.id, j)] = InputSide(
+                    gate, kind, env.max_record_size, [pools[i] for i in producers if i in pools],
+                    remote_channels=remote_channels, allow_pickle=env.allow_pickle)
 
         for v in self.vertices:
-            if v.is_iterator:
-                self.iterator_input = inputs[(v.id, 0)]
-                continue
             for i in range(v.parallelism):
+                if not here(v, i):
+                    continue
+                if v.is_iterator:
+                    self.iterator_input = inputs[(v.id, 0)]
+                    continue
                 head = v.head
                 ops = [n.make_operator() for n in v.nodes if n.make_operator is not None]
+                for n, op in zip([n for n in v.nodes if n.make_operator is not None], ops):
+                    op.node_id = n.id
                 source = head.source() if head.source is not None else None
                 limiter = None
                 if head.rate_limit is not None:
@@ -90,6 +139,17 @@ class JobExecution:
                 self.tasks.append(Subtask(self, v, i, ops, outputs.get((v.id, i), []),
                                           source=source, input_side=inputs.get((v.id, i)),
                                           rate_limiter=limiter))
+
+    def _remote_failed(self, exc):
+        """A remote channel or export failed (peer died, protocol error, the
+        consumer went away before the end): the job fails."""
+        with self._lock:
+            first = self.failure is None and not self.cancelled
+            if first:
+                tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                self.failure = (f"worker {self.me}", "remote exchange", exc, tb)
+        if first:
+            self.cancel()
 
     # ---- running ----
     def start(self):
@@ -129,7 +189,8 @@ class JobExecution:
                         out.flush()       # ships a partial buffer into its queue
                     except Exception:
                         pass
-            queues = [q for q in self._queues if id(q) not in it_queues]
+            # exported queues are drained by the network sender, not here
+            queues = [q for q in self._queues if id(q) not in it_queues and id(q) not in self._exported]
             readers = [t.input for t in self.tasks if t.input is not None]
         for inp in readers:
             inp.release()
@@ -212,7 +273,7 @@ class JobExecution:
                 if batch:
                     yield from batch
                     continue
-                if inp.reader.take_event() is not None:
+                if inp.take_event() is not None:
                     continue
                 if self.failure is not None:
                     break

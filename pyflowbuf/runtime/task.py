@@ -148,7 +148,7 @@ class Subtask(threading.Thread):
                 self._drain_mailbox()
             batch = inp.read(max_batch, 0)
             if not batch:
-                event = inp.reader.take_event()
+                event = inp.take_event()
                 if event is not None:
                     self._on_event(event)
                     continue
