@@ -155,17 +155,15 @@ class Environment:
 
     def execute(self, timeout: float | None = None):
         """Run the job to completion; raises JobFailedError if any task fails."""
-        from pyflowbuf.runtime.job import JobExecution
         if any(n.is_iterator for n in self.nodes):
             raise ValueError("this job has a to_iterator() sink: run it with execute_iter()")
-        job = JobExecution(self)
+        job = self._execution()
         self.last_execution = job
         return job.run(timeout)
 
     def execute_async(self):
         """Start the job and return its JobExecution (``join``, ``cancel``, ``metrics``)."""
-        from pyflowbuf.runtime.job import JobExecution
-        job = JobExecution(self)
+        job = self._execution()
         self.last_execution = job
         job.start()
         return job
@@ -173,12 +171,18 @@ class Environment:
     def execute_iter(self, sink: "IteratorSink"):
         """Run the job and yield the records that reach ``sink`` in this thread.
         Closing the generator cancels the job."""
-        from pyflowbuf.runtime.job import JobExecution
         if not isinstance(sink, IteratorSink):
             raise TypeError("execute_iter takes the handle returned by Stream.to_iterator()")
-        job = JobExecution(self)
+        job = self._execution()
         self.last_execution = job
         return job.iterate(sink.node)
+
+    def _execution(self):
+        if self.workers:
+            from pyflowbuf.runtime.cluster import ClusterExecution
+            return ClusterExecution(self)
+        from pyflowbuf.runtime.job import JobExecution
+        return JobExecution(self)
 
     def metrics(self) -> dict:
         """The latest per-task metrics of the running or last job."""
@@ -251,7 +255,8 @@ class Stream:
     # ---- sinks ----
     def collect(self, *, parallelism: int | None = None, name: str = "collect") -> "CollectSink":
         handle = CollectSink()
-        self._then(name, lambda: ops.CollectSink(name, handle._parts), parallelism, None, sink=True)
+        node = self._then(name, lambda: ops.CollectSink(name, handle._parts), parallelism, None, sink=True)
+        node.collect_parts = handle._parts
         return handle
 
     def sink(self, fn: Callable, *, batched: bool = False, parallelism: int | None = None,

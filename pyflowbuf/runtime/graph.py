@@ -22,6 +22,7 @@ class Node:
     is_sink: bool = False
     is_iterator: bool = False                        # records go back to the caller
     rate_limit: Any = None
+    collect_parts: dict | None = None                # a collect() sink's results, by subtask
     consumers: list = field(default_factory=list)
 
 
