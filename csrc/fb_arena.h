@@ -99,7 +99,12 @@ static inline int fb_arena_take_tokens(fb_arena *a, int64_t n) {
 
 static inline void fb_arena_give_tokens(fb_arena *a, int64_t n) { fb_fetch_add(&a->unreserved, n); }
 
-static inline uint64_t fb_arena_available(fb_arena *a) { return fb_mpmc_size(&a->free_list); }
+/* A snapshot: under concurrent pops and pushes the two queue positions are read
+ * at different moments, so clamp to what can be true. */
+static inline uint64_t fb_arena_available(fb_arena *a) {
+    uint64_t n = fb_mpmc_size(&a->free_list);
+    return n < a->num_segments ? n : a->num_segments;
+}
 
 static inline int fb_pool_create(fb_arena *a, uint32_t min, uint32_t max, fb_pool **out) {
     if (min > max || max == 0) return FB_E_INVALID;
@@ -153,16 +158,17 @@ static inline int fb_pool_request(fb_pool *p, uint32_t *seg) {
 static inline int fb_pool_recycle(fb_pool *p, uint32_t seg) {
     fb_arena *a = p->arena;
     FB_ASSERT(seg < a->num_segments);
-    int rc = fb_mpmc_push(&a->free_list, seg);
-    FB_ASSERT(rc == FB_OK);
-    (void)rc;
+    /* The list can hold every segment, so "full" only means a popper has
+     * claimed the cell one lap back and not yet released it (Vyukov's queue
+     * reports that as full): wait the few instructions, never drop the segment. */
+    while (fb_mpmc_push(&a->free_list, seg) != FB_OK) fb_cpu_relax();
     fb_store_relaxed(&p->recycled, fb_load_relaxed(&p->recycled) + 1);
     uint64_t s = fb_load_acquire(&p->state);
     while (!fb_cas(&p->state, &s, s - 1)) {
     }
     uint32_t inuse = FB_POOL_INUSE(s) - 1;
     if (inuse >= FB_POOL_MIN(s)) fb_arena_give_tokens(a, 1);
-    fb_event *l = p->listener;
+    fb_event *l = __atomic_load_n(&p->listener, __ATOMIC_ACQUIRE);
     if (FB_POOL_DESTROYED(s) && inuse == 0) {
         /* notify first: freeing the pool may drop the arena's last reference */
         fb_event_notify(&a->available);
@@ -212,6 +218,9 @@ static inline int fb_pool_destroy(fb_pool *p) {
     fb_arena *a = p->arena;
     uint64_t s = fb_load_acquire(&p->state);
     uint32_t inuse, mn;
+    /* The owner's notifier may be freed once the pool object is gone; segments
+     * still out must not notify it when they come back. */
+    __atomic_store_n(&p->listener, (fb_event *)NULL, __ATOMIC_RELEASE);
     for (;;) {
         if (FB_POOL_DESTROYED(s)) return 0;
         inuse = FB_POOL_INUSE(s);

@@ -29,7 +29,7 @@ cdef class BufferQueue:
     """Finished buffers of one subpartition, in order, plus a priority lane
     that events (checkpoint barriers) use to overtake queued data."""
 
-    def __cinit__(self, NetworkBufferPool network_pool, capacity=None):
+    def __cinit__(self, NetworkBufferPool network_pool not None, capacity=None):
         if capacity is None:
             capacity = network_pool.total_segments + 64
         if capacity < 2:
@@ -45,7 +45,8 @@ cdef class BufferQueue:
             return
         cdef fb_bufdesc d
         while fb_ring_pop(&self.prio, &d) == FB_OK:
-            pass
+            if d.pool is not NULL:  # a priority lane can hold data buffers too
+                fb_pool_recycle(d.pool, d.seg)
         while fb_ring_pop(&self.ring, &d) == FB_OK:
             if d.pool is not NULL:
                 fb_pool_recycle(d.pool, d.seg)
@@ -98,13 +99,15 @@ cdef class BufferQueue:
             rc = self.push(&d, priority)
         check(rc, "push_event")
 
-    def push_buffer(self, Buffer buf, bint priority=False):
+    def push_buffer(self, Buffer buf not None, bint priority=False):
         """Hand a finished Buffer to the consumer (ownership moves with it)."""
         if buf._state != 0:
             from pyflowbuf.errors import BufferRecycledError
             raise BufferRecycledError("cannot enqueue a released buffer")
         if buf._exports:
             raise BufferError("cannot enqueue a buffer with live views")
+        if buf._arena_owner is not self.network_pool:
+            raise ValueError("the buffer belongs to another NetworkBufferPool than this queue")
         cdef fb_bufdesc d = buf.d
         cdef int rc
         with nogil:

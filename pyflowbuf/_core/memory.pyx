@@ -272,9 +272,12 @@ cdef class LocalBufferPool:
         _check_count("max_size", new_max, 1)
         if new_min > new_max:
             raise ValueError(f"min_size ({new_min}) must be <= max_size ({new_max})")
+        old_max = self.p.max
         if new_max >= FB_POOL_MIN(s):
             fb_pool_set_max(self.p, new_max)
             rc = fb_pool_set_min(self.p, new_min)
+            if rc != FB_OK:
+                fb_pool_set_max(self.p, old_max)  # a failed resize changes nothing
         else:
             rc = fb_pool_set_min(self.p, new_min)
             if rc == FB_OK:
@@ -376,6 +379,8 @@ cdef class Buffer:
     cdef int release_or_defer(self) except -1:
         if self._state == 1:
             raise _errors.BufferRecycledError("buffer already recycled")
+        if self._state == 2:
+            raise _errors.BufferRecycledError("buffer already released (double release)")
         if self._exports > 0:
             self._state = 2
             return 0
@@ -576,7 +581,7 @@ cdef class _FullView:
         pass
 
 
-def _bench_pool_ops(LocalBufferPool pool, Py_ssize_t n):
+def _bench_pool_ops(LocalBufferPool pool not None, Py_ssize_t n):
     """request+recycle ``n`` times in a nogil C loop; returns seconds taken.
     Benchmarks only (benchmarks/bench_core.py)."""
     pool._alive()

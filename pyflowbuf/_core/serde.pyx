@@ -75,6 +75,15 @@ cdef inline uint64_t _stable_hash(object key) except? 0:
     return fb_mix64(<uint64_t>hash(key))
 
 
+cdef int64_t _timeout_ns(object timeout, str name="timeout") except? -2:
+    """None: no limit (-1); otherwise seconds >= 0 as nanoseconds."""
+    if timeout is None:
+        return -1
+    if not timeout >= 0:
+        raise ValueError(f"{name} must be >= 0 or None, got {timeout!r}")
+    return <int64_t>(timeout * 1e9)
+
+
 def stable_hash(key):
     """The process-independent hash used for key partitioning."""
     return _stable_hash(key)
@@ -92,7 +101,7 @@ cdef class RecordWriter:
     ``backpressure_ns``.
     """
 
-    def __cinit__(self, LocalBufferPool pool, queues, kind="bytes",
+    def __cinit__(self, LocalBufferPool pool not None, queues, kind="bytes",
                   max_record_size=DEFAULT_MAX_RECORD_SIZE, request_timeout=None):
         queues = list(queues)
         if not queues:
@@ -100,6 +109,8 @@ cdef class RecordWriter:
         for q in queues:
             if not isinstance(q, BufferQueue):
                 raise TypeError(f"queues must be BufferQueues, got {type(q).__name__}")
+            if (<BufferQueue>q).network_pool is not pool.network_pool:
+                raise ValueError("queues must belong to the pool's NetworkBufferPool")
         if not isinstance(max_record_size, int) or not 0 < max_record_size < (1 << 32):
             raise ValueError(f"max_record_size must be in 1..2**32-1, got {max_record_size!r}")
         self.kind = _kind_code(kind)
@@ -111,7 +122,7 @@ cdef class RecordWriter:
         self.queues = queues
         self.num_channels = len(queues)
         self.max_record_size = max_record_size
-        self.request_timeout_ns = -1 if request_timeout is None else <int64_t>(request_timeout * 1e9)
+        self.request_timeout_ns = _timeout_ns(request_timeout, "request_timeout")
         self.builders = <Builder *>PyMem_Calloc(self.num_channels, sizeof(Builder))
         if self.builders is NULL:
             raise MemoryError()
@@ -126,9 +137,12 @@ cdef class RecordWriter:
 
     cdef int _new_segment(self, int ch, uint16_t type, uint32_t width) except -1:
         cdef uint32_t seg
-        cdef int rc = fb_pool_request(self.p, &seg)
+        cdef int rc
         cdef int64_t t0
         cdef LocalBufferPool pool = self.pool
+        if pool.p is NULL:  # destroyed: self.p may already be freed
+            raise _errors.PoolDestroyedError("the writer's LocalBufferPool was destroyed")
+        rc = fb_pool_request(self.p, &seg)
         if rc == FB_E_UNAVAILABLE:
             t0 = fb_monotonic_ns()
             with nogil:
@@ -324,8 +338,15 @@ cdef class RecordWriter:
                         self._write_obj(j, rec)
                 else:
                     self._write_obj(ch, rec)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise type(exc)(f"record {i} of the batch ({i} written before it): {exc}") from exc
+        except Exception as exc:
+            if isinstance(exc, _errors.FlowBufError) and not isinstance(exc, ValueError):
+                raise  # no buffer / cancelled / destroyed: not about this record
+            msg = f"record {i} of the batch ({i} written before it): {exc}"
+            try:
+                new = type(exc)(msg)
+            except Exception:  # e.g. UnicodeEncodeError takes 5 arguments
+                new = (TypeError if isinstance(exc, TypeError) else ValueError)(msg)
+            raise new from exc
         return n
 
     def write_array(self, arr, int channel=0):
@@ -433,11 +454,16 @@ cdef class RecordReader:
             raise ValueError(f"zero_copy_min must be >= 0, got {zero_copy_min}")
         self.gate = gate
         self.kind = _kind_code(kind)
+        if not isinstance(max_record_size, int) or not 0 < max_record_size < (1 << 32):
+            raise ValueError(f"max_record_size must be in 1..2**32-1, got {max_record_size!r}")
         self.zero_copy_min = zero_copy_min
         self.max_record_size = max_record_size
         self.nch = self.gate.num_channels
         q0 = self.gate.channels[0]
         self.arena_owner = (<BufferQueue>q0).network_pool
+        for q in self.gate.channels:
+            if (<BufferQueue>q).network_pool is not self.arena_owner:
+                raise ValueError("all channels of a RecordReader's gate must share one NetworkBufferPool")
         self.a = self.arena_owner.a
         self.chs = <ChanState *>PyMem_Calloc(self.nch, sizeof(ChanState))
         if self.chs is NULL:
@@ -588,26 +614,34 @@ cdef class RecordReader:
         cdef int ch = -1, rc
         cdef ChanState *c
         cdef InputGate gate = self.gate
-        if self._event is not None or self.finished_count >= self.nch:
-            return 0
-        rc = gate.poll(&d, &ch)
-        if rc == FB_E_UNAVAILABLE and timeout_ns != 0:
-            with nogil:
-                rc = gate.poll_wait(&d, &ch, timeout_ns)
-        if rc == FB_E_UNAVAILABLE or rc == FB_E_TIMEOUT:
-            return 0
-        check(rc, "reading the input gate")
-        c = &self.chs[ch]
-        if d.type == FB_DATA_EVENT:
-            if d.width == EVT_END_OF_PARTITION:
-                if c.partial is not NULL or c.hdr_have:
-                    raise _errors.CorruptRecordError(
-                        f"channel {ch} ended inside a record (truncated stream)")
+        cdef int64_t deadline = fb_monotonic_ns() + timeout_ns if timeout_ns > 0 else -1
+        while True:
+            if self._event is not None or self.finished_count >= self.nch:
+                return 0
+            rc = gate.poll(&d, &ch)
+            if rc == FB_E_UNAVAILABLE and timeout_ns != 0:
+                if deadline >= 0:
+                    timeout_ns = deadline - fb_monotonic_ns()
+                    if timeout_ns < 0:
+                        timeout_ns = 0
+                with nogil:
+                    rc = gate.poll_wait(&d, &ch, timeout_ns)
+            if rc == FB_E_UNAVAILABLE or rc == FB_E_TIMEOUT:
+                return 0
+            check(rc, "reading the input gate")
+            c = &self.chs[ch]
+            if d.type != FB_DATA_EVENT:
+                break
+            if d.width != EVT_END_OF_PARTITION:
+                self._event = (ch, d.width, d.aux, d.flags)
+                return 0
+            if c.partial is not NULL or c.hdr_have:
+                raise _errors.CorruptRecordError(
+                    f"channel {ch} ended inside a record (truncated stream)")
+            if not c.finished:  # a repeated end-of-partition must not end another channel
                 c.finished = 1
                 self.finished_count += 1
-            else:
-                self._event = (ch, d.width, d.aux, d.flags)
-            return 0
+            # one channel ended: go on with the others (the loop top stops after the last)
         self.buffers_in += 1
         self.bytes_in += d.size
         c.cur = d
@@ -642,7 +676,7 @@ cdef class RecordReader:
     def read(self, timeout=None):
         """The next record, waiting up to ``timeout`` s (None: until one comes).
         Returns None on timeout, at an event (see ``take_event``) and at the end."""
-        rec = self._next_record(-1 if timeout is None else <int64_t>(timeout * 1e9))
+        rec = self._next_record(_timeout_ns(timeout))
         return None if rec is _NEED_MORE else rec
 
     def __iter__(self):
@@ -663,7 +697,7 @@ cdef class RecordReader:
         the first one up to ``timeout`` s; returns early, possibly empty, at an
         event or the end of input."""
         cdef list out = []
-        cdef int64_t t = -1 if timeout is None else <int64_t>(timeout * 1e9)
+        cdef int64_t t = _timeout_ns(timeout)
         cdef ChanState *c
         while PyList_GET_SIZE(out) < max_records:
             if self.cur_ch >= 0:
@@ -685,7 +719,7 @@ cdef class RecordReader:
         timeout, at an event or at the end."""
         dt = np.dtype(dtype)
         cdef ChanState *c
-        cdef int64_t t = -1 if timeout is None else <int64_t>(timeout * 1e9)
+        cdef int64_t t = _timeout_ns(timeout)
         cdef Buffer buf
         while True:
             if self.cur_ch >= 0:

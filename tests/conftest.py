@@ -1,0 +1,118 @@
+"""Shared test configuration: Hypothesis profiles and generic fixtures.
+
+Profiles (pick with ``HYPOTHESIS_PROFILE``, default ``dev``):
+
+* ``ci``    200 examples per property, for the CI run;
+* ``dev``    50 examples, the default for a local run;
+* ``debug``  10 examples, verbose, for chasing one failure.
+
+No profile has a deadline: the test machines are shared and noisy, so a slow
+example is not a failure. Keep this file generic; fixtures that only one area
+needs belong in that area's test module.
+"""
+import gc
+import os
+import sys
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, Verbosity, settings
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/strategies.py, tests/reference_model.py
+
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+               print_blob=True)
+settings.register_profile("ci", max_examples=200, **_COMMON)
+settings.register_profile("dev", max_examples=50, **_COMMON)
+settings.register_profile("debug", max_examples=10, verbosity=Verbosity.verbose, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def assert_no_leaks(network_pool):
+    """Every segment is back in the free list and no guarantee is outstanding."""
+    total = network_pool.total_segments
+    if network_pool.available_segments != total:
+        gc.collect()  # a cycle may still hold a Buffer; collecting is slow, so only then
+    assert network_pool.available_segments == total, (
+        f"{total - network_pool.available_segments} segment(s) leaked: {network_pool!r}")
+    assert network_pool.in_use_segments == 0
+
+
+@pytest.fixture
+def make_network_pool():
+    """Factory for NetworkBufferPools, e.g. ``make_network_pool(16, 4096)``.
+
+    The test keeps the pools it makes; the fixture holds no reference after the
+    test, so an arena is freed as soon as the test's own objects are."""
+    from pyflowbuf import NetworkBufferPool
+
+    made = []
+
+    def make(num_segments=16, segment_size=4096):
+        nbp = NetworkBufferPool(num_segments, segment_size)
+        made.append(nbp)
+        return nbp
+
+    yield make
+    made.clear()
+
+
+@pytest.fixture
+def no_leaks():
+    """``no_leaks(nbp)`` asserts that every segment of ``nbp`` is free again."""
+    return assert_no_leaks
+
+
+class _Runner:
+    """Threads started by a test, joined (with a limit) when the test ends."""
+
+    def __init__(self):
+        self.threads = []
+        self.errors = []
+
+    def start(self, fn, *args, name=None, **kwargs):
+        result = {}
+
+        def body():
+            try:
+                result["value"] = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - reported by join()
+                result["error"] = exc
+                self.errors.append(exc)
+
+        t = threading.Thread(target=body, name=name or getattr(fn, "__name__", "worker"), daemon=True)
+        t.result = result
+        self.threads.append(t)
+        t.start()
+        return t
+
+    def join(self, timeout=30.0):
+        """Join every thread; raise the first error a thread raised."""
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self.threads if t.is_alive()]
+        assert not alive, f"threads still running after {timeout} s: {alive}"
+        if self.errors:
+            raise self.errors[0]
+
+
+@pytest.fixture
+def threads():
+    """``threads.start(fn, *args)`` runs fn in a daemon thread and returns the
+    Thread (its ``result`` dict gets ``value`` or ``error``);
+    ``threads.join()`` waits and re-raises the first error."""
+    runner = _Runner()
+    yield runner
+    for t in runner.threads:
+        t.join(5.0)
+
+
+@pytest.fixture
+def fast_switching():
+    """Make the interpreter switch threads often, to shake out interleavings."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(old)
