@@ -23,6 +23,13 @@
 #include "fb_mpmc.h"
 #include "fb_park.h"
 
+static inline void *fb_aligned_zalloc(size_t size) {
+    void *mem = NULL;
+    if (posix_memalign(&mem, FB_CACHELINE, size) != 0) return NULL;
+    memset(mem, 0, size);
+    return mem;
+}
+
 typedef struct fb_arena {
     char *base;
     uint64_t segment_size;
@@ -47,7 +54,7 @@ typedef struct fb_pool {
     uint32_t max;
     fb_arena *arena;
     fb_event *listener;     /* optional: a task's notifier, told when a segment comes back */
-    uint64_t requested;     /* stats, relaxed */
+    uint64_t requested FB_ALIGNED;  /* statistics, off the line the fast path CASes */
     uint64_t recycled;
 } fb_pool;
 
@@ -57,7 +64,7 @@ static inline char *fb_segment_ptr(fb_arena *a, uint32_t seg) {
 
 static inline int fb_arena_create(uint32_t num_segments, uint64_t segment_size, fb_arena **out) {
     if (num_segments == 0 || segment_size == 0 || (segment_size & (segment_size - 1))) return FB_E_INVALID;
-    fb_arena *a = (fb_arena *)calloc(1, sizeof(fb_arena));
+    fb_arena *a = (fb_arena *)fb_aligned_zalloc(sizeof(fb_arena));
     if (!a) return FB_E_NOMEM;
     uint64_t total = (uint64_t)num_segments * segment_size;
     size_t align = segment_size < 4096 ? 4096 : (size_t)segment_size;
@@ -108,7 +115,7 @@ static inline uint64_t fb_arena_available(fb_arena *a) {
 
 static inline int fb_pool_create(fb_arena *a, uint32_t min, uint32_t max, fb_pool **out) {
     if (min > max || max == 0) return FB_E_INVALID;
-    fb_pool *p = (fb_pool *)calloc(1, sizeof(fb_pool));
+    fb_pool *p = (fb_pool *)fb_aligned_zalloc(sizeof(fb_pool));
     if (!p) return FB_E_NOMEM;
     if (!fb_arena_take_tokens(a, min)) {
         free(p);
@@ -149,7 +156,7 @@ static inline int fb_pool_request(fb_pool *p, uint32_t *seg) {
     /* The token guarantees a segment is in the list; a pop can only miss one
      * whose recycler has claimed a cell but not yet published it. */
     while (fb_mpmc_pop(&a->free_list, seg) != FB_OK) fb_cpu_relax();
-    fb_store_relaxed(&p->requested, fb_load_relaxed(&p->requested) + 1);
+    __atomic_fetch_add(&p->requested, 1, __ATOMIC_RELAXED);
     return FB_OK;
 }
 
@@ -162,7 +169,7 @@ static inline int fb_pool_recycle(fb_pool *p, uint32_t seg) {
      * claimed the cell one lap back and not yet released it (Vyukov's queue
      * reports that as full): wait the few instructions, never drop the segment. */
     while (fb_mpmc_push(&a->free_list, seg) != FB_OK) fb_cpu_relax();
-    fb_store_relaxed(&p->recycled, fb_load_relaxed(&p->recycled) + 1);
+    __atomic_fetch_add(&p->recycled, 1, __ATOMIC_RELAXED);
     uint64_t s = fb_load_acquire(&p->state);
     while (!fb_cas(&p->state, &s, s - 1)) {
     }

@@ -48,6 +48,26 @@ static inline void fb_ring_free(fb_ring *r) {
     r->slots = NULL;
 }
 
+/* Rings live on their own cache lines; Python objects are only 16-byte
+ * aligned, so a ring embedded in one would lose its padding (and be UB). */
+static inline fb_ring *fb_ring_new(uint64_t min_capacity) {
+    void *mem = NULL;
+    if (posix_memalign(&mem, FB_CACHELINE, sizeof(fb_ring)) != 0) return NULL;
+    fb_ring *r = (fb_ring *)mem;
+    if (fb_ring_init(r, min_capacity) != FB_OK) {
+        free(r);
+        return NULL;
+    }
+    return r;
+}
+
+static inline void fb_ring_delete(fb_ring *r) {
+    if (r) {
+        fb_ring_free(r);
+        free(r);
+    }
+}
+
 static inline int fb_ring_push(fb_ring *r, const fb_bufdesc *d) {
     uint64_t t = r->tail;
     if (t - r->head_cache > r->mask) {

@@ -13,8 +13,8 @@ cdef enum:
 
 
 cdef class BufferQueue:
-    cdef fb_ring ring
-    cdef fb_ring prio
+    cdef fb_ring *ring
+    cdef fb_ring *prio
     cdef bint _ready
     cdef fb_event space            # the producer parks here when the ring is full
     cdef fb_event *consumer        # the gate's notifier, told on every push

@@ -34,8 +34,13 @@ cdef class BufferQueue:
             capacity = network_pool.total_segments + 64
         if capacity < 2:
             raise ValueError(f"capacity must be >= 2, got {capacity}")
-        check(fb_ring_init(&self.ring, capacity), "BufferQueue")
-        check(fb_ring_init(&self.prio, 64), "BufferQueue")
+        self.ring = fb_ring_new(capacity)
+        self.prio = fb_ring_new(64)
+        if self.ring is NULL or self.prio is NULL:
+            fb_ring_delete(self.ring)
+            fb_ring_delete(self.prio)
+            self.ring = self.prio = NULL
+            raise MemoryError("BufferQueue")
         check(fb_event_init(&self.space), "BufferQueue")
         self._ready = True
         self.network_pool = network_pool
@@ -44,14 +49,14 @@ cdef class BufferQueue:
         if not self._ready:
             return
         cdef fb_bufdesc d
-        while fb_ring_pop(&self.prio, &d) == FB_OK:
+        while fb_ring_pop(self.prio, &d) == FB_OK:
             if d.pool is not NULL:  # a priority lane can hold data buffers too
                 fb_pool_recycle(d.pool, d.seg)
-        while fb_ring_pop(&self.ring, &d) == FB_OK:
+        while fb_ring_pop(self.ring, &d) == FB_OK:
             if d.pool is not NULL:
                 fb_pool_recycle(d.pool, d.seg)
-        fb_ring_free(&self.ring)
-        fb_ring_free(&self.prio)
+        fb_ring_delete(self.ring)
+        fb_ring_delete(self.prio)
         fb_event_destroy(&self.space)
 
     cdef int attach(self, Notifier consumer) except -1:
@@ -60,7 +65,7 @@ cdef class BufferQueue:
         return 0
 
     cdef int push(self, const fb_bufdesc *d, bint priority) except -1 nogil:
-        cdef fb_ring *r = &self.prio if priority else &self.ring
+        cdef fb_ring *r = self.prio if priority else self.ring
         cdef uint32_t token
         while fb_ring_push(r, d) != FB_OK:
             token = fb_event_prepare(&self.space)
@@ -78,7 +83,7 @@ cdef class BufferQueue:
         return 0
 
     cdef int pop(self, fb_bufdesc *d) noexcept nogil:
-        if fb_ring_pop(&self.prio, d) == FB_OK or fb_ring_pop(&self.ring, d) == FB_OK:
+        if fb_ring_pop(self.prio, d) == FB_OK or fb_ring_pop(self.ring, d) == FB_OK:
             fb_event_notify(&self.space)
             return FB_OK
         return FB_E_UNAVAILABLE
@@ -133,14 +138,14 @@ cdef class BufferQueue:
     @property
     def backlog(self):
         """Finished buffers queued and not yet consumed (Flink's backlog)."""
-        return fb_ring_size(&self.ring)
+        return fb_ring_size(self.ring)
 
     @property
     def priority_backlog(self):
-        return fb_ring_size(&self.prio)
+        return fb_ring_size(self.prio)
 
     def __len__(self):
-        return fb_ring_size(&self.ring) + fb_ring_size(&self.prio)
+        return fb_ring_size(self.ring) + fb_ring_size(self.prio)
 
     def __repr__(self):
         return f"BufferQueue(backlog={self.backlog}, pushed={self.buffers_pushed})"
@@ -177,8 +182,8 @@ cdef class InputGate:
         cdef int i
         for i in range(self.num_channels):
             q = <BufferQueue>queues[i]
-            self.rings[i] = &q.ring
-            self.prios[i] = &q.prio
+            self.rings[i] = q.ring
+            self.prios[i] = q.prio
             self.spaces[i] = &q.space
             q.attach(self.notifier)
 

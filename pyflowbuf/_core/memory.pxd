@@ -21,7 +21,10 @@ cdef class LocalBufferPool:
     cdef readonly NetworkBufferPool network_pool
     cdef Notifier _listener
     cdef public int cancelled
+    cdef int _waiters              # threads inside request_wait (counted with the GIL held)
+    cdef bint _destroy_pending     # destroy() came while a thread waited
     cdef int request_wait(self, uint32_t *seg, int64_t timeout_ns) except? -1 nogil
+    cdef int leave_wait(self) except -1
     cdef int _alive(self) except -1
     cdef inline char *segment_ptr(self, uint32_t seg) noexcept nogil:
         return self.a.base + (<uint64_t>seg << self.a.segment_shift)

@@ -209,7 +209,7 @@ cdef class LocalBufferPool:
             fb_event_wait(ev, token, left)
 
     cdef int _alive(self) except -1:
-        if self.p is NULL:
+        if self.p is NULL or self._destroy_pending:
             raise _errors.PoolDestroyedError("the LocalBufferPool was destroyed")
         return 0
 
@@ -232,21 +232,38 @@ cdef class LocalBufferPool:
         d.aux = 0
         return Buffer.wrap(&d, self.network_pool)
 
+    cdef int leave_wait(self) except -1:
+        """Called (GIL held) by every thread that leaves request_wait; the last
+        one carries out a destroy() that came while it waited, so the C pool
+        is never freed under a waiter."""
+        self._waiters -= 1
+        if self._waiters == 0 and self._destroy_pending and self.p is not NULL:
+            fb_pool_destroy(self.p)
+            self.p = NULL
+        return 0
+
     def request_blocking(self, timeout=None):
         """Wait (GIL released, thread parked) for a Buffer. Raises
         BufferRequestTimeout after ``timeout`` seconds, CancelledError after
-        ``cancel_waiters()``."""
+        ``cancel_waiters()``, PoolDestroyedError after ``destroy()``."""
         self._alive()
         cdef int64_t t = _timeout_ns(timeout)
         cdef uint32_t seg
         cdef int rc
-        with nogil:
-            rc = self.request_wait(&seg, t)
+        cdef fb_pool *p = self.p
+        self._waiters += 1
+        try:
+            with nogil:
+                rc = self.request_wait(&seg, t)
+        finally:
+            self.leave_wait()
+        if rc == FB_E_CANCELLED and self._destroy_pending:
+            raise _errors.PoolDestroyedError("the LocalBufferPool was destroyed while waiting")
         if rc == FB_E_TIMEOUT:
             raise _errors.BufferRequestTimeout(f"no buffer within {timeout} s ({self!r})")
         check(rc, "request_blocking")
         cdef fb_bufdesc d
-        d.pool = self.p
+        d.pool = p
         d.seg = seg
         d.size = 0
         d.width = 0
@@ -290,13 +307,20 @@ cdef class LocalBufferPool:
     def destroy(self):
         """Return the unused reservation now and every in-use segment as it is
         recycled. Further requests raise PoolDestroyedError."""
-        if self.p is not NULL:
-            fb_pool_destroy(self.p)
-            self.p = NULL
+        if self.p is NULL or self._destroy_pending:
+            return
+        if self._waiters:
+            # threads are parked on this pool: wake them; the last to leave frees it
+            self._destroy_pending = True
+            self.cancelled = 1
+            fb_event_notify_all(&self.a.available)
+            return
+        fb_pool_destroy(self.p)
+        self.p = NULL
 
     @property
     def destroyed(self):
-        return self.p is NULL
+        return self.p is NULL or self._destroy_pending
 
     @property
     def in_use(self):

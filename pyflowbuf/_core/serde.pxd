@@ -54,6 +54,9 @@ cdef class RecordWriter:
     cdef readonly uint64_t buffers_out
     cdef readonly int64_t backpressure_ns
     cdef readonly bint ended
+    cdef readonly object broken    # why the writer cannot go on, or None
+    cdef bint _is_broken
+    cdef uint64_t _copied
     cdef int _new_segment(self, int ch, uint16_t type, uint32_t width) except -1
     cdef int _finish(self, int ch) except -1
     cdef int _write_raw(self, int ch, const char *data, uint32_t n) except -1

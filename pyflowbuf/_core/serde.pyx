@@ -140,14 +140,20 @@ cdef class RecordWriter:
         cdef int rc
         cdef int64_t t0
         cdef LocalBufferPool pool = self.pool
-        if pool.p is NULL:  # destroyed: self.p may already be freed
+        if pool.p is NULL or pool._destroy_pending:  # destroyed: self.p may already be freed
             raise _errors.PoolDestroyedError("the writer's LocalBufferPool was destroyed")
         rc = fb_pool_request(self.p, &seg)
         if rc == FB_E_UNAVAILABLE:
             t0 = fb_monotonic_ns()
-            with nogil:
-                rc = pool.request_wait(&seg, self.request_timeout_ns)
+            pool._waiters += 1
+            try:
+                with nogil:
+                    rc = pool.request_wait(&seg, self.request_timeout_ns)
+            finally:
+                pool.leave_wait()
             self.backpressure_ns += fb_monotonic_ns() - t0
+            if rc == FB_E_CANCELLED and pool._destroy_pending:
+                raise _errors.PoolDestroyedError("the writer's LocalBufferPool was destroyed while it waited")
         if rc != FB_OK:
             check(rc, "requesting an output buffer")
         cdef Builder *b = &self.builders[ch]
@@ -198,6 +204,7 @@ cdef class RecordWriter:
             b.pos += k
             src += k
             n -= k
+            self._copied += k
             if b.pos == b.cap:
                 self._finish(ch)
         return 0
@@ -205,18 +212,32 @@ cdef class RecordWriter:
     cdef int _write_span(self, int ch, const char *data, uint32_t n) except -1:
         cdef Builder *b = &self.builders[ch]
         cdef char hdr[4]
+        if self._is_broken:
+            raise _errors.ChannelClosedError(self.broken)
         if b.active and b.type != FB_DATA_RECORDS:
             self._finish(ch)
         fb_store_le32(hdr, n)
-        self._copy_chunks(ch, hdr, 4)
-        self._copy_chunks(ch, data, n)
+        self._copied = 0
+        try:
+            self._copy_chunks(ch, hdr, 4)
+            self._copy_chunks(ch, data, n)
+        except BaseException as exc:
+            if self._copied:
+                # Part of the record is already in buffers (maybe shipped): later
+                # records would be read as its rest. Refuse them; end_input()
+                # still works, so the consumer sees a truncated stream, not garbage.
+                self._is_broken = True
+                self.broken = (f"subpartition {ch} holds a half-written record ({self._copied} of "
+                               f"{n + 4} bytes) after {type(exc).__name__}: {exc}; the writer cannot "
+                               "take more records")
+            raise
         self.records_out += 1
         self.bytes_out += n
         return 0
 
     cdef inline int _write_raw(self, int ch, const char *data, uint32_t n) except -1:
         cdef Builder *b = &self.builders[ch]
-        if b.active and b.type == FB_DATA_RECORDS and b.cap - b.pos > n + 4:
+        if b.active and b.type == FB_DATA_RECORDS and b.cap - b.pos > n + 4 and not self._is_broken:
             fb_store_le32(b.base + b.pos, n)
             memcpy(b.base + b.pos + 4, data, n)
             b.pos += n + 4
@@ -353,6 +374,8 @@ cdef class RecordWriter:
         """Write the rows of a NumPy array (any fixed-width dtype, structured
         ones too) as fixed-width records: one memcpy per buffer, GIL released."""
         self._channel(channel)
+        if self._is_broken:
+            raise _errors.ChannelClosedError(self.broken)
         a = np.ascontiguousarray(arr)
         cdef Py_ssize_t w = a.itemsize
         cdef Py_ssize_t count = a.size if a.ndim <= 1 else a.shape[0]
@@ -662,6 +685,10 @@ cdef class RecordReader:
                 rec = self._decode_one(c)
                 if rec is not _NEED_MORE:
                     self.records_in += 1
+                    if c.pos >= c.cur.size:
+                        # consumed: give the segment back now, not at the next read
+                        self._release_current(c)
+                        self.cur_ch = -1
                     return rec
                 self._release_current(c)
                 self.cur_ch = -1
@@ -705,7 +732,9 @@ cdef class RecordReader:
                 rec = self._decode_one(c)
                 if rec is not _NEED_MORE:
                     PyList_Append(out, rec)
-                    continue
+                    if c.pos < c.cur.size:
+                        continue
+                    rec = _NEED_MORE
                 self._release_current(c)
                 self.cur_ch = -1
             if not self._next_buffer(0 if PyList_GET_SIZE(out) else t):

@@ -19,6 +19,8 @@ cdef extern from "fb_ring.h" nogil:
         pass
     int fb_ring_init(fb_ring *r, uint64_t min_capacity)
     void fb_ring_free(fb_ring *r)
+    fb_ring *fb_ring_new(uint64_t min_capacity)
+    void fb_ring_delete(fb_ring *r)
     int fb_ring_push(fb_ring *r, const fb_bufdesc *d)
     int fb_ring_pop(fb_ring *r, fb_bufdesc *d)
     fb_bufdesc *fb_ring_peek(fb_ring *r)
