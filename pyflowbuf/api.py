@@ -269,12 +269,18 @@ class Stream:
         """One line per record (``str(record)``); with parallelism p > 1 the files are path.0 .. path.p-1."""
         self._then(name, lambda: ops.TextFileSink(name, path), parallelism, None, sink=True)
 
-    def to_iterator(self, *, name: str = "iterator") -> "IteratorSink":
-        """A sink read by ``Environment.execute_iter`` in the caller's thread."""
+    def to_iterator(self, *, name: str = "iterator", zero_copy: bool = False) -> "IteratorSink":
+        """A sink read by ``Environment.execute_iter`` in the caller's thread.
+
+        Records own their memory by default, so the caller may keep them. With
+        ``zero_copy=True`` large records come as views over segments: each one
+        held keeps a segment from the pool, and holding a pool's worth stalls
+        the job, so only use it when records are dropped promptly."""
         part = self._partitioner or ("forward" if self.node.parallelism == 1 else "rebalance")
         node = self.env._add(name=name, parallelism=1, make_operator=None, input=self.node,
                              partitioner=part, key_fn=self._key_fn, kind=None, is_sink=True)
         node.is_iterator = True
+        node.zero_copy = zero_copy
         return IteratorSink(node)
 
 

@@ -3,13 +3,14 @@ with its RecordWriter) and InputSide (an InputGate with its RecordReader).
 Both decide the record encoding once per stream, not per record."""
 from __future__ import annotations
 
+import copy
 import threading
 
 import numpy as np
 
 from pyflowbuf import errors
 from pyflowbuf._core.channel import USER_EVENT
-from pyflowbuf._core.serde import RecordReader, RecordWriter
+from pyflowbuf._core.serde import DEFAULT_ZERO_COPY_MIN, RecordReader, RecordWriter
 from pyflowbuf.serializers import CoreSerializer, get_serializer, infer_kind
 
 
@@ -18,6 +19,7 @@ from pyflowbuf.serializers import CoreSerializer, get_serializer, infer_kind
 # process decode with the right serializer. The kind's name (<= 8 ASCII bytes)
 # travels in the event's int64 payload.
 EVT_KIND = USER_EVENT + 1
+_NEVER = (1 << 32) - 1  # a zero_copy_min no record reaches: always copies
 
 
 def kind_code(name: str) -> int:
@@ -161,12 +163,16 @@ class InputSide:
     so nothing is decoded before the kind is known."""
 
     def __init__(self, gate, kind: EdgeKind, max_record_size, producer_pools,
-                 remote_channels=(), allow_pickle=False):
+                 remote_channels=(), allow_pickle=False, owned=False):
         self.gate = gate
+        # owned: hand out records that own their memory (no views pinning
+        # segments), for consumers that keep records (the iterator sink)
+        self.owned = owned
         self.producer_pools = producer_pools
         self.remote_channels = tuple(remote_channels)
         self.allow_pickle = allow_pickle
-        self.reader = RecordReader(gate, max_record_size=max_record_size)
+        self.reader = RecordReader(gate, max_record_size=max_record_size,
+                                   zero_copy_min=_NEVER if owned else DEFAULT_ZERO_COPY_MIN)
         self.kind = None
         self.decode = None
         self.dtype = None
@@ -191,6 +197,9 @@ class InputSide:
             self.dtype = kind
             return
         if type(kind) is not CoreSerializer:
+            if self.owned and getattr(kind, "zero_copy", False):
+                kind = copy.copy(kind)
+                kind.zero_copy = False
             self.decode = kind.decode_batch
             if kind.zero_copy_min != self.reader.zero_copy_min:
                 # nothing has been decoded yet, so a fresh reader loses nothing
@@ -205,7 +214,7 @@ class InputSide:
             if self.dtype is not None:
                 arr = self.reader.read_array(self.dtype, timeout=timeout)
                 if arr is not None:
-                    return [arr]
+                    return [arr.copy() if self.owned else arr]
             else:
                 batch = self.reader.read_batch(max_records, timeout=timeout)
                 if batch:

@@ -21,6 +21,7 @@ class Node:
     kind: Any = None                                 # output record kind (None: inferred)
     is_sink: bool = False
     is_iterator: bool = False                        # records go back to the caller
+    zero_copy: bool = False                          # iterator sink: hand out views over segments
     rate_limit: Any = None
     collect_parts: dict | None = None                # a collect() sink's results, by subtask
     consumers: list = field(default_factory=list)

@@ -118,7 +118,8 @@ class JobExecution:
                         wire_kind, self._remote_failed)
                 inputs[(down.id, j)] = InputSide(
                     gate, kind, env.max_record_size, [pools[i] for i in producers if i in pools],
-                    remote_channels=remote_channels, allow_pickle=env.allow_pickle)
+                    remote_channels=remote_channels, allow_pickle=env.allow_pickle,
+                    owned=down.is_iterator and not down.head.zero_copy)
 
         for v in self.vertices:
             for i in range(v.parallelism):

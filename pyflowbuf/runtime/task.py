@@ -105,6 +105,8 @@ class Subtask(threading.Thread):
         max_batch = 1 if per_record else job.env.max_batch
         n = 1
         slow = False
+        bytes_before = 0
+        read_ahead_bytes = 4 * job.env.segment_size
         while not job.cancelled:
             if self.mailbox:
                 self._drain_mailbox()
@@ -133,8 +135,15 @@ class Subtask(threading.Thread):
             # Grow the pull while the source delivers fast; shrink it when a
             # pull waits (a trickle, or Spark's iterator producing a batch), so
             # neither latency nor read-ahead exceeds what backpressure allows.
+            # Big records (Arrow batches) also cap it by bytes: a pull never
+            # holds much more than a few segments' worth outside the pool.
             slow = pulled_ns > _SLOW_PULL_NS
             n = max(1, n // 2) if slow else min(max_batch, n * 2)
+            written = sum(o.bytes for o in self.outputs)
+            if written > bytes_before:
+                per_record = (written - bytes_before) / len(batch)
+                n = max(1, min(n, int(read_ahead_bytes // per_record)))
+            bytes_before = written
 
     def _run_input(self):
         job, inp = self.job, self.input
