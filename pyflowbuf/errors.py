@@ -52,3 +52,30 @@ class JobFailedError(FlowBufError, RuntimeError):
 
 
 __all__ = [n for n in dir() if n.endswith("Error") or n in ("FlowBufError", "BufferRequestTimeout")]
+
+
+# --- remote exchange (pyflowbuf.net) ---
+
+class AuthenticationError(ProtocolError):
+    """A peer failed the shared-secret (HMAC) challenge-response handshake."""
+
+
+class ConnectionLostError(FlowBufError, ConnectionError):
+    """The peer of a remote exchange closed the connection, died or stopped
+    answering (socket timeout / keepalive) while channels were still open."""
+
+
+class RemoteError(FlowBufError, RuntimeError):
+    """The peer reported an error (an ErrorResponse); ``error_kind`` names it."""
+
+    def __init__(self, message, error_kind="RemoteError"):
+        super().__init__(message)
+        self.error_kind = error_kind
+
+
+class PartitionNotFoundError(RemoteError, LookupError):
+    """The producer does not export the requested (partition, subpartition)
+    within the partition request timeout."""
+
+
+__all__ = [n for n in dir() if n.endswith("Error") or n in ("FlowBufError", "BufferRequestTimeout")]

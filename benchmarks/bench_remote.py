@@ -1,0 +1,354 @@
+"""Remote exchange benchmark: two processes on loopback, against a raw socket.
+
+A producer process (spawned once) serves subpartitions through a
+NetworkServer; this process consumes them through a ConnectionManager. Every
+ratio is the median of per-repetition ratios, both sides run interleaved
+(``common.interleaved``). Figures:
+
+remote_vs_raw_socket
+    MB/s of 32 KiB buffers through the remote exchange (credit-based, 2
+    exclusive + 8 floating buffers, the consumer recycles each buffer) / MB/s
+    of a raw loopback stream between the same two processes (sendall of 32 KiB
+    chunks, recv_into a 32 KiB bytearray).
+remote_records_per_s_12b / remote_records_per_s_12b_per_record
+    int64 records (8 bytes + 4-byte length = 12 bytes on the wire, as in
+    Flink's network throughput benchmark) end to end: write_batch/read_batch,
+    and write()/read() one record per call.
+hol_credit_other_channel_ratio / hol_tcp_other_channel_ratio
+    two channels on one connection, endless 32 KiB buffers on both, each
+    consumer taking at most 100 MB/s: the healthy channel's MB/s while the other
+    channel's consumer is stalled / its MB/s while both are consumed;
+    credit-based mode and TCP-window-only mode.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import common  # noqa: E402
+from common import Goal  # noqa: E402
+
+SEG = 32 * 1024
+GOALS = {
+    "remote_vs_raw_socket": Goal(">=", 0.7, "x"),
+    "hol_credit_other_channel_ratio": Goal(">=", 0.8, "x"),
+    "hol_tcp_other_channel_ratio": Goal("<=", 0.2, "x"),
+}
+
+
+def params(quick: bool) -> dict:
+    if quick:
+        return dict(repeats=5, stream_mb=128, batch_records=2_000_000, per_record=400_000,
+                    hol_window_s=0.6, hol_repeats=3, hol_consumer_mb_per_s=100)
+    return dict(repeats=11, stream_mb=512, batch_records=6_000_000, per_record=1_500_000,
+                hol_window_s=1.5, hol_repeats=5, hol_consumer_mb_per_s=100)
+
+
+# --------------------------------------------------------------------------- the producer process
+
+def _producer_main(conn, secret):
+    """Serves commands from the benchmark process until told to quit."""
+    from pyflowbuf import BufferQueue, NetworkBufferPool, RecordWriter
+    from pyflowbuf._core.channel import END_OF_PARTITION
+    from pyflowbuf.errors import FlowBufError
+    from pyflowbuf.net import NetworkServer
+
+    nbp = NetworkBufferPool(1024)
+    srv = NetworkServer(secret)
+    conn.send(srv.start())
+
+    def buffers(pid, sub, n):
+        """n (None: until released) full 32 KiB buffers, no record encoding."""
+        pool = nbp.create_pool(16, 16)
+        q = BufferQueue(nbp)
+        srv.export(pid, sub, q, on_release=lambda exc: pool.cancel_waiters())
+
+        def run():
+            try:
+                i = 0
+                while n is None or i < n:
+                    b = pool.request() or pool.request_blocking()   # as RecordWriter: wait only when dry
+                    b.set_meta(SEG)
+                    q.push_buffer(b)
+                    i += 1
+                q.push_event(END_OF_PARTITION)
+            except FlowBufError:
+                pass
+            finally:
+                pool.destroy()
+        threading.Thread(target=run, daemon=True).start()
+
+    def records(pid, n, per_record):
+        pool = nbp.create_pool(16, 16)
+        q = BufferQueue(nbp)
+        w = RecordWriter(pool, [q], kind="int64")
+        srv.export(pid, 0, q, kind="int64", on_release=lambda exc: w.cancel())
+
+        def run():
+            try:
+                if per_record:
+                    write = w.write
+                    for i in range(n):
+                        write(i)
+                else:
+                    for i in range(0, n, 8192):
+                        w.write_batch(list(range(i, min(i + 8192, n))))
+                w.end_input()
+            except FlowBufError:
+                pass
+            finally:
+                pool.destroy()
+        threading.Thread(target=run, daemon=True).start()
+
+    while True:
+        cmd = conn.recv()
+        op = cmd[0]
+        if op == "quit":
+            break
+        if op == "raw":
+            _, port, nbytes = cmd
+            s = socket.create_connection(("127.0.0.1", port))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            chunk = bytearray(SEG)
+            for _ in range(nbytes // SEG):
+                s.sendall(chunk)
+            s.close()
+        elif op == "buffers":
+            buffers(cmd[1], cmd[2], cmd[3])
+        elif op == "records":
+            records(cmd[1], cmd[2], cmd[3])
+        conn.send("ok")
+    srv.close()
+
+
+class Producer:
+    def __init__(self, secret):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_producer_main, args=(child, secret), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(120):
+            raise RuntimeError("the producer process did not start")
+        self.address = self.conn.recv()
+        self._n = 0
+
+    def call(self, *cmd):
+        self.conn.send(cmd)
+        return self.conn
+
+    def pid(self):
+        self._n += 1
+        return f"bench/{self._n}"
+
+    def close(self):
+        try:
+            self.conn.send(("quit",))
+            self.proc.join(10)
+        finally:
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+# --------------------------------------------------------------------------- cases
+
+def raw_stream(prod, nbytes):
+    ls = socket.create_server(("127.0.0.1", 0))
+    reply = prod.call("raw", ls.getsockname()[1], nbytes)
+    c, _ = ls.accept()
+    ls.close()
+    buf = bytearray(SEG)
+    mv = memoryview(buf)
+    got = 0
+    t0 = None
+    while got < nbytes:
+        n = c.recv_into(mv)
+        if n == 0:
+            break
+        if t0 is None:
+            t0 = common.perf_counter()
+        got += n
+    dt = common.perf_counter() - t0
+    c.close()
+    reply.recv()
+    assert got == nbytes
+    return got / dt
+
+
+def _pop_loop(q, notifier, stop=None, on_bytes=None, rate=None):
+    """Pop and recycle buffers until end-of-partition (or ``stop``), at most
+    ``rate`` bytes/s when given."""
+    got = 0
+    t0 = None
+    while stop is None or not stop.is_set():
+        token = notifier.prepare()
+        x = q.pop_buffer()
+        if x is None:
+            notifier.wait(token, 0.1)
+            continue
+        notifier.cancel()
+        if type(x) is tuple:
+            break
+        if t0 is None:
+            t0 = common.perf_counter()
+        got += x.size
+        x.recycle()
+        if on_bytes is not None:
+            on_bytes(x.size)
+        if rate is not None:
+            ahead = got / rate - (common.perf_counter() - t0)
+            if ahead > 0.002:
+                time.sleep(ahead)
+    return got, (common.perf_counter() - t0) if t0 else 0.0
+
+
+def _destroy(excl, fl):
+    for pool in [*excl, fl]:
+        if pool is not None:
+            pool.destroy()
+
+
+def remote_stream(prod, nbp, secret, nbytes):
+    from pyflowbuf import BufferQueue, InputGate
+    from pyflowbuf.net import ConnectionManager
+
+    pid = prod.pid()
+    reply = prod.call("buffers", pid, 0, nbytes // SEG)
+    reply.recv()
+    with ConnectionManager(secret) as mgr:
+        excl, fl = mgr.create_input_pools(nbp, 1)
+        q = BufferQueue(nbp)
+        gate = InputGate([q])
+        mgr.create_channel(prod.address, pid, 0, q, excl[0], fl)
+        got, dt = _pop_loop(q, gate.notifier)
+    _destroy(excl, fl)
+    assert got == nbytes
+    return got / dt
+
+
+def remote_records(prod, nbp, secret, n, per_record):
+    from pyflowbuf import BufferQueue, InputGate, RecordReader
+    from pyflowbuf.net import ConnectionManager
+
+    pid = prod.pid()
+    prod.call("records", pid, n, per_record).recv()
+    with ConnectionManager(secret) as mgr:
+        excl, fl = mgr.create_input_pools(nbp, 1)
+        q = BufferQueue(nbp)
+        gate = InputGate([q])
+        mgr.create_channel(prod.address, pid, 0, q, excl[0], fl, kind="int64")
+        reader = RecordReader(gate, kind="int64")
+        count = 0
+        first = reader.read(timeout=30)
+        t0 = common.perf_counter()
+        count = 1
+        if per_record:
+            read = reader.read
+            while read(10) is not None:
+                count += 1
+        else:
+            while not reader.finished:
+                count += len(reader.read_batch(16384, timeout=10))
+        dt = common.perf_counter() - t0
+    del reader, gate, q
+    _destroy(excl, fl)
+    assert first == 0 and count == n, (first, count, n)
+    return count / dt
+
+
+def hol(prod, nbp, secret, credit_based, stalled, window, rate):
+    """MB/s of channel B while channel A (same connection) is consumed or
+    stalled. Both consumers take at most ``rate`` bytes/s, so B's rate measures
+    whether A's stall reaches B, not how two channels share the CPU."""
+    from pyflowbuf import BufferQueue, InputGate
+    from pyflowbuf.net import ConnectionManager
+
+    pid = prod.pid()
+    prod.call("buffers", pid, 0, None).recv()
+    prod.call("buffers", pid, 1, None).recv()
+    mgr = ConnectionManager(secret, credit_based=credit_based)
+    stop = threading.Event()
+    try:
+        excl, fl = mgr.create_input_pools(nbp, 2)
+        qa, qb = BufferQueue(nbp), BufferQueue(nbp)
+        ga, gb = InputGate([qa]), InputGate([qb])
+        mgr.create_channel(prod.address, pid, 0, qa, excl[0], fl)
+        mgr.create_channel(prod.address, pid, 1, qb, excl[1], fl)
+        if not stalled:
+            threading.Thread(target=_pop_loop, args=(qa, ga.notifier, stop, None, rate), daemon=True).start()
+        counted = [0]
+        counting = threading.Event()
+
+        def count(n):
+            if counting.is_set():
+                counted[0] += n
+        tb = threading.Thread(target=_pop_loop, args=(qb, gb.notifier, stop, count, rate), daemon=True)
+        tb.start()
+        time.sleep(window / 2)           # let A's buffers pile up when it is stalled
+        counting.set()
+        t0 = common.perf_counter()
+        time.sleep(window)
+        counting.clear()
+        dt = common.perf_counter() - t0
+    finally:
+        stop.set()
+        mgr.close()
+    _destroy(excl, fl)
+    return counted[0] / dt
+
+
+# --------------------------------------------------------------------------- main
+
+def main(quick: bool = False) -> dict:
+    from pyflowbuf import NetworkBufferPool
+    from pyflowbuf.net import new_secret
+
+    p = params(quick)
+    rep = common.Report("remote", quick, p)
+    secret = new_secret()
+    prod = Producer(secret)
+    nbp = NetworkBufferPool(256)
+    try:
+        nbytes = p["stream_mb"] * 1024 * 1024
+        rep.section("throughput: 32 KiB buffers between two processes")
+        s = common.interleaved({"remote": lambda: remote_stream(prod, nbp, secret, nbytes),
+                                "raw": lambda: raw_stream(prod, nbytes)}, p["repeats"])
+        rep.add("remote_mb_per_s", s.median("remote") / 1e6, "MB/s", spread=s.spread("remote"))
+        rep.add("raw_socket_mb_per_s", s.median("raw") / 1e6, "MB/s", spread=s.spread("raw"))
+        rep.add("remote_vs_raw_socket", s.ratio("remote", "raw"), "x", GOALS["remote_vs_raw_socket"])
+
+        rep.section("12-byte records (int64) between two processes")
+        s = common.interleaved({
+            "batch": lambda: remote_records(prod, nbp, secret, p["batch_records"], False),
+            "per_record": lambda: remote_records(prod, nbp, secret, p["per_record"], True)},
+            max(3, p["repeats"] // 2))
+        rep.add("remote_records_per_s_12b", s.median("batch"), "records/s", spread=s.spread("batch"))
+        rep.add("remote_records_per_s_12b_per_record", s.median("per_record"), "records/s",
+                spread=s.spread("per_record"))
+
+        rep.section("head-of-line blocking: two channels on one connection, one consumer stalled")
+        w, r = p["hol_window_s"], p["hol_consumer_mb_per_s"] * 1e6
+        for mode, credit in (("credit", True), ("tcp", False)):
+            s = common.interleaved({
+                "healthy": lambda c=credit: hol(prod, nbp, secret, c, False, w, r),
+                "stalled": lambda c=credit: hol(prod, nbp, secret, c, True, w, r)}, p["hol_repeats"], warmup=0)
+            rep.add(f"hol_{mode}_healthy_mb_per_s", s.median("healthy") / 1e6, "MB/s")
+            rep.add(f"hol_{mode}_stalled_mb_per_s", s.median("stalled") / 1e6, "MB/s")
+            key = f"hol_{mode}_other_channel_ratio"
+            rep.add(key, s.ratio("stalled", "healthy"), "x", GOALS[key])
+    finally:
+        prod.close()
+    return rep.as_dict()
+
+
+if __name__ == "__main__":
+    out = main(quick="--quick" in sys.argv)
+    print(json.dumps(common.jsonable(out)))

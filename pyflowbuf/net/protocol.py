@@ -1,0 +1,261 @@
+"""Socket plumbing shared by server and client: socket options, the frame
+reader that receives payloads straight into segments, gathered sends, and the
+shared-secret handshake."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+
+from pyflowbuf.errors import AuthenticationError, ConnectionLostError, ProtocolError
+from pyflowbuf.net import frames as F
+
+DEFAULT_DEAD_PEER_TIMEOUT = 30.0
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+_IOV_MAX = 512
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+
+
+def new_secret() -> bytes:
+    """A fresh 32-byte shared secret for a job's processes."""
+    return os.urandom(32)
+
+
+def check_secret(secret) -> bytes:
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8")
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError(f"secret must be bytes or str, got {type(secret).__name__}")
+    if len(secret) < 16:
+        raise ValueError("secret must be at least 16 bytes (use pyflowbuf.net.new_secret())")
+    return bytes(secret)
+
+
+def configure_socket(sock, dead_peer_timeout=DEFAULT_DEAD_PEER_TIMEOUT):
+    """No Nagle (control frames are small and latency-bound); keepalive and
+    TCP_USER_TIMEOUT so a peer that vanished without closing (host died,
+    cable cut) fails the connection within about ``dead_peer_timeout`` s. A
+    killed process is noticed at once: its kernel closes the socket."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if dead_peer_timeout:
+        idle = max(1, int(dead_peer_timeout / 2))
+        intvl = max(1, int(dead_peer_timeout / 6))
+        for name, val in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", intvl), ("TCP_KEEPCNT", 3),
+                          ("TCP_USER_TIMEOUT", int(dead_peer_timeout * 1000))):
+            opt = getattr(socket, name, None)
+            if opt is not None:
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, opt, val)
+                except OSError:
+                    pass
+
+
+def send_all(sock, parts):
+    """Send a list of bytes-like objects with as few sendmsg calls as the
+    kernel allows (gathered I/O: segment payloads are not copied). Views made
+    here for partial sends are released before returning."""
+    if len(parts) == 1:
+        sock.sendall(parts[0])
+        return len(parts[0])
+    total = 0
+    for p in parts:
+        total += len(p)
+    n = sock.sendmsg(parts[:_IOV_MAX])
+    if n == total:
+        return total
+    idx = off = 0
+    end = len(parts)
+    while True:
+        while n:
+            rem = len(parts[idx]) - off
+            if n >= rem:
+                n -= rem
+                idx += 1
+                off = 0
+            else:
+                off += n
+                n = 0
+        if idx == end:
+            return total
+        if off:
+            with memoryview(parts[idx])[off:] as first:
+                n = sock.sendmsg([first, *parts[idx + 1:idx + _IOV_MAX]])
+        else:
+            n = sock.sendmsg(parts[idx:idx + _IOV_MAX])
+
+
+def tell_peer(sock, lock, error):
+    """Best effort, never blocking: a fatal ErrorResponse naming ``error``
+    before we close, so the peer reports why instead of a bare disconnect."""
+    if not lock.acquire(timeout=0.2):
+        return
+    try:
+        sock.send(F.encode_error(None, type(error).__name__, str(error)), socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+    finally:
+        lock.release()
+
+
+class FrameReader:
+    """Reads frames from a socket.
+
+    Staging rule: at a frame start at most 49 bytes (one BufferResponse
+    header) are ever requested, and a longer control frame is read only to
+    its end. So the staging buffer never holds payload bytes, and every data
+    payload lands in its segment with ``recv_into`` and no copy.
+    """
+
+    def __init__(self, sock, max_buffer_size, max_control_frame=F.DEFAULT_MAX_CONTROL_FRAME):
+        self.sock = sock
+        self.max_buffer_size = max_buffer_size
+        self.max_control_frame = max_control_frame
+        self._buf = bytearray(max(max_control_frame, F.BUFFER_HEADER_SIZE))
+        self._mv = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def _recv(self, view, frame_pos, frame_len):
+        try:
+            n = self.sock.recv_into(view)
+        except socket.timeout:
+            raise   # only the handshake sets a timeout; its caller reports it
+        except OSError as e:
+            raise ConnectionLostError(f"connection lost: {e}") from e
+        if n == 0:
+            if frame_pos == 0 and frame_len is None:
+                raise ConnectionLostError("the peer closed the connection")
+            raise ProtocolError(f"truncated frame: the connection closed after {frame_pos} of "
+                                f"{frame_len if frame_len is not None else 'at least 9'} bytes")
+        return n
+
+    def _stage(self, want, limit, frame_len):
+        """Have at least ``want`` bytes staged, reading at most ``limit``."""
+        have = self._end - self._start
+        if have >= want:
+            return
+        if self._start:
+            self._buf[:have] = self._buf[self._start:self._end]
+            self._start, self._end = 0, have
+        while self._end < want:
+            self._end += self._recv(self._mv[self._end:limit], self._end, frame_len)
+
+    def read_header(self):
+        """``(length, msg_id)`` of the next frame (checked against the limits)."""
+        self._stage(F.FRAME_HEADER_SIZE, F.BUFFER_HEADER_SIZE, None)
+        return F.parse_frame_header(self._mv[self._start:self._start + F.FRAME_HEADER_SIZE],
+                                    self.max_buffer_size, self.max_control_frame)
+
+    def read_buffer_header(self, length):
+        self._stage(F.BUFFER_HEADER_SIZE, F.BUFFER_HEADER_SIZE, length)
+        h = F.parse_buffer_header(length, self._buf, self._start + F.FRAME_HEADER_SIZE)
+        self._start += F.BUFFER_HEADER_SIZE
+        return h
+
+    def read_body(self, length):
+        """Body of a control frame (or an event payload: pass its frame length)."""
+        self._stage(length, length, length)
+        body = bytes(self._mv[self._start + F.FRAME_HEADER_SIZE:self._start + length])
+        self._start += length
+        return body
+
+    def read_event(self):
+        self._stage(F.EVENT_PAYLOAD.size, F.EVENT_PAYLOAD.size, F.EVENT_PAYLOAD.size)
+        kind, aux = F.EVENT_PAYLOAD.unpack_from(self._buf, self._start)
+        self._start += F.EVENT_PAYLOAD.size
+        return kind, aux
+
+    def read_payload_into(self, buf, size):
+        """Receive ``size`` payload bytes straight into ``buf``'s segment.
+
+        One recvmsg_into scatters the payload into the segment and whatever
+        follows (at most the next 49-byte header, keeping the staging rule)
+        into the staging buffer: one system call per buffer when data flows."""
+        got = self._end - self._start
+        stage = self._mv[:F.BUFFER_HEADER_SIZE]
+        with buf.memory() as full:
+            if got:  # cannot happen by the staging rule; kept for safety (at most 48 bytes)
+                full[:got] = self._mv[self._start:self._end]
+            self._start = self._end = 0
+            while got < size:
+                with full[got:size] as part:
+                    try:
+                        n = self.sock.recvmsg_into([part, stage])[0]
+                    except OSError as e:
+                        raise ConnectionLostError(f"connection lost: {e}") from e
+                if n == 0:
+                    raise ProtocolError(f"truncated frame: the connection closed after "
+                                        f"{F.BUFFER_HEADER_SIZE + got} of {F.BUFFER_HEADER_SIZE + size} bytes")
+                got += n
+        if got > size:
+            self._end = got - size
+        stage.release()
+
+    def discard(self, size):
+        """Read and drop ``size`` payload bytes (data for a released channel)."""
+        scratch = bytearray(min(size, 65536) or 1)
+        left = size - (self._end - self._start)
+        self._start = self._end = 0
+        while left > 0:
+            n = self._recv(memoryview(scratch)[:min(left, len(scratch))], size - left, size)
+            left -= n
+
+    def read_control(self, length, msg_id):
+        return F.decode_control(msg_id, self.read_body(length))
+
+
+# ---------------------------------------------------------------- handshake
+
+def _mac(secret, label, a, b, mode):
+    return hmac.new(secret, label + a + b + bytes([mode]), hashlib.sha256).digest()
+
+
+def _read_one(reader):
+    length, msg_id = reader.read_header()
+    if msg_id == F.BUFFER_RESPONSE:
+        raise ProtocolError("a BufferResponse before authentication")
+    return reader.read_control(length, msg_id)
+
+
+def server_handshake(sock, reader, secret, max_buffer_size):
+    """Challenge the client; returns its flow-control mode (MODE_CREDIT/MODE_TCP)."""
+    nonce = os.urandom(F.NONCE_SIZE)
+    sock.sendall(F.encode_challenge(max_buffer_size, nonce))
+    msg = _read_one(reader)
+    if type(msg) is not F.AuthResponse:
+        raise ProtocolError(f"expected AuthResponse, got {type(msg).__name__} before authentication")
+    if msg.version != F.PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.version} not supported (this side speaks {F.PROTOCOL_VERSION})")
+    if not hmac.compare_digest(msg.mac, _mac(secret, b"pyflowbuf/1 client", nonce, msg.nonce, msg.mode)):
+        try:
+            sock.sendall(F.encode_error(None, "AuthenticationFailed", "authentication failed"))
+        except OSError:
+            pass
+        raise AuthenticationError("a client failed authentication (wrong shared secret)")
+    sock.sendall(F.encode_auth_ok(_mac(secret, b"pyflowbuf/1 server", msg.nonce, nonce, msg.mode)))
+    return msg.mode
+
+
+def client_handshake(sock, reader, secret, mode):
+    """Answer the server's challenge and check its proof; returns the server's
+    maximum buffer size."""
+    msg = _read_one(reader)
+    if type(msg) is F.ErrorResponse:
+        raise ProtocolError(f"server refused the connection: {msg.error_kind}: {msg.message}")
+    if type(msg) is not F.Challenge:
+        raise ProtocolError(f"expected Challenge, got {type(msg).__name__}")
+    if msg.version != F.PROTOCOL_VERSION:
+        raise ProtocolError(f"server speaks protocol version {msg.version}, this side {F.PROTOCOL_VERSION}")
+    nonce = os.urandom(F.NONCE_SIZE)
+    sock.sendall(F.encode_auth_response(mode, nonce, _mac(secret, b"pyflowbuf/1 client", msg.nonce, nonce, mode)))
+    ok = _read_one(reader)
+    if type(ok) is F.ErrorResponse:
+        raise AuthenticationError(f"server rejected authentication: {ok.message} (wrong shared secret?)")
+    if type(ok) is not F.AuthOk:
+        raise ProtocolError(f"expected AuthOk, got {type(ok).__name__}")
+    if not hmac.compare_digest(ok.mac, _mac(secret, b"pyflowbuf/1 server", nonce, msg.nonce, mode)):
+        raise AuthenticationError("the server failed authentication (wrong shared secret)")
+    return msg.max_buffer_size
+

@@ -1,0 +1,476 @@
+"""The producer side of the remote exchange: NetworkServer exports
+ResultSubpartitions (BufferQueues) and ships their buffers to remote
+InputChannels over one TCP connection per consumer process."""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from pyflowbuf._core.channel import END_OF_PARTITION, BufferQueue, InputGate
+from pyflowbuf._core.memory import Notifier
+from pyflowbuf.errors import (AuthenticationError, CancelledError, ConnectionLostError, FlowBufError,
+                              ProtocolError, RemoteError)
+from pyflowbuf.net import frames as F
+from pyflowbuf.net import protocol as P
+from pyflowbuf.net.credit import BACKLOG, DATA, EVENT, SenderView
+
+log = logging.getLogger("pyflowbuf.net")
+
+_MAX_BATCH_BUFFERS = 16
+_SAFETY_WAKE_S = 1.0
+
+
+class _Export:
+    __slots__ = ("partition_id", "subpartition", "queue", "kind", "on_release", "on_buffer_size",
+                 "state", "buffer_size")
+
+    def __init__(self, partition_id, subpartition, queue, kind, on_release, on_buffer_size):
+        self.partition_id = partition_id
+        self.subpartition = subpartition
+        self.queue = queue
+        self.kind = kind
+        self.on_release = on_release
+        self.on_buffer_size = on_buffer_size
+        self.state = "ready"      # -> consuming -> finished | released
+        self.buffer_size = None
+
+
+class NetworkServer:
+    """Exports subpartitions to consumers in other processes.
+
+    ``export(partition_id, subpartition, queue)`` makes a BufferQueue (the one a
+    RecordWriter fills) requestable by ``(partition_id, subpartition)``; a
+    consumer's ConnectionManager then sends a PartitionRequest and the server
+    streams the queue's buffers as they are finished, against the consumer's
+    credit. Each subpartition is consumed once, as in Flink's pipelined
+    partitions; once its end-of-partition is sent it is done.
+
+    If the consumer goes away (connection lost, protocol error, cancel) before
+    end-of-partition, the queue is cancelled and ``on_release(exc)`` of the
+    export (or the server's ``on_error(partition_id, subpartition, exc)``) is
+    called: the runtime should then cancel the producing task (e.g.
+    ``RecordWriter.cancel()``), which would otherwise wait forever for its
+    buffers to be recycled.
+
+    Listens on 127.0.0.1 unless ``host`` says otherwise; between hosts pass the
+    interface address (or "0.0.0.0") and give consumers ``(host, port)``.
+    Only peers that prove knowledge of ``secret`` (HMAC-SHA256 challenge-response)
+    can request anything.
+    """
+
+    def __init__(self, secret, host="127.0.0.1", port=0, *, max_buffer_size=32 * 1024,
+                 dead_peer_timeout=P.DEFAULT_DEAD_PEER_TIMEOUT,
+                 handshake_timeout=P.DEFAULT_HANDSHAKE_TIMEOUT, max_connections=256,
+                 on_error=None):
+        self._secret = P.check_secret(secret)
+        self.host = host
+        self._port = port
+        self.max_buffer_size = int(max_buffer_size)
+        self.dead_peer_timeout = dead_peer_timeout
+        self.handshake_timeout = handshake_timeout
+        self.max_connections = max_connections
+        self.on_error = on_error
+        self._exports = {}
+        self._lock = threading.Lock()
+        self._conns = set()
+        self._sock = None
+        self._acceptor = None
+        self._closed = False
+        self.errors = []          # (peer, exception) of connections that failed
+        self._buffers_sent = 0    # of connections already closed
+        self._bytes_sent = 0
+        self._announcements = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self):
+        """Bind and listen; returns the ``(host, port)`` consumers connect to."""
+        if self._sock is not None:
+            return self.address
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self.host, self._port))
+        s.listen(64)
+        self._sock = s
+        self._acceptor = threading.Thread(target=self._accept_loop, name="pyflowbuf-net-accept", daemon=True)
+        self._acceptor.start()
+        return self.address
+
+    @property
+    def address(self):
+        if self._sock is None:
+            raise RuntimeError("the server is not started")
+        return self._sock.getsockname()[:2]
+
+    def close(self):
+        """Stop accepting, close every connection (open subpartitions are
+        released with CancelledError)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        for c in list(self._conns):
+            c.close(CancelledError("the NetworkServer was closed"))
+        if self._acceptor is not None:
+            self._acceptor.join(5)
+        for c in list(self._conns):
+            c.join(5)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------ exports
+    def export(self, partition_id, subpartition, queue, *, kind="bytes", allow_pickle=False,
+               on_release=None, on_buffer_size=None):
+        """Make ``queue`` requestable as ``(partition_id, subpartition)``.
+
+        ``kind`` is the record kind the stream carries; a consumer must request
+        the same kind. Streams of pickled Python objects cross the network only
+        with ``allow_pickle=True`` here and on the consumer.
+        ``on_buffer_size(size)`` receives the consumer's NewBufferSize
+        announcements (buffer debloating)."""
+        if not isinstance(queue, BufferQueue):
+            raise TypeError(f"queue must be a BufferQueue, got {type(queue).__name__}")
+        if not isinstance(partition_id, str) or not 0 < len(partition_id.encode()) <= F.MAX_PARTITION_ID:
+            raise ValueError(f"partition_id must be a non-empty str of at most {F.MAX_PARTITION_ID} bytes")
+        if not isinstance(subpartition, int) or not 0 <= subpartition < 1 << 31:
+            raise ValueError(f"subpartition must be an int >= 0, got {subpartition!r}")
+        if kind == "pickle" and not allow_pickle:
+            raise ValueError("a pickle stream would send pickled Python objects over the network; "
+                             "pass allow_pickle=True (and trust every consumer) to export it")
+        if queue.network_pool.segment_size > self.max_buffer_size:
+            raise ValueError(f"segments of {queue.network_pool.segment_size} B exceed the server's "
+                             f"max_buffer_size={self.max_buffer_size}")
+        key = (partition_id, subpartition)
+        with self._lock:
+            if key in self._exports and self._exports[key].state in ("ready", "consuming"):
+                raise ValueError(f"{key} is already exported")
+            self._exports[key] = _Export(partition_id, subpartition, queue, kind, on_release, on_buffer_size)
+
+    def unexport(self, partition_id, subpartition):
+        with self._lock:
+            ex = self._exports.get((partition_id, subpartition))
+            if ex is not None and ex.state != "consuming":
+                del self._exports[(partition_id, subpartition)]
+
+    def export_state(self, partition_id, subpartition):
+        """"ready", "consuming", "finished", "released" or None."""
+        ex = self._exports.get((partition_id, subpartition))
+        return None if ex is None else ex.state
+
+    def _claim(self, req):
+        """The export a PartitionRequest asks for, or an ErrorResponse frame."""
+        with self._lock:
+            ex = self._exports.get((req.partition_id, req.subpartition))
+            if ex is None:
+                return None, F.encode_error(req.receiver_id, "PartitionNotFound",
+                                            f"partition {req.partition_id!r} subpartition {req.subpartition} "
+                                            "is not exported here")
+            if ex.state != "ready":
+                return None, F.encode_error(req.receiver_id, "PartitionAlreadyConsumed",
+                                            f"{(req.partition_id, req.subpartition)} is {ex.state}")
+            if req.kind != ex.kind:
+                return None, F.encode_error(req.receiver_id, "KindMismatch",
+                                            f"the consumer reads {req.kind!r} records but "
+                                            f"{(req.partition_id, req.subpartition)} carries {ex.kind!r}")
+            ex.state = "consuming"
+            return ex, None
+
+    def _release(self, ex, exc):
+        """A consumer stopped before end-of-partition."""
+        with self._lock:
+            if ex.state != "consuming":
+                return
+            ex.state = "released"
+        q = ex.queue
+        q.cancel()
+        while True:   # nobody will consume what is queued: give the segments back
+            x = q.pop_buffer()
+            if x is None:
+                break
+            if type(x) is not tuple:
+                x.recycle()
+        for cb, args in ((ex.on_release, (exc,)), (self.on_error, (ex.partition_id, ex.subpartition, exc))):
+            if cb is not None:
+                try:
+                    cb(*args)
+                except Exception:  # a broken callback must not take the I/O thread down
+                    log.exception("on_release/on_error callback failed")
+
+    def _finished(self, ex):
+        with self._lock:
+            ex.state = "finished"
+
+    # ------------------------------------------------------------ accepting
+    def _accept_loop(self):
+        while not self._closed:
+            try:
+                sock, peer = self._sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            if self._closed or len(self._conns) >= self.max_connections:
+                sock.close()
+                continue
+            conn = _ServerConnection(self, sock, peer)
+            self._conns.add(conn)
+            conn.start()
+
+    @property
+    def connections(self):
+        return len(self._conns)
+
+    def stats(self):
+        """Connections and views open now; buffers and bytes sent in total."""
+        conns = list(self._conns)
+        return {"connections": len(conns), "views": sum(len(c.views) for c in conns),
+                "buffers_sent": self._buffers_sent + sum(c.buffers_sent for c in conns),
+                "bytes_sent": self._bytes_sent + sum(c.bytes_sent for c in conns),
+                "backlog_announcements": self._announcements + sum(c.announcements for c in conns)}
+
+
+class _ServerConnection:
+    """One consumer process: a reader thread (handshake, then requests and
+    credit) and a writer thread (buffers), both parked when idle."""
+
+    def __init__(self, server, sock, peer):
+        self.server = server
+        self.sock = sock
+        self.peer = peer
+        self.views = {}
+        self.notifier = Notifier()
+        self.send_lock = threading.Lock()
+        self.closed = False
+        self.credit_based = True
+        self.error = None
+        self.buffers_sent = 0
+        self.bytes_sent = 0
+        self.announcements = 0
+        self._reader = threading.Thread(target=self._read_loop, name=f"pyflowbuf-net-srv-read-{peer}", daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name=f"pyflowbuf-net-srv-write-{peer}",
+                                        daemon=True)
+
+    def start(self):
+        self._reader.start()
+
+    def join(self, timeout):
+        self._reader.join(timeout)
+        if self._writer.is_alive():
+            self._writer.join(timeout)
+
+    def close(self, exc=None):
+        if self.closed:
+            return
+        self.closed = True
+        self.error = exc
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.notifier.notify()
+
+    def _send(self, data):
+        with self.send_lock:
+            self.sock.sendall(data)
+
+    # ------------------------------------------------------------ reading
+    def _read_loop(self):
+        srv = self.server
+        exc = None
+        try:
+            P.configure_socket(self.sock, srv.dead_peer_timeout)
+            reader = P.FrameReader(self.sock, srv.max_buffer_size)
+            self.sock.settimeout(srv.handshake_timeout)
+            mode = P.server_handshake(self.sock, reader, srv._secret, srv.max_buffer_size)
+            self.sock.settimeout(None)
+            self.credit_based = mode == F.MODE_CREDIT
+            self._writer.start()
+            while not self.closed:
+                length, msg_id = reader.read_header()
+                if msg_id == F.BUFFER_RESPONSE:
+                    raise ProtocolError("a consumer sent a BufferResponse")
+                self._handle(reader.read_control(length, msg_id))
+        except _Closed:
+            pass
+        except socket.timeout:
+            exc = ProtocolError(f"the client did not authenticate within {srv.handshake_timeout} s")
+        except (FlowBufError, OSError) as e:
+            exc = e if isinstance(e, FlowBufError) else ConnectionLostError(f"connection lost: {e}")
+            if isinstance(e, ProtocolError) and not isinstance(e, AuthenticationError):
+                P.tell_peer(self.sock, self.send_lock, e)
+        except Exception as e:  # a bug: still tear down cleanly
+            log.exception("server reader failed")
+            exc = e
+        finally:
+            self._teardown(exc)
+
+    def _handle(self, msg):
+        t = type(msg)
+        if t is F.AddCredit:
+            v = self.views.get(msg.receiver_id)
+            if v is not None:   # credit for a view already finished is dropped
+                v.add_credit(msg.credit)
+                self.notifier.notify()
+        elif t is F.PartitionRequest:
+            self._open_view(msg)
+        elif t is F.CancelPartitionRequest:
+            v = self.views.get(msg.receiver_id)
+            if v is not None:   # the writer releases it (it owns the view's buffers)
+                v.cancelled = CancelledError("the consumer cancelled the partition request")
+                self.notifier.notify()
+        elif t is F.ResumeConsumption:
+            v = self.views.get(msg.receiver_id)
+            if v is not None:
+                v.resume()
+                self.notifier.notify()
+        elif t is F.NewBufferSize:
+            v = self.views.get(msg.receiver_id)
+            if v is not None:
+                v.export.buffer_size = msg.size
+                if v.export.on_buffer_size is not None:
+                    try:
+                        v.export.on_buffer_size(msg.size)
+                    except Exception:
+                        log.exception("on_buffer_size callback failed")
+        elif t is F.CloseRequest:
+            raise _Closed()
+        elif t is F.ErrorResponse:
+            raise RemoteError(f"the consumer reported: {msg.error_kind}: {msg.message}", msg.error_kind)
+        else:
+            raise ProtocolError(f"unexpected {t.__name__} from a consumer")
+
+    def _open_view(self, req):
+        if req.receiver_id in self.views:
+            raise ProtocolError("duplicate receiver id in PartitionRequest")
+        ex, err = self.server._claim(req)
+        if ex is None:
+            self._send(err)
+            return
+        v = SenderView(ex.queue, req.receiver_id, req.subpartition, req.credit, self.credit_based,
+                       bool(req.flags & F.FLAG_BLOCK_ON_BARRIER))
+        v.export = ex
+        # An InputGate is the only way to make the queue's pushes notify this
+        # connection's writer; the gate itself is never read.
+        v.gate_ref = InputGate([ex.queue], self.notifier)
+        self.views[req.receiver_id] = v
+        self.notifier.notify()
+
+    # ------------------------------------------------------------ writing
+    def _write_loop(self):
+        exc = None
+        try:
+            while True:
+                token = self.notifier.prepare()
+                if self.closed:
+                    self.notifier.cancel()
+                    break
+                parts, bufs, done = self._collect()
+                if not parts:
+                    self.notifier.wait(token, _SAFETY_WAKE_S)
+                    continue
+                self.notifier.cancel()
+                nbytes = 0
+                for b in bufs:
+                    nbytes += b.size
+                try:
+                    with self.send_lock:
+                        P.send_all(self.sock, parts)
+                except BaseException as e:
+                    for v in done:   # their end-of-partition never left
+                        self.server._release(v.export, ConnectionLostError(f"connection lost: {e}"))
+                    raise
+                finally:
+                    for mv in parts:
+                        if type(mv) is memoryview:
+                            mv.release()
+                    for b in bufs:
+                        b.release()
+                self.buffers_sent += len(bufs)
+                self.bytes_sent += nbytes
+                for v in done:
+                    self.server._finished(v.export)
+        except (FlowBufError, OSError) as e:
+            exc = e if isinstance(e, FlowBufError) else ConnectionLostError(f"connection lost: {e}")
+        except Exception as e:
+            log.exception("server writer failed")
+            exc = e
+        finally:
+            if exc is not None:
+                self.close(exc)
+
+    def _collect(self):
+        """One gathered send: round robin over the views, one frame per view
+        per round, so a view without credit never holds up the others."""
+        parts, bufs, done = [], [], []
+        views = self.views
+        progress = True
+        while progress and len(bufs) < _MAX_BATCH_BUFFERS:
+            progress = False
+            for v in list(views.values()):
+                if v.cancelled is not None:
+                    v.release()
+                    views.pop(v.receiver_id, None)
+                    self.server._release(v.export, v.cancelled)
+                    continue
+                out = v.poll()
+                if out is None:
+                    continue
+                progress = True
+                what, item, seq, backlog, prio = out
+                if what == DATA:
+                    dt = F.TYPE_CODES[item.data_type] | (F.PRIORITY_BIT if prio else 0)
+                    parts.append(F.encode_buffer_header(v.receiver_id, v.subpartition, seq, backlog, dt,
+                                                        item.size, item.width, item.flags))
+                    parts.append(memoryview(item))
+                    bufs.append(item)
+                elif what == EVENT:
+                    kind, aux, flags = item
+                    parts.append(F.encode_event(v.receiver_id, v.subpartition, seq, backlog, kind, aux, flags, prio))
+                    if kind == END_OF_PARTITION:
+                        v.finished = True
+                        del views[v.receiver_id]
+                        done.append(v)
+                elif what == BACKLOG:
+                    parts.append(F.encode_backlog_announcement(backlog, v.receiver_id))
+                    self.announcements += 1
+        return parts, bufs, done
+
+    def _teardown(self, exc):
+        self.close(exc)
+        exc = self.error or exc   # why we closed it, if we did, beats what recv saw then
+        if exc is not None and not isinstance(exc, CancelledError):
+            self.server.errors.append((self.peer, exc))
+            if self.views:
+                log.warning("pyflowbuf.net: connection from %s failed: %s", self.peer, exc)
+        if self._writer.is_alive():
+            self._writer.join(10)
+        lost = exc if exc is not None else CancelledError("the consumer closed the connection")
+        for v in list(self.views.values()):
+            self.views.pop(v.receiver_id, None)
+            if not v.finished:
+                v.release()
+                self.server._release(v.export, lost)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        with self.server._lock:
+            self.server._buffers_sent += self.buffers_sent
+            self.server._bytes_sent += self.bytes_sent
+            self.server._announcements += self.announcements
+        self.server._conns.discard(self)
+
+
+class _Closed(Exception):
+    """The consumer sent CloseRequest."""
