@@ -52,4 +52,6 @@ cdef class RecordView:
     cdef Py_ssize_t length
     cdef Py_ssize_t shape[1]
     @staticmethod
+    cdef RecordView new(Buffer buf, char *ptr, Py_ssize_t length)
+    @staticmethod
     cdef object memoryview_of(Buffer buf, char *ptr, Py_ssize_t length)

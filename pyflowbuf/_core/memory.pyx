@@ -538,13 +538,17 @@ cdef class RecordView:
         raise TypeError("RecordViews come from a RecordReader")
 
     @staticmethod
-    cdef object memoryview_of(Buffer buf, char *ptr, Py_ssize_t length):
+    cdef RecordView new(Buffer buf, char *ptr, Py_ssize_t length):
         cdef RecordView rv = RecordView.__new__(RecordView)
         rv.buf = buf
         rv.ptr = ptr
         rv.length = length
         buf._exports += 1
-        return PyMemoryView_FromObject(rv)
+        return rv
+
+    @staticmethod
+    cdef object memoryview_of(Buffer buf, char *ptr, Py_ssize_t length):
+        return PyMemoryView_FromObject(RecordView.new(buf, ptr, length))
 
     def __dealloc__(self):
         if self.buf is not None:

@@ -32,6 +32,15 @@ import pickle
 
 import numpy as np
 
+cimport numpy as cnp
+from cpython.object cimport PyTypeObject
+
+cnp.import_array()
+
+cdef extern from "numpy/arrayobject.h":
+    object PyArray_NewFromDescr(PyTypeObject *subtype, cnp.dtype descr, int nd, cnp.npy_intp *dims,
+                                cnp.npy_intp *strides, void *data, int flags, object obj)
+
 from pyflowbuf import errors as _errors
 
 cdef extern from "Python.h":
@@ -746,7 +755,7 @@ cdef class RecordReader:
         """The rest of the next fixed-width buffer as a read-only NumPy view
         (zero copy; the segment is held until the array is gone). None on
         timeout, at an event or at the end."""
-        dt = np.dtype(dtype)
+        cdef cnp.dtype dt = dtype if type(dtype) is not type and isinstance(dtype, np.dtype) else np.dtype(dtype)
         cdef ChanState *c
         cdef int64_t t = _timeout_ns(timeout)
         cdef Buffer buf
@@ -767,8 +776,15 @@ cdef class RecordReader:
             buf = Buffer.wrap(&c.cur, self.arena_owner)
             Py_INCREF(buf)
             c.cur_buf = <PyObject *>buf
-        mv = RecordView.memoryview_of(<Buffer>c.cur_buf, c.base + c.pos, c.cur.size - c.pos)
-        arr = np.frombuffer(mv, dtype=dt)
+        # A NumPy array straight over the segment, its base the view that keeps
+        # the segment from being recycled: no memoryview, no np.frombuffer.
+        rv = RecordView.new(<Buffer>c.cur_buf, c.base + c.pos, c.cur.size - c.pos)
+        cdef cnp.npy_intp dims[1]
+        dims[0] = (c.cur.size - c.pos) // c.cur.width
+        Py_INCREF(dt)  # NewFromDescr steals a reference
+        arr = PyArray_NewFromDescr(<PyTypeObject *>np.ndarray, dt, 1, dims, NULL, c.base + c.pos, 0, None)
+        Py_INCREF(rv)  # SetBaseObject steals one too
+        cnp.PyArray_SetBaseObject(arr, rv)
         self.records_in += (c.cur.size - c.pos) // c.cur.width
         c.pos = c.cur.size
         self._release_current(c)
