@@ -248,6 +248,8 @@ class ClusterExecution:
 
     def _fail(self, task, op, text, tb, secondary):
         with self._lock:
+            if secondary and self.cancelled and self.failure is None:
+                return  # a peer going away because the job was cancelled is no failure
             replace = self.failure is None or (self._failure_secondary and not secondary)
             if replace:
                 self.failure = (task, op, text, tb)

@@ -144,6 +144,8 @@ class JobExecution:
     def _remote_failed(self, exc):
         """A remote channel or export failed (peer died, protocol error, the
         consumer went away before the end): the job fails."""
+        if isinstance(exc, errors.CancelledError) and self.cancelled:
+            return
         with self._lock:
             first = self.failure is None and not self.cancelled
             if first:
