@@ -22,7 +22,7 @@ import traceback
 
 from pyflowbuf import errors
 from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
-from pyflowbuf.runtime.job import CANCEL_GRACE_S, JobExecution
+from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution
 
 DRIVER = -1
 START_TIMEOUT_S = 60.0
@@ -160,7 +160,7 @@ def _worker_main(env, me, workers, secret, conn):
             os._exit(0)
 
 
-class ClusterExecution:
+class ClusterExecution(Execution):
     """Same surface as JobExecution (start/join/cancel/iterate/metrics/summary/done)."""
 
     def __init__(self, env):
@@ -275,22 +275,7 @@ class ClusterExecution:
                 p.kill()
                 p.join(5)
 
-    def join(self, timeout=None):
-        try:
-            if not self._done.wait(timeout):
-                self.cancel()
-                self._done.wait(CANCEL_GRACE_S)
-                raise TimeoutError(f"job {self.env.name!r} did not finish within {timeout} s (cancelled)")
-        except KeyboardInterrupt:
-            self.cancel()
-            self._done.wait(CANCEL_GRACE_S)
-            raise
-        finally:
-            self._finish()
-        self.raise_if_failed()
-        return self
-
-    def _finish(self):
+    def _close(self):
         self._kill()
         for c in self._conns:
             c.close()
@@ -308,10 +293,6 @@ class ClusterExecution:
                 f"job {self.env.name!r} failed: operator {op!r} in task {task!r} raised {text}"
                 f"\n\nOriginal traceback (in the worker process):\n{tb}")
 
-    def run(self, timeout=None):
-        self.start()
-        return self.join(timeout)
-
     def iterate(self, sink_node):
         self.start()
         try:
@@ -325,10 +306,6 @@ class ClusterExecution:
         self.join()
 
     # ---- inspection ----
-    @property
-    def done(self):
-        return self._done.is_set()
-
     @property
     def tasks(self):
         return []

@@ -19,7 +19,37 @@ from pyflowbuf.runtime.task import Subtask
 CANCEL_GRACE_S = 10.0
 
 
-class JobExecution:
+class Execution:
+    """What a job run in this process (JobExecution) and one spread over worker
+    processes (ClusterExecution) share: waiting, and stopping on the way out."""
+
+    def join(self, timeout=None):
+        """Wait for the job; raise JobFailedError on failure, TimeoutError if it
+        did not finish (the job is then cancelled)."""
+        try:
+            if not self._done.wait(timeout):
+                self.cancel()
+                self._done.wait(CANCEL_GRACE_S)
+                raise TimeoutError(f"job {self.env.name!r} did not finish within {timeout} s (cancelled)")
+        except KeyboardInterrupt:
+            self.cancel()
+            self._done.wait(CANCEL_GRACE_S)
+            raise
+        finally:
+            self._close()
+        self.raise_if_failed()
+        return self
+
+    def run(self, timeout=None):
+        self.start()
+        return self.join(timeout)
+
+    @property
+    def done(self):
+        return self._done.is_set()
+
+
+class JobExecution(Execution):
     """One process's share of a job. Without ``placement`` every subtask runs
     here (threads); with it, only the subtasks placed on worker ``me`` do, and
     exchanges with subtasks elsewhere go through ``remote`` (a
@@ -225,23 +255,6 @@ class JobExecution:
         if self.iterator_input is not None:
             self.iterator_input.gate.cancel()
 
-    def join(self, timeout=None):
-        """Wait for the job; raise JobFailedError on failure, TimeoutError if it
-        did not finish (the job is then cancelled)."""
-        try:
-            if not self._done.wait(timeout):
-                self.cancel()
-                self._done.wait(CANCEL_GRACE_S)
-                raise TimeoutError(f"job {self.env.name!r} did not finish within {timeout} s (cancelled)")
-        except KeyboardInterrupt:
-            self.cancel()
-            self._done.wait(CANCEL_GRACE_S)
-            raise
-        finally:
-            self._close()
-        self.raise_if_failed()
-        return self
-
     def _close(self):
         if self.sampler is not None:
             self.sampler.stop()
@@ -256,10 +269,6 @@ class JobExecution:
             raise errors.JobFailedError(
                 f"job {self.env.name!r} failed: operator {op!r} in task {task!r} raised "
                 f"{type(exc).__name__}: {exc}\n\nOriginal traceback:\n{tb}") from exc
-
-    def run(self, timeout=None):
-        self.start()
-        return self.join(timeout)
 
     def iterate(self, sink_node):
         """Generator: the records reaching the iterator sink, in this thread."""
@@ -293,10 +302,6 @@ class JobExecution:
             self._close()
 
     # ---- inspection ----
-    @property
-    def done(self):
-        return self._done.is_set()
-
     def metrics(self) -> dict:
         return {} if self.sampler is None else self.sampler.latest()
 
