@@ -84,14 +84,18 @@ class MapBatch(Operator):
         return [fn(b) for b in batch]
 
 
-class KeyedReduce(Operator):
-    """Rolling reduce per key; emits the updated aggregate for every input."""
+class _Keyed(Operator):
+    """Keyed operators: ``fn`` applied with per-key state held in the task."""
 
     def __init__(self, name, key_fn, fn):
         super().__init__(name)
         self.key_fn = key_fn
         self.fn = fn
         self.state: dict = {}
+
+
+class KeyedReduce(_Keyed):
+    """Rolling reduce per key; emits the updated aggregate for every input."""
 
     def process_batch(self, batch):
         key_fn, fn, state = self.key_fn, self.fn, self.state
@@ -111,15 +115,9 @@ class KeyedReduce(Operator):
         self.state = dict(state or {})
 
 
-class KeyedProcess(Operator):
+class KeyedProcess(_Keyed):
     """``fn(key, value, state) -> iterable`` with ``state`` a per-key dict that
     lives in the task (and goes into checkpoints)."""
-
-    def __init__(self, name, key_fn, fn):
-        super().__init__(name)
-        self.key_fn = key_fn
-        self.fn = fn
-        self.state: dict = {}
 
     def process_batch(self, batch):
         key_fn, fn, state = self.key_fn, self.fn, self.state
