@@ -570,3 +570,18 @@ def test_mixing_network_pools_is_refused():
 def test_none_where_an_object_belongs_is_a_type_error(make):
     with pytest.raises(TypeError):
         make(NetworkBufferPool(2, 256))
+
+
+def test_nothing_is_accepted_after_end_input():
+    nbp = NetworkBufferPool(8, 256)
+    q = BufferQueue(nbp)
+    w = RecordWriter(nbp.create_pool(0, 8), [q])
+    r = RecordReader(q)
+    w.write(b"last")
+    w.end_input()
+    w.end_input()  # idempotent
+    for attempt in (lambda: w.write(b"late"), lambda: w.write_batch([b"a", b"b"]),
+                    lambda: w.write_array(np.zeros(4, np.int64)), lambda: w.broadcast_event(16)):
+        with pytest.raises(errors.ChannelClosedError, match="end_input"):
+            attempt()
+    assert [bytes(x) for x in r] == [b"last"]

@@ -198,6 +198,7 @@ cdef class InputGate:
         cdef int n = self.num_channels, i, idx
         for i in range(n):
             if fb_ring_pop(self.prios[i], d) == FB_OK:
+                fb_event_notify(self.spaces[i])
                 channel[0] = i
                 return FB_OK
         for i in range(n):

@@ -428,6 +428,8 @@ cdef class RecordWriter:
     def broadcast_event(self, int kind, long long aux=0, int flags=0, bint priority=False):
         """Flush, then send an event to every subpartition. A priority event
         (unaligned barrier) overtakes buffers already queued."""
+        if self.ended:
+            raise _errors.ChannelClosedError("end_input() was called: the subpartitions have ended")
         if not priority:
             self.flush()
         for q in self.queues:
@@ -439,6 +441,10 @@ cdef class RecordWriter:
             return
         self.broadcast_event(EVT_END_OF_PARTITION)
         self.ended = True
+        if not self._is_broken:
+            # the same flag as a cut record: refuses writes at no cost on the fast path
+            self._is_broken = True
+            self.broken = "end_input() was called: the subpartitions have ended"
 
     def cancel(self):
         """Wake a writer parked on a dry pool or full queue; it raises CancelledError."""
