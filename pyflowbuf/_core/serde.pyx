@@ -453,14 +453,6 @@ cdef class RecordWriter:
             (<BufferQueue>q).cancel()
 
     @property
-    def queues_(self):
-        return tuple(self.queues)
-
-    @property
-    def pool_(self):
-        return self.pool
-
-    @property
     def pending_bytes(self):
         """Bytes written into buffers not yet handed over."""
         cdef int i
@@ -636,14 +628,10 @@ cdef class RecordReader:
         return _NEED_MORE
 
     cdef object _make_from_assembled(self, object b):
+        # only for typed kinds: _make decodes them without looking at the channel
         cdef ChanState tmp
         tmp.cur_buf = NULL
-        saved = self.zero_copy_min
-        self.zero_copy_min = 0xFFFFFFFF
-        try:
-            return self._make(&tmp, PyBytes_AS_STRING(b), <uint32_t>PyBytes_GET_SIZE(b))
-        finally:
-            self.zero_copy_min = saved
+        return self._make(&tmp, PyBytes_AS_STRING(b), <uint32_t>PyBytes_GET_SIZE(b))
 
     cdef int _next_buffer(self, int64_t timeout_ns) except -2:
         """Take the next buffer from the gate. Returns 1 with cur_ch set, 0 when

@@ -188,7 +188,7 @@ class Subtask(threading.Thread):
 
     def _finish(self):
         tail: list = []
-        for i, op in enumerate(self.operators):
+        for op in self.operators:
             self.current_operator = op.name
             if tail:
                 tail = op.process_batch(tail)
