@@ -25,6 +25,7 @@ cdef class BufferQueue:
     cdef readonly uint64_t bytes_pushed
     cdef int push(self, const fb_bufdesc *d, bint priority) except -1 nogil
     cdef int pop(self, fb_bufdesc *d) noexcept nogil
+    cdef fb_bufdesc *peek(self, bint *priority) noexcept nogil
     cdef int attach(self, Notifier consumer) except -1
 
 

@@ -88,6 +88,15 @@ cdef class BufferQueue:
             return FB_OK
         return FB_E_UNAVAILABLE
 
+    cdef fb_bufdesc *peek(self, bint *priority) noexcept nogil:
+        """The descriptor ``pop`` would take next (priority lane first), left
+        in place; NULL when both lanes are empty. Consumer side only."""
+        cdef fb_bufdesc *d = fb_ring_peek(self.prio)
+        priority[0] = d is not NULL
+        if d is NULL:
+            d = fb_ring_peek(self.ring)
+        return d
+
     def push_event(self, int kind, long long aux=0, int flags=0, bint priority=False):
         """Enqueue an event (end of partition, barrier, ...). Events take no
         segment and are never blocked by a dry pool."""

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+from pyflowbuf._core import netio
 from pyflowbuf._core.channel import END_OF_PARTITION, BufferQueue
 from pyflowbuf._core.memory import LocalBufferPool, NetworkBufferPool, Notifier
 from pyflowbuf.errors import (CancelledError, ChannelClosedError, ConnectionLostError, FlowBufError,
@@ -49,11 +50,9 @@ class RemoteInputChannel:
         self.flags = flags
         self.on_error = on_error
         self.receiver_id = os.urandom(16)
-        self.state = "requested"
+        credit.bind(self.receiver_id, queue)
+        self._state = "requested"
         self.error = None
-        self.expected_seq = 0
-        self.buffers_received = 0
-        self.bytes_received = 0
         self.events_received = 0
         self.gate = None
         self._deadline = time.monotonic() + request_timeout
@@ -64,6 +63,41 @@ class RemoteInputChannel:
     @property
     def address(self):
         return self.connection.address
+
+    # the receive loop keeps these with the credit (one place, no GIL needed)
+    @property
+    def state(self):
+        if self._state == "requested" and self.credit.buffers_received:
+            self._state = "receiving"
+        return self._state
+
+    @state.setter
+    def state(self, value):
+        self._state = value
+
+    @property
+    def expected_seq(self):
+        return self.credit.expected_seq
+
+    @expected_seq.setter
+    def expected_seq(self, value):
+        self.credit.expected_seq = value
+
+    @property
+    def buffers_received(self):
+        return self.credit.buffers_received
+
+    @buffers_received.setter
+    def buffers_received(self, value):
+        self.credit.buffers_received = value
+
+    @property
+    def bytes_received(self):
+        return self.credit.bytes_received
+
+    @bytes_received.setter
+    def bytes_received(self, value):
+        self.credit.bytes_received = value
 
     @property
     def active(self):
@@ -135,7 +169,11 @@ class _ClientConnection:
         self.reader = reader
         self.channels = {}
         self._released_ids = {}
-        self.send_lock = threading.Lock()
+        self.wire = netio.Wire(sock)
+        # credit mode: data frames are received by a GIL-free loop
+        self.pump = netio.ReceivePump(self.wire, manager._wake, max_buffer_size) if manager.credit_based else None
+        self._version = 0         # bumped whenever the set of channels changes
+        self._pump_version = -1
         self.closed = False
         self.error = None
         self._thread = threading.Thread(target=self._read_loop, name=f"pyflowbuf-net-cli-read-{address}",
@@ -144,11 +182,16 @@ class _ClientConnection:
     def send(self, data):
         if self.closed:
             raise ChannelClosedError(f"the connection to {self.address} is closed") from self.error
-        with self.send_lock:
-            self.sock.sendall(data)
+        self.wire.send(data)
+
+    def add(self, ch):
+        self.channels[ch.receiver_id] = ch
+        self._version += 1
 
     def forget(self, ch):
+        ch.credit.detach()
         self.channels.pop(ch.receiver_id, None)
+        self._version += 1
         self._released_ids[ch.receiver_id] = None
         if len(self._released_ids) > _RELEASED_MEMORY:
             self._released_ids.pop(next(iter(self._released_ids)))
@@ -166,13 +209,19 @@ class _ClientConnection:
     # ------------------------------------------------------------ reading
     def _read_loop(self):
         exc = None
+        pump = self.pump
         try:
             while not self.closed:
+                if pump is not None:
+                    if self._pump_version != self._version:
+                        self._pump_version = self._version
+                        pump.set_channels([ch.credit for ch in list(self.channels.values())])
+                    pump.run(self.reader)   # data frames, GIL released; returns at anything else
                 self._read_one()
         except (FlowBufError, OSError) as e:
             exc = e if isinstance(e, FlowBufError) else ConnectionLostError(f"connection lost: {e}")
             if isinstance(e, ProtocolError):
-                P.tell_peer(self.sock, self.send_lock, e)
+                P.tell_peer(self.wire, e)
         except Exception as e:
             log.exception("client reader failed")
             exc = e
@@ -283,10 +332,7 @@ class _ClientConnection:
         for ch in list(self.channels.values()):
             ch._fail(exc)
         self.channels.clear()
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        self.wire.close()
         self.manager._conn_closed(self)
 
 
@@ -381,7 +427,7 @@ class ConnectionManager:
         ch = RemoteInputChannel(self, conn, partition_id, subpartition, queue, credit, kind, flags,
                                 on_error, self.partition_request_timeout)
         req = F.encode_partition_request(partition_id, subpartition, ch.receiver_id, initial, kind, flags)
-        conn.channels[ch.receiver_id] = ch
+        conn.add(ch)
         self._ensure_control()
         try:
             conn.send(req)
@@ -561,11 +607,10 @@ class ConnectionManager:
                     continue
                 if not credit_based or ch.state not in ("requested", "receiving"):
                     continue
-                cr = ch.credit
-                cr.replenish()
-                if cr.should_announce():
-                    out.append(F.encode_add_credit(cr.announce(), ch.receiver_id))
-                if cr.hungry():
+                n, h = ch.credit.service()   # the receive loop may announce meanwhile
+                if n:
+                    out.append(F.encode_add_credit(n, ch.receiver_id))
+                if h:
                     hungry = True
             if out:
                 try:

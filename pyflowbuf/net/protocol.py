@@ -86,17 +86,14 @@ def send_all(sock, parts):
             n = sock.sendmsg(parts[idx:idx + _IOV_MAX])
 
 
-def tell_peer(sock, lock, error):
+def tell_peer(wire, error):
     """Best effort, never blocking: a fatal ErrorResponse naming ``error``
-    before we close, so the peer reports why instead of a bare disconnect."""
-    if not lock.acquire(timeout=0.2):
-        return
+    before we close, so the peer reports why instead of a bare disconnect.
+    ``wire`` is the connection's netio.Wire."""
     try:
-        sock.send(F.encode_error(None, type(error).__name__, str(error)), socket.MSG_DONTWAIT)
+        wire.send_nowait(F.encode_error(None, type(error).__name__, str(error)))
     except OSError:
         pass
-    finally:
-        lock.release()
 
 
 class FrameReader:

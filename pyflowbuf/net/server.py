@@ -7,6 +7,7 @@ import logging
 import socket
 import threading
 
+from pyflowbuf._core import netio
 from pyflowbuf._core.channel import END_OF_PARTITION, BufferQueue, InputGate
 from pyflowbuf._core.memory import Notifier
 from pyflowbuf.errors import (AuthenticationError, CancelledError, ConnectionLostError, FlowBufError,
@@ -242,7 +243,10 @@ class NetworkServer:
 
 class _ServerConnection:
     """One consumer process: a reader thread (handshake, then requests and
-    credit) and a writer thread (buffers), both parked when idle."""
+    credit) and a writer thread (buffers), both parked when idle. The writer
+    spends its time in a SendPump, without the GIL; it comes back to Python
+    only for events, the priority lane, backlog announcements and views
+    opened or cancelled."""
 
     def __init__(self, server, sock, peer):
         self.server = server
@@ -250,16 +254,25 @@ class _ServerConnection:
         self.peer = peer
         self.views = {}
         self.notifier = Notifier()
-        self.send_lock = threading.Lock()
+        self.wire = netio.Wire(sock)
+        self.pump = netio.SendPump(self.wire, self.notifier)
         self.closed = False
         self.credit_based = True
         self.error = None
-        self.buffers_sent = 0
-        self.bytes_sent = 0
+        self._buffers_sent = 0    # by the Python path; the pump counts its own
+        self._bytes_sent = 0
         self.announcements = 0
         self._reader = threading.Thread(target=self._read_loop, name=f"pyflowbuf-net-srv-read-{peer}", daemon=True)
         self._writer = threading.Thread(target=self._write_loop, name=f"pyflowbuf-net-srv-write-{peer}",
                                         daemon=True)
+
+    @property
+    def buffers_sent(self):
+        return self._buffers_sent + self.pump.buffers_sent
+
+    @property
+    def bytes_sent(self):
+        return self._bytes_sent + self.pump.bytes_sent
 
     def start(self):
         self._reader.start()
@@ -278,11 +291,10 @@ class _ServerConnection:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self.notifier.notify()
+        self.pump.close()
 
     def _send(self, data):
-        with self.send_lock:
-            self.sock.sendall(data)
+        self.wire.send(data)
 
     # ------------------------------------------------------------ reading
     def _read_loop(self):
@@ -308,7 +320,7 @@ class _ServerConnection:
         except (FlowBufError, OSError) as e:
             exc = e if isinstance(e, FlowBufError) else ConnectionLostError(f"connection lost: {e}")
             if isinstance(e, ProtocolError) and not isinstance(e, AuthenticationError):
-                P.tell_peer(self.sock, self.send_lock, e)
+                P.tell_peer(self.wire, e)
         except Exception as e:  # a bug: still tear down cleanly
             log.exception("server reader failed")
             exc = e
@@ -328,7 +340,7 @@ class _ServerConnection:
             v = self.views.get(msg.receiver_id)
             if v is not None:   # the writer releases it (it owns the view's buffers)
                 v.cancelled = CancelledError("the consumer cancelled the partition request")
-                self.notifier.notify()
+                self.pump.mark_dirty()
         elif t is F.ResumeConsumption:
             v = self.views.get(msg.receiver_id)
             if v is not None:
@@ -364,42 +376,23 @@ class _ServerConnection:
         # connection's writer; the gate itself is never read.
         v.gate_ref = InputGate([ex.queue], self.notifier)
         self.views[req.receiver_id] = v
-        self.notifier.notify()
+        self.pump.mark_dirty()
 
     # ------------------------------------------------------------ writing
     def _write_loop(self):
         exc = None
+        pump = self.pump
         try:
-            while True:
-                token = self.notifier.prepare()
-                if self.closed:
-                    self.notifier.cancel()
+            while not self.closed:
+                if pump.take_dirty():
+                    pump.set_views(list(self.views.values()))
+                rc = pump.run(_SAFETY_WAKE_S)   # data buffers, GIL released
+                if rc == netio.CLOSED:
                     break
-                parts, bufs, done = self._collect()
-                if not parts:
-                    self.notifier.wait(token, _SAFETY_WAKE_S)
-                    continue
-                self.notifier.cancel()
-                nbytes = 0
-                for b in bufs:
-                    nbytes += b.size
-                try:
-                    with self.send_lock:
-                        P.send_all(self.sock, parts)
-                except BaseException as e:
-                    for v in done:   # their end-of-partition never left
-                        self.server._release(v.export, ConnectionLostError(f"connection lost: {e}"))
-                    raise
-                finally:
-                    for mv in parts:
-                        if type(mv) is memoryview:
-                            mv.release()
-                    for b in bufs:
-                        b.release()
-                self.buffers_sent += len(bufs)
-                self.bytes_sent += nbytes
-                for v in done:
-                    self.server._finished(v.export)
+                # an event, the priority lane, a backlog announcement, a
+                # cancelled view, or a safety wake-up: one pass in Python
+                self._python_pass()
+                pump.set_views(list(self.views.values()))
         except (FlowBufError, OSError) as e:
             exc = e if isinstance(e, FlowBufError) else ConnectionLostError(f"connection lost: {e}")
         except Exception as e:
@@ -408,6 +401,30 @@ class _ServerConnection:
         finally:
             if exc is not None:
                 self.close(exc)
+
+    def _python_pass(self):
+        parts, bufs, done = self._collect()
+        if not parts:
+            return
+        nbytes = 0
+        for b in bufs:
+            nbytes += b.size
+        try:
+            self.wire.sendmsg(parts)
+        except BaseException as e:
+            for v in done:   # their end-of-partition never left
+                self.server._release(v.export, ConnectionLostError(f"connection lost: {e}"))
+            raise
+        finally:
+            for mv in parts:
+                if type(mv) is memoryview:
+                    mv.release()
+            for b in bufs:
+                b.release()
+        self._buffers_sent += len(bufs)
+        self._bytes_sent += nbytes
+        for v in done:
+            self.server._finished(v.export)
 
     def _collect(self):
         """One gathered send: round robin over the views, one frame per view
@@ -461,10 +478,7 @@ class _ServerConnection:
             if not v.finished:
                 v.release()
                 self.server._release(v.export, lost)
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        self.wire.close()
         with self.server._lock:
             self.server._buffers_sent += self.buffers_sent
             self.server._bytes_sent += self.bytes_sent

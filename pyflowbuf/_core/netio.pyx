@@ -1,0 +1,1038 @@
+"""The hot paths of the remote exchange, run without the GIL.
+
+Data buffers cross a connection without Python. On the producer a SendPump
+gathers the finished buffers of every SenderView against their credit and
+writes them with one sendmsg, header and segment side by side. On the
+consumer a ReceivePump reads BufferResponse headers, receives each payload
+straight into a segment its channel reserved, pushes it to the channel's
+BufferQueue, and turns recycled segments back into credit (AddCredit) on
+the same thread. Everything rare (events, control frames, the priority lane,
+odd or bad input, TCP-window-only mode) goes back to pyflowbuf.net, which
+handles that one frame and re-enters the loop: every protocol decision and
+error message stays in one place.
+
+Flow-control state lives here too (ReceiverCredit, SenderView) so the loops
+and Python share one set of books; the model-based tests drive them directly.
+"""
+cimport cython
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy, memmove, memset
+
+from pyflowbuf._core.channel cimport EVT_BARRIER, BufferQueue
+from pyflowbuf._core.memory cimport Buffer, LocalBufferPool, NetworkBufferPool, Notifier
+from pyflowbuf.includes.arena cimport (FB_POOL_INUSE, fb_arena, fb_pool, fb_pool_recycle, fb_pool_request,
+                                       fb_segment_ptr)
+from pyflowbuf.includes.atomic cimport *
+from pyflowbuf.includes.errors cimport *
+from pyflowbuf.includes.net cimport *
+from pyflowbuf.includes.park cimport *
+from pyflowbuf.includes.ring cimport *
+
+import os
+
+from pyflowbuf.errors import CancelledError, ConnectionLostError, InsufficientBuffersError, ProtocolError
+
+DATA = 0
+EVENT = 1
+BACKLOG = 2
+
+# what SendPump.run / ReceivePump.run return (a failed system call raises instead)
+cdef enum:
+    RUN_PYTHON = 1     # the next item or frame needs the Python path
+    RUN_DIRTY = 2      # the set of views changed
+    RUN_IDLE = 3       # nothing happened within the timeout
+    RUN_CLOSED = 4
+
+PYTHON = RUN_PYTHON
+DIRTY = RUN_DIRTY
+IDLE = RUN_IDLE
+CLOSED = RUN_CLOSED
+
+cdef enum:
+    SEQ_MASK = 0x7FFFFFFF
+    MAX_BATCH = 16          # buffers per gathered send
+    RX_OK = 0
+    RX_PYTHON = 1
+    RX_LOST = 2             # recv failed (errno in err_a)
+    RX_TRUNCATED = 3        # the peer closed mid-payload (err_a of err_b bytes)
+    RX_CANCELLED = 4        # the channel's queue was cancelled while full
+
+
+cdef extern from "<sys/socket.h>" nogil:
+    Py_ssize_t send(int fd, const void *buf, size_t n, int flags)
+    enum:
+        MSG_DONTWAIT
+        MSG_NOSIGNAL
+
+
+ctypedef void *ReceiverCredit_ptr
+
+
+cdef Py_ssize_t _send_dontwait(int fd, bytes b):
+    return send(fd, <const char *>b, len(b), MSG_DONTWAIT | MSG_NOSIGNAL)
+
+
+cdef object _lost(int err):
+    return ConnectionLostError(f"connection lost: {os.strerror(err)}")
+
+
+@cython.final
+cdef class Wire:
+    """The sending half of one connection. Every frame, from any thread, is
+    written under this lock, so frames never interleave; ``close`` takes the
+    descriptor away under the same lock, so no thread can write into a
+    socket number the kernel has already handed to someone else."""
+
+    cdef int fd
+    cdef pthread_mutex_t mu
+    cdef bint _ready
+    cdef readonly object sock
+
+    def __cinit__(self, sock):
+        self.sock = sock
+        self.fd = sock.fileno()
+        if pthread_mutex_init(&self.mu, NULL) != 0:
+            raise MemoryError("Wire")
+        self._ready = True
+
+    def __dealloc__(self):
+        if self._ready:
+            pthread_mutex_destroy(&self.mu)
+
+    cdef int sendv(self, iovec *iov, int n) noexcept nogil:
+        cdef int rc
+        pthread_mutex_lock(&self.mu)
+        rc = 9 if self.fd < 0 else fb_sendv_all(self.fd, iov, n)   # 9: EBADF
+        pthread_mutex_unlock(&self.mu)
+        return rc
+
+    def send(self, data):
+        """Write all of ``data`` (GIL released)."""
+        cdef Py_buffer view
+        cdef iovec v
+        cdef int rc
+        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        try:
+            v.iov_base = view.buf
+            v.iov_len = view.len
+            with nogil:
+                rc = self.sendv(&v, 1)
+        finally:
+            PyBuffer_Release(&view)
+        if rc:
+            raise _lost(rc)
+
+    def sendmsg(self, parts):
+        """Write a list of bytes-like objects with gathered I/O (segments are
+        not copied)."""
+        cdef Py_ssize_t n = len(parts), i, got = 0
+        cdef Py_buffer *views = <Py_buffer *>PyMem_Malloc(sizeof(Py_buffer) * n + 1)
+        cdef iovec *iov = <iovec *>PyMem_Malloc(sizeof(iovec) * n + 1)
+        cdef int rc = 0
+        if views is NULL or iov is NULL:
+            PyMem_Free(views)
+            PyMem_Free(iov)
+            raise MemoryError()
+        try:
+            for i in range(n):
+                PyObject_GetBuffer(parts[i], &views[i], PyBUF_SIMPLE)
+                got += 1
+                iov[i].iov_base = views[i].buf
+                iov[i].iov_len = views[i].len
+            with nogil:
+                rc = self.sendv(iov, <int>n)
+        finally:
+            for i in range(got):
+                PyBuffer_Release(&views[i])
+            PyMem_Free(views)
+            PyMem_Free(iov)
+        if rc:
+            raise _lost(rc)
+
+    def send_nowait(self, data):
+        """Best effort and never blocking: write ``data`` only if the lock is
+        free and the socket takes it now (a last ErrorResponse before closing)."""
+        cdef bytes b = bytes(data)
+        if pthread_mutex_trylock(&self.mu) != 0:
+            return False
+        try:
+            if self.fd < 0:
+                return False
+            return _send_dontwait(self.fd, b) == len(b)
+        finally:
+            pthread_mutex_unlock(&self.mu)
+
+    def close(self):
+        """Close the socket; later sends raise ConnectionLostError."""
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            self.fd = -1
+            pthread_mutex_unlock(&self.mu)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+# ============================================================ producer side
+
+@cython.final
+cdef class SenderView:
+    """Flink's CreditBasedSequenceNumberingViewReader: the sending end of one
+    subpartition on one connection.
+
+    What goes next: an event always (events cost no credit), a data buffer
+    only against credit, the priority lane (unaligned barriers) before queued
+    data; in credit mode with 0 exclusive buffers the backlog is announced so
+    the receiver can reserve floating buffers (FLINK-16641). Nothing is taken
+    from the queue until it can be sent, so a view without credit holds
+    nothing back.
+
+    Threads: the connection's reader thread calls ``add_credit``/``resume``;
+    the writer (SendPump or ``poll``) everything else.
+    """
+
+    cdef readonly BufferQueue queue
+    cdef readonly bytes receiver_id
+    cdef unsigned char rid[16]
+    cdef readonly int subpartition
+    cdef readonly int initial_credit
+    cdef readonly bint credit_based
+    cdef readonly bint block_on_barrier
+    cdef fb_arena *arena
+    cdef int64_t _added            # written by the reader thread
+    cdef int64_t _used
+    cdef readonly uint32_t seq
+    cdef int64_t _told_backlog
+    cdef int _blocked
+    cdef int _finished
+    cdef public object cancelled   # set by the reader thread: the exception to release with
+    cdef public object gate_ref
+    cdef public object export
+    cdef readonly uint64_t buffers_sent
+    cdef readonly uint64_t bytes_sent
+    cdef public uint64_t announcements
+
+    def __init__(self, BufferQueue queue not None, bytes receiver_id not None, int subpartition,
+                 int initial_credit, bint credit_based=True, bint block_on_barrier=False):
+        if len(receiver_id) != 16:
+            raise ValueError("a receiver id is 16 bytes")
+        if initial_credit < 0:
+            raise ProtocolError(f"negative initial credit {initial_credit}")
+        self.queue = queue
+        self.receiver_id = receiver_id
+        memcpy(self.rid, <const char *>receiver_id, 16)
+        self.subpartition = subpartition
+        self.initial_credit = initial_credit
+        self.credit_based = credit_based
+        self.block_on_barrier = block_on_barrier
+        self.arena = queue.network_pool.a
+        self._added = initial_credit
+
+    @property
+    def credit(self):
+        return fb_atomic_load_i64(&self._added, __ATOMIC_ACQUIRE) - self._used
+
+    def add_credit(self, int n):
+        if n <= 0:
+            raise ProtocolError(f"AddCredit of {n}")
+        fb_atomic_add_i64(&self._added, n, __ATOMIC_RELEASE)
+
+    def resume(self):
+        fb_atomic_store_int(&self._blocked, 0, __ATOMIC_RELEASE)
+
+    @property
+    def blocked(self):
+        return bool(fb_atomic_load_int(&self._blocked, __ATOMIC_ACQUIRE))
+
+    @blocked.setter
+    def blocked(self, value):
+        fb_atomic_store_int(&self._blocked, 1 if value else 0, __ATOMIC_RELEASE)
+
+    @property
+    def finished(self):
+        return bool(self._finished)
+
+    @finished.setter
+    def finished(self, value):
+        self._finished = 1 if value else 0
+
+    @property
+    def backlog(self):
+        return self._backlog()
+
+    cdef inline int64_t _backlog(self) noexcept nogil:
+        return fb_ring_size(self.queue.ring) + fb_ring_size(self.queue.prio)
+
+    cdef int next_item(self) noexcept nogil:
+        """What ``poll`` would do now, without taking anything: 0 nothing,
+        1 a data buffer the pump may send, 2 an event or priority item (for
+        Python), 3 a backlog announcement is due."""
+        cdef bint prio
+        if self._finished:
+            return 0
+        cdef fb_bufdesc *d = self.queue.peek(&prio)
+        if d is NULL:
+            return 0
+        if not prio and fb_atomic_load_int(&self._blocked, __ATOMIC_ACQUIRE):
+            return 0
+        cdef bint is_event = d.type == FB_DATA_EVENT
+        if not is_event and self.credit_based and \
+                fb_atomic_load_i64(&self._added, __ATOMIC_ACQUIRE) - self._used <= 0:
+            if self.initial_credit == 0 and self._backlog() > self._told_backlog:
+                return 3
+            return 0
+        return 2 if (prio or is_event) else 1
+
+    cdef void take(self, fb_bufdesc *d, int32_t *seq, int32_t *backlog) noexcept nogil:
+        """Pop the item ``next_item`` looked at and number it."""
+        cdef bint prio
+        self.queue.peek(&prio)
+        self.queue.pop(d)
+        seq[0] = self.seq
+        self.seq = (self.seq + 1) & SEQ_MASK
+        backlog[0] = <int32_t>self._backlog()
+        self._told_backlog = backlog[0]
+        if d.type == FB_DATA_EVENT:
+            if self.block_on_barrier and d.width == EVT_BARRIER and not prio:
+                fb_atomic_store_int(&self._blocked, 1, __ATOMIC_RELEASE)
+        else:
+            self._used += 1
+            self.buffers_sent += 1
+            self.bytes_sent += d.size
+
+    def poll(self):
+        """``(DATA, buffer, seq, backlog, priority)``,
+        ``(EVENT, (kind, aux, flags), seq, backlog, priority)``,
+        ``(BACKLOG, None, -1, backlog, False)`` or None."""
+        cdef int what = self.next_item()
+        cdef fb_bufdesc d
+        cdef int32_t seq, backlog
+        cdef bint prio
+        if what == 0:
+            return None
+        if what == 3:
+            self._told_backlog = self._backlog()
+            self.announcements += 1
+            return (BACKLOG, None, -1, self._told_backlog, False)
+        self.queue.peek(&prio)
+        self.take(&d, &seq, &backlog)
+        if d.type == FB_DATA_EVENT:
+            return (EVENT, (d.width, d.aux, d.flags), seq, backlog, prio)
+        return (DATA, Buffer.wrap(&d, self.queue.network_pool), seq, backlog, prio)
+
+    def release(self):
+        """Stop sending (the view was cancelled); what is queued stays for the
+        owner of the queue to drain."""
+        self._finished = 1
+
+
+@cython.final
+cdef class SendPump:
+    """The writer of one producer-side connection: loops without the GIL,
+    round robin over the views (one buffer per view per round, so a view
+    without credit never holds up the others), up to 16 buffers per sendmsg,
+    and parks on the connection's Notifier when nothing can go out."""
+
+    cdef Wire wire
+    cdef Notifier notifier
+    cdef list _views
+    cdef void **views
+    cdef int nviews
+    cdef int next_view
+    cdef int _dirty
+    cdef int _closed
+    cdef unsigned char hdr[MAX_BATCH][FB_NET_BUFFER_HEADER]
+    cdef iovec iov[2 * MAX_BATCH]
+    cdef fb_bufdesc sent[MAX_BATCH]
+    cdef readonly uint64_t buffers_sent
+    cdef readonly uint64_t bytes_sent
+
+    def __cinit__(self, Wire wire not None, Notifier notifier not None):
+        self.wire = wire
+        self.notifier = notifier
+        self._views = []
+
+    def __dealloc__(self):
+        PyMem_Free(self.views)
+
+    def set_views(self, views):
+        """The views to serve (called by the writer thread between runs)."""
+        views = list(views)
+        for v in views:
+            if not isinstance(v, SenderView):
+                raise TypeError("views must be SenderViews")
+        cdef void **arr = <void **>PyMem_Malloc(sizeof(void *) * len(views) + 1)
+        if arr is NULL:
+            raise MemoryError()
+        cdef int i
+        for i in range(len(views)):
+            arr[i] = <void *>views[i]
+        PyMem_Free(self.views)
+        self.views = arr
+        self._views = views
+        self.nviews = len(views)
+        self.next_view = 0
+
+    def mark_dirty(self):
+        """The views changed (opened, cancelled): the writer should look."""
+        fb_atomic_store_int(&self._dirty, 1, __ATOMIC_SEQ_CST)
+        fb_event_notify(&self.notifier.ev)
+
+    def take_dirty(self):
+        cdef int d = fb_atomic_load_int(&self._dirty, __ATOMIC_SEQ_CST)
+        if d:
+            fb_atomic_store_int(&self._dirty, 0, __ATOMIC_SEQ_CST)
+        return bool(d)
+
+    def close(self):
+        fb_atomic_store_int(&self._closed, 1, __ATOMIC_SEQ_CST)
+        fb_event_notify_all(&self.notifier.ev)
+
+    def run(self, double timeout):
+        """Send until something needs Python; returns a RUN_* code. Raises
+        ConnectionLostError when the socket fails."""
+        cdef int64_t t = <int64_t>(timeout * 1e9)
+        cdef int rc
+        with nogil:
+            rc = self._run(t)
+        if rc < 0:
+            raise _lost(-rc)
+        return rc
+
+    cdef int _gather(self, bint *python) noexcept nogil:
+        cdef int n = 0, i, k, what
+        cdef bint progress = True
+        cdef int32_t seq, backlog
+        cdef fb_bufdesc *d
+        while progress and n < MAX_BATCH:
+            progress = False
+            for k in range(self.nviews):
+                if n >= MAX_BATCH:
+                    break
+                i = self.next_view + k
+                if i >= self.nviews:
+                    i -= self.nviews
+                what = (<SenderView>self.views[i]).next_item()
+                if what == 1:
+                    d = &self.sent[n]
+                    (<SenderView>self.views[i]).take(d, &seq, &backlog)
+                    fb_buffer_header_put(self.hdr[n], (<SenderView>self.views[i]).rid,
+                                         (<SenderView>self.views[i]).subpartition, seq, backlog,
+                                         <unsigned char>d.type, <int32_t>d.size, d.width, d.flags)
+                    self.iov[2 * n].iov_base = self.hdr[n]
+                    self.iov[2 * n].iov_len = FB_NET_BUFFER_HEADER
+                    self.iov[2 * n + 1].iov_base = fb_segment_ptr((<SenderView>self.views[i]).arena, d.seg)
+                    self.iov[2 * n + 1].iov_len = d.size
+                    n += 1
+                    progress = True
+                elif what >= 2:
+                    python[0] = True
+            if self.nviews:
+                self.next_view = (self.next_view + 1) % self.nviews
+        return n
+
+    cdef int _run(self, int64_t timeout_ns) noexcept nogil:
+        cdef fb_event *ev = &self.notifier.ev
+        cdef uint32_t token
+        cdef bint python
+        cdef int n, i, err
+        cdef uint64_t nbytes
+        while True:
+            token = fb_event_prepare(ev)
+            if fb_atomic_load_int(&self._closed, __ATOMIC_SEQ_CST):
+                fb_event_cancel(ev)
+                return RUN_CLOSED
+            if fb_atomic_load_int(&self._dirty, __ATOMIC_SEQ_CST):
+                fb_event_cancel(ev)
+                return RUN_DIRTY
+            python = False
+            n = self._gather(&python)
+            if n:
+                fb_event_cancel(ev)
+                nbytes = 0
+                for i in range(n):
+                    nbytes += self.sent[i].size
+                err = self.wire.sendv(self.iov, 2 * n)
+                # the kernel has copied the payloads (or the connection is gone): recycle either way
+                for i in range(n):
+                    fb_pool_recycle(self.sent[i].pool, self.sent[i].seg)
+                if err:
+                    return -err
+                self.buffers_sent += n
+                self.bytes_sent += nbytes
+                continue
+            if python:
+                fb_event_cancel(ev)
+                return RUN_PYTHON
+            if fb_event_wait(ev, token, timeout_ns) == FB_E_TIMEOUT:
+                return RUN_IDLE
+
+
+# ============================================================ consumer side
+
+@cython.final
+cdef class ReceiverCredit:
+    """Flink's BufferManager for one RemoteInputChannel, plus what the
+    receive loop needs of the channel (receiver id, queue, sequence number).
+
+    ``initial_credit`` exclusive buffers come from ``exclusive_pool`` (one pool
+    per channel, at least that many segments guaranteed) and always return to
+    this channel; floating buffers come from the gate-wide ``floating_pool`` as
+    the sender's backlog asks for them (aim: backlog + initial_credit buffers
+    available, at most the floating pool's max_size at creation). A buffer the
+    receiver fills leaves ``available``; when the consumer recycles it the
+    segment goes back to its pool and ``replenish`` reserves it again, which
+    is new credit.
+
+    Threads: the connection's reader (``take``, ``backlog``, and replenishing
+    after each buffer) and the manager's control thread; one mutex guards the
+    books. The pools are pinned until ``release`` (a ``destroy()`` meanwhile
+    is carried out then), so the reader can request segments without the GIL.
+    """
+
+    cdef readonly LocalBufferPool exclusive_pool
+    cdef readonly LocalBufferPool floating_pool
+    cdef readonly int initial_credit
+    cdef pthread_mutex_t mu
+    cdef bint _ready
+    cdef uint32_t *_excl
+    cdef int n_excl
+    cdef uint32_t *_float
+    cdef int n_float
+    cdef int cap_float
+    cdef fb_pool *_xp
+    cdef fb_pool *_fp
+    cdef int64_t _backlog
+    cdef int64_t _unannounced
+    cdef int64_t _granted
+    cdef int64_t _taken
+    cdef int64_t _low_water
+    cdef bint _waiting_floating
+    cdef bint _released
+    cdef bint _detached
+    cdef bint _pinned
+    # the channel, for the receive loop (reader thread only)
+    cdef unsigned char rid[16]
+    cdef BufferQueue queue
+    cdef fb_arena *arena
+    cdef public uint32_t expected_seq
+    cdef public uint64_t buffers_received
+    cdef public uint64_t bytes_received
+
+    def __cinit__(self):
+        if pthread_mutex_init(&self.mu, NULL) != 0:
+            raise MemoryError("ReceiverCredit")
+        self._ready = True
+
+    def __init__(self, exclusive_pool, floating_pool, int initial_credit):
+        if initial_credit < 0:
+            raise ValueError(f"exclusive buffers must be >= 0, got {initial_credit}")
+        if initial_credit and exclusive_pool is None:
+            raise ValueError("exclusive buffers need an exclusive_pool")
+        if initial_credit == 0 and floating_pool is None:
+            raise ValueError("a channel with 0 exclusive buffers needs a floating pool (or it can never "
+                             "receive data)")
+        for p in (exclusive_pool, floating_pool):
+            if p is not None and not isinstance(p, LocalBufferPool):
+                raise TypeError("pools must be LocalBufferPools")
+            if p is not None and p.destroyed:
+                from pyflowbuf.errors import PoolDestroyedError
+                raise PoolDestroyedError("the LocalBufferPool was destroyed")
+        self.exclusive_pool = exclusive_pool
+        self.floating_pool = floating_pool
+        self.initial_credit = initial_credit
+        self.cap_float = floating_pool.max_size if floating_pool is not None else 0
+        self._excl = <uint32_t *>PyMem_Malloc(sizeof(uint32_t) * initial_credit + 4)
+        self._float = <uint32_t *>PyMem_Malloc(sizeof(uint32_t) * self.cap_float + 4)
+        if self._excl is NULL or self._float is NULL:
+            raise MemoryError()
+        self._xp = self.exclusive_pool.p if exclusive_pool is not None else NULL
+        self._fp = self.floating_pool.p if floating_pool is not None else NULL
+        for p in (self.exclusive_pool, self.floating_pool):
+            if p is not None:
+                (<LocalBufferPool>p)._waiters += 1
+        self._pinned = True
+        self._low_water = 1
+
+    def __dealloc__(self):
+        if self._ready:
+            self._release_all()
+            self._unpin()
+            pthread_mutex_destroy(&self.mu)
+        PyMem_Free(self._excl)
+        PyMem_Free(self._float)
+
+    cdef void _unpin(self):
+        if not self._pinned:
+            return
+        self._pinned = False
+        for p in (self.exclusive_pool, self.floating_pool):
+            if p is not None:
+                (<LocalBufferPool>p).leave_wait()
+
+    def bind(self, bytes receiver_id not None, BufferQueue queue not None):
+        """Attach the channel the receive loop delivers to."""
+        if len(receiver_id) != 16:
+            raise ValueError("a receiver id is 16 bytes")
+        memcpy(self.rid, <const char *>receiver_id, 16)
+        self.queue = queue
+        self.arena = queue.network_pool.a
+
+    # ------------------------------------------------------------ books (mutex held)
+    cdef bint _pool_ok(self, LocalBufferPool pool) noexcept nogil:
+        return pool.p is not NULL and not pool._destroy_pending
+
+    cdef int _take(self, uint32_t *seg, fb_pool **pool) noexcept nogil:
+        """A reserved empty segment for an arriving data buffer (floating
+        first, as Flink does); -1 when the sender overran its credit."""
+        if self._taken >= self._granted or self._released:
+            return -1
+        if self.n_float:
+            self.n_float -= 1
+            seg[0] = self._float[self.n_float]
+            pool[0] = self._fp
+        elif self.n_excl:
+            self.n_excl -= 1
+            seg[0] = self._excl[self.n_excl]
+            pool[0] = self._xp
+        else:
+            return -1
+        self._taken += 1
+        return 0
+
+    cdef int64_t _replenish(self) noexcept nogil:
+        cdef uint32_t seg
+        cdef int64_t need
+        if self._released:
+            return self._unannounced
+        if self._xp is not NULL and self._pool_ok(self.exclusive_pool):
+            while FB_POOL_INUSE(self._xp.state) < <uint32_t>self.initial_credit:
+                if fb_pool_request(self._xp, &seg) != FB_OK:
+                    break
+                self._excl[self.n_excl] = seg
+                self.n_excl += 1
+                # An exclusive buffer back while we hold more than the backlog
+                # needs: give a floating one back to the gate instead (a swap,
+                # so the sender's credit does not change).
+                if self.n_excl + self.n_float > self._backlog + self.initial_credit and self.n_float:
+                    self.n_float -= 1
+                    fb_pool_recycle(self._fp, self._float[self.n_float])
+                else:
+                    self._unannounced += 1
+        self._waiting_floating = False
+        if self._fp is not NULL and self._pool_ok(self.floating_pool):
+            need = self._backlog + self.initial_credit - (self.n_excl + self.n_float)
+            while need > 0:
+                if self.n_float >= self.cap_float or fb_pool_request(self._fp, &seg) != FB_OK:
+                    self._waiting_floating = True
+                    break
+                self._float[self.n_float] = seg
+                self.n_float += 1
+                self._unannounced += 1
+                need -= 1
+        return self._unannounced
+
+    cdef bint _should_announce(self) noexcept nogil:
+        cdef int64_t n = self._unannounced
+        if n <= 0:
+            return False
+        cdef int64_t slack = self._granted - self._taken
+        return slack <= n or slack <= self._low_water
+
+    cdef int64_t _announce(self) noexcept nogil:
+        cdef int64_t n = self._unannounced
+        self._unannounced = 0
+        self._granted += n
+        self._low_water = max(1, (self._granted - self._taken) // 2)
+        return n
+
+    cdef bint _hungry(self) noexcept nogil:
+        return self._granted - self._taken <= self._low_water
+
+    cdef int64_t _service(self, bint *hungry) noexcept nogil:
+        """Replenish, then take the credit to announce now (0: none)."""
+        cdef int64_t n = 0
+        pthread_mutex_lock(&self.mu)
+        self._replenish()
+        if not self._released and not self._detached and self._should_announce():
+            n = self._announce()
+        hungry[0] = not self._released and self._hungry()
+        pthread_mutex_unlock(&self.mu)
+        return n
+
+    cdef void _release_all(self) noexcept nogil:
+        pthread_mutex_lock(&self.mu)
+        self._released = True
+        while self.n_excl:
+            self.n_excl -= 1
+            fb_pool_recycle(self._xp, self._excl[self.n_excl])
+        while self.n_float:
+            self.n_float -= 1
+            fb_pool_recycle(self._fp, self._float[self.n_float])
+        self._waiting_floating = False
+        pthread_mutex_unlock(&self.mu)
+
+    # ------------------------------------------------------------ Python API
+    def setup(self):
+        """Reserve the exclusive buffers; returns the initial credit."""
+        cdef uint32_t seg
+        cdef int i, rc
+        for i in range(self.initial_credit):
+            rc = fb_pool_request(self._xp, &seg) if self._pool_ok(self.exclusive_pool) else FB_E_DESTROYED
+            if rc != FB_OK:
+                got = self.n_excl
+                self.release()
+                raise InsufficientBuffersError(
+                    f"insufficient number of network buffers: a remote channel needs {self.initial_credit} "
+                    f"exclusive buffers, its pool gave {got}")
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                self._excl[self.n_excl] = seg
+                self.n_excl += 1
+                pthread_mutex_unlock(&self.mu)
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            self._granted = self.initial_credit
+            self._low_water = max(1, self.initial_credit // 2)
+            pthread_mutex_unlock(&self.mu)
+        return self.initial_credit
+
+    @property
+    def available(self):
+        return self.n_excl + self.n_float
+
+    @property
+    def required(self):
+        return self._backlog + self.initial_credit
+
+    @property
+    def backlog(self):
+        return self._backlog
+
+    @backlog.setter
+    def backlog(self, int64_t value):
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            self._backlog = value
+            pthread_mutex_unlock(&self.mu)
+
+    @property
+    def unannounced(self):
+        return self._unannounced
+
+    @property
+    def granted(self):
+        return self._granted
+
+    @property
+    def taken(self):
+        return self._taken
+
+    @property
+    def low_water(self):
+        return self._low_water
+
+    @property
+    def waiting_floating(self):
+        return bool(self._waiting_floating)
+
+    @property
+    def released(self):
+        return bool(self._released)
+
+    def take(self):
+        """A reserved empty Buffer for an arriving data buffer, or None when
+        the sender overran the credit it was given."""
+        cdef uint32_t seg
+        cdef fb_pool *pool
+        cdef int rc
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            rc = self._take(&seg, &pool)
+            pthread_mutex_unlock(&self.mu)
+        if rc:
+            return None
+        cdef fb_bufdesc d
+        memset(&d, 0, sizeof(d))
+        d.pool = pool
+        d.seg = seg
+        owner = self.floating_pool if pool == self._fp and self._fp is not NULL else self.exclusive_pool
+        return Buffer.wrap(&d, (<LocalBufferPool>owner).network_pool)
+
+    def needs_floating(self):
+        return self.floating_pool is not None and self.n_excl + self.n_float < self._backlog + self.initial_credit
+
+    def replenish(self):
+        """Re-reserve recycled exclusive buffers and request floating ones for
+        the backlog. Returns the credit not yet announced."""
+        cdef int64_t n
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            n = self._replenish()
+            pthread_mutex_unlock(&self.mu)
+        return n
+
+    def should_announce(self):
+        """Whether to send the unannounced credit now.
+
+        Flink announces on every 0 -> positive change. Here credit is held back
+        while the sender still has plenty: ``granted - taken`` bounds its credit
+        from above, and credit goes out once that falls to the low-water mark
+        (half of what it had after the last announcement) or to what we would
+        give. So one AddCredit carries several buffers, and a sender that may be
+        at 0 always gets credit at once: this never stalls a channel."""
+        return self._should_announce()
+
+    def hungry(self):
+        """Whether the control thread must hear every recycle for this channel:
+        the sender may run dry."""
+        return self._hungry()
+
+    def announce(self):
+        """Take the credit to send in one AddCredit (0: nothing to send)."""
+        cdef int64_t n
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            n = self._announce()
+            pthread_mutex_unlock(&self.mu)
+        return n
+
+    def service(self):
+        """``(credit to announce now, hungry)`` after replenishing, in one step
+        (the receive loop may announce concurrently)."""
+        cdef bint hungry
+        cdef int64_t n
+        with nogil:
+            n = self._service(&hungry)
+        return n, bool(hungry)
+
+    def reset_announcement(self):
+        """A re-sent PartitionRequest carries all available buffers as its
+        initial credit; returns that credit."""
+        cdef int64_t n
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            self._unannounced = 0
+            n = self.n_excl + self.n_float
+            self._granted = self._taken + n
+            pthread_mutex_unlock(&self.mu)
+        return n
+
+    def detach(self):
+        """The channel stopped (finished, failed, cancelled): the receive loop
+        leaves its frames to Python and announces nothing more."""
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            self._detached = True
+            pthread_mutex_unlock(&self.mu)
+
+    def release(self):
+        """Give every reserved buffer back to its pool and unpin the pools
+        (channel finished or failed)."""
+        with nogil:
+            self._release_all()
+        self._unpin()
+
+
+@cython.final
+cdef class ReceivePump:
+    """The reader of one consumer-side connection in credit mode.
+
+    ``run(reader)`` receives data frames for the channels given to
+    ``set_channels`` until a frame needs Python (its header stays staged in
+    ``reader``, a FrameReader), then returns RUN_PYTHON. Per data frame: one
+    recvmsg for the payload (plus at most the next 49-byte header, the
+    FrameReader's staging rule), a ring push, and credit work under the
+    channel's mutex; AddCredit goes out from this thread when due, and the
+    control thread is woken only when the sender may run dry.
+    """
+
+    cdef Wire wire
+    cdef int fd
+    cdef Notifier wake
+    cdef list _chans
+    cdef void **chans
+    cdef int nchans
+    cdef int last
+    cdef readonly int64_t max_buffer_size
+    cdef readonly uint64_t frames
+    cdef int64_t err_a
+    cdef int64_t err_b
+    cdef unsigned char credit_frame[FB_NET_ADD_CREDIT_SIZE]
+
+    def __cinit__(self, Wire wire not None, Notifier wake not None, int64_t max_buffer_size):
+        self.wire = wire
+        self.fd = wire.fd
+        self.wake = wake
+        self.max_buffer_size = max_buffer_size
+        self._chans = []
+
+    def __dealloc__(self):
+        PyMem_Free(self.chans)
+
+    def set_channels(self, credits):
+        credits = [c for c in credits if c is not None]
+        for c in credits:
+            if not isinstance(c, ReceiverCredit) or (<ReceiverCredit>c).queue is None:
+                raise TypeError("channels must be bound ReceiverCredits")
+        cdef void **arr = <void **>PyMem_Malloc(sizeof(void *) * len(credits) + 1)
+        if arr is NULL:
+            raise MemoryError()
+        cdef int i
+        for i in range(len(credits)):
+            arr[i] = <void *>credits[i]
+        PyMem_Free(self.chans)
+        self.chans = arr
+        self._chans = credits
+        self.nchans = len(credits)
+        self.last = 0
+
+    def run(self, reader):
+        """Receive data frames; returns RUN_PYTHON with the next frame's
+        header staged in ``reader``. Raises ConnectionLostError, ProtocolError
+        (truncated payload) or CancelledError."""
+        cdef Py_buffer view
+        cdef Py_ssize_t start = reader._start, end = reader._end
+        cdef int rc
+        PyObject_GetBuffer(reader._buf, &view, PyBUF_SIMPLE)
+        try:
+            if view.len < FB_NET_BUFFER_HEADER:
+                raise ValueError("staging buffer too small")
+            with nogil:
+                rc = self._run(<unsigned char *>view.buf, &start, &end)
+        finally:
+            PyBuffer_Release(&view)
+            reader._start = start
+            reader._end = end
+        if rc == RX_LOST:
+            raise _lost(<int>self.err_a)
+        if rc == RX_TRUNCATED:
+            raise ProtocolError(f"truncated frame: the connection closed after "
+                                f"{FB_NET_BUFFER_HEADER + self.err_a} of {FB_NET_BUFFER_HEADER + self.err_b} bytes")
+        if rc == RX_CANCELLED:
+            raise CancelledError("the channel's queue was cancelled")
+        return RUN_PYTHON
+
+    cdef ReceiverCredit_ptr _find(self, const unsigned char *rid) noexcept nogil:
+        cdef int i, k
+        for k in range(self.nchans):
+            i = self.last + k
+            if i >= self.nchans:
+                i -= self.nchans
+            if memcmp((<ReceiverCredit>self.chans[i]).rid, rid, 16) == 0:
+                self.last = i
+                return self.chans[i]
+        return NULL
+
+    cdef int _stage(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end,
+                    Py_ssize_t want) noexcept nogil:
+        """Have ``want`` bytes of the frame staged; 0, or RX_PYTHON when the
+        socket ends or fails first (Python's reader then reports it)."""
+        cdef Py_ssize_t have = end[0] - start[0]
+        cdef int64_t n
+        if have >= want:
+            return 0
+        if start[0]:
+            memmove(buf, buf + start[0], have)
+            start[0] = 0
+            end[0] = have
+        while end[0] < want:
+            n = fb_recv2(self.fd, buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0)
+            if n <= 0:
+                return RX_PYTHON
+            end[0] += n
+        return 0
+
+    cdef int _run(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end) noexcept nogil:
+        cdef fb_buffer_header h
+        cdef ReceiverCredit_ptr p
+        cdef int rc
+        while True:
+            # a frame header first: only the 9-byte frame header, since a
+            # short control frame may be all there is to read
+            if self._stage(buf, start, end, FB_NET_FRAME_HEADER):
+                return RX_PYTHON
+            if buf[start[0] + 8] != FB_NET_MSG_BUFFER_RESPONSE:
+                return RX_PYTHON
+            if self._stage(buf, start, end, FB_NET_BUFFER_HEADER):
+                return RX_PYTHON
+            fb_buffer_header_get(buf + start[0], &h)
+            if (h.magic != FB_NET_MAGIC or h.compressed or h.data_type > 1 or h.size < 0
+                    or h.size > self.max_buffer_size or h.length != FB_NET_BUFFER_HEADER + h.size
+                    or h.subpartition < 0 or h.seq < 0 or h.backlog < 0
+                    or (h.data_type == FB_DATA_FIXED and h.width == 0)):
+                return RX_PYTHON   # events, the priority lane, and anything Python must judge
+            p = self._find(h.rid)
+            if p is NULL:
+                return RX_PYTHON
+            rc = self._frame(<ReceiverCredit>p, &h, buf, start, end)
+            if rc:
+                return rc
+
+    cdef int _frame(self, ReceiverCredit c, fb_buffer_header *h, unsigned char *buf, Py_ssize_t *start,
+                    Py_ssize_t *end) noexcept nogil:
+        cdef uint32_t seg
+        cdef fb_pool *pool
+        cdef char *mem
+        cdef int64_t got, n, credit
+        cdef int rc
+        cdef bint hungry
+        cdef fb_bufdesc d
+        cdef iovec v
+        if <uint32_t>h.seq != c.expected_seq or <uint64_t>h.size > c.arena.segment_size:
+            return RX_PYTHON
+        pthread_mutex_lock(&c.mu)
+        rc = -1 if c._detached else c._take(&seg, &pool)
+        if rc == 0:
+            c._backlog = h.backlog
+        pthread_mutex_unlock(&c.mu)
+        if rc:
+            return RX_PYTHON
+        # by the staging rule the header was all that was staged
+        start[0] = 0
+        end[0] = 0
+        mem = fb_segment_ptr(c.arena, seg)
+        got = 0
+        while got < h.size:
+            n = fb_recv2(self.fd, mem + got, h.size - got, buf, FB_NET_BUFFER_HEADER)
+            if n <= 0:
+                fb_pool_recycle(pool, seg)
+                if n == 0:
+                    self.err_a = got
+                    self.err_b = h.size
+                    return RX_TRUNCATED
+                self.err_a = -n
+                return RX_LOST
+            got += n
+        if got > h.size:
+            end[0] = got - h.size
+        c.expected_seq = (c.expected_seq + 1) & SEQ_MASK
+        d.pool = pool
+        d.seg = seg
+        d.size = h.size
+        d.width = h.width
+        d.type = h.data_type
+        d.flags = h.flags
+        d.aux = 0
+        if c.queue.push(&d, False) != 0:
+            fb_pool_recycle(pool, seg)
+            return RX_CANCELLED
+        c.buffers_received += 1
+        c.bytes_received += h.size
+        self.frames += 1
+        credit = c._service(&hungry)
+        if credit:
+            fb_add_credit_put(self.credit_frame, <int32_t>credit, c.rid)
+            v.iov_base = self.credit_frame
+            v.iov_len = FB_NET_ADD_CREDIT_SIZE
+            rc = self.wire.sendv(&v, 1)
+            if rc:
+                self.err_a = rc
+                return RX_LOST
+        elif hungry:
+            fb_event_notify(&self.wake.ev)
+        return 0
+
