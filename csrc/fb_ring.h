@@ -90,6 +90,19 @@ static inline int fb_ring_pop(fb_ring *r, fb_bufdesc *d) {
     return FB_OK;
 }
 
+/* Producer side, right after a push: whether the consumer had taken every
+ * earlier descriptor, i.e. the ring went from empty to non-empty, the only
+ * case where a parked consumer needs a wake-up (one that still has
+ * descriptors to take polls again before it parks). The fence pairs with the
+ * seq_cst prepare() a consumer does before its last poll: either that poll
+ * sees this push, or this load sees the consumer's pops. */
+static inline int fb_ring_was_empty(fb_ring *r) {
+    fb_fence_seqcst();
+    uint64_t h = fb_load_acquire(&r->head);
+    r->head_cache = h;
+    return r->tail - h <= 1;
+}
+
 /* Consumer side: look at the next descriptor without taking it. */
 static inline fb_bufdesc *fb_ring_peek(fb_ring *r) {
     uint64_t h = r->head;

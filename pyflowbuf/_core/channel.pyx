@@ -78,7 +78,11 @@ cdef class BufferQueue:
             fb_event_wait(&self.space, token, 100000000)
         self.buffers_pushed += 1
         self.bytes_pushed += d.size
-        if self.consumer is not NULL:
+        # A consumer parks only once it has taken everything, so only the
+        # first descriptor after that needs to wake it. This keeps a network
+        # writer that waits for credit (with buffers queued) asleep while the
+        # producer keeps filling the queue.
+        if self.consumer is not NULL and fb_ring_was_empty(r):
             fb_event_notify(self.consumer)
         return 0
 

@@ -74,6 +74,49 @@ cdef Py_ssize_t _send_dontwait(int fd, bytes b):
     return send(fd, <const char *>b, len(b), MSG_DONTWAIT | MSG_NOSIGNAL)
 
 
+cdef int _stage(int fd, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end, Py_ssize_t want) noexcept nogil:
+    """Have ``want`` bytes of the frame at ``start`` staged, reading at most
+    up to one BufferResponse header from the frame start (the FrameReader's
+    staging rule); 0, or RUN_PYTHON when the socket ends or fails first
+    (Python's reader then reads again and reports it)."""
+    cdef Py_ssize_t have = end[0] - start[0]
+    cdef int64_t n
+    if have >= want:
+        return 0
+    if start[0]:
+        memmove(buf, buf + start[0], have)
+        start[0] = 0
+        end[0] = have
+    while end[0] < want:
+        n = fb_recv2(fd, buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0)
+        if n <= 0:
+            return RUN_PYTHON
+        end[0] += n
+    return 0
+
+
+cdef class _Staged:
+    """The FrameReader's staging buffer, held for a nogil loop."""
+    cdef Py_buffer view
+    cdef Py_ssize_t start
+    cdef Py_ssize_t end
+    cdef object reader
+
+    def __cinit__(self, reader):
+        PyObject_GetBuffer(reader._buf, &self.view, PyBUF_SIMPLE)
+        if self.view.len < FB_NET_BUFFER_HEADER:
+            PyBuffer_Release(&self.view)
+            raise ValueError("staging buffer too small")
+        self.reader = reader
+        self.start = reader._start
+        self.end = reader._end
+
+    cdef void done(self):
+        PyBuffer_Release(&self.view)
+        self.reader._start = self.start
+        self.reader._end = self.end
+
+
 cdef object _lost(int err):
     return ConnectionLostError(f"connection lost: {os.strerror(err)}")
 
@@ -469,6 +512,89 @@ cdef class SendPump:
                 return RUN_PYTHON
             if fb_event_wait(ev, token, timeout_ns) == FB_E_TIMEOUT:
                 return RUN_IDLE
+
+
+@cython.final
+cdef class CreditPump:
+    """The reader of one producer-side connection: applies AddCredit frames
+    to their SenderViews and wakes the writer, without the GIL (credit is
+    what a stalled sender waits for, so it should not wait for the GIL
+    too). Returns RUN_PYTHON with any other frame staged in ``reader``."""
+
+    cdef int fd
+    cdef Notifier notifier
+    cdef list _views
+    cdef void **views
+    cdef int nviews
+    cdef int last
+    cdef readonly uint64_t frames
+
+    def __cinit__(self, Wire wire not None, Notifier notifier not None):
+        self.fd = wire.fd
+        self.notifier = notifier
+        self._views = []
+
+    def __dealloc__(self):
+        PyMem_Free(self.views)
+
+    def set_views(self, views):
+        views = list(views)
+        for v in views:
+            if not isinstance(v, SenderView):
+                raise TypeError("views must be SenderViews")
+        cdef void **arr = <void **>PyMem_Malloc(sizeof(void *) * len(views) + 1)
+        if arr is NULL:
+            raise MemoryError()
+        cdef int i
+        for i in range(len(views)):
+            arr[i] = <void *>views[i]
+        PyMem_Free(self.views)
+        self.views = arr
+        self._views = views
+        self.nviews = len(views)
+        self.last = 0
+
+    def run(self, reader):
+        cdef _Staged st = _Staged(reader)
+        try:
+            with nogil:
+                self._run(<unsigned char *>st.view.buf, &st.start, &st.end)
+        finally:
+            st.done()
+        return RUN_PYTHON
+
+    cdef void _run(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end) noexcept nogil:
+        cdef const unsigned char *p
+        cdef int32_t credit
+        cdef int i, k
+        cdef bint found
+        while True:
+            if _stage(self.fd, buf, start, end, FB_NET_FRAME_HEADER):
+                return
+            p = buf + start[0]
+            if p[8] != FB_NET_MSG_ADD_CREDIT or fb_be32_get(p) != FB_NET_ADD_CREDIT_SIZE:
+                return
+            if _stage(self.fd, buf, start, end, FB_NET_ADD_CREDIT_SIZE):
+                return
+            p = buf + start[0]
+            credit = <int32_t>fb_be32_get(p + 9)
+            if fb_be32_get(p + 4) != FB_NET_MAGIC or credit <= 0:
+                return
+            found = False
+            for k in range(self.nviews):
+                i = self.last + k
+                if i >= self.nviews:
+                    i -= self.nviews
+                if memcmp((<SenderView>self.views[i]).rid, p + 13, 16) == 0:
+                    self.last = i
+                    found = True
+                    break
+            if not found:
+                return   # Python knows whether it is stale or unknown
+            fb_atomic_add_i64(&(<SenderView>self.views[i])._added, credit, __ATOMIC_RELEASE)
+            start[0] += FB_NET_ADD_CREDIT_SIZE
+            self.frames += 1
+            fb_event_notify(&self.notifier.ev)
 
 
 # ============================================================ consumer side
@@ -894,19 +1020,13 @@ cdef class ReceivePump:
         """Receive data frames; returns RUN_PYTHON with the next frame's
         header staged in ``reader``. Raises ConnectionLostError, ProtocolError
         (truncated payload) or CancelledError."""
-        cdef Py_buffer view
-        cdef Py_ssize_t start = reader._start, end = reader._end
+        cdef _Staged st = _Staged(reader)
         cdef int rc
-        PyObject_GetBuffer(reader._buf, &view, PyBUF_SIMPLE)
         try:
-            if view.len < FB_NET_BUFFER_HEADER:
-                raise ValueError("staging buffer too small")
             with nogil:
-                rc = self._run(<unsigned char *>view.buf, &start, &end)
+                rc = self._run(<unsigned char *>st.view.buf, &st.start, &st.end)
         finally:
-            PyBuffer_Release(&view)
-            reader._start = start
-            reader._end = end
+            st.done()
         if rc == RX_LOST:
             raise _lost(<int>self.err_a)
         if rc == RX_TRUNCATED:
@@ -927,25 +1047,6 @@ cdef class ReceivePump:
                 return self.chans[i]
         return NULL
 
-    cdef int _stage(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end,
-                    Py_ssize_t want) noexcept nogil:
-        """Have ``want`` bytes of the frame staged; 0, or RX_PYTHON when the
-        socket ends or fails first (Python's reader then reports it)."""
-        cdef Py_ssize_t have = end[0] - start[0]
-        cdef int64_t n
-        if have >= want:
-            return 0
-        if start[0]:
-            memmove(buf, buf + start[0], have)
-            start[0] = 0
-            end[0] = have
-        while end[0] < want:
-            n = fb_recv2(self.fd, buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0)
-            if n <= 0:
-                return RX_PYTHON
-            end[0] += n
-        return 0
-
     cdef int _run(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end) noexcept nogil:
         cdef fb_buffer_header h
         cdef ReceiverCredit_ptr p
@@ -953,11 +1054,11 @@ cdef class ReceivePump:
         while True:
             # a frame header first: only the 9-byte frame header, since a
             # short control frame may be all there is to read
-            if self._stage(buf, start, end, FB_NET_FRAME_HEADER):
+            if _stage(self.fd, buf, start, end, FB_NET_FRAME_HEADER):
                 return RX_PYTHON
             if buf[start[0] + 8] != FB_NET_MSG_BUFFER_RESPONSE:
                 return RX_PYTHON
-            if self._stage(buf, start, end, FB_NET_BUFFER_HEADER):
+            if _stage(self.fd, buf, start, end, FB_NET_BUFFER_HEADER):
                 return RX_PYTHON
             fb_buffer_header_get(buf + start[0], &h)
             if (h.magic != FB_NET_MAGIC or h.compressed or h.data_type > 1 or h.size < 0

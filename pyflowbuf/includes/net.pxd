@@ -40,6 +40,7 @@ cdef extern from "fb_net.h" nogil:
     void fb_buffer_header_put(unsigned char *p, const unsigned char *rid, int32_t subpartition, int32_t seq,
                               int32_t backlog, uint8_t data_type, int32_t size, uint32_t width, uint16_t flags)
     void fb_buffer_header_get(const unsigned char *p, fb_buffer_header *h)
+    uint32_t fb_be32_get(const unsigned char *p)
     void fb_add_credit_put(unsigned char *p, int32_t credit, const unsigned char *rid)
     int fb_sendv_all(int fd, iovec *iov, int n)
     int fb_send_all(int fd, const void *data, size_t length)

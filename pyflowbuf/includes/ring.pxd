@@ -24,4 +24,5 @@ cdef extern from "fb_ring.h" nogil:
     int fb_ring_push(fb_ring *r, const fb_bufdesc *d)
     int fb_ring_pop(fb_ring *r, fb_bufdesc *d)
     fb_bufdesc *fb_ring_peek(fb_ring *r)
+    int fb_ring_was_empty(fb_ring *r)
     uint64_t fb_ring_size(fb_ring *r)

@@ -253,6 +253,7 @@ class _ServerConnection:
         self.sock = sock
         self.peer = peer
         self.views = {}
+        self._views_version = None
         self.notifier = Notifier()
         self.wire = netio.Wire(sock)
         self.pump = netio.SendPump(self.wire, self.notifier)
@@ -308,7 +309,13 @@ class _ServerConnection:
             self.sock.settimeout(None)
             self.credit_based = mode == F.MODE_CREDIT
             self._writer.start()
+            credit = netio.CreditPump(self.wire, self.notifier)
+            known = None
             while not self.closed:
+                if known is not self._views_version:
+                    known = self._views_version
+                    credit.set_views(list(self.views.values()))
+                credit.run(reader)   # AddCredit frames, GIL released; returns at anything else
                 length, msg_id = reader.read_header()
                 if msg_id == F.BUFFER_RESPONSE:
                     raise ProtocolError("a consumer sent a BufferResponse")
@@ -376,6 +383,7 @@ class _ServerConnection:
         # connection's writer; the gate itself is never read.
         v.gate_ref = InputGate([ex.queue], self.notifier)
         self.views[req.receiver_id] = v
+        self._views_version = object()
         self.pump.mark_dirty()
 
     # ------------------------------------------------------------ writing
