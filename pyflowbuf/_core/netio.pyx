@@ -68,6 +68,7 @@ cdef extern from "<sys/socket.h>" nogil:
 
 
 ctypedef void *ReceiverCredit_ptr
+ctypedef void *SenderView_ptr
 
 
 cdef Py_ssize_t _send_dontwait(int fd, bytes b):
@@ -392,6 +393,8 @@ cdef class SendPump:
     cdef fb_bufdesc sent[MAX_BATCH]
     cdef readonly uint64_t buffers_sent
     cdef readonly uint64_t bytes_sent
+    cdef readonly uint64_t parks              # times the writer parked
+    cdef readonly uint64_t credit_parks       # ... with buffers queued that lacked credit
 
     def __cinit__(self, Wire wire not None, Notifier notifier not None):
         self.wire = wire
@@ -445,6 +448,17 @@ cdef class SendPump:
             raise _lost(-rc)
         return rc
 
+    cdef bint _credit_starved(self) noexcept nogil:
+        cdef int i
+        cdef SenderView_ptr v
+        for i in range(self.nviews):
+            v = self.views[i]
+            if (<SenderView>v).credit_based and not (<SenderView>v)._finished and \
+                    fb_ring_size((<SenderView>v).queue.ring) and \
+                    fb_atomic_load_i64(&(<SenderView>v)._added, __ATOMIC_ACQUIRE) - (<SenderView>v)._used <= 0:
+                return True
+        return False
+
     cdef int _gather(self, bint *python) noexcept nogil:
         cdef int n = 0, i, k, what
         cdef bint progress = True
@@ -473,8 +487,8 @@ cdef class SendPump:
                     progress = True
                 elif what >= 2:
                     python[0] = True
-            if self.nviews:
-                self.next_view = (self.next_view + 1) % self.nviews
+        if self.nviews:   # the next send starts with the next view
+            self.next_view = (self.next_view + 1) % self.nviews
         return n
 
     cdef int _run(self, int64_t timeout_ns) noexcept nogil:
@@ -510,6 +524,9 @@ cdef class SendPump:
             if python:
                 fb_event_cancel(ev)
                 return RUN_PYTHON
+            self.parks += 1
+            if self._credit_starved():
+                self.credit_parks += 1
             if fb_event_wait(ev, token, timeout_ns) == FB_E_TIMEOUT:
                 return RUN_IDLE
 
@@ -985,6 +1002,8 @@ cdef class ReceivePump:
     cdef int last
     cdef readonly int64_t max_buffer_size
     cdef readonly uint64_t frames
+    cdef readonly uint64_t credit_frames     # AddCredit sent from this loop
+    cdef readonly uint64_t hungry_wakes      # times it handed a hungry channel to the control thread
     cdef int64_t err_a
     cdef int64_t err_b
     cdef unsigned char credit_frame[FB_NET_ADD_CREDIT_SIZE]
@@ -1133,7 +1152,9 @@ cdef class ReceivePump:
             if rc:
                 self.err_a = rc
                 return RX_LOST
+            self.credit_frames += 1
         elif hungry:
+            self.hungry_wakes += 1
             fb_event_notify(&self.wake.ev)
         return 0
 

@@ -372,6 +372,7 @@ class ConnectionManager:
         self._retired = []
         self._control = None
         self._closed = False
+        self.control_credit_frames = 0   # AddCredit sent by the control thread
 
     # ------------------------------------------------------------ pools
     def create_input_pools(self, network_pool, num_channels, exclusive=DEFAULT_EXCLUSIVE_BUFFERS,
@@ -610,6 +611,7 @@ class ConnectionManager:
                 n, h = ch.credit.service()   # the receive loop may announce meanwhile
                 if n:
                     out.append(F.encode_add_credit(n, ch.receiver_id))
+                    self.control_credit_frames += 1
                 if h:
                     hungry = True
             if out:

@@ -82,6 +82,8 @@ class NetworkServer:
         self._buffers_sent = 0    # of connections already closed
         self._bytes_sent = 0
         self._announcements = 0
+        self._parks = 0
+        self._credit_parks = 0
 
     # ------------------------------------------------------------ lifecycle
     def start(self):
@@ -238,6 +240,8 @@ class NetworkServer:
         return {"connections": len(conns), "views": sum(len(c.views) for c in conns),
                 "buffers_sent": self._buffers_sent + sum(c.buffers_sent for c in conns),
                 "bytes_sent": self._bytes_sent + sum(c.bytes_sent for c in conns),
+                "writer_parks": self._parks + sum(c.pump.parks for c in conns),
+                "writer_credit_parks": self._credit_parks + sum(c.pump.credit_parks for c in conns),
                 "backlog_announcements": self._announcements + sum(c.announcements for c in conns)}
 
 
@@ -491,6 +495,8 @@ class _ServerConnection:
             self.server._buffers_sent += self.buffers_sent
             self.server._bytes_sent += self.bytes_sent
             self.server._announcements += self.announcements
+            self.server._parks += self.pump.parks
+            self.server._credit_parks += self.pump.credit_parks
         self.server._conns.discard(self)
 
 
