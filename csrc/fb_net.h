@@ -20,6 +20,7 @@
 #define FB_NET_MSG_BUFFER_RESPONSE 0
 #define FB_NET_MSG_ADD_CREDIT 6
 #define FB_NET_PRIORITY_BIT 0x80
+#define FB_NET_IOV_MAX 1024 /* Linux's IOV_MAX: more per sendmsg is EMSGSIZE */
 
 #ifndef MSG_NOSIGNAL
 #define MSG_NOSIGNAL 0
@@ -99,7 +100,7 @@ static inline int fb_sendv_all(int fd, struct iovec *iov, int n) {
         struct msghdr m;
         memset(&m, 0, sizeof m);
         m.msg_iov = iov;
-        m.msg_iovlen = (size_t)n;
+        m.msg_iovlen = (size_t)(n < FB_NET_IOV_MAX ? n : FB_NET_IOV_MAX);
         ssize_t sent = sendmsg(fd, &m, MSG_NOSIGNAL);
         if (sent < 0) {
             if (errno == EINTR) continue;

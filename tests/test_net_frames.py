@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from pyflowbuf import NetworkBufferPool
 from pyflowbuf.errors import ConnectionLostError, ProtocolError
 from pyflowbuf.net import frames as F
-from pyflowbuf.net.protocol import FrameReader, send_all
+from pyflowbuf._core.netio import Wire
+from pyflowbuf.net.protocol import FrameReader
 
 MAX_BUF = 4096
 rids = st.binary(min_size=16, max_size=16)
@@ -204,7 +205,7 @@ def test_frame_reader_receives_payload_into_segment_and_never_past_the_frame():
         wire = (F.encode_buffer_header(rid, 0, 0, 1, F.DATA_RECORDS, len(p1)) + p1
                 + F.encode(F.BacklogAnnouncement(4, rid))
                 + F.encode_buffer_header(rid, 0, 1, 0, F.DATA_RECORDS, len(p2)) + p2)
-        send_all(a, [wire])
+        a.sendall(wire)
         r = FrameReader(b, 4096)
         length, msg_id = r.read_header()
         h = r.read_buffer_header(length)
@@ -291,11 +292,12 @@ def test_fuzz_socket_reader_only_raises_protocol_or_connection_errors(data):
 
 
 
-def test_send_all_survives_partial_sends_and_releases_its_views():
+def test_wire_sendmsg_survives_partial_sends_and_releases_its_views():
     import threading
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    parts = [os.urandom(n) for n in (10, 100_000, 3, 70_000, 1)]
+    # more parts than one sendmsg may carry (IOV_MAX 1024), some large, some empty
+    parts = [os.urandom(n) for n in (10, 100_000, 3, 70_000, 1)] + [os.urandom(i % 7) for i in range(2500)]
     views = [memoryview(p) for p in parts]
     got = bytearray()
 
@@ -304,10 +306,10 @@ def test_send_all_survives_partial_sends_and_releases_its_views():
             got.extend(b.recv(1000))
     t = threading.Thread(target=drain)
     t.start()
-    assert send_all(a, views) == sum(map(len, parts))
+    Wire(a).sendmsg(views)
     t.join(10)
     assert bytes(got) == b"".join(parts)
     for v in views:
-        v.release()      # would raise if send_all had left a view on them
+        v.release()      # would raise if sendmsg had left a view on them
     a.close()
     b.close()

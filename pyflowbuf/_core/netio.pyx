@@ -31,6 +31,7 @@ from pyflowbuf.includes.park cimport *
 from pyflowbuf.includes.ring cimport *
 
 import os
+import time
 
 from pyflowbuf.errors import CancelledError, ConnectionLostError, InsufficientBuffersError, ProtocolError
 
@@ -195,12 +196,16 @@ cdef class Wire:
         if rc:
             raise _lost(rc)
 
-    def send_nowait(self, data):
-        """Best effort and never blocking: write ``data`` only if the lock is
-        free and the socket takes it now (a last ErrorResponse before closing)."""
+    def send_nowait(self, data, double timeout=0.2):
+        """Best effort, never blocking on the socket: write ``data`` if the
+        lock comes free within ``timeout`` s and the socket takes it at once
+        (a last ErrorResponse before closing)."""
         cdef bytes b = bytes(data)
-        if pthread_mutex_trylock(&self.mu) != 0:
-            return False
+        deadline = time.monotonic() + timeout
+        while pthread_mutex_trylock(&self.mu) != 0:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
         try:
             if self.fd < 0:
                 return False

@@ -1,6 +1,6 @@
 """Socket plumbing shared by server and client: socket options, the frame
-reader that receives payloads straight into segments, gathered sends, and the
-shared-secret handshake."""
+reader that receives payloads straight into segments, and the shared-secret
+handshake. (Gathered sends are netio.Wire's.)"""
 from __future__ import annotations
 
 import hashlib
@@ -13,8 +13,6 @@ from pyflowbuf.net import frames as F
 
 DEFAULT_DEAD_PEER_TIMEOUT = 30.0
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
-_IOV_MAX = 512
-_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
 def new_secret() -> bytes:
@@ -50,40 +48,6 @@ def configure_socket(sock, dead_peer_timeout=DEFAULT_DEAD_PEER_TIMEOUT):
                     sock.setsockopt(socket.IPPROTO_TCP, opt, val)
                 except OSError:
                     pass
-
-
-def send_all(sock, parts):
-    """Send a list of bytes-like objects with as few sendmsg calls as the
-    kernel allows (gathered I/O: segment payloads are not copied). Views made
-    here for partial sends are released before returning."""
-    if len(parts) == 1:
-        sock.sendall(parts[0])
-        return len(parts[0])
-    total = 0
-    for p in parts:
-        total += len(p)
-    n = sock.sendmsg(parts[:_IOV_MAX])
-    if n == total:
-        return total
-    idx = off = 0
-    end = len(parts)
-    while True:
-        while n:
-            rem = len(parts[idx]) - off
-            if n >= rem:
-                n -= rem
-                idx += 1
-                off = 0
-            else:
-                off += n
-                n = 0
-        if idx == end:
-            return total
-        if off:
-            with memoryview(parts[idx])[off:] as first:
-                n = sock.sendmsg([first, *parts[idx + 1:idx + _IOV_MAX]])
-        else:
-            n = sock.sendmsg(parts[idx:idx + _IOV_MAX])
 
 
 def tell_peer(wire, error):
