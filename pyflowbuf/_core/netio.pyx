@@ -119,6 +119,21 @@ cdef class _Staged:
         self.reader._end = self.end
 
 
+cdef void **_borrowed_array(list objs, type cls, str what) except NULL:
+    """A C array of borrowed pointers for a nogil loop; the caller keeps
+    ``objs`` alive for as long as the array is in use."""
+    for o in objs:
+        if not isinstance(o, cls):
+            raise TypeError(f"{what} must be {cls.__name__}s")
+    cdef void **arr = <void **>PyMem_Malloc(sizeof(void *) * len(objs) + 1)
+    if arr is NULL:
+        raise MemoryError()
+    cdef Py_ssize_t i
+    for i in range(len(objs)):
+        arr[i] = <void *>objs[i]
+    return arr
+
+
 cdef object _lost(int err):
     return ConnectionLostError(f"connection lost: {os.strerror(err)}")
 
@@ -412,15 +427,7 @@ cdef class SendPump:
     def set_views(self, views):
         """The views to serve (called by the writer thread between runs)."""
         views = list(views)
-        for v in views:
-            if not isinstance(v, SenderView):
-                raise TypeError("views must be SenderViews")
-        cdef void **arr = <void **>PyMem_Malloc(sizeof(void *) * len(views) + 1)
-        if arr is NULL:
-            raise MemoryError()
-        cdef int i
-        for i in range(len(views)):
-            arr[i] = <void *>views[i]
+        cdef void **arr = _borrowed_array(views, SenderView, "views")
         PyMem_Free(self.views)
         self.views = arr
         self._views = views
@@ -561,15 +568,7 @@ cdef class CreditPump:
 
     def set_views(self, views):
         views = list(views)
-        for v in views:
-            if not isinstance(v, SenderView):
-                raise TypeError("views must be SenderViews")
-        cdef void **arr = <void **>PyMem_Malloc(sizeof(void *) * len(views) + 1)
-        if arr is NULL:
-            raise MemoryError()
-        cdef int i
-        for i in range(len(views)):
-            arr[i] = <void *>views[i]
+        cdef void **arr = _borrowed_array(views, SenderView, "views")
         PyMem_Free(self.views)
         self.views = arr
         self._views = views
@@ -1025,15 +1024,11 @@ cdef class ReceivePump:
 
     def set_channels(self, credits):
         credits = [c for c in credits if c is not None]
+        cdef void **arr = _borrowed_array(credits, ReceiverCredit, "channels")
         for c in credits:
-            if not isinstance(c, ReceiverCredit) or (<ReceiverCredit>c).queue is None:
-                raise TypeError("channels must be bound ReceiverCredits")
-        cdef void **arr = <void **>PyMem_Malloc(sizeof(void *) * len(credits) + 1)
-        if arr is NULL:
-            raise MemoryError()
-        cdef int i
-        for i in range(len(credits)):
-            arr[i] = <void *>credits[i]
+            if (<ReceiverCredit>c).queue is None:
+                PyMem_Free(arr)
+                raise TypeError("channels must be bound ReceiverCredits (bind())")
         PyMem_Free(self.chans)
         self.chans = arr
         self._chans = credits
