@@ -14,6 +14,11 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <time.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include "fb_atomic.h"
 #include "fb_errors.h"
 
@@ -56,17 +61,47 @@ static inline int64_t fb_monotonic_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+#if defined(__linux__)
+/* On Linux the epoch word is a futex: a waiter sleeps in the kernel only
+ * while the epoch still equals its token (checked atomically there, so a
+ * notify between prepare() and the sleep is never lost), and a notify is one
+ * system call, made only when someone waits. A mutex and condition variable
+ * cost a woken thread a second round trip for the mutex its notifier still
+ * holds. */
+static inline int fb_event_wait(fb_event *e, uint32_t token, int64_t timeout_ns) {
+    int rc = FB_OK;
+    int64_t deadline = timeout_ns >= 0 ? fb_monotonic_ns() + timeout_ns : -1;
+    struct timespec rel, *relp = NULL;
+    while (fb_load_seqcst(&e->epoch) == token) {
+        if (deadline >= 0) {
+            int64_t left = deadline - fb_monotonic_ns();
+            if (left <= 0) {
+                rc = FB_E_TIMEOUT;
+                break;
+            }
+            rel.tv_sec = (time_t)(left / 1000000000LL);
+            rel.tv_nsec = (long)(left % 1000000000LL);
+            relp = &rel;
+        }
+        /* EAGAIN: the epoch moved; EINTR/ETIMEDOUT: the loop decides */
+        syscall(SYS_futex, &e->epoch, FUTEX_WAIT_PRIVATE, token, relp, NULL, 0);
+    }
+    fb_event_cancel(e);
+    return rc;
+}
+
+static inline void fb_event_wake(fb_event *e) {
+    fb_fetch_add_seqcst(&e->epoch, 1);
+    syscall(SYS_futex, &e->epoch, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+}
+#else
 /* Parks until the epoch moves past `token` or timeout_ns passes (< 0: no limit).
  * Returns FB_OK or FB_E_TIMEOUT; always retires the waiter registered by prepare(). */
 static inline int fb_event_wait(fb_event *e, uint32_t token, int64_t timeout_ns) {
     int rc = FB_OK;
     struct timespec deadline;
     if (timeout_ns >= 0) {
-#if defined(__linux__)
-        clock_gettime(CLOCK_MONOTONIC, &deadline);
-#else
         clock_gettime(CLOCK_REALTIME, &deadline);
-#endif
         int64_t ns = deadline.tv_nsec + timeout_ns % 1000000000LL;
         deadline.tv_sec += (time_t)(timeout_ns / 1000000000LL + ns / 1000000000LL);
         deadline.tv_nsec = (long)(ns % 1000000000LL);
@@ -85,20 +120,20 @@ static inline int fb_event_wait(fb_event *e, uint32_t token, int64_t timeout_ns)
     return rc;
 }
 
+static inline void fb_event_wake(fb_event *e) {
+    fb_fetch_add_seqcst(&e->epoch, 1);
+    pthread_mutex_lock(&e->mu);
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+#endif
+
 static inline void fb_event_notify(fb_event *e) {
     fb_fence_seqcst();
     if (fb_load_seqcst(&e->waiters) == 0) return;
-    fb_fetch_add_seqcst(&e->epoch, 1);
-    pthread_mutex_lock(&e->mu);
-    pthread_cond_broadcast(&e->cv);
-    pthread_mutex_unlock(&e->mu);
+    fb_event_wake(e);
 }
 
 /* Wakes waiters unconditionally (cancellation, shutdown). */
-static inline void fb_event_notify_all(fb_event *e) {
-    fb_fetch_add_seqcst(&e->epoch, 1);
-    pthread_mutex_lock(&e->mu);
-    pthread_cond_broadcast(&e->cv);
-    pthread_mutex_unlock(&e->mu);
-}
+static inline void fb_event_notify_all(fb_event *e) { fb_event_wake(e); }
 #endif
