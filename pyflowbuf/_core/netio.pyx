@@ -1137,12 +1137,8 @@ cdef class ReceivePump:
         d.type = h.data_type
         d.flags = h.flags
         d.aux = 0
-        if c.queue.push(&d, False) != 0:
-            fb_pool_recycle(pool, seg)
-            return RX_CANCELLED
-        c.buffers_received += 1
-        c.bytes_received += h.size
-        self.frames += 1
+        # Credit first: waking the consumer (the push) may hand this core to
+        # it, and the sender should not wait for that turn to end.
         credit = c._service(&hungry)
         if credit:
             fb_add_credit_put(self.credit_frame, <int32_t>credit, c.rid)
@@ -1150,11 +1146,18 @@ cdef class ReceivePump:
             v.iov_len = FB_NET_ADD_CREDIT_SIZE
             rc = self.wire.sendv(&v, 1)
             if rc:
+                fb_pool_recycle(pool, seg)
                 self.err_a = rc
                 return RX_LOST
             self.credit_frames += 1
         elif hungry:
             self.hungry_wakes += 1
             fb_event_notify(&self.wake.ev)
+        if c.queue.push(&d, False) != 0:
+            fb_pool_recycle(pool, seg)
+            return RX_CANCELLED
+        c.buffers_received += 1
+        c.bytes_received += h.size
+        self.frames += 1
         return 0
 
