@@ -114,9 +114,6 @@ def _producer_main(conn, secret):
         op = cmd[0]
         if op == "quit":
             break
-        if op == "stats":
-            conn.send(srv.stats())
-            continue
         if op == "raw":
             _, port, nbytes = cmd
             s = socket.create_connection(("127.0.0.1", port))

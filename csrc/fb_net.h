@@ -19,7 +19,6 @@
 #define FB_NET_RID 16
 #define FB_NET_MSG_BUFFER_RESPONSE 0
 #define FB_NET_MSG_ADD_CREDIT 6
-#define FB_NET_PRIORITY_BIT 0x80
 #define FB_NET_IOV_MAX 1024 /* Linux's IOV_MAX: more per sendmsg is EMSGSIZE */
 
 #ifndef MSG_NOSIGNAL
@@ -118,13 +117,6 @@ static inline int fb_sendv_all(int fd, struct iovec *iov, int n) {
         }
     }
     return 0;
-}
-
-static inline int fb_send_all(int fd, const void *data, size_t len) {
-    struct iovec v;
-    v.iov_base = (void *)data;
-    v.iov_len = len;
-    return fb_sendv_all(fd, &v, 1);
 }
 
 /* One recvmsg into up to two pieces. Returns bytes read (0: peer closed) or -errno. */

@@ -54,7 +54,6 @@ CLOSED = RUN_CLOSED
 cdef enum:
     SEQ_MASK = 0x7FFFFFFF
     MAX_BATCH = 16          # buffers per gathered send
-    RX_OK = 0
     RX_PYTHON = 1
     RX_LOST = 2             # recv failed (errno in err_a)
     RX_TRUNCATED = 3        # the peer closed mid-payload (err_a of err_b bytes)
@@ -119,19 +118,36 @@ cdef class _Staged:
         self.reader._end = self.end
 
 
-cdef void **_borrowed_array(list objs, type cls, str what) except NULL:
-    """A C array of borrowed pointers for a nogil loop; the caller keeps
-    ``objs`` alive for as long as the array is in use."""
-    for o in objs:
-        if not isinstance(o, cls):
-            raise TypeError(f"{what} must be {cls.__name__}s")
-    cdef void **arr = <void **>PyMem_Malloc(sizeof(void *) * len(objs) + 1)
-    if arr is NULL:
-        raise MemoryError()
-    cdef Py_ssize_t i
-    for i in range(len(objs)):
-        arr[i] = <void *>objs[i]
-    return arr
+@cython.final
+cdef class _Borrowed:
+    """A C array of borrowed pointers to the objects a nogil loop serves;
+    ``objs`` keeps them alive while the array is in use. Replaced only by
+    the thread that runs the loop, between runs."""
+    cdef list objs
+    cdef void **items
+    cdef int n
+
+    def __cinit__(self):
+        self.objs = []
+
+    def __dealloc__(self):
+        PyMem_Free(self.items)
+
+    cdef int set(self, list objs, type cls, str what) except -1:
+        for o in objs:
+            if not isinstance(o, cls):
+                raise TypeError(f"{what} must be {cls.__name__}s")
+        cdef void **arr = <void **>PyMem_Malloc(sizeof(void *) * len(objs) + 1)
+        if arr is NULL:
+            raise MemoryError()
+        cdef Py_ssize_t i
+        for i in range(len(objs)):
+            arr[i] = <void *>objs[i]
+        PyMem_Free(self.items)
+        self.items = arr
+        self.objs = objs
+        self.n = <int>len(objs)
+        return 0
 
 
 cdef object _lost(int err):
@@ -330,7 +346,7 @@ cdef class SenderView:
     cdef inline int64_t _backlog(self) noexcept nogil:
         return fb_ring_size(self.queue.ring) + fb_ring_size(self.queue.prio)
 
-    cdef int next_item(self) noexcept nogil:
+    cdef int next_item(self, bint *priority) noexcept nogil:
         """What ``poll`` would do now, without taking anything: 0 nothing,
         1 a data buffer the pump may send, 2 an event or priority item (for
         Python), 3 a backlog announcement is due."""
@@ -338,6 +354,7 @@ cdef class SenderView:
         if self._finished:
             return 0
         cdef fb_bufdesc *d = self.queue.peek(&prio)
+        priority[0] = prio
         if d is NULL:
             return 0
         if not prio and fb_atomic_load_int(&self._blocked, __ATOMIC_ACQUIRE):
@@ -350,10 +367,9 @@ cdef class SenderView:
             return 0
         return 2 if (prio or is_event) else 1
 
-    cdef void take(self, fb_bufdesc *d, int32_t *seq, int32_t *backlog) noexcept nogil:
-        """Pop the item ``next_item`` looked at and number it."""
-        cdef bint prio
-        self.queue.peek(&prio)
+    cdef void take(self, fb_bufdesc *d, bint prio, int32_t *seq, int32_t *backlog) noexcept nogil:
+        """Pop the item ``next_item`` looked at (``prio``: from the priority
+        lane) and number it."""
         self.queue.pop(d)
         seq[0] = self.seq
         self.seq = (self.seq + 1) & SEQ_MASK
@@ -371,18 +387,17 @@ cdef class SenderView:
         """``(DATA, buffer, seq, backlog, priority)``,
         ``(EVENT, (kind, aux, flags), seq, backlog, priority)``,
         ``(BACKLOG, None, -1, backlog, False)`` or None."""
-        cdef int what = self.next_item()
+        cdef bint prio
+        cdef int what = self.next_item(&prio)
         cdef fb_bufdesc d
         cdef int32_t seq, backlog
-        cdef bint prio
         if what == 0:
             return None
         if what == 3:
             self._told_backlog = self._backlog()
             self.announcements += 1
             return (BACKLOG, None, -1, self._told_backlog, False)
-        self.queue.peek(&prio)
-        self.take(&d, &seq, &backlog)
+        self.take(&d, prio, &seq, &backlog)
         if d.type == FB_DATA_EVENT:
             return (EVENT, (d.width, d.aux, d.flags), seq, backlog, prio)
         return (DATA, Buffer.wrap(&d, self.queue.network_pool), seq, backlog, prio)
@@ -402,9 +417,7 @@ cdef class SendPump:
 
     cdef Wire wire
     cdef Notifier notifier
-    cdef list _views
-    cdef void **views
-    cdef int nviews
+    cdef _Borrowed views
     cdef int next_view
     cdef int _dirty
     cdef int _closed
@@ -419,19 +432,11 @@ cdef class SendPump:
     def __cinit__(self, Wire wire not None, Notifier notifier not None):
         self.wire = wire
         self.notifier = notifier
-        self._views = []
-
-    def __dealloc__(self):
-        PyMem_Free(self.views)
+        self.views = _Borrowed()
 
     def set_views(self, views):
         """The views to serve (called by the writer thread between runs)."""
-        views = list(views)
-        cdef void **arr = _borrowed_array(views, SenderView, "views")
-        PyMem_Free(self.views)
-        self.views = arr
-        self._views = views
-        self.nviews = len(views)
+        self.views.set(list(views), SenderView, "views")
         self.next_view = 0
 
     def mark_dirty(self):
@@ -463,8 +468,8 @@ cdef class SendPump:
     cdef bint _credit_starved(self) noexcept nogil:
         cdef int i
         cdef SenderView_ptr v
-        for i in range(self.nviews):
-            v = self.views[i]
+        for i in range(self.views.n):
+            v = self.views.items[i]
             if (<SenderView>v).credit_based and not (<SenderView>v)._finished and \
                     fb_ring_size((<SenderView>v).queue.ring) and \
                     fb_atomic_load_i64(&(<SenderView>v)._added, __ATOMIC_ACQUIRE) - (<SenderView>v)._used <= 0:
@@ -473,34 +478,34 @@ cdef class SendPump:
 
     cdef int _gather(self, bint *python) noexcept nogil:
         cdef int n = 0, i, k, what
-        cdef bint progress = True
+        cdef bint progress = True, prio
         cdef int32_t seq, backlog
         cdef fb_bufdesc *d
         while progress and n < MAX_BATCH:
             progress = False
-            for k in range(self.nviews):
+            for k in range(self.views.n):
                 if n >= MAX_BATCH:
                     break
                 i = self.next_view + k
-                if i >= self.nviews:
-                    i -= self.nviews
-                what = (<SenderView>self.views[i]).next_item()
+                if i >= self.views.n:
+                    i -= self.views.n
+                what = (<SenderView>self.views.items[i]).next_item(&prio)
                 if what == 1:
                     d = &self.sent[n]
-                    (<SenderView>self.views[i]).take(d, &seq, &backlog)
-                    fb_buffer_header_put(self.hdr[n], (<SenderView>self.views[i]).rid,
-                                         (<SenderView>self.views[i]).subpartition, seq, backlog,
+                    (<SenderView>self.views.items[i]).take(d, False, &seq, &backlog)   # 1: main lane
+                    fb_buffer_header_put(self.hdr[n], (<SenderView>self.views.items[i]).rid,
+                                         (<SenderView>self.views.items[i]).subpartition, seq, backlog,
                                          <unsigned char>d.type, <int32_t>d.size, d.width, d.flags)
                     self.iov[2 * n].iov_base = self.hdr[n]
                     self.iov[2 * n].iov_len = FB_NET_BUFFER_HEADER
-                    self.iov[2 * n + 1].iov_base = fb_segment_ptr((<SenderView>self.views[i]).arena, d.seg)
+                    self.iov[2 * n + 1].iov_base = fb_segment_ptr((<SenderView>self.views.items[i]).arena, d.seg)
                     self.iov[2 * n + 1].iov_len = d.size
                     n += 1
                     progress = True
                 elif what >= 2:
                     python[0] = True
-        if self.nviews:   # the next send starts with the next view
-            self.next_view = (self.next_view + 1) % self.nviews
+        if self.views.n:   # the next send starts with the next view
+            self.next_view = (self.next_view + 1) % self.views.n
         return n
 
     cdef int _run(self, int64_t timeout_ns) noexcept nogil:
@@ -552,27 +557,17 @@ cdef class CreditPump:
 
     cdef int fd
     cdef Notifier notifier
-    cdef list _views
-    cdef void **views
-    cdef int nviews
+    cdef _Borrowed views
     cdef int last
     cdef readonly uint64_t frames
 
     def __cinit__(self, Wire wire not None, Notifier notifier not None):
         self.fd = wire.fd
         self.notifier = notifier
-        self._views = []
-
-    def __dealloc__(self):
-        PyMem_Free(self.views)
+        self.views = _Borrowed()
 
     def set_views(self, views):
-        views = list(views)
-        cdef void **arr = _borrowed_array(views, SenderView, "views")
-        PyMem_Free(self.views)
-        self.views = arr
-        self._views = views
-        self.nviews = len(views)
+        self.views.set(list(views), SenderView, "views")
         self.last = 0
 
     def run(self, reader):
@@ -602,17 +597,17 @@ cdef class CreditPump:
             if fb_be32_get(p + 4) != FB_NET_MAGIC or credit <= 0:
                 return
             found = False
-            for k in range(self.nviews):
+            for k in range(self.views.n):
                 i = self.last + k
-                if i >= self.nviews:
-                    i -= self.nviews
-                if memcmp((<SenderView>self.views[i]).rid, p + 13, 16) == 0:
+                if i >= self.views.n:
+                    i -= self.views.n
+                if memcmp((<SenderView>self.views.items[i]).rid, p + 13, 16) == 0:
                     self.last = i
                     found = True
                     break
             if not found:
                 return   # Python knows whether it is stale or unknown
-            fb_atomic_add_i64(&(<SenderView>self.views[i])._added, credit, __ATOMIC_RELEASE)
+            fb_atomic_add_i64(&(<SenderView>self.views.items[i])._added, credit, __ATOMIC_RELEASE)
             start[0] += FB_NET_ADD_CREDIT_SIZE
             self.frames += 1
             fb_event_notify(&self.notifier.ev)
@@ -1000,9 +995,7 @@ cdef class ReceivePump:
     cdef Wire wire
     cdef int fd
     cdef Notifier wake
-    cdef list _chans
-    cdef void **chans
-    cdef int nchans
+    cdef _Borrowed chans
     cdef int last
     cdef readonly int64_t max_buffer_size
     cdef readonly uint64_t frames
@@ -1017,22 +1010,14 @@ cdef class ReceivePump:
         self.fd = wire.fd
         self.wake = wake
         self.max_buffer_size = max_buffer_size
-        self._chans = []
-
-    def __dealloc__(self):
-        PyMem_Free(self.chans)
+        self.chans = _Borrowed()
 
     def set_channels(self, credits):
         credits = [c for c in credits if c is not None]
-        cdef void **arr = _borrowed_array(credits, ReceiverCredit, "channels")
         for c in credits:
-            if (<ReceiverCredit>c).queue is None:
-                PyMem_Free(arr)
+            if isinstance(c, ReceiverCredit) and (<ReceiverCredit>c).queue is None:
                 raise TypeError("channels must be bound ReceiverCredits (bind())")
-        PyMem_Free(self.chans)
-        self.chans = arr
-        self._chans = credits
-        self.nchans = len(credits)
+        self.chans.set(credits, ReceiverCredit, "channels")
         self.last = 0
 
     def run(self, reader):
@@ -1057,13 +1042,13 @@ cdef class ReceivePump:
 
     cdef ReceiverCredit_ptr _find(self, const unsigned char *rid) noexcept nogil:
         cdef int i, k
-        for k in range(self.nchans):
+        for k in range(self.chans.n):
             i = self.last + k
-            if i >= self.nchans:
-                i -= self.nchans
-            if memcmp((<ReceiverCredit>self.chans[i]).rid, rid, 16) == 0:
+            if i >= self.chans.n:
+                i -= self.chans.n
+            if memcmp((<ReceiverCredit>self.chans.items[i]).rid, rid, 16) == 0:
                 self.last = i
-                return self.chans[i]
+                return self.chans.items[i]
         return NULL
 
     cdef int _run(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end) noexcept nogil:

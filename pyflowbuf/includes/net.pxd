@@ -23,7 +23,6 @@ cdef extern from "fb_net.h" nogil:
         FB_NET_RID
         FB_NET_MSG_BUFFER_RESPONSE
         FB_NET_MSG_ADD_CREDIT
-        FB_NET_PRIORITY_BIT
     ctypedef struct fb_buffer_header:
         const unsigned char *rid
         int32_t length
@@ -43,5 +42,4 @@ cdef extern from "fb_net.h" nogil:
     uint32_t fb_be32_get(const unsigned char *p)
     void fb_add_credit_put(unsigned char *p, int32_t credit, const unsigned char *rid)
     int fb_sendv_all(int fd, iovec *iov, int n)
-    int fb_send_all(int fd, const void *data, size_t length)
     int64_t fb_recv2(int fd, void *a, size_t alen, void *b, size_t blen)
