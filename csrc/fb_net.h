@@ -119,8 +119,9 @@ static inline int fb_sendv_all(int fd, struct iovec *iov, int n) {
     return 0;
 }
 
-/* One recvmsg into up to two pieces. Returns bytes read (0: peer closed) or -errno. */
-static inline int64_t fb_recv2(int fd, void *a, size_t alen, void *b, size_t blen) {
+/* One recvmsg into up to two pieces. Returns bytes read (0: peer closed) or
+ * -errno (-EAGAIN only with MSG_DONTWAIT in flags). */
+static inline int64_t fb_recv2(int fd, void *a, size_t alen, void *b, size_t blen, int flags) {
     struct iovec v[2];
     struct msghdr m;
     memset(&m, 0, sizeof m);
@@ -131,7 +132,7 @@ static inline int64_t fb_recv2(int fd, void *a, size_t alen, void *b, size_t ble
     m.msg_iov = v;
     m.msg_iovlen = blen ? 2 : 1;
     for (;;) {
-        ssize_t got = recvmsg(fd, &m, 0);
+        ssize_t got = recvmsg(fd, &m, flags);
         if (got >= 0) return (int64_t)got;
         if (errno != EINTR) return -(int64_t)(errno ? errno : EIO);
     }

@@ -16,6 +16,7 @@
 #include <time.h>
 #if defined(__linux__)
 #include <linux/futex.h>
+#include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -25,6 +26,7 @@
 typedef struct fb_event {
     uint32_t epoch;
     uint32_t waiters;
+    int efd;            /* >= 0: also signalled on every wake, for poll() */
     pthread_mutex_t mu;
     pthread_cond_t cv;
 } fb_event;
@@ -32,6 +34,7 @@ typedef struct fb_event {
 static inline int fb_event_init(fb_event *e) {
     e->epoch = 0;
     e->waiters = 0;
+    e->efd = -1;
     if (pthread_mutex_init(&e->mu, NULL) != 0) return FB_E_NOMEM;
     pthread_condattr_t attr;
     pthread_condattr_init(&attr);
@@ -44,6 +47,9 @@ static inline int fb_event_init(fb_event *e) {
 }
 
 static inline void fb_event_destroy(fb_event *e) {
+#if defined(__linux__)
+    if (e->efd >= 0) close(e->efd);
+#endif
     pthread_cond_destroy(&e->cv);
     pthread_mutex_destroy(&e->mu);
 }
@@ -93,6 +99,33 @@ static inline int fb_event_wait(fb_event *e, uint32_t token, int64_t timeout_ns)
 static inline void fb_event_wake(fb_event *e) {
     fb_fetch_add_seqcst(&e->epoch, 1);
     syscall(SYS_futex, &e->epoch, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+    int fd = __atomic_load_n(&e->efd, __ATOMIC_ACQUIRE);
+    if (fd >= 0) {
+        uint64_t one = 1;
+        ssize_t rc = write(fd, &one, sizeof one);   /* EAGAIN: it is signalled already */
+        (void)rc;
+    }
+}
+/* Lets a thread wait for this event and a socket at once: after
+ * fb_event_prepare(), poll() the returned descriptor (readable once a wake
+ * happened since it was last drained with fb_event_fd_drain). Created once;
+ * returns -1 when the system has no eventfd. */
+static inline int fb_event_fd(fb_event *e) {
+    int fd = __atomic_load_n(&e->efd, __ATOMIC_ACQUIRE);
+    if (fd >= 0) return fd;
+    fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) return -1;
+    int expected = -1;
+    if (!__atomic_compare_exchange_n(&e->efd, &expected, fd, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        close(fd);
+        return expected;
+    }
+    return fd;
+}
+static inline void fb_event_fd_drain(fb_event *e) {
+    uint64_t n;
+    ssize_t rc = read(e->efd, &n, sizeof n);
+    (void)rc;
 }
 #else
 /* Parks until the epoch moves past `token` or timeout_ns passes (< 0: no limit).
@@ -126,6 +159,8 @@ static inline void fb_event_wake(fb_event *e) {
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
 }
+static inline int fb_event_fd(fb_event *e) { (void)e; return -1; }
+static inline void fb_event_fd_drain(fb_event *e) { (void)e; }
 #endif
 
 static inline void fb_event_notify(fb_event *e) {

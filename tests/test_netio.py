@@ -183,15 +183,19 @@ def test_credit_pump_applies_add_credit_and_returns_at_anything_else(nbp, pair):
 
 # ---------------------------------------------------------------- ReceivePump
 
-def _receiver(nbp, a, exclusive=2, floating=2):
-    excl = nbp.create_pool(exclusive, exclusive) if exclusive else None
-    fl = nbp.create_pool(0, floating) if floating else None
+def _channel(nbp, exclusive, floating, rid=RID, recycles=None):
+    excl = nbp.create_pool(exclusive, exclusive, notifier=recycles) if exclusive else None
+    fl = nbp.create_pool(0, floating, notifier=recycles) if floating else None
     cr = ReceiverCredit(excl, fl, exclusive)
     cr.setup()
     q = BufferQueue(nbp)
-    cr.bind(RID, q)
-    wake = Notifier()
-    pump = netio.ReceivePump(netio.Wire(a), wake, SEG)
+    cr.bind(rid, q)
+    return cr, q, excl, fl
+
+
+def _receiver(nbp, a, exclusive=2, floating=2, recycles=None):
+    cr, q, excl, fl = _channel(nbp, exclusive, floating, recycles=recycles)
+    pump = netio.ReceivePump(netio.Wire(a), Notifier(), SEG, recycles)
     pump.set_channels([cr])
     return cr, q, pump, P.FrameReader(a, SEG), excl, fl
 
@@ -250,6 +254,89 @@ def test_receive_pump_hands_odd_frames_to_python_untouched(nbp, pair, case):
     staged = bytes(reader._buf[reader._start:reader._end])
     assert frame.startswith(staged) and len(staged) >= F.FRAME_HEADER_SIZE   # nothing consumed
     assert q.backlog == (1 if case == "no_credit" else 0)
+
+
+def _pop_waiting(q, gate, timeout=5.0):
+    token = gate.notifier.prepare()
+    x = q.pop_buffer()
+    if x is None:
+        assert gate.notifier.wait(token, timeout), "the consumer was never woken"
+        x = q.pop_buffer()
+    else:
+        gate.notifier.cancel()
+    assert x is not None
+    return x
+
+
+def test_receive_pump_counts_one_consumer_wake_for_a_burst(nbp, pair):
+    a, b = pair
+    cr, q, pump, reader, excl, fl = _receiver(nbp, a, exclusive=8, floating=0)
+    InputGate([q])   # attaches a consumer notifier to the queue
+    b.sendall(b"".join(_data_frame(i, b"x" * 10) for i in range(4)) + F.encode_close())
+    pump.run(reader)
+    assert pump.frames == 4 and pump.consumer_wakes == 1   # four buffers, one wake-up
+    for _ in range(4):
+        q.pop_buffer().recycle()
+    cr.release()
+
+
+def test_receive_pump_wakes_a_parked_consumer_when_the_socket_goes_quiet(nbp, pair):
+    a, b = pair
+    cr, q, pump, reader, excl, fl = _receiver(nbp, a, exclusive=8, floating=0)
+    gate = InputGate([q])
+    t = threading.Thread(target=pump.run, args=(reader,), daemon=True)
+    t.start()
+    for i in range(3):   # fewer than a wake batch, then silence: still delivered at once
+        b.sendall(_data_frame(i, bytes([i]) * 10))
+        assert bytes(_pop_waiting(q, gate)) == bytes([i]) * 10
+    b.sendall(F.encode_close())
+    t.join(5)
+    assert not t.is_alive()
+    cr.release()
+
+
+def test_receive_pump_sends_credit_on_recycle_while_the_socket_is_quiet(nbp, pair):
+    a, b = pair
+    recycles = Notifier()
+    cr, q, pump, reader, excl, fl = _receiver(nbp, a, exclusive=2, floating=0, recycles=recycles)
+    gate = InputGate([q])
+    t = threading.Thread(target=pump.run, args=(reader,), daemon=True)
+    t.start()
+    b.sendall(_data_frame(0, b"a") + _data_frame(1, b"b"))   # all the credit: the sender is at 0
+    x, y = _pop_waiting(q, gate), _pop_waiting(q, gate)
+    x.recycle()
+    y.recycle()
+    # no data can arrive now; the receive thread itself turns the recycles into credit
+    got = _decode(b, 1)
+    assert [type(f) for f in got] == [F.AddCredit] and sum(f.credit for f in got) >= 1
+    b.sendall(F.encode_close())
+    t.join(5)
+    assert not t.is_alive()
+    assert pump.recycle_credit_frames >= 1 and pump.hungry_wakes == 0   # the control thread was not needed
+    cr.release()
+
+
+def test_receive_pump_serves_a_hungry_channel_between_another_channels_frames(nbp, pair):
+    a, b = pair
+    recycles = Notifier()
+    hungry, hq, hx, _ = _channel(nbp, 1, 0, rid=b"h" * 16, recycles=recycles)
+    busy, bq, bx, _ = _channel(nbp, 8, 0, rid=b"b" * 16, recycles=recycles)
+    pump = netio.ReceivePump(netio.Wire(a), Notifier(), SEG, recycles)
+    pump.set_channels([hungry, busy])
+    reader = P.FrameReader(a, SEG)
+    b.sendall(_data_frame(0, b"h", rid=b"h" * 16) + F.encode_close())
+    pump.run(reader)
+    reader.read_control(*reader.read_header())
+    hq.pop_buffer().recycle()    # the hungry channel's sender is at 0; its buffer comes back
+    # the other channel's stream keeps the socket readable, so the loop never waits on it
+    b.sendall(b"".join(_data_frame(i, b"y", rid=b"b" * 16) for i in range(3)) + F.encode_close())
+    pump.run(reader)
+    (ac,) = _decode(b, 1)
+    assert ac.receiver_id == b"h" * 16 and ac.credit == 1
+    for _ in range(3):
+        bq.pop_buffer().recycle()
+    hungry.release()
+    busy.release()
 
 
 def test_receive_pump_truncated_payload_recycles_the_segment(nbp, pair):

@@ -24,6 +24,8 @@ cdef class BufferQueue:
     cdef readonly uint64_t buffers_pushed
     cdef readonly uint64_t bytes_pushed
     cdef int push(self, const fb_bufdesc *d, bint priority) except -1 nogil
+    cdef int push_quiet(self, const fb_bufdesc *d, bint priority) except -1 nogil
+    cdef void wake_consumer(self) noexcept nogil
     cdef int pop(self, fb_bufdesc *d) noexcept nogil
     cdef fb_bufdesc *peek(self, bint *priority) noexcept nogil
     cdef int attach(self, Notifier consumer) except -1

@@ -65,6 +65,16 @@ cdef class BufferQueue:
         return 0
 
     cdef int push(self, const fb_bufdesc *d, bint priority) except -1 nogil:
+        cdef int rc = self.push_quiet(d, priority)
+        if rc == 1:
+            self.wake_consumer()
+        return 0 if rc == 1 else rc
+
+    cdef int push_quiet(self, const fb_bufdesc *d, bint priority) except -1 nogil:
+        """``push`` that leaves waking the consumer to the caller: returns 1
+        when the consumer must be woken (``wake_consumer``), else 0 or an
+        error code. A receive loop that knows more data is arriving wakes
+        the consumer once for several buffers."""
         cdef fb_ring *r = self.prio if priority else self.ring
         cdef uint32_t token
         while fb_ring_push(r, d) != FB_OK:
@@ -82,9 +92,11 @@ cdef class BufferQueue:
         # first descriptor after that needs to wake it. This keeps a network
         # writer that waits for credit (with buffers queued) asleep while the
         # producer keeps filling the queue.
-        if self.consumer is not NULL and fb_ring_was_empty(r):
+        return 1 if self.consumer is not NULL and fb_ring_was_empty(r) else 0
+
+    cdef void wake_consumer(self) noexcept nogil:
+        if self.consumer is not NULL:
             fb_event_notify(self.consumer)
-        return 0
 
     cdef int pop(self, fb_bufdesc *d) noexcept nogil:
         if fb_ring_pop(self.prio, d) == FB_OK or fb_ring_pop(self.ring, d) == FB_OK:

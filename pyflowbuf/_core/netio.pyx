@@ -54,10 +54,27 @@ CLOSED = RUN_CLOSED
 cdef enum:
     SEQ_MASK = 0x7FFFFFFF
     MAX_BATCH = 16          # buffers per gathered send
+    WAKE_BATCH = 4          # buffers received per consumer wake-up, at most
     RX_PYTHON = 1
     RX_LOST = 2             # recv failed (errno in err_a)
     RX_TRUNCATED = 3        # the peer closed mid-payload (err_a of err_b bytes)
     RX_CANCELLED = 4        # the channel's queue was cancelled while full
+
+
+cdef extern from "<errno.h>" nogil:
+    enum:
+        EAGAIN
+        EWOULDBLOCK
+
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum:
+        POLLIN
 
 
 cdef extern from "<sys/socket.h>" nogil:
@@ -75,11 +92,16 @@ cdef Py_ssize_t _send_dontwait(int fd, bytes b):
     return send(fd, <const char *>b, len(b), MSG_DONTWAIT | MSG_NOSIGNAL)
 
 
-cdef int _stage(int fd, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end, Py_ssize_t want) noexcept nogil:
+cdef class ReceivePump
+
+
+cdef int _stage(int fd, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end, Py_ssize_t want,
+                ReceivePump pump=None) noexcept nogil:
     """Have ``want`` bytes of the frame at ``start`` staged, reading at most
     up to one BufferResponse header from the frame start (the FrameReader's
     staging rule); 0, or RUN_PYTHON when the socket ends or fails first
-    (Python's reader then reads again and reports it)."""
+    (Python's reader then reads again and reports it). A ``pump`` reads
+    through its ``_recv`` (it wakes its consumers before it blocks)."""
     cdef Py_ssize_t have = end[0] - start[0]
     cdef int64_t n
     if have >= want:
@@ -89,7 +111,10 @@ cdef int _stage(int fd, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end, 
         start[0] = 0
         end[0] = have
     while end[0] < want:
-        n = fb_recv2(fd, buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0)
+        if pump is None:
+            n = fb_recv2(fd, buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0, 0)
+        else:
+            n = pump._recv(buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0)
         if n <= 0:
             return RUN_PYTHON
         end[0] += n
@@ -663,6 +688,7 @@ cdef class ReceiverCredit:
     cdef public uint32_t expected_seq
     cdef public uint64_t buffers_received
     cdef public uint64_t bytes_received
+    cdef bint wake_due               # pushed without waking the consumer yet
 
     def __cinit__(self):
         if pthread_mutex_init(&self.mu, NULL) != 0:
@@ -995,6 +1021,10 @@ cdef class ReceivePump:
     cdef Wire wire
     cdef int fd
     cdef Notifier wake
+    cdef Notifier recycles       # told when a consumer recycles a segment
+    cdef fb_event *rev
+    cdef int rfd                 # its descriptor for poll(), or -1
+    cdef bint hungry             # a channel's sender may run dry
     cdef _Borrowed chans
     cdef int last
     cdef readonly int64_t max_buffer_size
@@ -1003,14 +1033,24 @@ cdef class ReceivePump:
     cdef readonly uint64_t hungry_wakes      # times it handed a hungry channel to the control thread
     cdef int64_t err_a
     cdef int64_t err_b
+    cdef int n_due                            # pushes since a consumer was owed a wake
+    cdef readonly uint64_t consumer_wakes     # batched wakes of consumers
+    cdef readonly uint64_t recycle_credit_frames   # AddCredit sent while waiting for the socket
     cdef unsigned char credit_frame[FB_NET_ADD_CREDIT_SIZE]
 
-    def __cinit__(self, Wire wire not None, Notifier wake not None, int64_t max_buffer_size):
+    def __cinit__(self, Wire wire not None, Notifier wake not None, int64_t max_buffer_size,
+                  Notifier recycles=None):
         self.wire = wire
         self.fd = wire.fd
         self.wake = wake
         self.max_buffer_size = max_buffer_size
         self.chans = _Borrowed()
+        self.rfd = -1
+        if recycles is not None:
+            self.rfd = fb_event_fd(&recycles.ev)
+            if self.rfd >= 0:
+                self.recycles = recycles
+                self.rev = &recycles.ev
 
     def set_channels(self, credits):
         credits = [c for c in credits if c is not None]
@@ -1051,18 +1091,113 @@ cdef class ReceivePump:
                 return self.chans.items[i]
         return NULL
 
+    cdef void _wake_due(self) noexcept nogil:
+        cdef int i
+        cdef ReceiverCredit_ptr c
+        if not self.n_due:
+            return
+        self.n_due = 0
+        for i in range(self.chans.n):
+            c = self.chans.items[i]
+            if (<ReceiverCredit>c).wake_due:
+                (<ReceiverCredit>c).wake_due = False
+                self.consumer_wakes += 1
+                (<ReceiverCredit>c).queue.wake_consumer()
+
+    cdef int64_t _recv(self, void *a, size_t alen, void *b, size_t blen) noexcept nogil:
+        """recvmsg that, before it would block, wakes the owed consumers and
+        serves channels whose sender may run dry (below)."""
+        cdef int64_t n
+        if self.hungry:
+            # while other channels keep the socket busy, a hungry channel's
+            # recycles are served between their frames
+            n = self._serve_hungry()
+            if n < 0:
+                return n
+            self.hungry = n > 0
+        if self.n_due or self.rfd >= 0:
+            n = fb_recv2(self.fd, a, alen, b, blen, MSG_DONTWAIT)
+            if n != -EAGAIN and n != -EWOULDBLOCK:
+                return n
+            self._wake_due()
+            if self.rfd >= 0:
+                n = self._await_socket()
+                if n < 0:
+                    return n
+        return fb_recv2(self.fd, a, alen, b, blen, 0)
+
+    cdef int _serve_hungry(self) noexcept nogil:
+        """Credit for channels whose sender may run dry: 1 if any still may
+        (it waits on recycles), 0 if none, or -errno when sending failed."""
+        cdef int i, rc
+        cdef int any_hungry = 0
+        cdef int64_t credit
+        cdef bint hungry
+        cdef iovec v
+        cdef ReceiverCredit_ptr c
+        for i in range(self.chans.n):
+            c = self.chans.items[i]
+            if not (<ReceiverCredit>c)._hungry():
+                continue
+            credit = (<ReceiverCredit>c)._service(&hungry)
+            if credit:
+                fb_add_credit_put(self.credit_frame, <int32_t>credit, (<ReceiverCredit>c).rid)
+                v.iov_base = self.credit_frame
+                v.iov_len = FB_NET_ADD_CREDIT_SIZE
+                rc = self.wire.sendv(&v, 1)
+                if rc:
+                    return -rc
+                self.recycle_credit_frames += 1
+            if hungry:
+                any_hungry = 1
+        return any_hungry
+
+    cdef int64_t _await_socket(self) noexcept nogil:
+        """Wait until the socket is readable. Meanwhile a channel whose sender
+        may run dry gets its credit the moment its consumer recycles a
+        segment: no data can arrive to carry this thread to it, and handing
+        it to the control thread (Python) costs a wake-up and the GIL."""
+        cdef pollfd fds[2]
+        cdef int rc
+        while True:
+            fb_event_prepare(self.rev)
+            rc = self._serve_hungry()
+            self.hungry = rc > 0
+            if rc <= 0:
+                fb_event_cancel(self.rev)
+                return rc
+            fds[0].fd = self.fd
+            fds[0].events = POLLIN
+            fds[0].revents = 0
+            fds[1].fd = self.rfd
+            fds[1].events = POLLIN
+            fds[1].revents = 0
+            rc = poll(fds, 2, -1)
+            fb_event_cancel(self.rev)
+            if rc < 0:
+                return 0   # EINTR or worse: the blocking recv decides
+            if fds[1].revents:
+                fb_event_fd_drain(self.rev)
+            if fds[0].revents:
+                return 0
+
     cdef int _run(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end) noexcept nogil:
+        cdef int rc = self._loop(buf, start, end)
+        self._wake_due()
+        return rc
+
+    cdef int _loop(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end) noexcept nogil:
         cdef fb_buffer_header h
         cdef ReceiverCredit_ptr p
         cdef int rc
         while True:
             # a frame header first: only the 9-byte frame header, since a
             # short control frame may be all there is to read
-            if _stage(self.fd, buf, start, end, FB_NET_FRAME_HEADER):
+            if _stage(self.fd, buf, start, end, FB_NET_FRAME_HEADER, self):
                 return RX_PYTHON
             if buf[start[0] + 8] != FB_NET_MSG_BUFFER_RESPONSE:
                 return RX_PYTHON
-            if _stage(self.fd, buf, start, end, FB_NET_BUFFER_HEADER):
+            if _stage(self.fd, buf, start, end, FB_NET_BUFFER_HEADER, self):
                 return RX_PYTHON
             fb_buffer_header_get(buf + start[0], &h)
             if (h.magic != FB_NET_MAGIC or h.compressed or h.data_type > 1 or h.size < 0
@@ -1102,7 +1237,7 @@ cdef class ReceivePump:
         mem = fb_segment_ptr(c.arena, seg)
         got = 0
         while got < h.size:
-            n = fb_recv2(self.fd, mem + got, h.size - got, buf, FB_NET_BUFFER_HEADER)
+            n = self._recv(mem + got, h.size - got, buf, FB_NET_BUFFER_HEADER)
             if n <= 0:
                 fb_pool_recycle(pool, seg)
                 if n == 0:
@@ -1136,11 +1271,25 @@ cdef class ReceivePump:
                 return RX_LOST
             self.credit_frames += 1
         elif hungry:
-            self.hungry_wakes += 1
-            fb_event_notify(&self.wake.ev)
-        if c.queue.push(&d, False) != 0:
+            if self.rfd >= 0:
+                self.hungry = True      # _recv serves it from now on
+            else:
+                self.hungry_wakes += 1
+                fb_event_notify(&self.wake.ev)
+        # The consumer is woken once for up to WAKE_BATCH buffers, or as soon
+        # as the socket has nothing more to read (_recv): while data keeps
+        # arriving it drains several buffers per wake-up instead of parking
+        # after each.
+        rc = c.queue.push_quiet(&d, False)
+        if rc < 0:
             fb_pool_recycle(pool, seg)
             return RX_CANCELLED
+        if rc == 1 and not c.wake_due:
+            c.wake_due = True
+        if c.wake_due:
+            self.n_due += 1
+            if self.n_due >= WAKE_BATCH:
+                self._wake_due()
         c.buffers_received += 1
         c.bytes_received += h.size
         self.frames += 1

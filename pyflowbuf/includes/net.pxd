@@ -42,4 +42,4 @@ cdef extern from "fb_net.h" nogil:
     uint32_t fb_be32_get(const unsigned char *p)
     void fb_add_credit_put(unsigned char *p, int32_t credit, const unsigned char *rid)
     int fb_sendv_all(int fd, iovec *iov, int n)
-    int64_t fb_recv2(int fd, void *a, size_t alen, void *b, size_t blen)
+    int64_t fb_recv2(int fd, void *a, size_t alen, void *b, size_t blen, int flags)

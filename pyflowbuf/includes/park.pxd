@@ -11,4 +11,6 @@ cdef extern from "fb_park.h" nogil:
     int fb_event_wait(fb_event *e, uint32_t token, int64_t timeout_ns)
     void fb_event_notify(fb_event *e)
     void fb_event_notify_all(fb_event *e)
+    int fb_event_fd(fb_event *e)
+    void fb_event_fd_drain(fb_event *e)
     int64_t fb_monotonic_ns()

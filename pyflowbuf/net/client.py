@@ -171,7 +171,8 @@ class _ClientConnection:
         self._released_ids = {}
         self.wire = netio.Wire(sock)
         # credit mode: data frames are received by a GIL-free loop
-        self.pump = netio.ReceivePump(self.wire, manager._wake, max_buffer_size) if manager.credit_based else None
+        self.pump = (netio.ReceivePump(self.wire, manager._wake, max_buffer_size, manager.notifier)
+                     if manager.credit_based else None)
         self._version = 0         # bumped whenever the set of channels changes
         self._pump_version = -1
         self.closed = False
