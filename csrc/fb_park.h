@@ -14,11 +14,12 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <time.h>
+#include <fcntl.h>
+#include <unistd.h>
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
-#include <unistd.h>
 #endif
 #include "fb_atomic.h"
 #include "fb_errors.h"
@@ -26,7 +27,8 @@
 typedef struct fb_event {
     uint32_t epoch;
     uint32_t waiters;
-    int efd;            /* >= 0: also signalled on every wake, for poll() */
+    int efd;            /* >= 0: readable after a wake, for poll() (fb_event_fd) */
+    int efd_w;          /* the end a wake writes to (the same eventfd on Linux) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
 } fb_event;
@@ -35,6 +37,7 @@ static inline int fb_event_init(fb_event *e) {
     e->epoch = 0;
     e->waiters = 0;
     e->efd = -1;
+    e->efd_w = -1;
     if (pthread_mutex_init(&e->mu, NULL) != 0) return FB_E_NOMEM;
     pthread_condattr_t attr;
     pthread_condattr_init(&attr);
@@ -47,9 +50,8 @@ static inline int fb_event_init(fb_event *e) {
 }
 
 static inline void fb_event_destroy(fb_event *e) {
-#if defined(__linux__)
+    if (e->efd_w >= 0 && e->efd_w != e->efd) close(e->efd_w);
     if (e->efd >= 0) close(e->efd);
-#endif
     pthread_cond_destroy(&e->cv);
     pthread_mutex_destroy(&e->mu);
 }
@@ -65,6 +67,48 @@ static inline int64_t fb_monotonic_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Lets a thread wait for an event and a socket at once (poll both): after
+ * fb_event_prepare(), poll the descriptor fb_event_fd returns; it becomes
+ * readable on the next wake and stays so until fb_event_fd_drain. An
+ * eventfd on Linux, a non-blocking pipe elsewhere; made once, on first use,
+ * and -1 when the system cannot make one. */
+static inline void fb_event_signal_fd(fb_event *e) {
+    int fd = __atomic_load_n(&e->efd_w, __ATOMIC_ACQUIRE);
+    if (fd >= 0) {
+        uint64_t one = 1;
+        ssize_t rc = write(fd, &one, sizeof one);   /* EAGAIN: it is signalled already */
+        (void)rc;
+    }
+}
+static inline int fb_event_fd(fb_event *e) {
+    int fd = __atomic_load_n(&e->efd, __ATOMIC_ACQUIRE);
+    if (fd >= 0) return fd;
+    int fds[2];
+#if defined(__linux__)
+    fds[0] = fds[1] = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fds[0] < 0) return -1;
+#else
+    if (pipe(fds) != 0) return -1;
+    for (int i = 0; i < 2; i++) {
+        fcntl(fds[i], F_SETFL, fcntl(fds[i], F_GETFL) | O_NONBLOCK);
+        fcntl(fds[i], F_SETFD, FD_CLOEXEC);
+    }
+#endif
+    int expected = -1;
+    if (!__atomic_compare_exchange_n(&e->efd, &expected, fds[0], 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        close(fds[0]);
+        if (fds[1] != fds[0]) close(fds[1]);
+        return expected;
+    }
+    __atomic_store_n(&e->efd_w, fds[1], __ATOMIC_RELEASE);
+    return fds[0];
+}
+static inline void fb_event_fd_drain(fb_event *e) {
+    unsigned char junk[64];
+    while (read(e->efd, junk, sizeof junk) > 0) {
+    }
 }
 
 #if defined(__linux__)
@@ -99,33 +143,7 @@ static inline int fb_event_wait(fb_event *e, uint32_t token, int64_t timeout_ns)
 static inline void fb_event_wake(fb_event *e) {
     fb_fetch_add_seqcst(&e->epoch, 1);
     syscall(SYS_futex, &e->epoch, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
-    int fd = __atomic_load_n(&e->efd, __ATOMIC_ACQUIRE);
-    if (fd >= 0) {
-        uint64_t one = 1;
-        ssize_t rc = write(fd, &one, sizeof one);   /* EAGAIN: it is signalled already */
-        (void)rc;
-    }
-}
-/* Lets a thread wait for this event and a socket at once: after
- * fb_event_prepare(), poll() the returned descriptor (readable once a wake
- * happened since it was last drained with fb_event_fd_drain). Created once;
- * returns -1 when the system has no eventfd. */
-static inline int fb_event_fd(fb_event *e) {
-    int fd = __atomic_load_n(&e->efd, __ATOMIC_ACQUIRE);
-    if (fd >= 0) return fd;
-    fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (fd < 0) return -1;
-    int expected = -1;
-    if (!__atomic_compare_exchange_n(&e->efd, &expected, fd, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-        close(fd);
-        return expected;
-    }
-    return fd;
-}
-static inline void fb_event_fd_drain(fb_event *e) {
-    uint64_t n;
-    ssize_t rc = read(e->efd, &n, sizeof n);
-    (void)rc;
+    fb_event_signal_fd(e);
 }
 #else
 /* Parks until the epoch moves past `token` or timeout_ns passes (< 0: no limit).
@@ -158,9 +176,8 @@ static inline void fb_event_wake(fb_event *e) {
     pthread_mutex_lock(&e->mu);
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
+    fb_event_signal_fd(e);
 }
-static inline int fb_event_fd(fb_event *e) { (void)e; return -1; }
-static inline void fb_event_fd_drain(fb_event *e) { (void)e; }
 #endif
 
 static inline void fb_event_notify(fb_event *e) {

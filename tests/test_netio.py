@@ -157,28 +157,74 @@ def test_send_pump_raises_when_the_socket_fails(nbp, pair):
     assert pool.in_use == 0    # the buffer that could not go out is recycled, not leaked
 
 
-# ---------------------------------------------------------------- CreditPump
+# ---------------------------------------------------------------- SendPump reading credit
 
-def test_credit_pump_applies_add_credit_and_returns_at_anything_else(nbp, pair):
+def test_send_pump_applies_add_credit_and_returns_at_anything_else(nbp, pair):
     a, b = pair
     q = BufferQueue(nbp)
     v = SenderView(q, RID, 0, initial_credit=0)
     n = Notifier()
-    cp = netio.CreditPump(netio.Wire(a), n)
-    cp.set_views([v])
+    pump = netio.SendPump(netio.Wire(a), n)
+    assert pump.reads_credit
+    pump.set_views([v])
     reader = P.FrameReader(a, SEG)
+    assert pump.run(0.02, reader) == netio.IDLE      # nothing on the socket, nothing to send
     b.sendall(F.encode_add_credit(3, RID) + F.encode_add_credit(2, RID) + F.encode_resume(RID))
-    assert cp.run(reader) == netio.PYTHON
-    assert v.credit == 5 and cp.frames == 2
+    assert pump.run(1.0, reader) == netio.FRAME
+    assert v.credit == 5 and pump.credit_frames == 2
     length, msg_id = reader.read_header()      # the ResumeConsumption is staged for Python
     assert type(reader.read_control(length, msg_id)) is F.ResumeConsumption
     b.sendall(F.encode_add_credit(1, b"x" * 16))  # unknown receiver: Python decides
-    assert cp.run(reader) == netio.PYTHON and v.credit == 5
+    assert pump.run(1.0, reader) == netio.FRAME and v.credit == 5
     assert type(reader.read_control(*reader.read_header())) is F.AddCredit
     b.sendall(struct.pack(">iIBi16s", 29, F.MAGIC, F.ADD_CREDIT, 0, RID))   # AddCredit of 0
-    assert cp.run(reader) == netio.PYTHON and v.credit == 5
+    assert pump.run(1.0, reader) == netio.FRAME and v.credit == 5
     with pytest.raises(ProtocolError):
         reader.read_control(*reader.read_header())
+
+
+def test_send_pump_keeps_a_partial_credit_frame_staged(nbp, pair):
+    a, b = pair
+    q = BufferQueue(nbp)
+    v = SenderView(q, RID, 0, initial_credit=0)
+    pump = netio.SendPump(netio.Wire(a), Notifier())
+    pump.set_views([v])
+    reader = P.FrameReader(a, SEG)
+    frame = F.encode_add_credit(4, RID)
+    b.sendall(frame[:5])
+    assert pump.run(0.02, reader) == netio.IDLE and v.credit == 0
+    b.sendall(frame[5:20])
+    assert pump.run(0.02, reader) == netio.IDLE and v.credit == 0
+    b.sendall(frame[20:] + F.encode_close())
+    assert pump.run(1.0, reader) == netio.FRAME and v.credit == 4
+    assert type(reader.read_control(*reader.read_header())) is F.CloseRequest
+
+
+def test_send_pump_credit_wakes_it_and_it_sends(nbp, pair):
+    a, b = pair
+    pool = nbp.create_pool(4, 4)
+    n = Notifier()
+    q = BufferQueue(nbp)
+    v = SenderView(q, RID, 0, initial_credit=0)
+    gate = InputGate([q], n)
+    pump = netio.SendPump(netio.Wire(a), n)
+    pump.set_views([v])
+    reader = P.FrameReader(a, SEG)
+    v.add_credit(1)
+    _fill(pool, q, 7)
+    _fill(pool, q, 8)
+    done = []
+    t = threading.Thread(target=lambda: done.append(pump.run(5.0, reader)), daemon=True)
+    t.start()
+    (f,) = _decode(b, 1)                       # one credit: one buffer, then it parks in poll
+    assert f.payload[:1] == bytes([7])
+    b.sendall(F.encode_add_credit(1, RID))     # the AddCredit itself wakes it
+    (f,) = _decode(b, 1)
+    assert f.payload[:1] == bytes([8]) and f.seq == 1
+    pump.close()
+    t.join(5)
+    assert done == [netio.CLOSED] and pump.credit_frames == 1 and pool.in_use == 0
+    del gate
 
 
 # ---------------------------------------------------------------- ReceivePump

@@ -45,11 +45,13 @@ cdef enum:
     RUN_DIRTY = 2      # the set of views changed
     RUN_IDLE = 3       # nothing happened within the timeout
     RUN_CLOSED = 4
+    RUN_FRAME = 5      # a frame for Python is staged in the reader
 
 PYTHON = RUN_PYTHON
 DIRTY = RUN_DIRTY
 IDLE = RUN_IDLE
 CLOSED = RUN_CLOSED
+FRAME = RUN_FRAME
 
 cdef enum:
     SEQ_MASK = 0x7FFFFFFF
@@ -91,34 +93,6 @@ ctypedef void *SenderView_ptr
 cdef Py_ssize_t _send_dontwait(int fd, bytes b):
     return send(fd, <const char *>b, len(b), MSG_DONTWAIT | MSG_NOSIGNAL)
 
-
-cdef class ReceivePump
-
-
-cdef int _stage(int fd, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end, Py_ssize_t want,
-                ReceivePump pump=None) noexcept nogil:
-    """Have ``want`` bytes of the frame at ``start`` staged, reading at most
-    up to one BufferResponse header from the frame start (the FrameReader's
-    staging rule); 0, or RUN_PYTHON when the socket ends or fails first
-    (Python's reader then reads again and reports it). A ``pump`` reads
-    through its ``_recv`` (it wakes its consumers before it blocks)."""
-    cdef Py_ssize_t have = end[0] - start[0]
-    cdef int64_t n
-    if have >= want:
-        return 0
-    if start[0]:
-        memmove(buf, buf + start[0], have)
-        start[0] = 0
-        end[0] = have
-    while end[0] < want:
-        if pump is None:
-            n = fb_recv2(fd, buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0, 0)
-        else:
-            n = pump._recv(buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0)
-        if n <= 0:
-            return RUN_PYTHON
-        end[0] += n
-    return 0
 
 
 cdef class _Staged:
@@ -435,15 +409,26 @@ cdef class SenderView:
 
 @cython.final
 cdef class SendPump:
-    """The writer of one producer-side connection: loops without the GIL,
+    """The one I/O thread of a producer-side connection, without the GIL:
     round robin over the views (one buffer per view per round, so a view
-    without credit never holds up the others), up to 16 buffers per sendmsg,
-    and parks on the connection's Notifier when nothing can go out."""
+    without credit never holds up the others), up to 16 buffers per sendmsg;
+    between sends it applies the AddCredit frames waiting on the socket, and
+    it parks in poll() on the socket and the connection's Notifier at once.
+    So credit wakes the thread that sends, directly: no reader thread to wake
+    first, and no second wake-up from it.
+
+    ``run(timeout, reader)`` returns at the first frame that is not an
+    AddCredit for a known view (RUN_FRAME, with the frame staged in
+    ``reader``, a FrameReader). Without a reader it only sends and parks on
+    the Notifier (credit then comes from ``SenderView.add_credit``)."""
 
     cdef Wire wire
+    cdef int fd
     cdef Notifier notifier
+    cdef int nfd                # the Notifier's descriptor for poll()
     cdef _Borrowed views
     cdef int next_view
+    cdef int last_credited
     cdef int _dirty
     cdef int _closed
     cdef unsigned char hdr[MAX_BATCH][FB_NET_BUFFER_HEADER]
@@ -453,16 +438,21 @@ cdef class SendPump:
     cdef readonly uint64_t bytes_sent
     cdef readonly uint64_t parks              # times the writer parked
     cdef readonly uint64_t credit_parks       # ... with buffers queued that lacked credit
+    cdef readonly uint64_t credit_frames      # AddCredit frames applied
 
     def __cinit__(self, Wire wire not None, Notifier notifier not None):
         self.wire = wire
+        self.fd = wire.fd
         self.notifier = notifier
         self.views = _Borrowed()
+        # made here, before any thread notifies this Notifier
+        self.nfd = fb_event_fd(&notifier.ev)
 
     def set_views(self, views):
         """The views to serve (called by the writer thread between runs)."""
         self.views.set(list(views), SenderView, "views")
         self.next_view = 0
+        self.last_credited = 0
 
     def mark_dirty(self):
         """The views changed (opened, cancelled): the writer should look."""
@@ -479,13 +469,28 @@ cdef class SendPump:
         fb_atomic_store_int(&self._closed, 1, __ATOMIC_SEQ_CST)
         fb_event_notify_all(&self.notifier.ev)
 
-    def run(self, double timeout):
+    @property
+    def reads_credit(self):
+        """Whether ``run(timeout, reader)`` can wait on the socket (False only
+        where the system offers no pollable wake-up)."""
+        return self.nfd >= 0
+
+    def run(self, double timeout, reader=None):
         """Send until something needs Python; returns a RUN_* code. Raises
         ConnectionLostError when the socket fails."""
         cdef int64_t t = <int64_t>(timeout * 1e9)
         cdef int rc
-        with nogil:
-            rc = self._run(t)
+        cdef _Staged st
+        if reader is None or self.nfd < 0:
+            with nogil:
+                rc = self._run(t, NULL, NULL, NULL)
+        else:
+            st = _Staged(reader)
+            try:
+                with nogil:
+                    rc = self._run(t, <unsigned char *>st.view.buf, &st.start, &st.end)
+            finally:
+                st.done()
         if rc < 0:
             raise _lost(-rc)
         return rc
@@ -533,10 +538,80 @@ cdef class SendPump:
             self.next_view = (self.next_view + 1) % self.views.n
         return n
 
-    cdef int _run(self, int64_t timeout_ns) noexcept nogil:
+    cdef int _read_credit(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end) noexcept nogil:
+        """Apply the AddCredit frames already on the socket, without blocking:
+        0 once there is nothing more to read now, RUN_FRAME when the staged
+        frame is anything else (or the socket ended or failed: Python's read
+        then reports it). Reads follow the FrameReader's staging rule."""
+        cdef const unsigned char *p
+        cdef int32_t credit
+        cdef int i, k
+        cdef bint found
+        cdef Py_ssize_t want
+        cdef int64_t n
+        while True:
+            want = FB_NET_FRAME_HEADER
+            if end[0] - start[0] >= FB_NET_FRAME_HEADER:
+                p = buf + start[0]
+                if p[8] != FB_NET_MSG_ADD_CREDIT or fb_be32_get(p) != FB_NET_ADD_CREDIT_SIZE:
+                    return RUN_FRAME
+                want = FB_NET_ADD_CREDIT_SIZE
+            if end[0] - start[0] < want:
+                if start[0]:
+                    memmove(buf, buf + start[0], end[0] - start[0])
+                    end[0] -= start[0]
+                    start[0] = 0
+                n = fb_recv2(self.fd, buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0, MSG_DONTWAIT)
+                if n == -EAGAIN or n == -EWOULDBLOCK:
+                    return 0
+                if n <= 0:
+                    return RUN_FRAME
+                end[0] += n
+                continue
+            p = buf + start[0]
+            credit = <int32_t>fb_be32_get(p + 9)
+            if fb_be32_get(p + 4) != FB_NET_MAGIC or credit <= 0:
+                return RUN_FRAME
+            found = False
+            for k in range(self.views.n):
+                i = self.last_credited + k
+                if i >= self.views.n:
+                    i -= self.views.n
+                if memcmp((<SenderView>self.views.items[i]).rid, p + 13, 16) == 0:
+                    self.last_credited = i
+                    found = True
+                    break
+            if not found:
+                return RUN_FRAME   # Python knows whether it is stale or unknown
+            fb_atomic_add_i64(&(<SenderView>self.views.items[i])._added, credit, __ATOMIC_RELEASE)
+            start[0] += FB_NET_ADD_CREDIT_SIZE
+            self.credit_frames += 1
+
+    cdef int _park(self, uint32_t token, int64_t timeout_ns, bint sock) noexcept nogil:
+        """Wait for a notify (or, with ``sock``, for the socket to become
+        readable); RUN_IDLE after the timeout, else 0."""
+        cdef pollfd fds[2]
+        cdef int ms, rc
+        if not sock:
+            return RUN_IDLE if fb_event_wait(&self.notifier.ev, token, timeout_ns) == FB_E_TIMEOUT else 0
+        ms = -1 if timeout_ns < 0 else <int>((timeout_ns + 999999) // 1000000)
+        fds[0].fd = self.fd
+        fds[0].events = POLLIN
+        fds[0].revents = 0
+        fds[1].fd = self.nfd
+        fds[1].events = POLLIN
+        fds[1].revents = 0
+        rc = poll(fds, 2, ms)
+        fb_event_cancel(&self.notifier.ev)
+        if fds[1].revents:
+            fb_event_fd_drain(&self.notifier.ev)
+        return RUN_IDLE if rc == 0 else 0
+
+    cdef int _run(self, int64_t timeout_ns, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end) noexcept nogil:
         cdef fb_event *ev = &self.notifier.ev
         cdef uint32_t token
         cdef bint python
+        cdef bint sock = buf is not NULL
         cdef int n, i, err
         cdef uint64_t nbytes
         while True:
@@ -547,6 +622,9 @@ cdef class SendPump:
             if fb_atomic_load_int(&self._dirty, __ATOMIC_SEQ_CST):
                 fb_event_cancel(ev)
                 return RUN_DIRTY
+            if sock and self._read_credit(buf, start, end):
+                fb_event_cancel(ev)
+                return RUN_FRAME
             python = False
             n = self._gather(&python)
             if n:
@@ -569,73 +647,8 @@ cdef class SendPump:
             self.parks += 1
             if self._credit_starved():
                 self.credit_parks += 1
-            if fb_event_wait(ev, token, timeout_ns) == FB_E_TIMEOUT:
+            if self._park(token, timeout_ns, sock) == RUN_IDLE:
                 return RUN_IDLE
-
-
-@cython.final
-cdef class CreditPump:
-    """The reader of one producer-side connection: applies AddCredit frames
-    to their SenderViews and wakes the writer, without the GIL (credit is
-    what a stalled sender waits for, so it should not wait for the GIL
-    too). Returns RUN_PYTHON with any other frame staged in ``reader``."""
-
-    cdef int fd
-    cdef Notifier notifier
-    cdef _Borrowed views
-    cdef int last
-    cdef readonly uint64_t frames
-
-    def __cinit__(self, Wire wire not None, Notifier notifier not None):
-        self.fd = wire.fd
-        self.notifier = notifier
-        self.views = _Borrowed()
-
-    def set_views(self, views):
-        self.views.set(list(views), SenderView, "views")
-        self.last = 0
-
-    def run(self, reader):
-        cdef _Staged st = _Staged(reader)
-        try:
-            with nogil:
-                self._run(<unsigned char *>st.view.buf, &st.start, &st.end)
-        finally:
-            st.done()
-        return RUN_PYTHON
-
-    cdef void _run(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end) noexcept nogil:
-        cdef const unsigned char *p
-        cdef int32_t credit
-        cdef int i, k
-        cdef bint found
-        while True:
-            if _stage(self.fd, buf, start, end, FB_NET_FRAME_HEADER):
-                return
-            p = buf + start[0]
-            if p[8] != FB_NET_MSG_ADD_CREDIT or fb_be32_get(p) != FB_NET_ADD_CREDIT_SIZE:
-                return
-            if _stage(self.fd, buf, start, end, FB_NET_ADD_CREDIT_SIZE):
-                return
-            p = buf + start[0]
-            credit = <int32_t>fb_be32_get(p + 9)
-            if fb_be32_get(p + 4) != FB_NET_MAGIC or credit <= 0:
-                return
-            found = False
-            for k in range(self.views.n):
-                i = self.last + k
-                if i >= self.views.n:
-                    i -= self.views.n
-                if memcmp((<SenderView>self.views.items[i]).rid, p + 13, 16) == 0:
-                    self.last = i
-                    found = True
-                    break
-            if not found:
-                return   # Python knows whether it is stale or unknown
-            fb_atomic_add_i64(&(<SenderView>self.views.items[i])._added, credit, __ATOMIC_RELEASE)
-            start[0] += FB_NET_ADD_CREDIT_SIZE
-            self.frames += 1
-            fb_event_notify(&self.notifier.ev)
 
 
 # ============================================================ consumer side
@@ -1181,6 +1194,26 @@ cdef class ReceivePump:
             if fds[0].revents:
                 return 0
 
+    cdef int _stage(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end, Py_ssize_t want) noexcept nogil:
+        """Have ``want`` bytes of the frame at ``start`` staged, reading at
+        most up to one BufferResponse header from the frame start (the
+        FrameReader's staging rule); 0, or RUN_PYTHON when the socket ends or
+        fails first (Python's reader then reads again and reports it)."""
+        cdef Py_ssize_t have = end[0] - start[0]
+        cdef int64_t n
+        if have >= want:
+            return 0
+        if start[0]:
+            memmove(buf, buf + start[0], have)
+            start[0] = 0
+            end[0] = have
+        while end[0] < want:
+            n = self._recv(buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0)
+            if n <= 0:
+                return RUN_PYTHON
+            end[0] += n
+        return 0
+
     cdef int _run(self, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end) noexcept nogil:
         cdef int rc = self._loop(buf, start, end)
         self._wake_due()
@@ -1193,11 +1226,11 @@ cdef class ReceivePump:
         while True:
             # a frame header first: only the 9-byte frame header, since a
             # short control frame may be all there is to read
-            if _stage(self.fd, buf, start, end, FB_NET_FRAME_HEADER, self):
+            if self._stage(buf, start, end, FB_NET_FRAME_HEADER):
                 return RX_PYTHON
             if buf[start[0] + 8] != FB_NET_MSG_BUFFER_RESPONSE:
                 return RX_PYTHON
-            if _stage(self.fd, buf, start, end, FB_NET_BUFFER_HEADER, self):
+            if self._stage(buf, start, end, FB_NET_BUFFER_HEADER):
                 return RX_PYTHON
             fb_buffer_header_get(buf + start[0], &h)
             if (h.magic != FB_NET_MAGIC or h.compressed or h.data_type > 1 or h.size < 0

@@ -246,11 +246,12 @@ class NetworkServer:
 
 
 class _ServerConnection:
-    """One consumer process: a reader thread (handshake, then requests and
-    credit) and a writer thread (buffers), both parked when idle. The writer
-    spends its time in a SendPump, without the GIL; it comes back to Python
-    only for events, the priority lane, backlog announcements and views
-    opened or cancelled."""
+    """One consumer process, served by one thread: the handshake, then a
+    SendPump that sends buffers against credit and applies AddCredit without
+    the GIL, parked on the socket and the writer's Notifier at once. It comes
+    back to Python for every other frame the consumer sends (requests,
+    cancel, close), and for events, the priority lane, backlog announcements
+    and views opened or cancelled."""
 
     def __init__(self, server, sock, peer):
         self.server = server
@@ -267,9 +268,7 @@ class _ServerConnection:
         self._buffers_sent = 0    # by the Python path; the pump counts its own
         self._bytes_sent = 0
         self.announcements = 0
-        self._reader = threading.Thread(target=self._read_loop, name=f"pyflowbuf-net-srv-read-{peer}", daemon=True)
-        self._writer = threading.Thread(target=self._write_loop, name=f"pyflowbuf-net-srv-write-{peer}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"pyflowbuf-net-srv-{peer}", daemon=True)
 
     @property
     def buffers_sent(self):
@@ -280,12 +279,10 @@ class _ServerConnection:
         return self._bytes_sent + self.pump.bytes_sent
 
     def start(self):
-        self._reader.start()
+        self._thread.start()
 
     def join(self, timeout):
-        self._reader.join(timeout)
-        if self._writer.is_alive():
-            self._writer.join(timeout)
+        self._thread.join(timeout)
 
     def close(self, exc=None):
         if self.closed:
@@ -301,8 +298,8 @@ class _ServerConnection:
     def _send(self, data):
         self.wire.send(data)
 
-    # ------------------------------------------------------------ reading
-    def _read_loop(self):
+    # ------------------------------------------------------------ the loop
+    def _run(self):
         srv = self.server
         exc = None
         try:
@@ -312,18 +309,26 @@ class _ServerConnection:
             mode = P.server_handshake(self.sock, reader, srv._secret, srv.max_buffer_size)
             self.sock.settimeout(None)
             self.credit_based = mode == F.MODE_CREDIT
-            self._writer.start()
-            credit = netio.CreditPump(self.wire, self.notifier)
-            known = None
+            if not self.pump.reads_credit:
+                raise FlowBufError("this system offers no pollable wake-up (eventfd or pipe) for the network writer")
+            pump = self.pump
             while not self.closed:
-                if known is not self._views_version:
-                    known = self._views_version
-                    credit.set_views(list(self.views.values()))
-                credit.run(reader)   # AddCredit frames, GIL released; returns at anything else
-                length, msg_id = reader.read_header()
-                if msg_id == F.BUFFER_RESPONSE:
-                    raise ProtocolError("a consumer sent a BufferResponse")
-                self._handle(reader.read_control(length, msg_id))
+                if pump.take_dirty():
+                    pump.set_views(list(self.views.values()))
+                # buffers out, AddCredit in, GIL released
+                rc = pump.run(_SAFETY_WAKE_S, reader)
+                if rc == netio.CLOSED:
+                    break
+                if rc == netio.FRAME:
+                    length, msg_id = reader.read_header()
+                    if msg_id == F.BUFFER_RESPONSE:
+                        raise ProtocolError("a consumer sent a BufferResponse")
+                    self._handle(reader.read_control(length, msg_id))
+                    continue
+                # an event, the priority lane, a backlog announcement, a
+                # cancelled view, or a safety wake-up: one pass in Python
+                self._python_pass()
+                pump.set_views(list(self.views.values()))
         except _Closed:
             pass
         except socket.timeout:
@@ -333,7 +338,7 @@ class _ServerConnection:
             if isinstance(e, ProtocolError) and not isinstance(e, AuthenticationError):
                 P.tell_peer(self.wire, e)
         except Exception as e:  # a bug: still tear down cleanly
-            log.exception("server reader failed")
+            log.exception("server connection failed")
             exc = e
         finally:
             self._teardown(exc)
@@ -391,29 +396,6 @@ class _ServerConnection:
         self.pump.mark_dirty()
 
     # ------------------------------------------------------------ writing
-    def _write_loop(self):
-        exc = None
-        pump = self.pump
-        try:
-            while not self.closed:
-                if pump.take_dirty():
-                    pump.set_views(list(self.views.values()))
-                rc = pump.run(_SAFETY_WAKE_S)   # data buffers, GIL released
-                if rc == netio.CLOSED:
-                    break
-                # an event, the priority lane, a backlog announcement, a
-                # cancelled view, or a safety wake-up: one pass in Python
-                self._python_pass()
-                pump.set_views(list(self.views.values()))
-        except (FlowBufError, OSError) as e:
-            exc = e if isinstance(e, FlowBufError) else ConnectionLostError(f"connection lost: {e}")
-        except Exception as e:
-            log.exception("server writer failed")
-            exc = e
-        finally:
-            if exc is not None:
-                self.close(exc)
-
     def _python_pass(self):
         parts, bufs, done = self._collect()
         if not parts:
@@ -482,8 +464,6 @@ class _ServerConnection:
             self.server.errors.append((self.peer, exc))
             if self.views:
                 log.warning("pyflowbuf.net: connection from %s failed: %s", self.peer, exc)
-        if self._writer.is_alive():
-            self._writer.join(10)
         lost = exc if exc is not None else CancelledError("the consumer closed the connection")
         for v in list(self.views.values()):
             self.views.pop(v.receiver_id, None)
