@@ -163,9 +163,11 @@ static inline int fb_pool_request(fb_pool *p, uint32_t *seg) {
     return FB_OK;
 }
 
-/* Returns 1 when this recycle freed the pool (it was destroyed and this was its
- * last segment), so the caller must not touch it again. */
-static inline int fb_pool_recycle(fb_pool *p, uint32_t seg) {
+/* Gives the segment back; the wake-ups it owes are left in *listener and
+ * *available (NULL: none) for the caller to deliver. Returns 1 when this
+ * recycle freed the pool (it was destroyed and this was its last segment; the
+ * arena was told already), so the caller must not touch it again. */
+static inline int fb_pool_recycle_quiet(fb_pool *p, uint32_t seg, fb_event **listener, fb_event **available) {
     fb_arena *a = p->arena;
     FB_ASSERT(seg < a->num_segments);
     /* The list can hold every segment, so "full" only means a popper has
@@ -178,16 +180,50 @@ static inline int fb_pool_recycle(fb_pool *p, uint32_t seg) {
     }
     uint32_t inuse = FB_POOL_INUSE(s) - 1;
     if (inuse >= FB_POOL_MIN(s)) fb_arena_give_tokens(a, 1);
-    fb_event *l = __atomic_load_n(&p->listener, __ATOMIC_ACQUIRE);
+    *listener = __atomic_load_n(&p->listener, __ATOMIC_ACQUIRE);
+    *available = &a->available;
     if (FB_POOL_DESTROYED(s) && inuse == 0) {
         /* notify first: freeing the pool may drop the arena's last reference */
         fb_event_notify(&a->available);
         fb_pool_free(p);
+        *listener = *available = NULL;
         return 1;
     }
-    if (l) fb_event_notify(l);
-    fb_event_notify(&a->available);
     return 0;
+}
+
+/* Returns 1 when this recycle freed the pool (it was destroyed and this was its
+ * last segment), so the caller must not touch it again. */
+static inline int fb_pool_recycle(fb_pool *p, uint32_t seg) {
+    fb_event *l, *av;
+    int freed = fb_pool_recycle_quiet(p, seg, &l, &av);
+    if (l) fb_event_notify(l);
+    if (av) fb_event_notify(av);
+    return freed;
+}
+
+/* Recycles n segments, then wakes each distinct listener and arena once: a
+ * thread parked for a segment costs one wake-up per batch, not one system
+ * call per segment while it is still on its way to run. */
+static inline void fb_pool_recycle_many(fb_pool *const *pools, const uint32_t *segs, int n) {
+    fb_event *owed[64];
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        fb_event *ev[2];
+        fb_pool_recycle_quiet(pools[i], segs[i], &ev[0], &ev[1]);
+        for (int j = 0; j < 2; j++) {
+            if (!ev[j]) continue;
+            int seen = 0;
+            for (int m = 0; m < k && !seen; m++) seen = owed[m] == ev[j];
+            if (seen) continue;
+            if (k == 64) {          /* more distinct waiters than slots: wake now */
+                fb_event_notify(ev[j]);
+                continue;
+            }
+            owed[k++] = ev[j];
+        }
+    }
+    for (int m = 0; m < k; m++) fb_event_notify(owed[m]);
 }
 
 /* Changes the guaranteed minimum; raising it takes tokens from the arena and

@@ -141,6 +141,29 @@ def test_send_pump_leaves_events_and_priority_to_python(nbp, pair):
     del gate
 
 
+def test_send_pump_batch_recycle_wakes_a_producer_waiting_for_a_segment(nbp, pair):
+    a, b = pair
+    pool = nbp.create_pool(3, 3)
+    n = Notifier()
+    q = BufferQueue(nbp)
+    v = SenderView(q, RID, 0, initial_credit=3)
+    gate = InputGate([q], n)
+    pump = netio.SendPump(netio.Wire(a), n)
+    pump.set_views([v])
+    for i in range(3):
+        _fill(pool, q, i)
+    assert pool.request() is None              # the producer's pool is dry
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.request_blocking(5.0)), daemon=True)
+    t.start()
+    assert pump.run(0.05) == netio.IDLE        # one gathered send of 3, recycled together
+    t.join(5)
+    assert got and got[0] is not None and pool.in_use == 1
+    got[0].recycle()
+    assert [f.payload[0] for f in _decode(b, 3)] == [0, 1, 2]
+    del gate
+
+
 def test_send_pump_raises_when_the_socket_fails(nbp, pair):
     a, b = pair
     pool = nbp.create_pool(4, 4)

@@ -22,8 +22,8 @@ from libc.string cimport memcmp, memcpy, memmove, memset
 
 from pyflowbuf._core.channel cimport EVT_BARRIER, BufferQueue
 from pyflowbuf._core.memory cimport Buffer, LocalBufferPool, NetworkBufferPool, Notifier
-from pyflowbuf.includes.arena cimport (FB_POOL_INUSE, fb_arena, fb_pool, fb_pool_recycle, fb_pool_request,
-                                       fb_segment_ptr)
+from pyflowbuf.includes.arena cimport (FB_POOL_INUSE, fb_arena, fb_pool, fb_pool_recycle, fb_pool_recycle_many,
+                                       fb_pool_request, fb_segment_ptr)
 from pyflowbuf.includes.atomic cimport *
 from pyflowbuf.includes.errors cimport *
 from pyflowbuf.includes.net cimport *
@@ -434,6 +434,8 @@ cdef class SendPump:
     cdef unsigned char hdr[MAX_BATCH][FB_NET_BUFFER_HEADER]
     cdef iovec iov[2 * MAX_BATCH]
     cdef fb_bufdesc sent[MAX_BATCH]
+    cdef fb_pool *sent_pools[MAX_BATCH]
+    cdef uint32_t sent_segs[MAX_BATCH]
     cdef readonly uint64_t buffers_sent
     cdef readonly uint64_t bytes_sent
     cdef readonly uint64_t parks              # times the writer parked
@@ -635,7 +637,9 @@ cdef class SendPump:
                 err = self.wire.sendv(self.iov, 2 * n)
                 # the kernel has copied the payloads (or the connection is gone): recycle either way
                 for i in range(n):
-                    fb_pool_recycle(self.sent[i].pool, self.sent[i].seg)
+                    self.sent_pools[i] = self.sent[i].pool
+                    self.sent_segs[i] = self.sent[i].seg
+                fb_pool_recycle_many(self.sent_pools, self.sent_segs, n)
                 if err:
                     return -err
                 self.buffers_sent += n

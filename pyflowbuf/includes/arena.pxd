@@ -30,6 +30,7 @@ cdef extern from "fb_arena.h" nogil:
     int fb_pool_create(fb_arena *a, uint32_t min, uint32_t max, fb_pool **out)
     int fb_pool_request(fb_pool *p, uint32_t *seg)
     int fb_pool_recycle(fb_pool *p, uint32_t seg)
+    void fb_pool_recycle_many(fb_pool *const *pools, const uint32_t *segs, int n)
     int fb_pool_set_min(fb_pool *p, uint32_t new_min)
     void fb_pool_set_max(fb_pool *p, uint32_t new_max)
     int fb_pool_destroy(fb_pool *p)
