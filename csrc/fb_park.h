@@ -24,11 +24,14 @@
 #include "fb_atomic.h"
 #include "fb_errors.h"
 
+#define FB_EVENT_MAX_FDS 16
+
 typedef struct fb_event {
     uint32_t epoch;
     uint32_t waiters;
-    int efd;            /* >= 0: readable after a wake, for poll() (fb_event_fd) */
-    int efd_w;          /* the end a wake writes to (the same eventfd on Linux) */
+    int nfds;           /* descriptors a wake also signals (fb_event_fd_open), under fds_mu */
+    int fds_w[FB_EVENT_MAX_FDS];
+    pthread_mutex_t fds_mu;
     pthread_mutex_t mu;
     pthread_cond_t cv;
 } fb_event;
@@ -36,8 +39,8 @@ typedef struct fb_event {
 static inline int fb_event_init(fb_event *e) {
     e->epoch = 0;
     e->waiters = 0;
-    e->efd = -1;
-    e->efd_w = -1;
+    e->nfds = 0;
+    if (pthread_mutex_init(&e->fds_mu, NULL) != 0) return FB_E_NOMEM;
     if (pthread_mutex_init(&e->mu, NULL) != 0) return FB_E_NOMEM;
     pthread_condattr_t attr;
     pthread_condattr_init(&attr);
@@ -50,8 +53,7 @@ static inline int fb_event_init(fb_event *e) {
 }
 
 static inline void fb_event_destroy(fb_event *e) {
-    if (e->efd_w >= 0 && e->efd_w != e->efd) close(e->efd_w);
-    if (e->efd >= 0) close(e->efd);
+    pthread_mutex_destroy(&e->fds_mu);
     pthread_cond_destroy(&e->cv);
     pthread_mutex_destroy(&e->mu);
 }
@@ -69,22 +71,29 @@ static inline int64_t fb_monotonic_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* Lets a thread wait for an event and a socket at once (poll both): after
- * fb_event_prepare(), poll the descriptor fb_event_fd returns; it becomes
- * readable on the next wake and stays so until fb_event_fd_drain. An
- * eventfd on Linux, a non-blocking pipe elsewhere; made once, on first use,
- * and -1 when the system cannot make one. */
-static inline void fb_event_signal_fd(fb_event *e) {
-    int fd = __atomic_load_n(&e->efd_w, __ATOMIC_ACQUIRE);
-    if (fd >= 0) {
-        uint64_t one = 1;
-        ssize_t rc = write(fd, &one, sizeof one);   /* EAGAIN: it is signalled already */
+/* Lets a thread wait for an event and a socket at once (poll both): each
+ * such thread opens its own descriptor with fb_event_fd_open (an eventfd on
+ * Linux, a non-blocking pipe elsewhere; *wr is the end a wake writes to, the
+ * same eventfd on Linux). After fb_event_prepare(), poll the read end: it
+ * becomes readable on the next wake and stays so until fb_event_fd_drain.
+ * One descriptor per waiting thread, so one thread draining its own never
+ * swallows another's wake-up. The list is guarded by a mutex that a wake
+ * takes only when descriptors are registered, and fb_event_fd_close
+ * unregisters under it before closing, so no wake writes to a closed (or
+ * reused) descriptor number. */
+static inline void fb_event_signal_fds(fb_event *e) {
+    if (__atomic_load_n(&e->nfds, __ATOMIC_ACQUIRE) == 0) return;
+    uint64_t one = 1;
+    pthread_mutex_lock(&e->fds_mu);
+    for (int i = 0; i < e->nfds; i++) {
+        ssize_t rc = write(e->fds_w[i], &one, sizeof one);   /* EAGAIN: it is signalled already */
         (void)rc;
     }
+    pthread_mutex_unlock(&e->fds_mu);
 }
-static inline int fb_event_fd(fb_event *e) {
-    int fd = __atomic_load_n(&e->efd, __ATOMIC_ACQUIRE);
-    if (fd >= 0) return fd;
+/* Returns the read end (>= 0), or -1 when no descriptor could be made or
+ * FB_EVENT_MAX_FDS are registered already. */
+static inline int fb_event_fd_open(fb_event *e, int *wr) {
     int fds[2];
 #if defined(__linux__)
     fds[0] = fds[1] = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -96,18 +105,37 @@ static inline int fb_event_fd(fb_event *e) {
         fcntl(fds[i], F_SETFD, FD_CLOEXEC);
     }
 #endif
-    int expected = -1;
-    if (!__atomic_compare_exchange_n(&e->efd, &expected, fds[0], 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    pthread_mutex_lock(&e->fds_mu);
+    int ok = e->nfds < FB_EVENT_MAX_FDS;
+    if (ok) {
+        e->fds_w[e->nfds] = fds[1];
+        __atomic_store_n(&e->nfds, e->nfds + 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&e->fds_mu);
+    if (!ok) {
         close(fds[0]);
         if (fds[1] != fds[0]) close(fds[1]);
-        return expected;
+        return -1;
     }
-    __atomic_store_n(&e->efd_w, fds[1], __ATOMIC_RELEASE);
+    *wr = fds[1];
     return fds[0];
 }
-static inline void fb_event_fd_drain(fb_event *e) {
+static inline void fb_event_fd_close(fb_event *e, int rd, int wr) {
+    pthread_mutex_lock(&e->fds_mu);
+    for (int i = 0; i < e->nfds; i++) {
+        if (e->fds_w[i] == wr) {
+            e->fds_w[i] = e->fds_w[e->nfds - 1];
+            __atomic_store_n(&e->nfds, e->nfds - 1, __ATOMIC_RELEASE);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&e->fds_mu);
+    if (wr != rd) close(wr);
+    close(rd);
+}
+static inline void fb_event_fd_drain(int rd) {
     unsigned char junk[64];
-    while (read(e->efd, junk, sizeof junk) > 0) {
+    while (read(rd, junk, sizeof junk) > 0) {
     }
 }
 
@@ -143,7 +171,7 @@ static inline int fb_event_wait(fb_event *e, uint32_t token, int64_t timeout_ns)
 static inline void fb_event_wake(fb_event *e) {
     fb_fetch_add_seqcst(&e->epoch, 1);
     syscall(SYS_futex, &e->epoch, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
-    fb_event_signal_fd(e);
+    fb_event_signal_fds(e);
 }
 #else
 /* Parks until the epoch moves past `token` or timeout_ns passes (< 0: no limit).
@@ -176,7 +204,7 @@ static inline void fb_event_wake(fb_event *e) {
     pthread_mutex_lock(&e->mu);
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
-    fb_event_signal_fd(e);
+    fb_event_signal_fds(e);
 }
 #endif
 

@@ -385,6 +385,41 @@ def test_receive_pump_sends_credit_on_recycle_while_the_socket_is_quiet(nbp, pai
     cr.release()
 
 
+def test_receive_pumps_sharing_a_recycle_notifier_each_hear_their_recycles(nbp):
+    recycles = Notifier()
+    pairs = [socket.socketpair() for _ in range(3)]
+    chans, threads = [], []
+    try:
+        for i, (a, b) in enumerate(pairs):
+            cr, q, excl, _ = _channel(nbp, 1, 0, rid=bytes([i]) * 16, recycles=recycles)
+            pump = netio.ReceivePump(netio.Wire(a), Notifier(), SEG, recycles)
+            pump.set_channels([cr])
+            gate = InputGate([q])
+            t = threading.Thread(target=pump.run, args=(P.FrameReader(a, SEG),), daemon=True)
+            t.start()
+            b.sendall(_data_frame(0, b"x", rid=bytes([i]) * 16))   # each sender is now at 0
+            chans.append((cr, q, gate, pump))
+            threads.append(t)
+        # recycles in every order: each one must reach its own pump, however the
+        # pumps race to drain their descriptors
+        for i in (2, 0, 1):
+            cr, q, gate, pump = chans[i]
+            _pop_waiting(q, gate).recycle()
+            (ac,) = _decode(pairs[i][1], 1)
+            assert ac.receiver_id == bytes([i]) * 16 and ac.credit == 1
+        for (a, b) in pairs:
+            b.sendall(F.encode_close())
+        for t in threads:
+            t.join(5)
+            assert not t.is_alive()
+    finally:
+        for cr, *_ in chans:
+            cr.release()
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
 def test_receive_pump_serves_a_hungry_channel_between_another_channels_frames(nbp, pair):
     a, b = pair
     recycles = Notifier()

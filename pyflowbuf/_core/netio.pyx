@@ -425,7 +425,8 @@ cdef class SendPump:
     cdef Wire wire
     cdef int fd
     cdef Notifier notifier
-    cdef int nfd                # the Notifier's descriptor for poll()
+    cdef int nfd                # this thread's descriptor of the Notifier, for poll()
+    cdef int nfd_w
     cdef _Borrowed views
     cdef int next_view
     cdef int last_credited
@@ -447,8 +448,11 @@ cdef class SendPump:
         self.fd = wire.fd
         self.notifier = notifier
         self.views = _Borrowed()
-        # made here, before any thread notifies this Notifier
-        self.nfd = fb_event_fd(&notifier.ev)
+        self.nfd = fb_event_fd_open(&notifier.ev, &self.nfd_w)
+
+    def __dealloc__(self):
+        if self.nfd >= 0 and self.notifier is not None:
+            fb_event_fd_close(&self.notifier.ev, self.nfd, self.nfd_w)
 
     def set_views(self, views):
         """The views to serve (called by the writer thread between runs)."""
@@ -606,7 +610,7 @@ cdef class SendPump:
         rc = poll(fds, 2, ms)
         fb_event_cancel(&self.notifier.ev)
         if fds[1].revents:
-            fb_event_fd_drain(&self.notifier.ev)
+            fb_event_fd_drain(self.nfd)
         return RUN_IDLE if rc == 0 else 0
 
     cdef int _run(self, int64_t timeout_ns, unsigned char *buf, Py_ssize_t *start, Py_ssize_t *end) noexcept nogil:
@@ -1040,7 +1044,8 @@ cdef class ReceivePump:
     cdef Notifier wake
     cdef Notifier recycles       # told when a consumer recycles a segment
     cdef fb_event *rev
-    cdef int rfd                 # its descriptor for poll(), or -1
+    cdef int rfd                 # this thread's descriptor of it, for poll(), or -1
+    cdef int rfd_w
     cdef bint hungry             # a channel's sender may run dry
     cdef _Borrowed chans
     cdef int last
@@ -1064,10 +1069,14 @@ cdef class ReceivePump:
         self.chans = _Borrowed()
         self.rfd = -1
         if recycles is not None:
-            self.rfd = fb_event_fd(&recycles.ev)
+            self.rfd = fb_event_fd_open(&recycles.ev, &self.rfd_w)
             if self.rfd >= 0:
                 self.recycles = recycles
                 self.rev = &recycles.ev
+
+    def __dealloc__(self):
+        if self.rfd >= 0 and self.recycles is not None:
+            fb_event_fd_close(self.rev, self.rfd, self.rfd_w)
 
     def set_channels(self, credits):
         credits = [c for c in credits if c is not None]
@@ -1154,7 +1163,10 @@ cdef class ReceivePump:
         cdef ReceiverCredit_ptr c
         for i in range(self.chans.n):
             c = self.chans.items[i]
-            if not (<ReceiverCredit>c)._hungry():
+            pthread_mutex_lock(&(<ReceiverCredit>c).mu)
+            hungry = (<ReceiverCredit>c)._hungry()
+            pthread_mutex_unlock(&(<ReceiverCredit>c).mu)
+            if not hungry:
                 continue
             credit = (<ReceiverCredit>c)._service(&hungry)
             if credit:
@@ -1194,7 +1206,7 @@ cdef class ReceivePump:
             if rc < 0:
                 return 0   # EINTR or worse: the blocking recv decides
             if fds[1].revents:
-                fb_event_fd_drain(self.rev)
+                fb_event_fd_drain(self.rfd)
             if fds[0].revents:
                 return 0
 
