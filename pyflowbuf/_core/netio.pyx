@@ -269,8 +269,9 @@ cdef class SenderView:
     from the queue until it can be sent, so a view without credit holds
     nothing back.
 
-    Threads: the connection's reader thread calls ``add_credit``/``resume``;
-    the writer (SendPump or ``poll``) everything else.
+    Threads: ``add_credit``/``resume`` may come from any thread (the
+    server's connection thread applies AddCredit inside its SendPump, atomic
+    on ``_added``); the sender (SendPump or ``poll``) does everything else.
     """
 
     cdef readonly BufferQueue queue
@@ -281,13 +282,13 @@ cdef class SenderView:
     cdef readonly bint credit_based
     cdef readonly bint block_on_barrier
     cdef fb_arena *arena
-    cdef int64_t _added            # written by the reader thread
+    cdef int64_t _added            # credit received; atomic (add_credit may run on any thread)
     cdef int64_t _used
     cdef readonly uint32_t seq
     cdef int64_t _told_backlog
     cdef int _blocked
     cdef int _finished
-    cdef public object cancelled   # set by the reader thread: the exception to release with
+    cdef public object cancelled   # set on CancelPartitionRequest: the exception to release with
     cdef public object gate_ref
     cdef public object export
     cdef readonly uint64_t buffers_sent
@@ -455,7 +456,7 @@ cdef class SendPump:
             fb_event_fd_close(&self.notifier.ev, self.nfd, self.nfd_w)
 
     def set_views(self, views):
-        """The views to serve (called by the writer thread between runs)."""
+        """The views to serve (called by the connection's thread between runs)."""
         self.views.set(list(views), SenderView, "views")
         self.next_view = 0
         self.last_credited = 0
@@ -1035,8 +1036,10 @@ cdef class ReceivePump:
     ``reader``, a FrameReader), then returns RUN_PYTHON. Per data frame: one
     recvmsg for the payload (plus at most the next 49-byte header, the
     FrameReader's staging rule), a ring push, and credit work under the
-    channel's mutex; AddCredit goes out from this thread when due, and the
-    control thread is woken only when the sender may run dry.
+    channel's mutex; AddCredit goes out from this thread when due. Given the
+    pools' recycle Notifier it also serves channels whose sender may run dry
+    while it waits for the socket; without one it wakes the control thread
+    for them (``hungry_wakes``).
     """
 
     cdef Wire wire
