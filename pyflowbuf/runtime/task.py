@@ -12,8 +12,8 @@ import threading
 import time
 
 from pyflowbuf import errors
-
-_SLOW_PULL_NS = 2_000_000  # a pull that took over 2 ms waited on its source
+from pyflowbuf.runtime.pull import PullPolicy
+from pyflowbuf.runtime.sources import payload_nbytes
 
 
 class Subtask(threading.Thread):
@@ -35,6 +35,7 @@ class Subtask(threading.Thread):
         self.records_in = 0
         self.bytes_in_source = 0
         self.source_idle_ns = 0
+        self.pull_policy = None
         self.started_ns = 0
         self.finished_ns = 0
         self.state = "CREATED"
@@ -97,52 +98,44 @@ class Subtask(threading.Thread):
 
     def _run_source(self):
         job, src, limiter = self.job, self.source, self.rate_limiter
+        outputs = self.outputs
         self.current_operator = self.vertex.head.name
         src.open(self.index, self.vertex.parallelism)
         self._timeout_ns = int(job.env.buffer_timeout * 1e9)
         self._next_flush = time.monotonic_ns() + self._timeout_ns
-        per_record = job.env.buffer_timeout == 0
-        max_batch = 1 if per_record else job.env.max_batch
-        n = 1
-        slow = False
+        # buffer_timeout == 0: Flink's "flush after every record"
+        flush_every_record = job.env.buffer_timeout == 0
+        policy = self.pull_policy = PullPolicy(
+            1 if flush_every_record else job.env.max_batch, 4 * job.env.segment_size, limiter=limiter)
+        count_bytes = limiter is not None and limiter.counts_bytes
         bytes_before = 0
-        read_ahead_bytes = 4 * job.env.segment_size
         while not job.cancelled:
             if self.mailbox:
                 self._drain_mailbox()
             self.current_operator = self.vertex.head.name
-            if slow:
+            if policy.slow:
                 # the source may block for a while: ship what is buffered first
                 # (Flink's OutputFlusher would, on the buffer timeout)
-                for out in self.outputs:
+                for out in outputs:
                     out.flush()
             t0 = time.monotonic_ns()
-            batch = src.next_batch(n)
+            batch = src.next_batch(policy.size)
             pulled_ns = time.monotonic_ns() - t0
             if batch is None:
                 break
             if limiter is not None:
                 t0 = time.monotonic_ns()
-                limiter.acquire(len(batch))
+                limiter.acquire(len(batch), payload_nbytes(batch) if count_bytes else 0)
                 self.source_idle_ns += time.monotonic_ns() - t0
             self.records_in += len(batch)
             self._process(batch)
-            if per_record:
-                for out in self.outputs:
+            if flush_every_record:
+                for out in outputs:
                     out.flush()
-                continue
-            self._flush_if_due(time.monotonic_ns())
-            # Grow the pull while the source delivers fast; shrink it when a
-            # pull waits (a trickle, or Spark's iterator producing a batch), so
-            # neither latency nor read-ahead exceeds what backpressure allows.
-            # Big records (Arrow batches) also cap it by bytes: a pull never
-            # holds much more than a few segments' worth outside the pool.
-            slow = pulled_ns > _SLOW_PULL_NS
-            n = max(1, n // 2) if slow else min(max_batch, n * 2)
-            written = sum(o.bytes for o in self.outputs)
-            if written > bytes_before:
-                per_record = (written - bytes_before) / len(batch)
-                n = max(1, min(n, int(read_ahead_bytes // per_record)))
+            else:
+                self._flush_if_due(time.monotonic_ns())
+            written = sum(o.bytes for o in outputs)
+            policy.observe(len(batch), pulled_ns, written - bytes_before)
             bytes_before = written
 
     def _run_input(self):
@@ -221,6 +214,8 @@ class Subtask(threading.Thread):
             "records_out": sum(o.records for o in self.outputs),
             "bytes_in": inp.bytes_in if inp is not None else 0,
             "bytes_out": sum(o.bytes for o in self.outputs),
+            # buffers shipped: with bytes_out it shows a per-record flush at once
+            "buffers_out": sum(o.writer.buffers_out for o in self.outputs if o.writer is not None),
             "in_pool_usage": inp.in_pool_usage if inp is not None else 0.0,
             "out_pool_usage": max((o.pool.usage for o in self.outputs), default=0.0),
         }
