@@ -3,7 +3,9 @@ record and a recovery can rewind to (``position`` / ``seek``)."""
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -170,23 +172,55 @@ class TextFileSource(Source):
 
 
 class RateLimiter:
-    """Token bucket for a static source rate limit (records/s and/or bytes/s).
+    """Token bucket for a static source rate limit (records/s and/or bytes/s),
+    for sinks that cannot push back.
 
+    The limit is the source's total: a source with parallelism p gives each
+    subtask 1/p of it (``for_subtask``). Bytes are the records' payload as the
+    source emits them (``payload_nbytes``: the length of bytes, the UTF-8
+    length of str, 8 per number, ``nbytes`` of arrays and Arrow data), so the
+    limit means the same whether or not the operators after it are chained.
     Waiting sleeps (the GIL is released, no core spins). The bucket holds at
     most one second of tokens so a stalled source cannot burst afterwards."""
 
+    # a pull holds at most this much of the rate, so a throttled source emits
+    # a steady trickle instead of a burst per second
+    PULL_WINDOW_S = 0.02
+
     def __init__(self, records_per_s: float | None = None, bytes_per_s: float | None = None):
         if records_per_s is None and bytes_per_s is None:
-            raise ValueError("give records_per_s and/or bytes_per_s")
-        for name, v in (("records_per_s", records_per_s), ("bytes_per_s", bytes_per_s)):
-            if v is not None and not v > 0:
-                raise ValueError(f"{name} must be > 0, got {v!r}")
-        self.rates = [r for r in (records_per_s, bytes_per_s)]
+            raise ValueError("RateLimiter needs records_per_s and/or bytes_per_s")
+        self.records_per_s = _positive_rate("records_per_s", records_per_s)
+        self.bytes_per_s = _positive_rate("bytes_per_s", bytes_per_s)
+        self.rates = [self.records_per_s, self.bytes_per_s]
         self.tokens = [0.0 if r is None else min(r, 1.0) for r in self.rates]
         self.last = time.monotonic()
         self._cancel = threading.Event()
+        self._records = 0
+        self._bytes = 0
+
+    @property
+    def counts_bytes(self) -> bool:
+        return self.bytes_per_s is not None
+
+    def for_subtask(self, parallelism: int) -> "RateLimiter":
+        """A fresh bucket with this limit's share for one of ``parallelism`` subtasks."""
+        share = [None if r is None else r / parallelism for r in self.rates]
+        return RateLimiter(records_per_s=share[0], bytes_per_s=share[1])
+
+    def pull_cap(self) -> int:
+        """Records one pull may take: about PULL_WINDOW_S of the rate."""
+        cap = float("inf")
+        if self.records_per_s is not None:
+            cap = self.records_per_s * self.PULL_WINDOW_S
+        if self.bytes_per_s is not None and self._records:
+            cap = min(cap, self.bytes_per_s * self.PULL_WINDOW_S * self._records / max(self._bytes, 1))
+        return max(1, int(cap)) if cap != float("inf") else 1 << 30
 
     def acquire(self, records: int, nbytes: int = 0) -> None:
+        """Wait until ``records`` records of ``nbytes`` bytes may go."""
+        self._records += records
+        self._bytes += nbytes
         need = (records, nbytes)
         while True:
             now = time.monotonic()
@@ -208,3 +242,59 @@ class RateLimiter:
 
     def cancel(self):
         self._cancel.set()
+
+    def __repr__(self):
+        return f"RateLimiter(records_per_s={self.records_per_s}, bytes_per_s={self.bytes_per_s})"
+
+
+def _positive_rate(name, v):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < float("inf"):
+        raise ValueError(f"{name} must be a positive finite number per second, got {v!r}")
+    return float(v)
+
+
+def rate_limiter(rate_limit) -> RateLimiter | None:
+    """The RateLimiter a source's ``rate_limit=`` asks for: None, records per
+    second as a number, or a RateLimiter. Anything else is a ValueError naming
+    ``rate_limit``, raised when the source is declared."""
+    if rate_limit is None or isinstance(rate_limit, RateLimiter):
+        return rate_limit
+    try:
+        return RateLimiter(records_per_s=rate_limit)
+    except ValueError:
+        raise ValueError(
+            f"rate_limit must be records per second (a positive number) or a "
+            f"RateLimiter(records_per_s=..., bytes_per_s=...), got {rate_limit!r}") from None
+
+
+def payload_nbytes(batch: list) -> int:
+    """The payload bytes of a batch of records, for a bytes/s rate limit."""
+    return sum(map(_nbytes, batch))
+
+
+def _nbytes(rec) -> int:
+    t = type(rec)
+    if t is bytes or t is bytearray:
+        return len(rec)
+    if t is str:
+        return len(rec) if rec.isascii() else len(rec.encode("utf-8", "surrogatepass"))
+    if t is int or t is float or t is bool or rec is None:
+        return 8
+    if t is memoryview:
+        return rec.nbytes
+    if t is tuple or t is list:
+        return sum(map(_nbytes, rec))
+    if t is dict:
+        return sum(_nbytes(k) + _nbytes(v) for k, v in rec.items())
+    nb = getattr(rec, "nbytes", None)            # NumPy arrays, Arrow batches and tables
+    if isinstance(nb, int):
+        return nb
+    usage = getattr(rec, "memory_usage", None)   # pandas DataFrames
+    if callable(usage):
+        try:
+            return int(usage(deep=True).sum())
+        except Exception:
+            pass
+    return sys.getsizeof(rec)
