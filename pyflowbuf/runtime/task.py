@@ -36,6 +36,7 @@ class Subtask(threading.Thread):
         self.bytes_in_source = 0
         self.source_idle_ns = 0
         self.pull_policy = None
+        self.pulls = 0
         self.started_ns = 0
         self.finished_ns = 0
         self.state = "CREATED"
@@ -123,6 +124,7 @@ class Subtask(threading.Thread):
             pulled_ns = time.monotonic_ns() - t0
             if batch is None:
                 break
+            self.pulls += 1
             if limiter is not None:
                 t0 = time.monotonic_ns()
                 limiter.acquire(len(batch), payload_nbytes(batch) if count_bytes else 0)
