@@ -9,13 +9,20 @@ NAME picks ``benchmarks/bench_<NAME>.py``; any such file with a
 prints its figures while it runs; at the end a table of the returned dict is
 printed and, with ``--json``, the last line of stdout is that dict as exactly
 one JSON object (NaN/inf become null).
+
+Every result records the commit it ran on (``commit``, with ``dirty`` when the
+work tree had changes), the date and the machine. ``--save`` also writes it to
+``benchmarks/results/NAME-DATE-COMMIT.json``: the README cites those files, so
+a figure can always be traced to the code that produced it.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import datetime
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +48,29 @@ def load(name: str):
     return module
 
 
+def commit_info() -> dict:
+    """The commit the benchmark runs on, and whether the tree had changes."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    try:
+        sha = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": sha or None, "dirty": dirty}
+
+
+def save(result: dict) -> Path:
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    stamp = result["date"].replace(":", "").replace("-", "")[:15]
+    commit = (result.get("commit") or "nocommit")[:10] + ("-dirty" if result.get("dirty") else "")
+    path = out / f"{result['benchmark']}-{'quick-' if result['quick'] else ''}{stamp}-{commit}.json"
+    path.write_text(json.dumps(common.jsonable(result), allow_nan=False, indent=1, sort_keys=True) + "\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     names = available()
     parser = argparse.ArgumentParser(
@@ -49,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", nargs="?", help="which benchmark (bench_<name>.py)")
     parser.add_argument("--quick", action="store_true", help="short run (smaller workloads, fewer repetitions)")
     parser.add_argument("--json", action="store_true", help="print the result dict as JSON on the last line of stdout")
+    parser.add_argument("--save", action="store_true",
+                        help="also write the result to benchmarks/results/NAME-DATE-COMMIT.json")
     parser.add_argument("--list", action="store_true", help="list the available benchmarks and exit")
     args = parser.parse_args(argv)
 
@@ -61,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     module = load(args.name)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    commit = commit_info()
     t0 = time.perf_counter()
     result = module.main(quick=args.quick)
     elapsed = time.perf_counter() - t0
@@ -72,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     result["benchmark"] = args.name
     result["quick"] = bool(args.quick)
     result["elapsed_s"] = round(elapsed, 2)
+    result["date"] = started
+    result.update(commit)
 
     common.render_result(result, title=f"{args.name} ({'quick' if args.quick else 'full'} run, {elapsed:.1f} s)")
+    if args.save:
+        print(f"saved {save(result).relative_to(HERE.parent)}", file=sys.stderr)
     if args.json:
         sys.stdout.flush()
         sys.stdout.write(json.dumps(common.jsonable(result), allow_nan=False, separators=(",", ":")) + "\n")
