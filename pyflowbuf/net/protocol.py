@@ -7,12 +7,25 @@ import hashlib
 import hmac
 import os
 import socket
+import time
 
-from pyflowbuf.errors import AuthenticationError, ConnectionLostError, ProtocolError
+from pyflowbuf.errors import AuthenticationError, ConnectionLostError, ProtocolError, RemoteError
 from pyflowbuf.net import frames as F
 
 DEFAULT_DEAD_PEER_TIMEOUT = 30.0
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+
+
+class HandshakeRefused(Exception):
+    """Raised by a server's ``admit`` callback to turn away a client that has
+    proven the secret (e.g. the server already serves its maximum number of
+    connections). ``server_handshake`` tells the client with an ErrorResponse
+    of ``error_kind`` and re-raises."""
+
+    def __init__(self, error_kind, message):
+        super().__init__(message)
+        self.error_kind = error_kind
+        self.message = message
 
 
 def new_secret() -> bytes:
@@ -77,12 +90,21 @@ class FrameReader:
         self._mv = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        # A time.monotonic() deadline for everything this reader receives
+        # (the handshake's): each recv may wait only for what is left of it,
+        # so a peer trickling bytes cannot stretch a per-recv timeout forever.
+        self.deadline = None
 
     def _recv(self, view, frame_pos, frame_len):
+        if self.deadline is not None:
+            _settimeout_until(self.sock, self.deadline)
         try:
             n = self.sock.recv_into(view)
         except socket.timeout:
-            raise   # only the handshake sets a timeout; its caller reports it
+            if self.sock.gettimeout() is not None:
+                raise   # a timeout the caller set (the handshakes): it reports it
+            # ETIMEDOUT on a blocking socket: keepalive or TCP_USER_TIMEOUT gave up
+            raise ConnectionLostError("connection lost: the peer stopped answering") from None
         except OSError as e:
             raise ConnectionLostError(f"connection lost: {e}") from e
         if n == 0:
@@ -169,6 +191,21 @@ class FrameReader:
 
 # ---------------------------------------------------------------- handshake
 
+def _settimeout_until(sock, deadline):
+    """Give ``sock``'s next call what is left until ``deadline`` (time.monotonic());
+    raises socket.timeout when nothing is left."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("deadline passed")
+    sock.settimeout(left)
+
+
+def _send_by(sock, data, deadline):
+    if deadline is not None:
+        _settimeout_until(sock, deadline)
+    sock.sendall(data)
+
+
 def _mac(secret, label, a, b, mode):
     return hmac.new(secret, label + a + b + bytes([mode]), hashlib.sha256).digest()
 
@@ -180,10 +217,31 @@ def _read_one(reader):
     return reader.read_control(length, msg_id)
 
 
-def server_handshake(sock, reader, secret, max_buffer_size):
-    """Challenge the client; returns its flow-control mode (MODE_CREDIT/MODE_TCP)."""
+def server_handshake(sock, reader, secret, max_buffer_size, *, deadline=None, admit=None):
+    """Challenge the client; returns its flow-control mode (MODE_CREDIT/MODE_TCP).
+
+    ``deadline`` (time.monotonic(), or None for the socket's own timeout)
+    bounds the whole handshake: every send and recv gets only the time left,
+    and socket.timeout is raised once it has passed; the socket is left
+    blocking (no timeout) afterwards. ``admit()``, if given, is called once
+    the client has proven the secret and before it is told so (AuthOk); it
+    may raise HandshakeRefused, which the client hears as an ErrorResponse."""
+    if deadline is None:
+        return _server_handshake(sock, reader, secret, max_buffer_size, None, admit)
+    reader.deadline = deadline
+    try:
+        return _server_handshake(sock, reader, secret, max_buffer_size, deadline, admit)
+    finally:
+        reader.deadline = None
+        try:
+            sock.settimeout(None)
+        except OSError:
+            pass   # already closed: the caller sees why from what was raised
+
+
+def _server_handshake(sock, reader, secret, max_buffer_size, deadline, admit):
     nonce = os.urandom(F.NONCE_SIZE)
-    sock.sendall(F.encode_challenge(max_buffer_size, nonce))
+    _send_by(sock, F.encode_challenge(max_buffer_size, nonce), deadline)
     msg = _read_one(reader)
     if type(msg) is not F.AuthResponse:
         raise ProtocolError(f"expected AuthResponse, got {type(msg).__name__} before authentication")
@@ -191,11 +249,20 @@ def server_handshake(sock, reader, secret, max_buffer_size):
         raise ProtocolError(f"protocol version {msg.version} not supported (this side speaks {F.PROTOCOL_VERSION})")
     if not hmac.compare_digest(msg.mac, _mac(secret, b"pyflowbuf/1 client", nonce, msg.nonce, msg.mode)):
         try:
-            sock.sendall(F.encode_error(None, "AuthenticationFailed", "authentication failed"))
+            _send_by(sock, F.encode_error(None, "AuthenticationFailed", "authentication failed"), deadline)
         except OSError:
             pass
         raise AuthenticationError("a client failed authentication (wrong shared secret)")
-    sock.sendall(F.encode_auth_ok(_mac(secret, b"pyflowbuf/1 server", msg.nonce, nonce, msg.mode)))
+    if admit is not None:
+        try:
+            admit()
+        except HandshakeRefused as e:
+            try:
+                _send_by(sock, F.encode_error(None, e.error_kind, e.message), deadline)
+            except OSError:
+                pass
+            raise
+    _send_by(sock, F.encode_auth_ok(_mac(secret, b"pyflowbuf/1 server", msg.nonce, nonce, msg.mode)), deadline)
     return msg.mode
 
 
@@ -213,6 +280,8 @@ def client_handshake(sock, reader, secret, mode):
     sock.sendall(F.encode_auth_response(mode, nonce, _mac(secret, b"pyflowbuf/1 client", msg.nonce, nonce, mode)))
     ok = _read_one(reader)
     if type(ok) is F.ErrorResponse:
+        if ok.error_kind != "AuthenticationFailed":   # authenticated, but turned away (e.g. TooManyConnections)
+            raise RemoteError(f"server refused the connection: {ok.error_kind}: {ok.message}", ok.error_kind)
         raise AuthenticationError(f"server rejected authentication: {ok.message} (wrong shared secret?)")
     if type(ok) is not F.AuthOk:
         raise ProtocolError(f"expected AuthOk, got {type(ok).__name__}")

@@ -3,9 +3,12 @@ ResultSubpartitions (BufferQueues) and ships their buffers to remote
 InputChannels over one TCP connection per consumer process."""
 from __future__ import annotations
 
+import collections
+import errno
 import logging
 import socket
 import threading
+import time
 
 from pyflowbuf._core import netio
 from pyflowbuf._core.channel import END_OF_PARTITION, BufferQueue, InputGate
@@ -20,6 +23,15 @@ log = logging.getLogger("pyflowbuf.net")
 
 _MAX_BATCH_BUFFERS = 16
 _SAFETY_WAKE_S = 1.0
+# A pending handshake is never evicted younger than this (nor than the
+# handshake timeout): a real client answers the challenge within one round
+# trip, so it always completes while slow clients are evicted around it.
+_EVICTION_GRACE_S = 0.5
+# accept() failing for want of descriptors or memory fails again at once:
+# back off instead of spinning while other connections release theirs.
+_ACCEPT_BACKOFF_S = 0.05
+_ACCEPT_RESOURCE_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
+_MAX_ERRORS = 256
 
 
 class _Export:
@@ -58,27 +70,58 @@ class NetworkServer:
     interface address (or "0.0.0.0") and give consumers ``(host, port)``.
     Only peers that prove knowledge of ``secret`` (HMAC-SHA256 challenge-response)
     can request anything.
+
+    Connection limits: a client must finish the handshake within
+    ``handshake_timeout`` seconds of being accepted (a deadline for the whole
+    handshake, not per read; None: no deadline). Only authenticated
+    connections count against ``max_connections``; one more that
+    authenticates is refused with a TooManyConnections ErrorResponse (the
+    consumer sees RemoteError). Connections still in the handshake are
+    bounded separately by ``max_pending_handshakes``: when that many are
+    pending, the oldest one is dropped for the newcomer (once it has had
+    min(0.5 s, handshake_timeout) to answer), so clients that never
+    authenticate cannot starve those that do, however often they reconnect.
+    Threads and sockets are thus at most ``max_connections +
+    max_pending_handshakes`` plus the acceptor.
+
+    ``errors`` holds ``(peer, exception)`` of the latest connections that
+    failed (at most 256).
     """
 
     def __init__(self, secret, host="127.0.0.1", port=0, *, max_buffer_size=32 * 1024,
                  dead_peer_timeout=P.DEFAULT_DEAD_PEER_TIMEOUT,
                  handshake_timeout=P.DEFAULT_HANDSHAKE_TIMEOUT, max_connections=256,
-                 on_error=None):
+                 max_pending_handshakes=64, on_error=None):
         self._secret = P.check_secret(secret)
+        if handshake_timeout is not None and not (_is_number(handshake_timeout) and handshake_timeout > 0):
+            raise ValueError(f"handshake_timeout must be a number > 0 or None, got {handshake_timeout!r}")
+        if not _is_int(max_connections) or max_connections < 1:
+            raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
+        if not _is_int(max_pending_handshakes) or max_pending_handshakes < 1:
+            raise ValueError(f"max_pending_handshakes must be an int >= 1, got {max_pending_handshakes!r}")
         self.host = host
         self._port = port
         self.max_buffer_size = int(max_buffer_size)
         self.dead_peer_timeout = dead_peer_timeout
         self.handshake_timeout = handshake_timeout
         self.max_connections = max_connections
+        self.max_pending_handshakes = max_pending_handshakes
         self.on_error = on_error
         self._exports = {}
         self._lock = threading.Lock()
-        self._conns = set()
+        # notified whenever a pending handshake ends (admitted or gone): the
+        # acceptor waits on it for room
+        self._room = threading.Condition(self._lock)
+        self._conns = set()          # every connection with a thread, under _lock
+        # connection -> accept time, in accept order; until its thread ends or it is admitted
+        self._pending = {}
+        self._active = set()         # authenticated: what max_connections counts
         self._sock = None
         self._acceptor = None
         self._closed = False
-        self.errors = []          # (peer, exception) of connections that failed
+        # Bounded: clients that keep failing the handshake would otherwise grow
+        # it without end (and each exception's traceback holds its connection).
+        self.errors = collections.deque(maxlen=_MAX_ERRORS)
         self._buffers_sent = 0    # of connections already closed
         self._bytes_sent = 0
         self._announcements = 0
@@ -109,20 +152,23 @@ class NetworkServer:
     def close(self):
         """Stop accepting, close every connection (open subpartitions are
         released with CancelledError)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True   # under the lock: the acceptor adds no connection after this
+            conns = list(self._conns)
+            self._room.notify_all()
         if self._sock is not None:
             try:
                 self._sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             self._sock.close()
-        for c in list(self._conns):
+        for c in conns:
             c.close(CancelledError("the NetworkServer was closed"))
         if self._acceptor is not None:
             self._acceptor.join(5)
-        for c in list(self._conns):
+        for c in conns:
             c.join(5)
 
     def __enter__(self):
@@ -219,25 +265,97 @@ class NetworkServer:
         while not self._closed:
             try:
                 sock, peer = self._sock.accept()
-            except OSError:
+            except OSError as e:
                 if self._closed:
                     return
+                if e.errno in _ACCEPT_RESOURCE_ERRNOS:
+                    time.sleep(_ACCEPT_BACKOFF_S)
                 continue
-            if self._closed or len(self._conns) >= self.max_connections:
+            accepted = time.monotonic()
+            with self._lock:
+                room = self._make_room()
+            if not room:
                 sock.close()
+                return
+            try:
+                conn = _ServerConnection(self, sock, peer, accepted)
+            except Exception:   # e.g. no descriptor left for its Notifier: the acceptor must live on
+                log.exception("pyflowbuf.net: cannot serve a connection from %s", peer)
+                sock.close()
+                time.sleep(_ACCEPT_BACKOFF_S)
                 continue
-            conn = _ServerConnection(self, sock, peer)
-            self._conns.add(conn)
+            with self._lock:   # only this thread adds: the room made above is still there
+                if self._closed:
+                    conn.wire.close()
+                    return
+                self._pending[conn] = accepted
+                self._conns.add(conn)
             conn.start()
+
+    def _make_room(self):
+        """Wait (under _lock) until a pending handshake may start, evicting the
+        oldest pending one once it has had its grace time; False if the
+        server closed meanwhile.
+
+        Evicted connections stay in _pending until their thread ends, so
+        there are never more than max_pending_handshakes handshake threads.
+        Every pass evicts one connection or waits, so the acceptor never spins."""
+        grace = _EVICTION_GRACE_S
+        if self.handshake_timeout is not None:
+            grace = min(grace, self.handshake_timeout)
+        while not self._closed and len(self._pending) >= self.max_pending_handshakes:
+            oldest = next((c for c in self._pending if not c.closed), None)
+            if oldest is None:   # all already dropped: their threads are ending
+                self._room.wait(_SAFETY_WAKE_S)
+                continue
+            age = time.monotonic() - self._pending[oldest]
+            if age < grace:
+                self._room.wait(grace - age)
+                continue
+            # close() only shuts the socket down and wakes the pump: safe under
+            # the lock, and it keeps _admit from letting the victim in meanwhile
+            oldest.close(ProtocolError(
+                f"the client had not authenticated {age:.2f} s after it was accepted while "
+                f"max_pending_handshakes={self.max_pending_handshakes} handshakes were pending; "
+                "dropped for a newer connection"))
+            self._room.wait(_SAFETY_WAKE_S)
+        return not self._closed
+
+    def _admit(self, conn):
+        """The handshake's ``admit``: move ``conn`` from pending to
+        authenticated if max_connections allows."""
+        with self._lock:
+            if conn.closed:   # evicted or the server closed: the socket is already shut down
+                raise ConnectionLostError("the connection was closed during the handshake")
+            if len(self._active) >= self.max_connections:
+                raise P.HandshakeRefused(
+                    "TooManyConnections",
+                    f"the producer already serves max_connections={self.max_connections} consumer connections")
+            del self._pending[conn]
+            self._active.add(conn)
+            conn.authenticated = True
+            self._room.notify_all()
+
+    def _forget(self, conn):
+        with self._lock:
+            self._conns.discard(conn)
+            self._active.discard(conn)
+            if self._pending.pop(conn, None) is not None:
+                self._room.notify_all()
 
     @property
     def connections(self):
+        """Open connections, authenticated or still in the handshake."""
         return len(self._conns)
 
     def stats(self):
-        """Connections and views open now; buffers and bytes sent in total."""
-        conns = list(self._conns)
-        return {"connections": len(conns), "views": sum(len(c.views) for c in conns),
+        """Connections and views open now (``pending_handshakes``: connections
+        not yet authenticated); buffers and bytes sent in total."""
+        with self._lock:
+            conns = list(self._conns)
+            pending = len(self._pending)
+        return {"connections": len(conns), "pending_handshakes": pending,
+                "views": sum(len(c.views) for c in conns),
                 "buffers_sent": self._buffers_sent + sum(c.buffers_sent for c in conns),
                 "bytes_sent": self._bytes_sent + sum(c.bytes_sent for c in conns),
                 "writer_parks": self._parks + sum(c.pump.parks for c in conns),
@@ -253,10 +371,12 @@ class _ServerConnection:
     cancel, close), and for events, the priority lane, backlog announcements
     and views opened or cancelled."""
 
-    def __init__(self, server, sock, peer):
+    def __init__(self, server, sock, peer, accepted):
         self.server = server
         self.sock = sock
         self.peer = peer
+        self.accepted = accepted  # time.monotonic(): the handshake deadline counts from here
+        self.authenticated = False
         self.views = {}
         self._views_version = None
         self.notifier = Notifier()
@@ -305,9 +425,9 @@ class _ServerConnection:
         try:
             P.configure_socket(self.sock, srv.dead_peer_timeout)
             reader = P.FrameReader(self.sock, srv.max_buffer_size)
-            self.sock.settimeout(srv.handshake_timeout)
-            mode = P.server_handshake(self.sock, reader, srv._secret, srv.max_buffer_size)
-            self.sock.settimeout(None)
+            deadline = None if srv.handshake_timeout is None else self.accepted + srv.handshake_timeout
+            mode = P.server_handshake(self.sock, reader, srv._secret, srv.max_buffer_size,
+                                      deadline=deadline, admit=lambda: srv._admit(self))
             self.credit_based = mode == F.MODE_CREDIT
             if not self.pump.reads_credit:
                 raise FlowBufError("this system offers no pollable wake-up (eventfd or pipe) for the network writer")
@@ -331,8 +451,13 @@ class _ServerConnection:
                 pump.set_views(list(self.views.values()))
         except _Closed:
             pass
+        except P.HandshakeRefused as e:
+            log.warning("pyflowbuf.net: refused an authenticated client %s: %s", self.peer, e)
         except socket.timeout:
-            exc = ProtocolError(f"the client did not authenticate within {srv.handshake_timeout} s")
+            if self.authenticated:   # ETIMEDOUT from the kernel (keepalive): no timeout is set after the handshake
+                exc = ConnectionLostError("connection lost: the peer stopped answering")
+            else:
+                exc = ProtocolError(f"the client did not authenticate within {srv.handshake_timeout} s")
         except (FlowBufError, OSError) as e:
             exc = e if isinstance(e, FlowBufError) else ConnectionLostError(f"connection lost: {e}")
             if isinstance(e, ProtocolError) and not isinstance(e, AuthenticationError):
@@ -461,6 +586,10 @@ class _ServerConnection:
         self.close(exc)
         exc = self.error or exc   # why we closed it, if we did, beats what recv saw then
         if exc is not None and not isinstance(exc, CancelledError):
+            if not self.authenticated:
+                # anyone who can connect causes these; their tracebacks would
+                # keep this connection's reader and socket objects alive
+                exc = exc.with_traceback(None)
             self.server.errors.append((self.peer, exc))
             if self.views:
                 log.warning("pyflowbuf.net: connection from %s failed: %s", self.peer, exc)
@@ -477,7 +606,15 @@ class _ServerConnection:
             self.server._announcements += self.announcements
             self.server._parks += self.pump.parks
             self.server._credit_parks += self.pump.credit_parks
-        self.server._conns.discard(self)
+        self.server._forget(self)
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 class _Closed(Exception):
