@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pyflowbuf import BufferQueue, InputGate, NetworkBufferPool, RecordReader, RecordWriter
-from pyflowbuf.errors import ProtocolError, RemoteError
+from pyflowbuf.errors import ConnectionLostError, ProtocolError, RemoteError
 from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
 from pyflowbuf.net import frames as F
 
@@ -283,3 +283,70 @@ def test_no_handshake_deadline_still_bounded_by_eviction(env):
     wait_for(lambda: srv.stats()["pending_handshakes"] == 2)
     export(srv, nbp, "p", 1000)
     assert consume(manager(), nbp, srv.address, "p", timeout=10) == list(range(1000))
+
+
+# ------------------------------------------------ the client's handshake deadline
+
+class TricklingServer:
+    """A fake producer for one client: it sends a well-formed Challenge (or,
+    with ``phase="auth_ok"``, the Challenge at once and then an AuthOk) one
+    byte per ``tick``, so every recv of the client's is answered well within
+    any per-recv timeout. Never runs longer than ``limit`` s."""
+
+    def __init__(self, phase, tick=0.2, limit=5.0):
+        self.phase, self.tick, self.limit = phase, tick, limit
+        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(1)
+        self.address = self.lsock.getsockname()
+        self.frame = None
+        self.sent = 0        # bytes of ``frame`` sent so far
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        end = time.monotonic() + self.limit
+        self.lsock.settimeout(self.limit)
+        try:
+            conn, _ = self.lsock.accept()
+        except OSError:
+            return
+        with conn:
+            challenge = F.encode_challenge(32 * 1024, os.urandom(F.NONCE_SIZE))
+            try:
+                if self.phase == "auth_ok":
+                    conn.sendall(challenge)
+                    conn.settimeout(self.limit)
+                    if not conn.recv(4096):   # the client's AuthResponse
+                        return
+                    self.frame = F.encode_auth_ok(os.urandom(32))
+                else:
+                    self.frame = challenge
+                for i in range(len(self.frame)):
+                    if self._stop.wait(self.tick) or time.monotonic() > end:
+                        return
+                    conn.sendall(self.frame[i:i + 1])
+                    self.sent = i + 1
+            except OSError:
+                return   # the client gave up
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(5)
+        self.lsock.close()
+
+
+@pytest.mark.parametrize("phase", ["challenge", "auth_ok"])
+def test_trickling_server_cannot_hold_the_client_past_connect_timeout(env, phase):
+    secret, nbp, server, manager, stops = env
+    fake = TricklingServer(phase)
+    stops.append(fake.stop)
+    mgr = manager(connect_timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionLostError, match=r"did not complete the handshake within 1\.0 s"):
+        mgr.create_channel(fake.address, "p", 0, BufferQueue(nbp))
+    took = time.monotonic() - t0
+    assert 0.8 <= took < 1.8, took   # a per-recv timeout would wait out the whole frame (8 s or more)
+    assert fake.frame is not None and 0 < fake.sent < len(fake.frame)   # cut off mid-trickle
+    assert mgr.connections == 0

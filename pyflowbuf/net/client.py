@@ -352,6 +352,10 @@ class ConnectionManager:
     producer sends whatever it has and the connection's reader blocks when a
     channel has no free buffer, stalling every channel on that connection.
 
+    ``connect_timeout`` bounds connecting and the handshake together, counted
+    from the start of the connect (one deadline, not per read); a producer
+    that does not finish the handshake by then fails with ConnectionLostError.
+
     Threads: one reader per connection (blocked in ``recv_into``, GIL
     released) and one control thread that re-reserves recycled buffers and
     sends AddCredit; both park when idle.
@@ -492,13 +496,14 @@ class ConnectionManager:
         try:
             P.configure_socket(sock, self.dead_peer_timeout)
             reader = P.FrameReader(sock, 1 << 20)
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
             mode = F.MODE_CREDIT if self.credit_based else F.MODE_TCP
-            max_buf = P.client_handshake(sock, reader, self._secret, mode)
-            sock.settimeout(None)
+            # The connect's deadline, not a fresh timeout per recv: a server
+            # trickling its challenge would otherwise hold us without end.
+            max_buf = P.client_handshake(sock, reader, self._secret, mode, deadline=deadline)
         except socket.timeout:
             sock.close()
-            raise ConnectionLostError(f"handshake with {address} timed out") from None
+            raise ConnectionLostError(f"the server at {address} did not complete the handshake within "
+                                      f"{self.connect_timeout} s (connect_timeout)") from None
         except BaseException:
             sock.close()
             raise

@@ -266,9 +266,29 @@ def _server_handshake(sock, reader, secret, max_buffer_size, deadline, admit):
     return msg.mode
 
 
-def client_handshake(sock, reader, secret, mode):
+def client_handshake(sock, reader, secret, mode, *, deadline=None):
     """Answer the server's challenge and check its proof; returns the server's
-    maximum buffer size."""
+    maximum buffer size.
+
+    ``deadline`` (time.monotonic(), or None for the socket's own timeout)
+    bounds the whole handshake as in ``server_handshake``: a server that
+    trickles its challenge a byte at a time cannot hold the consumer past it.
+    socket.timeout is raised once it has passed; the socket is left blocking
+    (no timeout) afterwards."""
+    if deadline is None:
+        return _client_handshake(sock, reader, secret, mode, None)
+    reader.deadline = deadline
+    try:
+        return _client_handshake(sock, reader, secret, mode, deadline)
+    finally:
+        reader.deadline = None
+        try:
+            sock.settimeout(None)
+        except OSError:
+            pass   # already closed: the caller sees why from what was raised
+
+
+def _client_handshake(sock, reader, secret, mode, deadline):
     msg = _read_one(reader)
     if type(msg) is F.ErrorResponse:
         raise ProtocolError(f"server refused the connection: {msg.error_kind}: {msg.message}")
@@ -277,7 +297,8 @@ def client_handshake(sock, reader, secret, mode):
     if msg.version != F.PROTOCOL_VERSION:
         raise ProtocolError(f"server speaks protocol version {msg.version}, this side {F.PROTOCOL_VERSION}")
     nonce = os.urandom(F.NONCE_SIZE)
-    sock.sendall(F.encode_auth_response(mode, nonce, _mac(secret, b"pyflowbuf/1 client", msg.nonce, nonce, mode)))
+    _send_by(sock, F.encode_auth_response(mode, nonce, _mac(secret, b"pyflowbuf/1 client", msg.nonce, nonce, mode)),
+             deadline)
     ok = _read_one(reader)
     if type(ok) is F.ErrorResponse:
         if ok.error_kind != "AuthenticationFailed":   # authenticated, but turned away (e.g. TooManyConnections)
