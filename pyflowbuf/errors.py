@@ -35,6 +35,18 @@ class CorruptRecordError(FlowBufError, ValueError):
     """Bytes in a buffer do not form a valid record stream."""
 
 
+class RecordTypeError(FlowBufError, TypeError):
+    """A record does not fit its stream's kind (an ``int64`` stream got a
+    ``str``, a ``struct`` record holds a set...), or a function returned
+    something that is not what its operator emits (a ``str`` where an iterable
+    of records belongs)."""
+
+
+class KeyTypeError(FlowBufError, TypeError):
+    """A ``key_by`` key whose type has no hash that is the same in every
+    process (its ``hash()`` is salted per process or based on identity)."""
+
+
 class ChannelClosedError(FlowBufError, RuntimeError):
     """The channel or gate was closed or cancelled."""
 
@@ -79,3 +91,30 @@ class PartitionNotFoundError(RemoteError, LookupError):
 
 
 __all__ = [n for n in dir() if n.endswith("Error") or n in ("FlowBufError", "BufferRequestTimeout")]
+
+
+# --- job API and lifecycle (pyflowbuf.api, pyflowbuf.runtime) ---
+
+class ConfigurationError(FlowBufError, ValueError):
+    """A setting, a stream declaration or an argument of the job API is
+    invalid; the message names the parameter. Raised before anything starts."""
+
+
+class AlreadyExecutedError(FlowBufError, RuntimeError):
+    """An Environment executes its graph once (as Flink's does): a second
+    ``execute()``, ``execute_async()`` or ``execute_iter()`` needs a new
+    Environment."""
+
+
+class PortUnavailableError(FlowBufError, OSError):
+    """A port a job was configured to listen on (``prometheus_port=``) cannot
+    be bound; ``errno`` is the operating system's."""
+
+
+class WorkerSideEffectWarning(UserWarning):
+    """A ``sink(fn)`` ran in a forked worker process (``workers=``): what the
+    function did to the caller's objects (appending to a list, counting)
+    happened in the worker's copy of them, not in the caller."""
+
+
+__all__ = [n for n in dir() if n.endswith(("Error", "Warning")) or n in ("FlowBufError", "BufferRequestTimeout")]

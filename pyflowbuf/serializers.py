@@ -1,16 +1,32 @@
 """Serializers: how records of a typed stream become bytes in segments.
 
-The core (RecordWriter/RecordReader) encodes five kinds in C, a batch per
-call: ``bytes``, ``int64``, ``float64``, ``str`` and ``pickle``. Other kinds
-(Arrow RecordBatches, pandas DataFrames, NumPy arrays) are Serializer objects
-that turn a batch of records into bytes-like objects for the ``bytes`` kind and
-back; the reader hands them zero-copy views when ``zero_copy_min`` is 0.
+The core (RecordWriter/RecordReader) encodes six kinds in C, a batch per
+call: ``bytes``, ``int64``, ``float64``, ``str``, ``struct`` and ``pickle``.
+Other kinds (Arrow RecordBatches, pandas DataFrames, NumPy arrays) are
+Serializer objects that turn a batch of records into bytes-like objects for the
+``bytes`` kind and back; the reader hands them zero-copy views when
+``zero_copy_min`` is 0.
+
+``struct`` carries the structured records Python code emits: None, bool, int
+(any size), float, str, bytes, and tuples, lists and dicts of them, nested. A
+record reads back as exactly the types it was written with, and decoding runs
+no code the sender chose, so unlike ``pickle`` it crosses processes without
+``allow_pickle``. It is inferred for tuples, lists and dicts that hold only
+such values.
 """
 from __future__ import annotations
 
+import reprlib
 from typing import Any, Callable
 
-CORE_KINDS = ("bytes", "int64", "float64", "str", "pickle")
+import numpy as np
+
+from pyflowbuf import errors
+from pyflowbuf._core.serde import first_misfit, pack_struct, struct_fits
+# the struct codec on its own, for struct records kept or sent outside a stream
+from pyflowbuf._core.serde import pack_struct_batch, unpack_struct, unpack_struct_batch  # noqa: F401
+
+CORE_KINDS = ("bytes", "int64", "float64", "str", "struct", "pickle")
 
 
 class Serializer:
@@ -84,6 +100,11 @@ def _load_optional() -> None:
 
 def infer_kind(value: Any) -> str:
     """The kind a stream of ``value``-like records should use."""
+    t = type(value)
+    if t is tuple or t is list or t is dict:
+        # one walk of the first record, in C; a record the struct kind cannot
+        # carry exactly (a set, a custom class, a namedtuple) stays pickle
+        return "struct" if struct_fits(value) else "pickle"
     if isinstance(value, bool):
         return "pickle"
     if isinstance(value, int):
@@ -94,7 +115,7 @@ def infer_kind(value: Any) -> str:
         return "str"
     if isinstance(value, (bytes, bytearray, memoryview)):
         return "bytes"
-    mod = type(value).__module__
+    mod = t.__module__
     if mod.startswith("pyarrow"):
         return "arrow"
     if mod.startswith("pandas"):
@@ -102,3 +123,91 @@ def infer_kind(value: Any) -> str:
     if mod.startswith("numpy"):
         return "numpy"
     return "pickle"
+
+
+# ---- checking records against a kind, where they are not serialized ----
+
+def kind_label(kind: Any) -> str:
+    """A kind as error messages name it."""
+    if isinstance(kind, np.dtype):
+        return f"rows of dtype {kind}"
+    return repr(kind.name if isinstance(kind, Serializer) else kind)
+
+
+def _batch_record_types(name: str):
+    """The record types of the batch kinds serializers_arrow registers."""
+    if name == "arrow":
+        import pyarrow as pa
+        return (pa.RecordBatch, pa.Table)
+    if name == "pandas":
+        import pandas as pd
+        return (pd.DataFrame, pd.Series)
+    if name == "numpy":
+        return (np.ndarray, np.generic)
+    return None
+
+
+def _first_not_of(types):
+    def find(records: list) -> int:
+        for i, r in enumerate(records):
+            if not isinstance(r, types):
+                return i
+        return -1
+    return find
+
+
+def misfit_finder(kind: Any) -> Callable[[list], int] | None:
+    """``find(records)``: the index of the first record a stream of ``kind``
+    cannot carry, -1 when all fit; None when every record fits (pickle). It
+    accepts what the stream's writer accepts, so a record is refused the same
+    way whether it is serialized or handed to the next chained operator."""
+    if isinstance(kind, np.dtype):
+        return lambda records: next((i for i, a in enumerate(records) if np.asarray(a).dtype != kind), -1)
+    ser = get_serializer(kind)
+    if type(ser) is CoreSerializer:
+        if ser.core_kind == "pickle":
+            return None
+        core = ser.core_kind
+        return lambda records: first_misfit(records, core)
+    types = _batch_record_types(ser.name)
+    return None if types is None else _first_not_of(types)
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 120
+_SHORT.maxlong = 60
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)``, bounded, for error messages."""
+    try:
+        return _SHORT.repr(value)
+    except Exception as exc:  # a broken __repr__ must not hide the real error
+        return f"<{type(value).__qualname__} object; repr() raised {type(exc).__name__}>"
+
+
+def misfit_reason(kind: Any, value: Any) -> str:
+    """Why a value does not fit a kind, when there is more to say than its type."""
+    if isinstance(kind, Serializer) and kind.core_kind == "struct":
+        try:
+            pack_struct(value)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+    return ""
+
+
+def record_type_error(kind: Any, value: Any, *, operator: str | None = None, origin: str = "",
+                      reason: str = "") -> errors.RecordTypeError:
+    """The error for a record that does not fit its stream's kind."""
+    t = type(value)
+    tname = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    who = f"operator {operator!r} emitted" if operator else "a record"
+    verb = "into" if operator else "does not fit"
+    reason = reason or misfit_reason(kind, value)
+    hint = "" if "kind=" in reason else (
+        ". Every record of a stream has the stream's kind: convert the value, or declare the operator's "
+        "kind= (e.g. 'float64' for numbers, 'struct' for tuples/lists/dicts of plain values, 'pickle' "
+        "for any object)")
+    return errors.RecordTypeError(
+        f"{who} {short_repr(value)} ({tname}) {verb} a stream of kind {kind_label(kind)}"
+        f"{f' ({origin})' if origin else ''}{f': {reason}' if reason else ''}{hint}")

@@ -19,8 +19,10 @@
   over, ``parse_records`` reads them back.
 
 * ``ref_stable_hash``: FNV-1a + the murmur3 64-bit finalizer, as in
-  ``csrc/fb_serde.h``.
+  ``csrc/fb_serde.h``; numbers by value (an integral float as its int, ints
+  beyond 64 bits by their bytes), frozensets by an order-free sum, no hash().
 """
+import math
 import struct
 import threading
 import time
@@ -301,18 +303,39 @@ def fnv1a(data):
     return mix64(h)
 
 
+_NONE_HASH = 0x6A09E667F3BCC909
+_FROZENSET_SEED = 0x2545F4914F6CDD1D
+_FLOAT_SALT = 0x243F6A8885A308D3
+
+
+def _ref_int_hash(key):
+    if -(1 << 63) <= key < (1 << 63):
+        return mix64(key & _M)
+    return fnv1a(key.to_bytes((key.bit_length() + 8) // 8, "little", signed=True))
+
+
 def ref_stable_hash(key):
+    """Keys that compare equal hash equal (1 == 1.0 == True); nothing uses hash()."""
+    if key is None:
+        return _NONE_HASH
+    if isinstance(key, float):
+        if math.isfinite(key) and key == math.floor(key):
+            return _ref_int_hash(int(key))
+        return mix64(struct.unpack("<Q", struct.pack("<d", key))[0] ^ _FLOAT_SALT)
     if isinstance(key, int):
-        if -(1 << 63) <= key < (1 << 63):
-            return mix64(key & _M)
-        return mix64(hash(key) & _M)
+        return _ref_int_hash(int(key))
     if isinstance(key, str):
-        return fnv1a(key.encode("utf-8"))
-    if isinstance(key, bytes):
-        return fnv1a(key)
+        return fnv1a(key.encode("utf-8", "surrogatepass"))
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        return fnv1a(bytes(key))
     if isinstance(key, tuple):
         h = 0x9E3779B97F4A7C15
         for item in key:
             h = mix64(h ^ ref_stable_hash(item))
         return h
-    return mix64(hash(key) & _M)
+    if isinstance(key, frozenset):
+        h = _FROZENSET_SEED
+        for item in key:
+            h = (h + ref_stable_hash(item)) & _M
+        return mix64(h ^ len(key))
+    raise TypeError(f"no stable hash for {type(key).__name__}")

@@ -12,6 +12,14 @@ cdef enum:
     KIND_FLOAT64 = 2
     KIND_STR = 3
     KIND_PICKLE = 4
+    KIND_STRUCT = 5
+
+
+cdef struct Packbuf:
+    # a growable scratch area a struct record is encoded into before it is copied into segments
+    char *p
+    size_t len
+    size_t cap
 
 
 cdef struct Builder:
@@ -57,6 +65,7 @@ cdef class RecordWriter:
     cdef readonly object broken    # why the writer cannot go on, or None
     cdef bint _is_broken
     cdef uint64_t _copied
+    cdef Packbuf pack
     cdef int _new_segment(self, int ch, uint16_t type, uint32_t width) except -1
     cdef int _finish(self, int ch) except -1
     cdef int _write_raw(self, int ch, const char *data, uint32_t n) except -1

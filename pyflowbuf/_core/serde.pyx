@@ -8,15 +8,20 @@ crosses from Python into C once per call.
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.float cimport PyFloat_AsDouble, PyFloat_FromDouble
-from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
-from cpython.long cimport PyLong_AsLongLong, PyLong_FromLongLong
-from cpython.mem cimport PyMem_Calloc, PyMem_Free
+from cpython.buffer cimport PyObject_CheckBuffer
+from cpython.dict cimport PyDict_Next, PyDict_Size
+from cpython.float cimport PyFloat_AS_DOUBLE, PyFloat_AsDouble, PyFloat_FromDouble
+from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
+from cpython.long cimport PyLong_AsLongLong, PyLong_AsLongLongAndOverflow, PyLong_FromLongLong
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Realloc
+from cpython.number cimport PyIndex_Check, PyNumber_Index
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_New, PyTuple_SET_ITEM
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
+from libc.math cimport floor, isfinite
 from libc.string cimport memcpy
 
 from pyflowbuf._core.channel cimport EVT_END_OF_PARTITION, BufferQueue, InputGate
@@ -50,7 +55,7 @@ cdef extern from "Python.h":
 DEFAULT_MAX_RECORD_SIZE = 64 * 1024 * 1024
 DEFAULT_ZERO_COPY_MIN = 4096
 KINDS = {"bytes": KIND_BYTES, "int64": KIND_INT64, "float64": KIND_FLOAT64,
-         "str": KIND_STR, "pickle": KIND_PICKLE}
+         "str": KIND_STR, "pickle": KIND_PICKLE, "struct": KIND_STRUCT}
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 cdef object _NEED_MORE = object()
 cdef object _pickle_dumps = pickle.dumps
@@ -66,22 +71,107 @@ cdef int _kind_code(object kind) except -1:
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}") from None
 
 
-cdef inline uint64_t _stable_hash(object key) except? 0:
+# Key hashes must agree between processes and across restarts (keyed state is
+# restored wherever the key lands), so nothing here may use hash(): it is salted
+# per process for str/bytes and based on identity for most objects. Keys that
+# compare equal must hash equal too (1, 1.0 and True are one dict key), so
+# numbers hash by value, not by type.
+cdef uint64_t _TUPLE_SEED = 0x9e3779b97f4a7c15ULL
+cdef uint64_t _FROZENSET_SEED = 0x2545f4914f6cdd1dULL
+cdef uint64_t _NONE_HASH = 0x6a09e667f3bcc909ULL
+
+
+cdef uint64_t _stable_hash(object key) except? 0:
     cdef const char *p
     cdef Py_ssize_t n
-    if isinstance(key, int):
-        return fb_mix64(<uint64_t>PyLong_AsLongLong(key) if -(1 << 63) <= key < (1 << 63) else <uint64_t>hash(key))
+    cdef long long v
+    cdef int overflow = 0
+    cdef uint64_t h
+    cdef Py_ssize_t i
+    cdef type t = type(key)
+    # subclasses (IntEnum, namedtuple...) take the same paths by their value
+    # as a str / int / tuple: no method they might override is called
     if isinstance(key, str):
-        p = PyUnicode_AsUTF8AndSize(key, &n)
-        return fb_hash_bytes(p, n)
-    if isinstance(key, bytes):
+        return _hash_str(key)
+    if isinstance(key, int):
+        v = PyLong_AsLongLongAndOverflow(key, &overflow)
+        if overflow == 0:
+            return fb_mix64(<uint64_t>v)
+        return _hash_bigint(int.__index__(key))
+    if t is bytes:
         return fb_hash_bytes(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))
     if isinstance(key, tuple):
-        h = <uint64_t>0x9e3779b97f4a7c15
-        for item in key:
-            h = fb_mix64(h ^ _stable_hash(item))
+        h = _TUPLE_SEED
+        for i in range(PyTuple_GET_SIZE(key)):
+            h = fb_mix64(h ^ _stable_hash(<object>PyTuple_GET_ITEM(key, i)))
         return h
-    return fb_mix64(<uint64_t>hash(key))
+    return _stable_hash_other(key)
+
+
+cdef uint64_t _hash_str(object key) except? 0:
+    cdef const char *p
+    cdef Py_ssize_t n
+    try:
+        p = PyUnicode_AsUTF8AndSize(key, &n)
+    except UnicodeEncodeError:
+        # lone surrogates (file names from os.fsdecode) are valid str keys too
+        data = str.encode(key, "utf-8", "surrogatepass")
+        return fb_hash_bytes(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+    return fb_hash_bytes(p, n)
+
+
+cdef uint64_t _hash_bigint(object key) except? 0:
+    # beyond 64 bits: the minimal two's-complement bytes, which every process agrees on
+    data = key.to_bytes((key.bit_length() + 8) >> 3, "little", signed=True)
+    return fb_hash_bytes(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+
+
+cdef uint64_t _hash_float(double d) except? 0:
+    cdef uint64_t bits
+    if isfinite(d) and d == floor(d):
+        # an integral float is equal to an int, so it must go where that int goes
+        if -9223372036854775808.0 <= d < 9223372036854775808.0:
+            return fb_mix64(<uint64_t><long long>d)
+        return _hash_bigint(int(d))
+    memcpy(&bits, &d, 8)
+    return fb_mix64(bits ^ 0x243f6a8885a308d3ULL)
+
+
+cdef uint64_t _stable_hash_other(object key) except? 0:
+    cdef Py_buffer view
+    cdef uint64_t h
+    if key is None:
+        return _NONE_HASH
+    if isinstance(key, float):
+        return _hash_float(PyFloat_AsDouble(key))
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        PyObject_GetBuffer(key, &view, PyBUF_SIMPLE)
+        try:
+            return fb_hash_bytes(<const char *>view.buf, view.len)
+        finally:
+            PyBuffer_Release(&view)
+    if isinstance(key, frozenset):
+        # a sum does not depend on the iteration order, which differs between
+        # processes (it follows the salted hash of the elements)
+        h = _FROZENSET_SEED
+        for item in key:
+            h += _stable_hash(item)
+        return fb_mix64(h ^ <uint64_t>len(key))
+    if PyIndex_Check(key):
+        # NumPy integers equal the int they index as, and hash as it
+        try:
+            as_int = PyNumber_Index(key)
+        except TypeError:
+            pass
+        else:
+            return _stable_hash(as_int)
+    t = type(key)
+    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    raise _errors.KeyTypeError(
+        f"a key_by key of type {name} has no hash that is the same in every process (hash() of "
+        f"{name} is salted per process or based on identity), so equal keys could reach different "
+        "subtasks or restored state; give key_by a key function returning str, int, float, bytes, "
+        "None, or tuples/frozensets of them (e.g. str(...) or an id)")
 
 
 cdef int64_t _timeout_ns(object timeout, str name="timeout") except? -2:
@@ -94,8 +184,417 @@ cdef int64_t _timeout_ns(object timeout, str name="timeout") except? -2:
 
 
 def stable_hash(key):
-    """The process-independent hash used for key partitioning."""
+    """The process-independent hash used for key partitioning: the same in every
+    process and run, and equal for keys that compare equal (1, 1.0 and True).
+    Keys of other types than None, bool, int, float, str, bytes (bytearray,
+    memoryview), tuple and frozenset raise KeyTypeError."""
     return _stable_hash(key)
+
+
+# ---------------------------------------------------------------- struct records
+#
+# One value per record: a tag byte, then the content. Lengths and counts are
+# LEB128 varints; ints within 64 bits are zigzag varints, bigger ones their
+# minimal two's-complement bytes; floats their 8 IEEE-754 bytes (little-endian).
+# Only exact types are written, so a record reads back as the same types: a
+# tuple stays a tuple, a list a list, True is not 1. Reading builds nothing but
+# these builtins and calls no code the sender could choose, so bytes from
+# another process are safe to decode; anything malformed is a CorruptRecordError.
+
+cdef enum:
+    S_NONE = 0
+    S_FALSE = 1
+    S_TRUE = 2
+    S_INT = 3
+    S_BIGINT = 4
+    S_FLOAT = 5
+    S_STR = 6
+    S_BYTES = 7
+    S_TUPLE = 8
+    S_LIST = 9
+    S_DICT = 10
+    # deeper is almost surely a container holding itself; it also bounds the
+    # C stack the recursive encoder and decoder use
+    STRUCT_MAX_DEPTH = 100
+
+STRUCT_TYPES = "None, bool, int, float, str, bytes and tuples, lists and dicts of them"
+
+
+cdef int _pb_grow(Packbuf *b, size_t need) except -1:
+    cdef size_t cap = b.cap if b.cap else 256
+    cdef char *p
+    while cap - b.len < need:
+        cap *= 2
+    p = <char *>PyMem_Realloc(b.p, cap)
+    if p is NULL:
+        raise MemoryError()
+    b.p = p
+    b.cap = cap
+    return 0
+
+
+cdef inline int _pb_reserve(Packbuf *b, size_t need) except -1:
+    if b.cap - b.len < need:
+        return _pb_grow(b, need)
+    return 0
+
+
+cdef inline void _pb_head(Packbuf *b, unsigned char tag, uint64_t v) noexcept:
+    # the caller reserved 11 bytes: the tag and a varint of at most 10
+    b.p[b.len] = <char>tag
+    b.len += 1
+    while v >= 0x80:
+        b.p[b.len] = <char>((v & 0x7f) | 0x80)
+        b.len += 1
+        v >>= 7
+    b.p[b.len] = <char>v
+    b.len += 1
+
+
+cdef str _type_name(object o):
+    t = type(o)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+cdef object _struct_refusal(object o):
+    return _errors.RecordTypeError(
+        f"a struct record cannot hold a {_type_name(o)}: it carries {STRUCT_TYPES}, exact types only, "
+        "so that every record reads back as it was written; declare kind='pickle' for other objects "
+        "(in one process, or across processes with allow_pickle=True)")
+
+
+cdef object _too_deep():
+    return _errors.RecordTypeError(
+        f"a struct record nested deeper than {STRUCT_MAX_DEPTH} levels (a container that holds itself?)")
+
+
+cdef int _pack_bigint(Packbuf *b, object o) except -1:
+    data = o.to_bytes((o.bit_length() + 8) >> 3, "little", signed=True)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+    _pb_reserve(b, 11 + <size_t>n)
+    _pb_head(b, S_BIGINT, <uint64_t>n)
+    memcpy(b.p + b.len, PyBytes_AS_STRING(data), n)
+    b.len += n
+    return 0
+
+
+cdef int _pack(Packbuf *b, object o, int depth) except -1:
+    cdef type t = type(o)
+    cdef long long v
+    cdef int overflow = 0
+    cdef Py_ssize_t n, i, pos = 0
+    cdef const char *s
+    cdef double d
+    cdef uint64_t bits
+    cdef PyObject *k
+    cdef PyObject *val
+    if t is str:
+        s = PyUnicode_AsUTF8AndSize(o, &n)
+        _pb_reserve(b, 11 + <size_t>n)
+        _pb_head(b, S_STR, <uint64_t>n)
+        memcpy(b.p + b.len, s, n)
+        b.len += n
+        return 0
+    if t is int:
+        v = PyLong_AsLongLongAndOverflow(o, &overflow)
+        if overflow:
+            return _pack_bigint(b, o)
+        _pb_reserve(b, 11)
+        _pb_head(b, S_INT, (<uint64_t>v << 1) ^ <uint64_t>(v >> 63))
+        return 0
+    if t is tuple or t is list or t is dict:
+        if depth >= STRUCT_MAX_DEPTH:
+            raise _too_deep()
+        _pb_reserve(b, 11)
+        # Only exact builtins are visited below, so no Python code runs that
+        # could change a container while it is being written.
+        if t is tuple:
+            n = PyTuple_GET_SIZE(o)
+            _pb_head(b, S_TUPLE, <uint64_t>n)
+            for i in range(n):
+                _pack(b, <object>PyTuple_GET_ITEM(o, i), depth + 1)
+        elif t is list:
+            n = PyList_GET_SIZE(o)
+            _pb_head(b, S_LIST, <uint64_t>n)
+            for i in range(n):
+                _pack(b, <object>PyList_GET_ITEM(o, i), depth + 1)
+        else:
+            _pb_head(b, S_DICT, <uint64_t>PyDict_Size(o))
+            while PyDict_Next(o, &pos, &k, &val):
+                _pack(b, <object>k, depth + 1)
+                _pack(b, <object>val, depth + 1)
+        return 0
+    if t is float:
+        d = PyFloat_AS_DOUBLE(o)
+        memcpy(&bits, &d, 8)
+        _pb_reserve(b, 9)
+        b.p[b.len] = <char>S_FLOAT
+        fb_store_le64(b.p + b.len + 1, bits)
+        b.len += 9
+        return 0
+    if o is None or t is bool:
+        _pb_reserve(b, 1)
+        b.p[b.len] = <char>(S_NONE if o is None else S_TRUE if o is True else S_FALSE)
+        b.len += 1
+        return 0
+    if t is bytes:
+        n = PyBytes_GET_SIZE(o)
+        _pb_reserve(b, 11 + <size_t>n)
+        _pb_head(b, S_BYTES, <uint64_t>n)
+        memcpy(b.p + b.len, PyBytes_AS_STRING(o), n)
+        b.len += n
+        return 0
+    raise _struct_refusal(o)
+
+
+cdef int _struct_fits(object o, int depth) except -1:
+    """1 if ``_pack`` takes ``o`` (text that UTF-8 cannot encode aside), without encoding it."""
+    cdef type t = type(o)
+    cdef Py_ssize_t pos = 0
+    cdef PyObject *k
+    cdef PyObject *val
+    if t is str or t is int or t is float or t is bytes or t is bool or o is None:
+        return 1
+    if t is tuple or t is list or t is dict:
+        if depth >= STRUCT_MAX_DEPTH:
+            return 0
+        if t is dict:
+            while PyDict_Next(o, &pos, &k, &val):
+                if not _struct_fits(<object>k, depth + 1) or not _struct_fits(<object>val, depth + 1):
+                    return 0
+            return 1
+        for item in o:
+            if not _struct_fits(item, depth + 1):
+                return 0
+        return 1
+    return 0
+
+
+cdef object _corrupt(str what):
+    return _errors.CorruptRecordError(f"corrupt struct record: {what}")
+
+
+cdef int _read_varint(const char **pp, const char *end, uint64_t *out) except -1:
+    cdef const char *p = pp[0]
+    cdef uint64_t v = 0, c
+    cdef int shift = 0
+    while True:
+        if p >= end:
+            raise _corrupt("it ends inside a number")
+        c = <unsigned char>p[0]
+        p += 1
+        if shift == 63 and c > 1:
+            raise _corrupt("a number does not fit 64 bits")
+        v |= (c & 0x7f) << shift
+        if c < 0x80:
+            break
+        shift += 7
+    pp[0] = p
+    out[0] = v
+    return 0
+
+
+cdef Py_ssize_t _read_len(const char **pp, const char *end, Py_ssize_t unit) except -1:
+    """A length or count; ``unit`` is the fewest bytes each unit takes, so a
+    count can be refused before anything is allocated for it."""
+    cdef uint64_t n
+    _read_varint(pp, end, &n)
+    if n > <uint64_t>((end - pp[0]) // unit):
+        raise _corrupt(f"a length of {n} runs past the record's end")
+    return <Py_ssize_t>n
+
+
+cdef object _unpack(const char **pp, const char *end, int depth):
+    cdef const char *p = pp[0]
+    cdef unsigned char tag
+    cdef uint64_t u
+    cdef Py_ssize_t n, i
+    cdef double d
+    if p >= end:
+        raise _corrupt("it ends where a value should start")
+    tag = <unsigned char>p[0]
+    pp[0] = p + 1
+    if tag == S_STR:
+        n = _read_len(pp, end, 1)
+        p = pp[0]
+        pp[0] = p + n
+        try:
+            return PyUnicode_DecodeUTF8(p, n, "strict")
+        except UnicodeDecodeError as exc:
+            raise _corrupt(f"text that is not UTF-8 ({exc.reason})") from None
+    if tag == S_INT:
+        _read_varint(pp, end, &u)
+        return PyLong_FromLongLong(<long long>((u >> 1) ^ (0 - (u & 1))))
+    if tag == S_TUPLE or tag == S_LIST or tag == S_DICT:
+        if depth >= STRUCT_MAX_DEPTH:
+            raise _corrupt(f"nested deeper than {STRUCT_MAX_DEPTH} levels")
+        n = _read_len(pp, end, 2 if tag == S_DICT else 1)
+        if tag == S_TUPLE:
+            tup = PyTuple_New(n)
+            for i in range(n):
+                item = _unpack(pp, end, depth + 1)
+                Py_INCREF(item)  # SET_ITEM steals it
+                PyTuple_SET_ITEM(tup, i, item)
+            return tup
+        if tag == S_LIST:
+            lst = PyList_New(n)
+            for i in range(n):
+                item = _unpack(pp, end, depth + 1)
+                Py_INCREF(item)
+                PyList_SET_ITEM(lst, i, item)
+            return lst
+        dct = {}
+        for i in range(n):
+            key = _unpack(pp, end, depth + 1)
+            value = _unpack(pp, end, depth + 1)
+            try:
+                dct[key] = value
+            except TypeError:
+                raise _corrupt(f"a dict key of type {type(key).__name__} (not hashable)") from None
+        return dct
+    if tag == S_FLOAT:
+        if end - pp[0] < 8:
+            raise _corrupt("it ends inside a float")
+        u = fb_load_le64(pp[0])
+        pp[0] += 8
+        memcpy(&d, &u, 8)
+        return PyFloat_FromDouble(d)
+    if tag == S_NONE:
+        return None
+    if tag == S_TRUE:
+        return True
+    if tag == S_FALSE:
+        return False
+    if tag == S_BYTES or tag == S_BIGINT:
+        n = _read_len(pp, end, 1)
+        p = pp[0]
+        pp[0] = p + n
+        data = PyBytes_FromStringAndSize(p, n)
+        return data if tag == S_BYTES else int.from_bytes(data, "little", signed=True)
+    raise _corrupt(f"unknown tag {tag:#04x}")
+
+
+cdef object _unpack_record(const char *p, Py_ssize_t n):
+    cdef const char *cur = p
+    cdef const char *end = p + n
+    obj = _unpack(&cur, end, 0)
+    if cur != end:
+        raise _corrupt(f"{end - cur} bytes follow the value")
+    return obj
+
+
+def pack_struct(obj):
+    """Encode one struct record to ``bytes`` (RecordTypeError for what it cannot carry)."""
+    cdef Packbuf b
+    b.p = NULL
+    b.len = b.cap = 0
+    try:
+        _pack(&b, obj, 0)
+        return PyBytes_FromStringAndSize(b.p, <Py_ssize_t>b.len)
+    finally:
+        PyMem_Free(b.p)
+
+
+def unpack_struct(data):
+    """Decode one struct record from a bytes-like object (CorruptRecordError if malformed)."""
+    cdef Py_buffer view
+    if PyBytes_CheckExact(data):
+        return _unpack_record(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        return _unpack_record(<const char *>view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+
+
+def pack_struct_batch(records):
+    """``[pack_struct(r) for r in records]`` in one call; a bad record's error names its index."""
+    cdef Packbuf b
+    cdef list out = []
+    cdef Py_ssize_t i = 0
+    b.p = NULL
+    b.cap = 0
+    try:
+        for i, rec in enumerate(records):
+            b.len = 0
+            _pack(&b, rec, 0)
+            PyList_Append(out, PyBytes_FromStringAndSize(b.p, <Py_ssize_t>b.len))
+    except (TypeError, ValueError) as exc:
+        raise _at_index(exc, i, f"record {i} of the batch: {exc}") from exc
+    finally:
+        PyMem_Free(b.p)
+    return out
+
+
+def unpack_struct_batch(records):
+    """``[unpack_struct(r) for r in records]`` in one call."""
+    cdef list out = []
+    for rec in records:
+        PyList_Append(out, unpack_struct(rec))
+    return out
+
+
+def struct_fits(obj):
+    """True when ``obj`` can be a struct record (checked without encoding it)."""
+    return bool(_struct_fits(obj, 0))
+
+
+cdef int _number_fits(int kind, object rec) except -1:
+    # what the writer's PyLong_AsLongLong / PyFloat_AsDouble take (__index__, __float__)
+    try:
+        if kind == KIND_INT64:
+            PyLong_AsLongLong(rec)
+        else:
+            PyFloat_AsDouble(rec)
+    except Exception:
+        return 0
+    return 1
+
+
+cdef inline int _fits(int kind, object rec) except -1:
+    cdef type t = type(rec)
+    cdef int overflow = 0
+    if kind == KIND_INT64:
+        if t is int:
+            PyLong_AsLongLongAndOverflow(rec, &overflow)
+            return overflow == 0
+        if isinstance(rec, (float, bool)):
+            return 0
+        return _number_fits(kind, rec)
+    if kind == KIND_FLOAT64:
+        return 1 if t is float else _number_fits(kind, rec)
+    if kind == KIND_STR:
+        return isinstance(rec, str)
+    if kind == KIND_BYTES:
+        return t is bytes or (not isinstance(rec, str) and PyObject_CheckBuffer(rec))
+    if kind == KIND_STRUCT:
+        return _struct_fits(rec, 0)
+    return 1
+
+
+def first_misfit(list records, kind):
+    """Index of the first record a stream of core ``kind`` cannot carry, or -1.
+    It accepts what a RecordWriter of that kind accepts (text UTF-8 cannot
+    encode and objects pickle refuses aside), for records that are handed on
+    in the process without being written."""
+    cdef int k = _kind_code(kind)
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(records)
+    if k == KIND_PICKLE:
+        return -1
+    for i in range(n):
+        if not _fits(k, <object>PyList_GET_ITEM(records, i)):
+            return i
+    return -1
+
+
+cdef object _at_index(BaseException exc, Py_ssize_t i, str msg):
+    """``exc`` again with ``msg``, and ``record_index`` for the caller to show the record."""
+    try:
+        new = type(exc)(msg)
+    except Exception:  # e.g. UnicodeEncodeError takes 5 arguments
+        new = (TypeError if isinstance(exc, TypeError) else ValueError)(msg)
+    new.record_index = i
+    return new
 
 
 @cython.final
@@ -143,6 +642,7 @@ cdef class RecordWriter:
                 if self.builders[i].active:
                     fb_pool_recycle(self.p, self.builders[i].seg)
             PyMem_Free(self.builders)
+        PyMem_Free(self.pack.p)
 
     cdef int _new_segment(self, int ch, uint16_t type, uint32_t width) except -1:
         cdef uint32_t seg
@@ -295,6 +795,18 @@ cdef class RecordWriter:
             if n > self.max_record_size:
                 self._too_large(n)
             return self._write_raw(ch, p, <uint32_t>n)
+        if self.kind == KIND_STRUCT:
+            self.pack.len = 0
+            _pack(&self.pack, rec, 0)
+            if self.pack.len > self.max_record_size:
+                self._too_large(self.pack.len)
+            self._write_raw(ch, self.pack.p, <uint32_t>self.pack.len)
+            if self.pack.cap > (1 << 20):
+                # one huge record should not keep its scratch area for the writer's lifetime
+                PyMem_Free(self.pack.p)
+                self.pack.p = NULL
+                self.pack.cap = 0
+            return 0
         data = _pickle_dumps(rec, 5)
         n = PyBytes_GET_SIZE(data)
         if n > self.max_record_size:
@@ -369,14 +881,9 @@ cdef class RecordWriter:
                 else:
                     self._write_obj(ch, rec)
         except Exception as exc:
-            if isinstance(exc, _errors.FlowBufError) and not isinstance(exc, ValueError):
+            if isinstance(exc, _errors.FlowBufError) and not isinstance(exc, (ValueError, TypeError)):
                 raise  # no buffer / cancelled / destroyed: not about this record
-            msg = f"record {i} of the batch ({i} written before it): {exc}"
-            try:
-                new = type(exc)(msg)
-            except Exception:  # e.g. UnicodeEncodeError takes 5 arguments
-                new = (TypeError if isinstance(exc, TypeError) else ValueError)(msg)
-            raise new from exc
+            raise _at_index(exc, i, f"record {i} of the batch ({i} written before it): {exc}") from exc
         return n
 
     def write_array(self, arr, int channel=0):
@@ -548,6 +1055,8 @@ cdef class RecordReader:
             return PyFloat_FromDouble(dv)
         if self.kind == KIND_STR:
             return PyUnicode_DecodeUTF8(p, n, "strict")
+        if self.kind == KIND_STRUCT:
+            return _unpack_record(p, n)
         mv = PyMemoryView_FromMemory(<char *>p, n, 0x100)
         try:
             return _pickle_loads(mv)

@@ -11,7 +11,7 @@ import numpy as np
 from pyflowbuf import errors
 from pyflowbuf._core.channel import USER_EVENT
 from pyflowbuf._core.serde import DEFAULT_ZERO_COPY_MIN, RecordReader, RecordWriter
-from pyflowbuf.serializers import CoreSerializer, get_serializer, infer_kind
+from pyflowbuf.serializers import CoreSerializer, get_serializer, infer_kind, record_type_error
 
 
 # Event carrying an inferred record kind, sent by a producer on all its
@@ -75,6 +75,9 @@ class OutputSide:
         self.writer = None
         self._rr = 0
         self.records_out = 0
+        # the operator (or source) whose records this side writes, for error
+        # messages; the task may set it, the job failure names it either way
+        self.producer = None
 
     def _open_writer(self, first):
         kind = self.kind.resolve_from(first)
@@ -96,27 +99,40 @@ class OutputSide:
             self._emit_arrays(batch)
             return
         ser = self.serializer
+        part = self.partitioner
+        records = batch
+        if part == "hash" and w.num_channels > 1:
+            # keys come from the records as the user's function sees them,
+            # before a serializer turns them into bytes
+            key_fn = self.key_fn
+            keys = [key_fn(x) for x in batch]
         if type(ser) is not CoreSerializer:
             batch = ser.encode_batch(batch)
-        part = self.partitioner
-        if part == "forward" or w.num_channels == 1:
-            w.write_batch(batch)
-        elif part == "rebalance":
-            w.write_batch_rebalance(batch)
-        elif part == "hash":
-            key_fn = self.key_fn
-            if type(ser) is not CoreSerializer:
-                raise ValueError("key_by needs records of a core kind (bytes/int64/float64/str/pickle)")
-            w.write_batch_keyed(batch, [key_fn(x) for x in batch])
-        else:
-            w.write_batch_broadcast(batch)
+        try:
+            if part == "forward" or w.num_channels == 1:
+                w.write_batch(batch)
+            elif part == "rebalance":
+                w.write_batch_rebalance(batch)
+            elif part == "hash":
+                w.write_batch_keyed(batch, keys)
+            else:
+                w.write_batch_broadcast(batch)
+        except TypeError as exc:
+            # The C writer type-checks as it writes and says which index
+            # failed; show the record itself instead.
+            i = getattr(exc, "record_index", None)
+            if i is None or type(ser) is not CoreSerializer or isinstance(exc, errors.KeyTypeError):
+                raise
+            reason = str(exc.__cause__ or exc)
+            raise record_type_error(ser, records[i], operator=self.producer, reason=reason) from exc
 
     def _emit_arrays(self, batch):
         w, n = self.writer, self.writer.num_channels
         for arr in batch:
             arr = np.asarray(arr)
             if arr.dtype != self.dtype:
-                raise TypeError(f"a rows stream of dtype {self.dtype} got an array of dtype {arr.dtype}")
+                raise errors.RecordTypeError(
+                    f"a rows stream of dtype {self.dtype} got an array of dtype {arr.dtype}")
             if self.partitioner == "broadcast":
                 for ch in range(n):
                     w.write_array(arr, ch)
@@ -190,8 +206,9 @@ class InputSide:
         if self.remote_channels and getattr(kind, "in_process_only", False) and not self.allow_pickle:
             raise errors.FlowBufError(
                 f"a {kind.name!r} stream would unpickle bytes received from another process; give the "
-                "operator a kind= that crosses processes (int64, float64, str, bytes, arrow, pandas, "
-                "numpy) or pass Environment(allow_pickle=True) if every worker is trusted")
+                "operator a kind= that crosses processes (int64, float64, str, bytes, struct for tuples, "
+                "lists and dicts of plain values, arrow, pandas, numpy) or pass "
+                "Environment(allow_pickle=True) if every worker is trusted")
         self.kind = kind
         if isinstance(kind, np.dtype):
             self.dtype = kind

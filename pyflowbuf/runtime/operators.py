@@ -3,6 +3,11 @@
 Batching is what keeps the Python layer thin: a chain of operators runs a list
 comprehension per operator per batch, and the batch crosses into the C core in
 one call on each side of an exchange.
+
+Every operator that makes records checks its output batch against its output
+stream's kind (declared, or inferred from its first record), whether the next
+step is a chained operator or a RecordWriter: a record that does not fit fails
+the same way with chaining on or off, naming the operator and the value.
 """
 from __future__ import annotations
 
@@ -10,11 +15,31 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pyflowbuf import errors
+from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error, short_repr
+
+_ANY = object()       # a kind every record fits (pickle): nothing to check
+_NOT_RECORDS = (str, bytes, bytearray, memoryview)  # iterable, but never an iterable of records
+
 
 class Operator:
-    """One step of a chain. ``name`` shows in metrics and errors."""
+    """One step of a chain. ``name`` shows in metrics and errors.
+
+    out_kind
+        The declared kind of the output stream (a kind name, Serializer or
+        NumPy dtype); None: the kind of the first record emitted. The job
+        sets it from the graph.
+    check_output
+        False where a RecordWriter takes the output straight away (the task
+        sets it for the last operator of a chain with outputs): the writer
+        checks every record as it serializes it, so checking here too would
+        be paid twice.
+    """
 
     kind = "operator"
+    out_kind: Any = None
+    check_output = True
+    _find_misfit: Any = None
 
     def __init__(self, name: str):
         self.name = name
@@ -37,6 +62,43 @@ class Operator:
     def restore_state(self, state: Any) -> None:
         pass
 
+    # ---- the one kind check ----
+    def _checked(self, out: list) -> list:
+        """``out``, once every record in it fits the output stream's kind."""
+        find = self._find_misfit
+        if find is None:
+            if not out:
+                return out
+            find = self._init_check(out[0])
+        if find is _ANY:
+            return out
+        i = find(out)
+        if i >= 0:
+            raise record_type_error(self._kind, out[i], operator=self.name, origin=self._kind_origin)
+        return out
+
+    def _init_check(self, first):
+        if not self.check_output:
+            self._find_misfit = _ANY
+            return _ANY
+        if self.out_kind is not None:
+            kind = self.out_kind
+            self._kind_origin = "declared"
+        else:
+            kind = infer_kind(first)
+            self._kind_origin = f"inferred from its first record, {short_repr(first)}"
+        self._kind = kind if isinstance(kind, np.dtype) else get_serializer(kind)
+        self._find_misfit = misfit_finder(self._kind) or _ANY
+        return self._find_misfit
+
+    def _not_records(self, value) -> errors.RecordTypeError:
+        t = type(value).__name__
+        why = f"; a {t} would be split into its items" if isinstance(value, _NOT_RECORDS) else ""
+        return errors.RecordTypeError(
+            f"operator {self.name!r}: its function returned {short_repr(value)} ({t}) where an "
+            f"iterable of records belongs{why}. Return a list of records (e.g. [value]), or use map() "
+            "for one record per input")
+
 
 class Map(Operator):
     def __init__(self, name, fn: Callable):
@@ -45,7 +107,7 @@ class Map(Operator):
 
     def process_batch(self, batch):
         fn = self.fn
-        return [fn(x) for x in batch]
+        return self._checked([fn(x) for x in batch])
 
 
 class Filter(Operator):
@@ -65,7 +127,19 @@ class FlatMap(Operator):
 
     def process_batch(self, batch):
         fn = self.fn
-        return [y for x in batch for y in fn(x)]
+        out: list = []
+        extend = out.extend
+        for x in batch:
+            res = fn(x)
+            if isinstance(res, _NOT_RECORDS):
+                raise self._not_records(res)
+            try:
+                extend(res)
+            except TypeError:
+                if hasattr(res, "__iter__"):
+                    raise  # the iteration itself failed, inside the user's iterable
+                raise self._not_records(res) from None
+        return self._checked(out)
 
 
 class MapBatch(Operator):
@@ -81,7 +155,7 @@ class MapBatch(Operator):
         # A rows stream's batch is a list of array chunks, an arrow/pandas
         # stream's a list of RecordBatches/DataFrames: fn sees each one.
         fn = self.fn
-        return [fn(b) for b in batch]
+        return self._checked([fn(b) for b in batch])
 
 
 class _Keyed(Operator):
@@ -106,7 +180,7 @@ class KeyedReduce(_Keyed):
                 x = fn(state[k], x)
             state[k] = x
             out.append(x)
-        return out
+        return self._checked(out)
 
     def snapshot_state(self):
         return dict(self.state)
@@ -129,8 +203,15 @@ class KeyedProcess(_Keyed):
                 st = state[k] = {}
             res = fn(k, x, st)
             if res is not None:
-                out.extend(res)
-        return out
+                if isinstance(res, _NOT_RECORDS):
+                    raise self._not_records(res)
+                try:
+                    out.extend(res)
+                except TypeError:
+                    if hasattr(res, "__iter__"):
+                        raise
+                    raise self._not_records(res) from None
+        return self._checked(out)
 
     def snapshot_state(self):
         return {k: dict(v) for k, v in self.state.items()}

@@ -11,9 +11,32 @@ import collections
 import threading
 import time
 
+import numpy as np
+
 from pyflowbuf import errors
+from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error
 from pyflowbuf.runtime.pull import PullPolicy
 from pyflowbuf.runtime.sources import payload_nbytes
+
+
+class _SourceCheck:
+    """Checks the records of a source whose first operator is chained."""
+
+    def __init__(self, node):
+        self.node = node
+        self.kind = None
+        self.find = None
+
+    def __call__(self, batch):
+        if self.find is None:
+            if not batch:
+                return
+            kind = self.node.kind if self.node.kind is not None else infer_kind(batch[0])
+            self.kind = kind if isinstance(kind, np.dtype) else get_serializer(kind)
+            self.find = misfit_finder(self.kind) or (lambda records: -1)
+        i = self.find(batch)
+        if i >= 0:
+            raise record_type_error(self.kind, batch[i], operator=self.node.name)
 
 
 class Subtask(threading.Thread):
@@ -40,6 +63,16 @@ class Subtask(threading.Thread):
         self.started_ns = 0
         self.finished_ns = 0
         self.state = "CREATED"
+        # The writer checks every record it serializes: the operator feeding
+        # it need not check again, and the writer's errors name that operator.
+        producer = operators[-1] if operators else None
+        if producer is not None and outputs:
+            producer.check_output = False
+        for out in outputs:
+            out.producer = producer.name if producer is not None else vertex.head.name
+        # Source records handed to a chained operator are never serialized:
+        # check them here, against the source's kind, as a writer would.
+        self._source_misfit = None if source is None or not operators else _SourceCheck(vertex.head)
 
     # ---- mailbox ----
     def post(self, mail) -> None:
@@ -125,6 +158,8 @@ class Subtask(threading.Thread):
             if batch is None:
                 break
             self.pulls += 1
+            if self._source_misfit is not None:
+                self._source_misfit(batch)
             if limiter is not None:
                 t0 = time.monotonic_ns()
                 limiter.acquire(len(batch), payload_nbytes(batch) if count_bytes else 0)
