@@ -11,16 +11,22 @@
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
+import threading
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError
 from pyflowbuf.runtime import operators as ops
 from pyflowbuf.runtime import sources as srcs
 from pyflowbuf.runtime.graph import Node, plan
+from pyflowbuf.runtime.job import check_timeout
 
 _UNSET = object()
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 class Environment:
@@ -36,16 +42,38 @@ class Environment:
         (Flink's execution.buffer-timeout, default 0.1); 0 ships per record.
     chaining : fuse forward operators of equal parallelism into one task.
     output_buffers : (min, max) segments per output pool; default Flink's
-        (subpartitions + 1, 2 * subpartitions + 8).
+        (subpartitions + 1, 2 * subpartitions + 8). A RecordWriter holds one
+        buffer per subpartition, so a job whose max is below an edge's
+        subpartitions (or, when num_segments is too small for every pool to
+        reach its max, whose min is) is refused at execute(): it would deadlock.
     max_batch : records a task moves per crossing into the core.
+    max_record_size : bytes a serialized record may take (default 64 MiB).
     metrics_interval : seconds between metric samples.
+    name : the job's name in errors, metrics and Prometheus labels
+        (``execute("name")`` sets it too).
+    metrics_log, prometheus_port, live_view : where metric samples go: JSON
+        lines appended to a file, Prometheus gauges on 127.0.0.1 (0: a free
+        port), a live table in the terminal. With workers they are served by
+        the calling process.
     workers : run subtasks in this many worker processes (subtask i of each
         operator on worker i % workers), connected by the TCP exchange with
         credit-based flow control; None runs everything in this process.
+        The workers are forked: operators, and ``sink(fn)`` functions, run on
+        the workers' copies of the caller's objects, so a sink that appends to
+        a list or bumps a counter of the caller changes the worker's copy and
+        the caller sees nothing (a job that ran a ``sink(fn)`` in a worker
+        warns with ``WorkerSideEffectWarning``). Bring results back with
+        ``collect()`` or ``to_iterator()`` (``execute_iter``), or write them
+        somewhere both can reach (``write_text``, a database).
     allow_pickle : let streams of pickled Python objects cross processes
         (unpickling runs code the sender chose; only for trusted workers).
     bind_host : interface the workers' exchange listens on (loopback by default).
     credit_based : False uses the pre-credit mode (TCP window only), to compare.
+
+    An Environment executes its graph once, as Flink's does: ``execute()``,
+    ``execute_async()`` or ``execute_iter()``, one of them, one time. Build a
+    new Environment to run a job again. A call refused before anything started
+    (bad arguments, a setting that cannot work) leaves it unused.
     """
 
     def __init__(self, parallelism: int = 1, *, segment_size: int = 32 * 1024,
@@ -56,31 +84,10 @@ class Environment:
                  metrics_log: str | os.PathLike | None = None, prometheus_port: int | None = None,
                  live_view: bool = False, workers: int | None = None, allow_pickle: bool = False,
                  bind_host: str = "127.0.0.1", credit_based: bool = True):
-        _positive_int("parallelism", parallelism)
-        _positive_int("max_batch", max_batch)
-        if num_segments is not None:
-            _positive_int("num_segments", num_segments)
-        if not buffer_timeout >= 0:
-            raise ValueError(f"buffer_timeout must be >= 0 seconds, got {buffer_timeout!r}")
-        if output_buffers is not None:
-            lo, hi = output_buffers
-            _positive_int("output_buffers max", hi)
-            if not 0 <= lo <= hi:
-                raise ValueError(f"output_buffers must be (min, max) with 0 <= min <= max, got {output_buffers!r}")
-        _positive_int("segment_size", segment_size)
-        if segment_size & (segment_size - 1) or not 256 <= segment_size <= 1 << 20:
-            raise ValueError(f"segment_size must be a power of two between 256 and 1048576, got {segment_size}")
-        _positive_int("max_record_size", max_record_size)
-        if max_record_size >= 1 << 32:
-            raise ValueError(f"max_record_size must be < 2**32, got {max_record_size}")
-        if workers is not None:
-            _positive_int("workers", workers)
-        if not metrics_interval > 0:
-            raise ValueError(f"metrics_interval must be > 0, got {metrics_interval!r}")
         self.parallelism = parallelism
         self.segment_size = segment_size
         self.num_segments = num_segments
-        self.buffer_timeout = float(buffer_timeout)
+        self.buffer_timeout = buffer_timeout
         self.chaining = chaining
         self.output_buffers = output_buffers
         self.max_batch = max_batch
@@ -94,18 +101,57 @@ class Environment:
         self.allow_pickle = allow_pickle
         self.bind_host = bind_host
         self.credit_based = credit_based
+        self._check_settings()
+        self.buffer_timeout = float(buffer_timeout)
         self.nodes: list[Node] = []
         self.last_execution = None
+        self._claim_lock = threading.Lock()
+        self._claimed_by = None        # the job that ran (or runs) this graph
+
+    def _check_settings(self) -> None:
+        """Every setting, checked at construction and again before a job starts
+        (the attributes are public, so they may have changed in between)."""
+        _positive_int("parallelism", self.parallelism)
+        _positive_int("max_batch", self.max_batch)
+        if self.num_segments is not None:
+            _positive_int("num_segments", self.num_segments)
+        if not _number(self.buffer_timeout) or not 0 <= self.buffer_timeout < math.inf:
+            raise ConfigurationError(f"buffer_timeout must be >= 0 seconds, got {self.buffer_timeout!r}")
+        if self.output_buffers is not None:
+            ob = self.output_buffers
+            if not isinstance(ob, (tuple, list)) or len(ob) != 2:
+                raise ConfigurationError(f"output_buffers must be a (min, max) pair, got {ob!r}")
+            lo, hi = ob
+            _positive_int("output_buffers max", hi)
+            if not _int(lo) or not 0 <= lo <= hi:
+                raise ConfigurationError(f"output_buffers must be (min, max) with 0 <= min <= max, got {ob!r}")
+        ss = self.segment_size
+        _positive_int("segment_size", ss)
+        if ss & (ss - 1) or not 256 <= ss <= 1 << 20:
+            raise ConfigurationError(f"segment_size must be a power of two between 256 and 1048576, got {ss}")
+        _positive_int("max_record_size", self.max_record_size)
+        if self.max_record_size >= 1 << 32:
+            raise ConfigurationError(f"max_record_size must be < 2**32, got {self.max_record_size}")
+        if self.workers is not None:
+            _positive_int("workers", self.workers)
+        if not _number(self.metrics_interval) or not 0 < self.metrics_interval < math.inf:
+            raise ConfigurationError(f"metrics_interval must be > 0 seconds, got {self.metrics_interval!r}")
+        port = self.prometheus_port
+        if port is not None and (not _int(port) or not 0 <= port <= 65535):
+            raise ConfigurationError(f"prometheus_port must be an int in 0..65535 (0: a free port), got {port!r}")
+        _job_name("name", self.name)
 
     # ---- sources ----
     def _add(self, **kw) -> Node:
         node = Node(id=len(self.nodes), **kw)
+        self._check_node_kind(node)
         if node.input is not None:
             node.input.consumers.append(node)
         self.nodes.append(node)
         return node
 
     def _source(self, name, source, kind, rate_limit, parallelism=1) -> "Stream":
+        srcs.rate_limiter(rate_limit)   # a bad rate_limit= fails here, not in the running task
         node = self._add(name=name, parallelism=parallelism, source=source, kind=kind,
                          rate_limit=rate_limit)
         return Stream(self, node)
@@ -114,6 +160,7 @@ class Environment:
                       rate_limit=None) -> "Stream":
         """Records from an iterable (or a zero-argument function returning one),
         pulled lazily: an item is taken only when the task can write it."""
+        kind = _check_kind(kind, f"from_iterable {name!r}")
         if kind is None and isinstance(iterable, (list, tuple, range)) and len(iterable):
             from pyflowbuf.serializers import infer_kind
             kind = infer_kind(iterable[0])
@@ -125,12 +172,16 @@ class Environment:
                        rate_limit=None) -> "Stream":
         if not callable(fn):
             raise TypeError("from_generator takes a function that returns an iterable")
+        kind = _check_kind(kind, f"from_generator {name!r}")
         return self._source(name, lambda: srcs.IterableSource(fn), kind, rate_limit)
 
     def from_sequence(self, start: int, stop: int | None = None, step: int = 1, *,
                       parallelism: int | None = None, name: str = "sequence", rate_limit=None) -> "Stream":
         """Integers in ``range(start, stop, step)`` (``stop=None``: unbounded)."""
-        p = parallelism or self.parallelism
+        start, stop, step = _sequence_args(start, stop, step)
+        if parallelism is not None:
+            _positive_int("parallelism", parallelism)
+        p = self.parallelism if parallelism is None else parallelism
         return self._source(name, lambda: srcs.SequenceSource(start, stop, step), "int64", rate_limit, p)
 
     def read_text(self, path, *, encoding: str = "utf-8", name: str = "read_text", rate_limit=None) -> "Stream":
@@ -146,36 +197,136 @@ class Environment:
             if isinstance(arrays, (list, tuple)) and arrays:
                 dtype = np.asarray(arrays[0]).dtype
             else:
-                raise ValueError("from_arrays needs dtype= when the arrays are not a non-empty list")
-        return self._source(name, lambda: srcs.ArraySource(arrays), np.dtype(dtype), rate_limit)
+                raise ConfigurationError("from_arrays needs dtype= when the arrays are not a non-empty list")
+        try:
+            dtype = np.dtype(dtype)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"from_arrays {name!r}: dtype={dtype!r} is not a NumPy dtype: {exc}") from None
+        return self._source(name, lambda: srcs.ArraySource(arrays), dtype, rate_limit)
+
+    def _check_node_kind(self, node: Node) -> None:
+        """A declared or inferred kind the settings cannot carry: every record
+        of the stream would fail where it is serialized, and in a chained job
+        perhaps never, so it is refused where the stream is declared."""
+        kind = node.kind
+        if kind is None:
+            return
+        what = f"{node.name!r}"
+        if isinstance(kind, np.dtype):
+            if kind.hasobject:
+                raise ConfigurationError(
+                    f"{what}: rows of dtype {kind} hold Python object references, which cannot travel as "
+                    "bytes; use a dtype of fixed-width fields, or a record kind ('pickle', 'numpy')")
+            if kind.itemsize == 0:
+                raise ConfigurationError(f"{what}: rows of dtype {kind} are 0 bytes wide; give the dtype fields")
+            if kind.itemsize > self.segment_size:
+                raise ConfigurationError(
+                    f"{what}: rows of dtype {kind} are {kind.itemsize} bytes wide and a row must fit one "
+                    f"segment: raise segment_size (now {self.segment_size}) to at least {kind.itemsize} "
+                    "rounded up to a power of two, or send the rows as records (kind='numpy')")
+            return
+        from pyflowbuf.serializers import get_serializer
+
+        core = getattr(get_serializer(kind), "core_kind", None)
+        width = _FIXED_WIDTH.get(core)
+        if width is not None and self.max_record_size < width:
+            raise ConfigurationError(
+                f"{what}: its {core} records are {width} bytes each, over max_record_size="
+                f"{self.max_record_size}: every record would be refused; raise max_record_size")
 
     # ---- running ----
     def plan(self):
         return plan(self.nodes, self.chaining)
 
-    def execute(self, timeout: float | None = None):
-        """Run the job to completion; raises JobFailedError if any task fails."""
-        if any(n.is_iterator for n in self.nodes):
-            raise ValueError("this job has a to_iterator() sink: run it with execute_iter()")
-        job = self._execution()
-        self.last_execution = job
-        return job.run(timeout)
+    def execute(self, job_name: str | float | None = None, timeout: float | None = None):
+        """Run the job to completion; raises JobFailedError if any task fails.
 
-    def execute_async(self):
-        """Start the job and return its JobExecution (``join``, ``cancel``, ``metrics``)."""
-        job = self._execution()
-        self.last_execution = job
-        job.start()
+        ``execute("name")`` names the job (PyFlink's ``execute(job_name)``);
+        a number first is the timeout, as ``execute(30)`` always meant:
+        ``execute(timeout=30)``. On timeout the job is cancelled and
+        TimeoutError raised. An Environment executes its graph once."""
+        job_name, timeout = _execute_args(job_name, timeout)
+        if any(n.is_iterator for n in self.nodes):
+            raise ConfigurationError("this job has a to_iterator() sink: run it with execute_iter()")
+        job = self._claim(job_name)
+        self._start(job)
+        return job.join(timeout)
+
+    def execute_async(self, job_name: str | None = None):
+        """Start the job and return its JobExecution (``join``, ``cancel``,
+        ``metrics``, ``done``). An Environment executes its graph once."""
+        _job_name("job_name", job_name, optional=True)
+        if any(n.is_iterator for n in self.nodes):
+            # nobody would read it: the job would stall once its buffers fill
+            raise ConfigurationError("this job has a to_iterator() sink: run it with execute_iter()")
+        job = self._claim(job_name)
+        self._start(job)
         return job
 
-    def execute_iter(self, sink: "IteratorSink"):
+    def execute_iter(self, sink: "IteratorSink", job_name: str | None = None):
         """Run the job and yield the records that reach ``sink`` in this thread.
-        Closing the generator cancels the job."""
+        Closing the generator cancels the job. An Environment executes its
+        graph once: this call takes it, even before the first record is read."""
         if not isinstance(sink, IteratorSink):
             raise TypeError("execute_iter takes the handle returned by Stream.to_iterator()")
-        job = self._execution()
+        if not any(n is sink.node for n in self.nodes):
+            raise ConfigurationError("execute_iter: the sink handle belongs to another Environment")
+        _job_name("job_name", job_name, optional=True)
+        job = self._claim(job_name)
+        return self._iterate(job, sink.node)
+
+    def _iterate(self, job, node):
+        previous, self.last_execution = self.last_execution, job
+        try:
+            yield from job.iterate(node)
+        except BaseException:
+            if not job.ran:
+                self.last_execution = previous
+                self._unclaim(job)
+            raise
+
+    def _claim(self, job_name):
+        """The execution of this graph, once: checks everything that can be
+        checked before anything starts, then takes the Environment."""
+        self._check_settings()
+        for node in self.nodes:
+            self._check_node_kind(node)
+        with self._claim_lock:
+            if self._claimed_by is not None:
+                raise AlreadyExecutedError(
+                    f"this Environment already executed its graph (job {self.name!r}); an Environment "
+                    "runs its graph once, as Flink's does: build a new Environment to run the job again")
+            self._claimed_by = claim = object()
+        name = self.name
+        try:
+            if job_name is not None:
+                self.name = job_name
+            job = self._execution()
+        except BaseException:
+            with self._claim_lock:
+                self.name = name
+                self._claimed_by = None
+            raise
+        job.claim = claim
+        job.previous_name = name
+        return job
+
+    def _unclaim(self, job):
+        """A job that could not start ran nothing: the graph is still unused."""
+        with self._claim_lock:
+            if self._claimed_by is getattr(job, "claim", None):
+                self._claimed_by = None
+                self.name = job.previous_name
+
+    def _start(self, job):
+        try:
+            job.start()
+        except BaseException:
+            if not job.ran:
+                self._unclaim(job)
+            raise
         self.last_execution = job
-        return job.iterate(sink.node)
 
     def _execution(self):
         if self.workers:
@@ -185,7 +336,9 @@ class Environment:
         return JobExecution(self)
 
     def metrics(self) -> dict:
-        """The latest per-task metrics of the running or last job."""
+        """The latest per-task metrics of the running job; once it has ended
+        (``execute()`` returned, or ``done``), its final sample: every task's
+        end state and total counts."""
         return {} if self.last_execution is None else self.last_execution.metrics()
 
 
@@ -201,7 +354,7 @@ class Stream:
     def _then(self, name, make_operator, parallelism, kind, *, sink=False, key_fn=None) -> Node:
         if parallelism is not None:
             _positive_int("parallelism", parallelism)
-        p = parallelism or self.env.parallelism
+        p = self.env.parallelism if parallelism is None else parallelism
         part = self._partitioner or ("forward" if p == self.node.parallelism else "rebalance")
         return self.env._add(name=name, parallelism=p, make_operator=make_operator, input=self.node,
                              partitioner=part, key_fn=key_fn or self._key_fn, kind=kind, is_sink=sink)
@@ -231,6 +384,7 @@ class Stream:
     # ---- operators ----
     def map(self, fn: Callable, *, parallelism: int | None = None, name: str = "map", kind: Any = None) -> "Stream":
         _callable(fn, "map")
+        kind = _check_kind(kind, f"map {name!r}")
         return Stream(self.env, self._then(name, lambda: ops.Map(name, fn), parallelism, kind))
 
     def filter(self, fn: Callable, *, parallelism: int | None = None, name: str = "filter") -> "Stream":
@@ -240,6 +394,7 @@ class Stream:
     def flat_map(self, fn: Callable, *, parallelism: int | None = None, name: str = "flat_map",
                  kind: Any = None) -> "Stream":
         _callable(fn, "flat_map")
+        kind = _check_kind(kind, f"flat_map {name!r}")
         return Stream(self.env, self._then(name, lambda: ops.FlatMap(name, fn), parallelism, kind))
 
     def map_batches(self, fn: Callable, *, parallelism: int | None = None, name: str = "map_batches",
@@ -247,6 +402,7 @@ class Stream:
         """Apply ``fn`` to whole batches: to NumPy array chunks on a rows stream
         (``from_arrays``), to each RecordBatch/DataFrame on an arrow/pandas stream."""
         _callable(fn, "map_batches")
+        kind = _check_kind(kind, f"map_batches {name!r}")
         per_record = not isinstance(self.node.kind, np.dtype)
         if kind is None and not per_record:
             kind = self.node.kind
@@ -261,9 +417,14 @@ class Stream:
 
     def sink(self, fn: Callable, *, batched: bool = False, parallelism: int | None = None,
              name: str = "sink") -> None:
-        """Call ``fn(record)`` (or ``fn(batch)`` with batched=True) in the sink task."""
+        """Call ``fn(record)`` (or ``fn(batch)`` with batched=True) in the sink task.
+
+        With ``Environment(workers=N)`` the sink task runs in a worker process:
+        what ``fn`` does to the caller's objects happens to the worker's copy
+        (use ``collect()`` or ``to_iterator()`` to bring records back)."""
         _callable(fn, "sink")
-        self._then(name, lambda: ops.FunctionSink(name, fn, batched), parallelism, None, sink=True)
+        node = self._then(name, lambda: ops.FunctionSink(name, fn, batched), parallelism, None, sink=True)
+        node.user_sink = True
 
     def write_text(self, path, *, parallelism: int | None = None, name: str = "write_text") -> None:
         """One line per record (``str(record)``); with parallelism p > 1 the files are path.0 .. path.p-1."""
@@ -290,6 +451,7 @@ class KeyedStream(Stream):
     def reduce(self, fn: Callable, *, parallelism: int | None = None, name: str = "reduce",
                kind: Any = None) -> Stream:
         _callable(fn, "reduce")
+        kind = _check_kind(kind, f"reduce {name!r}")
         key_fn = self._key_fn
         node = self._then(name, lambda: ops.KeyedReduce(name, key_fn, fn), parallelism, kind)
         return Stream(self.env, node)
@@ -298,6 +460,7 @@ class KeyedStream(Stream):
                 kind: Any = None) -> Stream:
         """``fn(key, record, state_dict) -> iterable of outputs (or None)``."""
         _callable(fn, "process")
+        kind = _check_kind(kind, f"process {name!r}")
         key_fn = self._key_fn
         node = self._then(name, lambda: ops.KeyedProcess(name, key_fn, fn), parallelism, kind)
         return Stream(self.env, node)
@@ -322,9 +485,87 @@ class IteratorSink:
         self.node = node
 
 
+_FIXED_WIDTH = {"int64": 8, "float64": 8}
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
 def _positive_int(name, v):
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if not _int(v) or v < 1:
+        raise ConfigurationError(f"{name} must be a positive int, got {v!r}")
+
+
+def _job_name(param, v, optional=False):
+    if v is None and optional:
+        return
+    if not isinstance(v, str) or not v:
+        raise ConfigurationError(f"{param} must be a non-empty str, got {v!r}")
+
+
+def _check_kind(kind, what):
+    """kind= as a declaration takes it: None (inferred from the first record),
+    a NumPy dtype (a rows stream), a Serializer instance or a registered name.
+    The serializers' registry decides what a name means."""
+    if kind is None or isinstance(kind, np.dtype):
+        return kind
+    if isinstance(kind, type) and issubclass(kind, np.generic):
+        raise ConfigurationError(
+            f"{what}: kind={kind.__name__} is a NumPy scalar type; a rows stream takes a dtype: "
+            f"kind=np.dtype(np.{kind.__name__})")
+    from pyflowbuf.serializers import get_serializer
+
+    try:
+        get_serializer(kind)
+    except ValueError as exc:
+        raise ConfigurationError(f"{what}: kind={kind!r} is not a record kind: {exc}") from None
+    except TypeError:        # unhashable: no name can match it
+        raise ConfigurationError(
+            f"{what}: kind={kind!r} is not a record kind: give None (inferred), a NumPy dtype, a "
+            "Serializer instance or a registered name such as 'int64', 'str', 'bytes'") from None
+    return kind
+
+
+def _sequence_args(start, stop, step):
+    def as_int(name, v):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ConfigurationError(f"from_sequence: {name} must be an int, got {v!r}")
+        return int(v)
+
+    start = as_int("start", start)
+    step = as_int("step", step)
+    if stop is not None:
+        stop = as_int("stop", stop)
+    if step == 0:
+        raise ConfigurationError("from_sequence: step must not be 0")
+    lo, hi = _INT64
+    if not lo <= start <= hi:
+        raise ConfigurationError(f"from_sequence: start={start} does not fit the stream's kind, int64")
+    if stop is not None:
+        r = range(start, stop, step)
+        if r and not lo <= r[-1] <= hi:
+            raise ConfigurationError(
+                f"from_sequence: stop={stop} makes values up to {r[-1]}, which do not fit the "
+                "stream's kind, int64")
+    return start, stop, step
+
+
+def _execute_args(job_name, timeout):
+    """execute(job_name=None, timeout=None), where a number in job_name's place
+    is the timeout: execute(30) has always meant execute(timeout=30)."""
+    if _number(job_name):
+        if timeout is not None:
+            raise ConfigurationError(
+                f"execute() got a timeout twice ({job_name!r} and timeout={timeout!r}); "
+                "execute(job_name, timeout) takes the name first")
+        job_name, timeout = None, job_name
+    _job_name("job_name", job_name, optional=True)
+    return job_name, check_timeout(timeout)
 
 
 def _callable(fn, what):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 
+from pyflowbuf import errors
 from pyflowbuf.runtime.metrics import backpressure_level
 
 __all__ = ["PrometheusExporter", "LiveView", "snapshot_table", "LEVEL_CODES", "LEVEL_STYLES"]
@@ -83,7 +84,8 @@ class PrometheusExporter:
         import prometheus_client as pc
 
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-            raise ValueError(f"prometheus port must be an int in 0..65535, got {port!r}")
+            raise errors.ConfigurationError(
+                f"prometheus_port must be an int in 0..65535 (0: a free port), got {port!r}")
         self.job_name = job_name
         self.addr = addr
         self.registry = registry if registry is not None else pc.CollectorRegistry(auto_describe=True)
@@ -100,7 +102,12 @@ class PrometheusExporter:
         self._server = self._thread = None
         self.port = None
         if serve:
-            started = pc.start_http_server(port, addr=addr, registry=self.registry)
+            try:
+                started = pc.start_http_server(port, addr=addr, registry=self.registry)
+            except OSError as exc:
+                raise errors.PortUnavailableError(
+                    exc.errno, f"prometheus_port={port}: cannot serve Prometheus metrics on {addr}:{port}: "
+                    f"{exc.strerror or exc}; choose another port, or 0 for a free one") from exc
             # prometheus-client >= 0.17 returns (server, thread); older ones None
             if started is not None:
                 self._server, self._thread = started

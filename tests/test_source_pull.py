@@ -246,3 +246,11 @@ def test_buffer_timeout_flushes_are_counted_not_per_record():
     assert got == list(range(20))
     (m,) = _source_metrics(env, "generator")
     assert 10 <= m["buffers_out"] <= 21
+
+
+def test_bad_rate_limit_is_refused_when_the_source_is_declared():
+    env = fb.Environment()
+    for bad in ("fast", 0, -5, True):
+        with pytest.raises(ValueError, match="rate_limit"):
+            env.from_sequence(0, 10, rate_limit=bad)
+    assert env.nodes == []

@@ -19,14 +19,19 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 
 from pyflowbuf import errors
 from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
-from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution
+from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution, check_output_pools
+from pyflowbuf.runtime.metrics import MetricsRelay, close_listeners, make_listeners
 
 DRIVER = -1
 START_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 120.0
+# buffers of each remote input channel, and floating ones per gate (Flink's defaults)
+EXCLUSIVE_BUFFERS = 2
+FLOATING_BUFFERS = 8
 
 
 def placement(workers: int):
@@ -40,12 +45,13 @@ class RemoteContext:
     (started only if something is exported) and a ConnectionManager for its
     remote input channels."""
 
-    def __init__(self, secret, env, exclusive_buffers=2, floating_buffers=8):
+    def __init__(self, secret, env, exclusive_buffers=EXCLUSIVE_BUFFERS, floating_buffers=FLOATING_BUFFERS):
         self.secret = secret
         self.env = env
         self.exclusive_buffers = exclusive_buffers
         self.floating_buffers = floating_buffers
-        self.server = NetworkServer(secret, host=env.bind_host)
+        # the handshake announces this as the largest buffer a consumer must take
+        self.server = NetworkServer(secret, host=env.bind_host, max_buffer_size=env.segment_size)
         self.manager = ConnectionManager(secret, credit_based=env.credit_based)
         self.addresses: dict = {}
         self.exports: list = []
@@ -54,12 +60,14 @@ class RemoteContext:
         return self.server.start()
 
     def _check_kind(self, kind):
-        if kind == "pickle" and not self.env.allow_pickle:
+        from pyflowbuf.serializers import get_serializer
+
+        if not self.env.allow_pickle and get_serializer(kind).in_process_only:
             raise ValueError(
-                "a stream of pickled Python objects would cross processes, and unpickling runs code "
-                "the sender chose: give the operator a kind= that crosses processes (int64, float64, "
-                "str, bytes, arrow, pandas, numpy) or pass Environment(allow_pickle=True) if every "
-                "worker is trusted")
+                f"a stream of kind {kind!r} would cross processes, and decoding it (unpickling) runs "
+                "code the sender chose: give the operator a kind= that crosses processes (int64, "
+                "float64, str, bytes, struct for tuples, lists and dicts of plain values, arrow, "
+                "pandas, numpy) or pass Environment(allow_pickle=True) if every worker is trusted")
 
     def export(self, partition_id, subpartition, queue, kind, on_error):
         self._check_kind(kind)
@@ -89,6 +97,16 @@ class RemoteContext:
                 closer()
             except Exception:
                 pass
+
+
+def _caller_stacklevel() -> int:
+    """warnings.warn's stacklevel for the caller's first frame outside
+    pyflowbuf, so the warning points at the user's execute() or join()."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(2), 2      # the frame of the function that warns is level 1
+    while frame is not None and frame.f_code.co_filename.startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _die_with_parent():
@@ -138,13 +156,15 @@ def _worker_main(env, me, workers, secret, conn):
             job.join()
         except errors.JobFailedError:
             task, op, exc, tb = job.failure
-            conn.send(("failed", task, op, f"{type(exc).__name__}: {exc}", tb, _secondary(exc, op)))
+            conn.send(("failed", task, op, f"{type(exc).__name__}: {exc}", tb, _secondary(exc, op),
+                       job.metrics()))
             return
         # consumers elsewhere may still be reading our exports
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while not job.cancelled and not remote.exports_drained() and time.monotonic() < deadline:
             time.sleep(0.01)
-        conn.send(("done", _collected(env), job.summary()))
+        # job.metrics() is the final sample now: join() returned after it
+        conn.send(("done", _collected(env), job.summary(), job.metrics()))
     except BaseException as exc:  # noqa: BLE001 - report everything to the driver
         try:
             conn.send(("failed", f"worker {me}", "worker", f"{type(exc).__name__}: {exc}",
@@ -176,29 +196,53 @@ class ClusterExecution(Execution):
         self._done = threading.Event()
         self._procs: list = []
         self._conns: dict = {}
-        self._metrics: dict = {}
         self._summaries: dict = {}
         self._results: dict = {}
         self._finished_workers: set = set()
         self.local = None
         self.network_pool = None
+        self.sampler = None              # a MetricsRelay once started
         self.started = self.ended = None
+        # Every process checks its own pools too, but by then the others are
+        # running: refuse a deadlocking setting here, before any fork.
+        vertices, edges = env.plan()
+        place = placement(self.workers)
+        processes = [(lambda v, i, w=w: place(v, i) == w, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS))
+                     for w in range(self.workers)]
+        if any(v.is_iterator for v in vertices):
+            processes.append((lambda v, i: place(v, i) == DRIVER, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS)))
+        check_output_pools(env, edges, processes)
+        self._worker_sinks = sorted({n.name for n in env.nodes if n.user_sink})
 
     # ---- lifecycle ----
     def start(self):
+        # The listeners live here, not in the workers: one Prometheus port,
+        # one log, one live view for the whole job; a busy port is refused
+        # before any worker is forked.
+        self.sampler = MetricsRelay(self.env.metrics_interval, make_listeners(self.env))
         ctx = mp.get_context("fork")
         self.started = time.monotonic()
-        for w in range(self.workers):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(self.env, w, self.workers, self.secret, child),
-                               name=f"pyflowbuf-worker-{w}", daemon=True)
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns[parent] = w
-        addresses = {}
-        deadline = time.monotonic() + START_TIMEOUT_S
         try:
+            self._start_workers(ctx)
+        except BaseException:
+            close_listeners(self.sampler.listeners)
+            raise
+        self._monitor = threading.Thread(target=self._watch, name="pyflowbuf: driver", daemon=True)
+        self._monitor.start()
+        return self
+
+    def _start_workers(self, ctx):
+        addresses = {}
+        try:
+            for w in range(self.workers):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(self.env, w, self.workers, self.secret, child),
+                                   name=f"pyflowbuf-worker-{w}", daemon=True)
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns[parent] = w
+            deadline = time.monotonic() + START_TIMEOUT_S
             for c, w in self._conns.items():
                 if not c.poll(max(0.0, deadline - time.monotonic())):
                     raise errors.FlowBufError(f"worker {w} did not start within {START_TIMEOUT_S} s")
@@ -210,19 +254,25 @@ class ClusterExecution(Execution):
                 self.local = JobExecution(self.env, placement(self.workers), DRIVER,
                                           RemoteContext(self.secret, self.env))
                 self.local.remote.addresses = addresses
+            self.ran = True
             for c in self._conns:
                 c.send(("go", addresses))
         except BaseException:
+            self.cancelled = True     # the workers are not part of a job: no grace period
             self._kill()
+            for c in self._conns:
+                c.close()
+            if self.local is not None:
+                self.local.remote.close()
             raise
-        self._monitor = threading.Thread(target=self._watch, name="pyflowbuf: driver", daemon=True)
-        self._monitor.start()
-        return self
 
     def _watch(self):
         conns = dict(self._conns)
+        relay = self.sampler
         while conns:
-            for c in mp.connection.wait(list(conns), timeout=0.5):
+            ready = mp.connection.wait(list(conns), timeout=min(0.5, relay.seconds_to_next()))
+            relay.tick()
+            for c in ready:
                 w = conns[c]
                 try:
                     msg = c.recv()
@@ -234,17 +284,23 @@ class ClusterExecution(Execution):
                                    f"worker {w} exited unexpectedly (exit code {code})", "", secondary=False)
                     continue
                 if msg[0] == "metrics":
-                    self._metrics[w] = msg[1]
+                    relay.update(w, msg[1])
                 elif msg[0] == "done":
                     self._finished_workers.add(w)
                     for node_id, parts in msg[1].items():
                         self._results.setdefault(node_id, {}).update(parts)
                     self._summaries[w] = msg[2]
+                    relay.update(w, msg[3])
                 elif msg[0] == "failed":
                     self._finished_workers.add(w)
+                    if len(msg) > 6:
+                        relay.update(w, msg[6])
                     self._fail(*msg[1:5], secondary=msg[5])
         self.ended = time.monotonic()
-        self._done.set()
+        try:
+            relay.close()       # the final merged sample, the last thing the job records
+        finally:
+            self._done.set()
 
     def _fail(self, task, op, text, tb, secondary):
         with self._lock:
@@ -286,6 +342,16 @@ class ClusterExecution(Execution):
         if self.local is not None:
             self.local.remote.close()
 
+    def _finished_ok(self):
+        if self._worker_sinks:
+            names = ", ".join(repr(n) for n in self._worker_sinks)
+            warnings.warn(
+                f"job {self.env.name!r}: sink(fn) {names} ran in worker processes (workers="
+                f"{self.workers}), on the workers' copies of the caller's objects: what the function did "
+                "to them (appending to a list, counting) is not seen in this process. Bring records "
+                "back with collect() or to_iterator(), or write them where both can reach.",
+                errors.WorkerSideEffectWarning, stacklevel=_caller_stacklevel())
+
     def raise_if_failed(self):
         if self.failure is not None:
             task, op, text, tb = self.failure
@@ -311,10 +377,7 @@ class ClusterExecution(Execution):
         return []
 
     def metrics(self) -> dict:
-        out = {}
-        for snap in list(self._metrics.values()):
-            out.update(snap)
-        return out
+        return {} if self.sampler is None else self.sampler.latest()
 
     def summary(self) -> dict:
         out = {}

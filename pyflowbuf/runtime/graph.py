@@ -24,6 +24,7 @@ class Node:
     zero_copy: bool = False                          # iterator sink: hand out views over segments
     rate_limit: Any = None
     collect_parts: dict | None = None                # a collect() sink's results, by subtask
+    user_sink: bool = False                          # sink(fn): its effects stay in the process running it
     consumers: list = field(default_factory=list)
 
 

@@ -2,6 +2,8 @@
 metric sampling."""
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 import time
 import traceback
@@ -10,8 +12,8 @@ from pyflowbuf import errors
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool, Notifier
 from pyflowbuf.runtime.exchange import EdgeKind, InputSide, OutputSide
-from pyflowbuf.runtime.metrics import MetricsSampler
-from pyflowbuf.runtime.sources import RateLimiter
+from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
+from pyflowbuf.runtime.sources import rate_limiter
 from pyflowbuf.runtime.task import Subtask
 
 # How long a cancelled job waits for its threads: tasks blocked in C wake at
@@ -19,26 +21,127 @@ from pyflowbuf.runtime.task import Subtask
 CANCEL_GRACE_S = 10.0
 
 
+def check_timeout(timeout):
+    """A job timeout: None (wait as long as it takes) or a number of seconds > 0."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0 \
+            or math.isnan(timeout):
+        raise errors.ConfigurationError(
+            f"timeout must be None or a number of seconds > 0, got {timeout!r}")
+    return timeout
+
+
+def output_pool_size(env, nsub: int) -> tuple:
+    """(min, max) segments of an output pool feeding ``nsub`` subpartitions."""
+    if env.output_buffers is not None:
+        return tuple(env.output_buffers)
+    return nsub + 1, 2 * nsub + 8
+
+
+def subpartitions(edge) -> int:
+    return 1 if edge.pointwise else edge.target.parallelism
+
+
+def segments_needed(env, edges, here, remote_buffers=None) -> int:
+    """Segments for every output pool of this process at its cap, plus the
+    exclusive and floating buffers of its remote input channels
+    (``remote_buffers``: (exclusive per channel, floating per gate)): memory
+    is bounded by construction and no pool ever waits on another pool's share."""
+    total = 0
+    for e in edges:
+        up, down = e.source, e.target
+        total += sum(here(up, i) for i in range(up.parallelism)) * output_pool_size(env, subpartitions(e))[1]
+        if remote_buffers is not None:
+            exclusive, floating = remote_buffers
+            for j in range(down.parallelism):
+                if here(down, j):
+                    n = sum(not here(up, i) for i in range(up.parallelism) if not e.pointwise or i == j)
+                    if n:
+                        total += n * exclusive + floating
+    return total
+
+
+def check_output_pools(env, edges, processes) -> None:
+    """Refuse output pools that can deadlock, before anything starts.
+
+    A RecordWriter holds one buffer per subpartition and asks for the next one
+    only after shipping a full one, so a pool of ``subpartitions`` segments
+    always progresses (its consumers recycle what it shipped) and a smaller
+    max never does once records reach every subpartition. Flink's default
+    min is one more; this writer does not need it (events travel beside the
+    buffers, not in pool segments), and the tests run pools of exactly one
+    segment per subpartition. When ``num_segments`` cannot hold every pool at
+    its max, pools compete for the segments above their guaranteed min, and a
+    pool whose min is below its subpartitions can wait forever on segments
+    that other blocked pools hold.
+    ``processes``: (here(vertex, subtask), remote_buffers) per process."""
+    for e in edges:
+        nsub = subpartitions(e)
+        lo, hi = output_pool_size(env, nsub)
+        where = (f"the output pool of {e.source.name!r} feeding {e.target.name!r} "
+                 f"({e.partitioner}, {nsub} subpartition{'s' if nsub > 1 else ''} per producer)")
+        if hi < nsub:
+            raise errors.ConfigurationError(
+                f"output_buffers={env.output_buffers!r} caps {where} at {hi} segment{'s' if hi > 1 else ''}; "
+                f"its RecordWriter holds a buffer per subpartition, so the job would deadlock: give "
+                f"output_buffers a max of at least {nsub}, e.g. output_buffers=({min(lo, nsub)}, {nsub}), "
+                "or leave it unset for Flink's (subpartitions + 1, 2 * subpartitions + 8)")
+    if env.num_segments is None:
+        return      # sized for every pool at its max: the mins do not matter
+    for here, remote_buffers in processes:
+        needed = segments_needed(env, edges, here, remote_buffers)
+        if env.num_segments >= needed:
+            continue
+        for e in edges:
+            nsub = subpartitions(e)
+            lo, _ = output_pool_size(env, nsub)
+            if lo < nsub and any(here(e.source, i) for i in range(e.source.parallelism)):
+                raise errors.ConfigurationError(
+                    f"output_buffers={env.output_buffers!r} guarantees the output pool of {e.source.name!r} "
+                    f"feeding {e.target.name!r} ({nsub} subpartitions) a min of {lo} segment"
+                    f"{'s' if lo > 1 else ''}, and num_segments={env.num_segments} is too few for every "
+                    f"pool to reach its max ({needed} needed), so pools compete for the rest and this one "
+                    f"can wait forever on segments that other blocked pools hold: give output_buffers a min "
+                    f"of at least {nsub}, or num_segments >= {needed} (or leave num_segments unset)")
+
+
 class Execution:
     """What a job run in this process (JobExecution) and one spread over worker
-    processes (ClusterExecution) share: waiting, and stopping on the way out."""
+    processes (ClusterExecution) share: waiting, and stopping on the way out.
+
+    ``ran`` turns True just before the first task (or worker) is let go: a
+    start that failed before it ran nothing and left nothing running."""
+
+    ran = False
 
     def join(self, timeout=None):
         """Wait for the job; raise JobFailedError on failure, TimeoutError if it
         did not finish (the job is then cancelled)."""
+        timeout = check_timeout(timeout)
         try:
-            if not self._done.wait(timeout):
-                self.cancel()
-                self._done.wait(CANCEL_GRACE_S)
-                raise TimeoutError(f"job {self.env.name!r} did not finish within {timeout} s (cancelled)")
-        except KeyboardInterrupt:
+            finished = self._done.wait(timeout)
+        except BaseException:
+            # KeyboardInterrupt, or anything else: never leave the job running behind it
+            self._stop_now()
+            raise
+        if not finished:
+            self._stop_now()
+            raise TimeoutError(f"job {self.env.name!r} did not finish within {timeout} s (cancelled)")
+        self._close()
+        self.raise_if_failed()
+        self._finished_ok()
+        return self
+
+    def _stop_now(self):
+        try:
             self.cancel()
             self._done.wait(CANCEL_GRACE_S)
-            raise
         finally:
             self._close()
-        self.raise_if_failed()
-        return self
+
+    def _finished_ok(self):
+        """Called once the job finished without failure, in the joining thread."""
 
     def run(self, timeout=None):
         self.start()
@@ -71,33 +174,21 @@ class JobExecution(Execution):
         self.iterator_input = None
         self.sampler = None
         self._exported = set()         # ids of queues a remote consumer drains
+        check_output_pools(env, self.edges, [(self._here, self._remote_buffers())])
 
     # ---- building ----
     def _output_pool_size(self, nsub: int):
-        if self.env.output_buffers is not None:
-            return self.env.output_buffers
-        return nsub + 1, 2 * nsub + 8
+        return output_pool_size(self.env, nsub)
 
     def _here(self, vertex, subtask):
         return self.placement(vertex, subtask) == self.me
 
+    def _remote_buffers(self):
+        r = self.remote
+        return None if r is None else (r.exclusive_buffers, r.floating_buffers)
+
     def _segments_needed(self):
-        """Every local output pool at its cap plus the exclusive and floating
-        buffers of remote input channels: memory is bounded by construction
-        and no pool ever waits on another pool's share."""
-        total = 0
-        for e in self.edges:
-            up, down = e.source, e.target
-            nsub = 1 if e.pointwise else down.parallelism
-            total += sum(self._here(up, i) for i in range(up.parallelism)) * self._output_pool_size(nsub)[1]
-            if self.remote is not None:
-                for j in range(down.parallelism):
-                    if self._here(down, j):
-                        n = sum(not self._here(up, i) for i in range(up.parallelism)
-                                if not e.pointwise or i == j)
-                        if n:
-                            total += n * self.remote.exclusive_buffers + self.remote.floating_buffers
-        return total
+        return segments_needed(self.env, self.edges, self._here, self._remote_buffers())
 
     def _build(self):
         env = self.env
@@ -162,11 +253,11 @@ class JobExecution(Execution):
                 ops = [n.make_operator() for n in v.nodes if n.make_operator is not None]
                 for n, op in zip([n for n in v.nodes if n.make_operator is not None], ops):
                     op.node_id = n.id
+                    op.out_kind = n.kind
                 source = head.source() if head.source is not None else None
-                limiter = None
-                if head.rate_limit is not None:
-                    rl = head.rate_limit
-                    limiter = rl if isinstance(rl, RateLimiter) else RateLimiter(records_per_s=rl)
+                limiter = rate_limiter(head.rate_limit)
+                if limiter is not None:
+                    limiter = limiter.for_subtask(v.parallelism)
                 self.tasks.append(Subtask(self, v, i, ops, outputs.get((v.id, i), []),
                                           source=source, input_side=inputs.get((v.id, i)),
                                           rate_limiter=limiter))
@@ -186,14 +277,35 @@ class JobExecution(Execution):
 
     # ---- running ----
     def start(self):
-        self._build()
+        # The metrics listeners first: a busy prometheus_port is refused
+        # before any memory is taken or any task runs. In a worker process
+        # the driver serves them (one port, one log, one view for the job).
+        listeners = make_listeners(self.env) if self.remote is None else []
+        try:
+            self._build()
+            self.sampler = MetricsSampler(self, self.env.metrics_interval, listeners)
+        except BaseException:
+            close_listeners(listeners)
+            raise
         self.started = time.monotonic()
-        self.sampler = MetricsSampler(self, self.env.metrics_interval)
-        for t in self.tasks:
-            t.start()
-        self.sampler.start()
-        self._watcher = threading.Thread(target=self._watch, name="pyflowbuf: job watcher", daemon=True)
-        self._watcher.start()
+        started = []
+        try:
+            self.ran = True
+            for t in self.tasks:
+                t.start()
+                started.append(t)
+            self.sampler.start()
+            self._watcher = threading.Thread(target=self._watch, name="pyflowbuf: job watcher", daemon=True)
+            self._watcher.start()
+        except BaseException:
+            # a thread that could not start: stop those that did, leave nothing behind
+            self.cancel()
+            for t in started:
+                t.join(CANCEL_GRACE_S)
+            self._release_buffers()
+            self.sampler.stop()
+            self._done.set()
+            raise
         return self
 
     def _watch(self):
@@ -203,7 +315,12 @@ class JobExecution(Execution):
         try:
             self._release_buffers()
         finally:
-            self._done.set()
+            try:
+                # the final sample is the last thing the job records, taken
+                # before anyone waiting on the job is woken
+                self.sampler.stop()
+            finally:
+                self._done.set()
 
     def _release_buffers(self, iterator_side=False):
         """After the tasks ended, give every segment still in flight back to its

@@ -34,6 +34,7 @@ def _rates(prev: dict, cur: dict, dt_ns: int) -> dict:
         "records_out": cur["records_out"],
         "bytes_in": cur["bytes_in"],
         "bytes_out": cur["bytes_out"],
+        "buffers_out": cur.get("buffers_out", 0),
         "in_pool_usage": round(cur["in_pool_usage"], 3),
         "out_pool_usage": round(cur["out_pool_usage"], 3),
         "level": backpressure_level(bp),
@@ -41,59 +42,92 @@ def _rates(prev: dict, cur: dict, dt_ns: int) -> dict:
 
 
 _ZERO = {"idle_ns": 0, "backpressure_ns": 0, "records_in": 0, "records_out": 0,
-         "bytes_in": 0, "bytes_out": 0, "in_pool_usage": 0.0, "out_pool_usage": 0.0}
+         "bytes_in": 0, "bytes_out": 0, "buffers_out": 0, "in_pool_usage": 0.0, "out_pool_usage": 0.0}
+
+
+def make_listeners(env) -> list:
+    """The listeners an Environment asks for, the Prometheus exporter first: it
+    binds a port, the one thing here that can fail for reasons outside the job
+    (PortUnavailableError), and must fail before anything else is opened."""
+    listeners: list = []
+    try:
+        if env.prometheus_port is not None or env.live_view:
+            from pyflowbuf import monitoring
+            if env.prometheus_port is not None:
+                listeners.append(monitoring.PrometheusExporter(env.prometheus_port, env.name))
+            if env.live_view:
+                listeners.append(monitoring.LiveView(env.name))
+        if env.metrics_log:
+            listeners.append(JsonLinesLog(env.metrics_log, env.name))
+    except BaseException:
+        close_listeners(listeners)
+        raise
+    return listeners
+
+
+def close_listeners(listeners) -> None:
+    for listener in listeners:
+        close = getattr(listener, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # an exporter must never break the job
+                pass
+
+
+def _publish(listeners, snap) -> None:
+    for listener in listeners:
+        try:
+            listener(snap)
+        except Exception:  # an exporter must never break the job
+            pass
 
 
 class MetricsSampler(threading.Thread):
     """Samples every ``interval`` s; ``listeners`` get each snapshot (the
-    JSON-lines log, Prometheus gauges and the live view hang off this)."""
+    JSON-lines log, Prometheus gauges and the live view hang off this).
+    ``stop()`` takes the final sample, the last thing the job records."""
 
-    def __init__(self, job, interval: float):
+    def __init__(self, job, interval: float, listeners: list | None = None):
         super().__init__(name="pyflowbuf: metrics", daemon=True)
         self.job = job
         self.interval = interval
         self._stop_event = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._stopped = False
         self._lock = threading.Lock()
         self._prev: dict = {}
-        self._first: dict = {}
+        self._older = None                # (counters, t) of the sample before the last
         self._latest: dict = {}
         self.history: list = []           # (t, snapshot) pairs, bounded
-        self.listeners: list = []
+        self.listeners: list = make_listeners(job.env) if listeners is None else listeners
         self._t0 = time.monotonic_ns()
         self._prev_t = self._t0
-        env = job.env
-        if env.metrics_log:
-            self.listeners.append(JsonLinesLog(env.metrics_log, env.name))
-        if env.prometheus_port is not None or env.live_view:
-            from pyflowbuf import monitoring
-            if env.prometheus_port is not None:
-                self.listeners.append(monitoring.PrometheusExporter(env.prometheus_port, env.name))
-            if env.live_view:
-                self.listeners.append(monitoring.LiveView(env.name))
 
-    def _sample(self):
+    def _sample(self, final=False):
         now = time.monotonic_ns()
+        base, base_t = self._prev, self._prev_t
+        if final and self._older is not None and now - base_t < self.interval * 0.25e9:
+            # per-second rates over a sliver of time are noise: the final
+            # figures span the interval before it as well
+            base, base_t = self._older
         snap = {}
+        counters = {}
         for t in self.job.tasks:
-            cur = t.counters()
-            prev = self._prev.get(t.task_name, _ZERO)
-            m = _rates(prev, cur, now - self._prev_t)
+            cur = counters[t.task_name] = t.counters()
+            m = _rates(base.get(t.task_name, _ZERO), cur, now - base_t)
             m["vertex"] = t.vertex.name
             m["subtask"] = t.index
             m["state"] = t.state
             snap[t.task_name] = m
-            self._prev[t.task_name] = cur
-        self._prev_t = now
+        self._older = (self._prev, self._prev_t)
+        self._prev, self._prev_t = counters, now
         with self._lock:
             self._latest = snap
             self.history.append(((now - self._t0) / 1e9, snap))
             if len(self.history) > 3600:
                 del self.history[:600]
-        for listener in self.listeners:
-            try:
-                listener(snap)
-            except Exception:  # an exporter must never break the job
-                pass
+        _publish(self.listeners, snap)
         return snap
 
     def run(self):
@@ -101,18 +135,20 @@ class MetricsSampler(threading.Thread):
             self._sample()
 
     def stop(self):
-        if self._stop_event.is_set():
-            return
-        self._stop_event.set()
-        if self.is_alive() and self is not threading.current_thread():
-            self.join()
-        # a final sample over a sliver of time gives noisy per-second rates
-        if time.monotonic_ns() - self._prev_t >= self.interval * 0.25e9 or not self._latest:
-            self._sample()
-        for listener in self.listeners:
-            close = getattr(listener, "close", None)
-            if close:
-                close()
+        """Stop sampling, take the final sample and close the listeners. A
+        second call (the watcher and join() both stop the sampler) waits for
+        the first to finish, so whoever returns from it sees the final sample."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._stop_event.set()
+            if self.is_alive() and self is not threading.current_thread():
+                self.join()
+            try:
+                self._sample(final=True)
+            finally:
+                close_listeners(self.listeners)
 
     def latest(self) -> dict:
         with self._lock:
@@ -120,7 +156,6 @@ class MetricsSampler(threading.Thread):
 
     def summary(self) -> dict:
         """Whole-run figures per task (averages since start)."""
-        end = self.job.ended or time.monotonic()
         out = {}
         for t in self.job.tasks:
             span_ns = max(1, (t.finished_ns or time.monotonic_ns()) - (t.started_ns or self._t0))
@@ -146,3 +181,65 @@ class JsonLinesLog:
 
     def close(self):
         self.fh.close()
+
+
+class MetricsRelay:
+    """The calling process's side of the metrics of a job spread over worker
+    processes: each worker samples its own tasks and sends the snapshots;
+    this merges them, keeps the history and feeds the listeners (served here,
+    once for the whole job) every ``interval``. ``close()`` publishes the
+    final merged snapshot, built from each worker's final sample."""
+
+    def __init__(self, interval: float, listeners: list):
+        self.interval = interval
+        self.listeners = listeners
+        self.history: list = []
+        self._parts: dict = {}
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+        self._next = self._t0 + interval
+        self._closing = self._closed = False
+
+    def update(self, worker, snapshot: dict) -> None:
+        with self._lock:
+            if not self._closed:
+                self._parts[worker] = snapshot
+
+    def latest(self) -> dict:
+        with self._lock:
+            out: dict = {}
+            for w in sorted(self._parts):
+                out.update(self._parts[w])
+            return out
+
+    def seconds_to_next(self) -> float:
+        return max(0.0, self._next - time.monotonic())
+
+    def tick(self) -> None:
+        """Publish if a sample is due."""
+        now = time.monotonic()
+        if now >= self._next and not self._closed:
+            self._next = now + self.interval
+            self._publish()
+
+    def _publish(self):
+        snap = self.latest()
+        if not snap:
+            return
+        with self._lock:
+            self.history.append((time.monotonic() - self._t0, snap))
+            if len(self.history) > 3600:
+                del self.history[:600]
+        _publish(self.listeners, snap)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        try:
+            self._publish()
+        finally:
+            with self._lock:
+                self._closed = True
+            close_listeners(self.listeners)
