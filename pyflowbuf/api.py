@@ -22,7 +22,7 @@ import numpy as np
 from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError
 from pyflowbuf.runtime import operators as ops
 from pyflowbuf.runtime import sources as srcs
-from pyflowbuf.runtime.graph import Node, plan
+from pyflowbuf.runtime.graph import Input, Node, plan
 from pyflowbuf.runtime.job import check_timeout
 
 _UNSET = object()
@@ -145,8 +145,8 @@ class Environment:
     def _add(self, **kw) -> Node:
         node = Node(id=len(self.nodes), **kw)
         self._check_node_kind(node)
-        if node.input is not None:
-            node.input.consumers.append(node)
+        for inp in node.inputs:
+            inp.node.consumers.append(node)
         self.nodes.append(node)
         return node
 
@@ -351,13 +351,16 @@ class Stream:
         self._partitioner = None  # None: forward when parallelism matches, else rebalance
         self._key_fn = key_fn
 
-    def _then(self, name, make_operator, parallelism, kind, *, sink=False, key_fn=None) -> Node:
-        if parallelism is not None:
-            _positive_int("parallelism", parallelism)
-        p = self.env.parallelism if parallelism is None else parallelism
-        part = self._partitioner or ("forward" if p == self.node.parallelism else "rebalance")
-        return self.env._add(name=name, parallelism=p, make_operator=make_operator, input=self.node,
-                             partitioner=part, key_fn=key_fn or self._key_fn, kind=kind, is_sink=sink)
+    def _input_to(self, parallelism: int) -> Input:
+        """How this stream feeds an operator of ``parallelism``: the partitioner
+        set on it, else forward when the parallelism matches, else rebalance."""
+        part = self._partitioner or ("forward" if parallelism == self.node.parallelism else "rebalance")
+        return Input(self.node, part, self._key_fn)
+
+    def _then(self, name, make_operator, parallelism, kind, *, sink=False) -> Node:
+        p = _parallelism(self.env, parallelism)
+        return self.env._add(name=name, parallelism=p, make_operator=make_operator,
+                             inputs=[self._input_to(p)], kind=kind, is_sink=sink)
 
     # ---- partitioning ----
     def _with(self, partitioner, key_fn=None) -> "Stream":
@@ -408,6 +411,33 @@ class Stream:
             kind = self.node.kind
         return Stream(self.env, self._then(name, lambda: ops.MapBatch(name, fn, per_record), parallelism, kind))
 
+    # ---- several inputs ----
+    def union(self, *others: "Stream", parallelism: int | None = None, name: str = "union") -> "Stream":
+        """The records of this stream and of ``others``, in arrival order.
+
+        Every stream must belong to this Environment, and the kinds the streams
+        declare (or that their sources fixed) must agree: the union carries
+        that kind. Each input is partitioned as its stream says (forward when
+        the parallelism matches, else rebalance, or what key_by / rebalance /
+        broadcast set on it). The union is a task of its own, reading one gate
+        per input; the operators after it chain to it."""
+        streams = (self,) + others
+        for s in others:
+            _same_env(self.env, s, "union")
+        kind = _common_kind(streams, f"union {name!r}")
+        p = _parallelism(self.env, parallelism)
+        node = self.env._add(name=name, parallelism=p, make_operator=lambda: ops.Union(name),
+                             inputs=[s._input_to(p) for s in streams], kind=kind)
+        return Stream(self.env, node)
+
+    def connect(self, other: "Stream") -> "ConnectedStreams":
+        """Two streams read by one operator with a function per input
+        (``.process(fn1, fn2)``, ``.map(fn1, fn2)``); the inputs may carry
+        different kinds. Connect two KeyedStreams for per-key state that both
+        inputs share."""
+        _same_env(self.env, other, "connect")
+        return ConnectedStreams(self, other)
+
     # ---- sinks ----
     def collect(self, *, parallelism: int | None = None, name: str = "collect") -> "CollectSink":
         handle = CollectSink()
@@ -437,9 +467,8 @@ class Stream:
         ``zero_copy=True`` large records come as views over segments: each one
         held keeps a segment from the pool, and holding a pool's worth stalls
         the job, so only use it when records are dropped promptly."""
-        part = self._partitioner or ("forward" if self.node.parallelism == 1 else "rebalance")
-        node = self.env._add(name=name, parallelism=1, make_operator=None, input=self.node,
-                             partitioner=part, key_fn=self._key_fn, kind=None, is_sink=True)
+        node = self.env._add(name=name, parallelism=1, make_operator=None, inputs=[self._input_to(1)],
+                             kind=None, is_sink=True)
         node.is_iterator = True
         node.zero_copy = zero_copy
         return IteratorSink(node)
@@ -464,6 +493,61 @@ class KeyedStream(Stream):
         key_fn = self._key_fn
         node = self._then(name, lambda: ops.KeyedProcess(name, key_fn, fn), parallelism, kind)
         return Stream(self.env, node)
+
+
+class ConnectedStreams:
+    """Two streams connected for one operator with two inputs (``Stream.connect``).
+
+    ``fn1`` handles the records of the first stream, ``fn2`` those of the
+    second. When both streams are keyed (``a.key_by(k1).connect(b.key_by(k2))``)
+    both are hash partitioned with the same stable hash, so records with equal
+    keys from either side reach the same subtask and share its per-key state."""
+
+    def __init__(self, first: Stream, second: Stream):
+        self.env = first.env
+        self.first = first
+        self.second = second
+
+    @property
+    def keyed(self) -> bool:
+        return isinstance(self.first, KeyedStream) and isinstance(self.second, KeyedStream)
+
+    def _node(self, name, make_operator, parallelism, kind) -> Stream:
+        p = _parallelism(self.env, parallelism)
+        node = self.env._add(name=name, parallelism=p, make_operator=make_operator,
+                             inputs=[self.first._input_to(p), self.second._input_to(p)], kind=kind)
+        return Stream(self.env, node)
+
+    def process(self, fn1: Callable, fn2: Callable, *, parallelism: int | None = None,
+                name: str = "co_process", kind: Any = None) -> Stream:
+        """Keyed: ``fn_i(key, record, state) -> iterable of outputs (or None)``,
+        ``state`` the per-key dict both inputs share. Unkeyed:
+        ``fn_i(record, state)`` with one ``state`` dict per subtask."""
+        _callable(fn1, "process (fn1, for the first input)")
+        _callable(fn2, "process (fn2, for the second input)")
+        kind = _check_kind(kind, f"process {name!r}")
+        first_keyed = isinstance(self.first, KeyedStream)
+        if first_keyed != isinstance(self.second, KeyedStream):
+            keyed, plain = ("first", "second") if first_keyed else ("second", "first")
+            raise ConfigurationError(
+                f"process {name!r}: the {keyed} connected stream is keyed and the {plain} is not, so "
+                "records with equal keys would not meet in one subtask and the per-key state could not "
+                "be shared: key_by both streams, or neither for one state dict per subtask")
+        if first_keyed:
+            k1, k2 = self.first._key_fn, self.second._key_fn
+            make = lambda: ops.KeyedCoProcess(name, k1, k2, fn1, fn2)  # noqa: E731
+        else:
+            make = lambda: ops.CoProcess(name, fn1, fn2)  # noqa: E731
+        return self._node(name, make, parallelism, kind)
+
+    def map(self, fn1: Callable, fn2: Callable, *, parallelism: int | None = None,
+            name: str = "co_map", kind: Any = None) -> Stream:
+        """One output per record: ``fn1(record)`` for the first input,
+        ``fn2(record)`` for the second."""
+        _callable(fn1, "map (fn1, for the first input)")
+        _callable(fn2, "map (fn2, for the second input)")
+        kind = _check_kind(kind, f"map {name!r}")
+        return self._node(name, lambda: ops.CoMap(name, fn1, fn2), parallelism, kind)
 
 
 class CollectSink:
@@ -499,6 +583,49 @@ def _number(v) -> bool:
 def _positive_int(name, v):
     if not _int(v) or v < 1:
         raise ConfigurationError(f"{name} must be a positive int, got {v!r}")
+
+
+def _parallelism(env, parallelism) -> int:
+    if parallelism is None:
+        return env.parallelism
+    _positive_int("parallelism", parallelism)
+    return parallelism
+
+
+def _same_env(env, stream, what):
+    if not isinstance(stream, Stream):
+        raise TypeError(f"{what} takes Streams, got {type(stream).__name__}")
+    if stream.env is not env:
+        raise ConfigurationError(f"{what}: the streams belong to different Environments; "
+                                 "a job reads streams of its own Environment only")
+
+
+def _kind_identity(kind):
+    """What makes two declared kinds the same: a dtype itself, else the
+    serializer's name ('int64' and get_serializer('int64') are one kind)."""
+    if isinstance(kind, np.dtype):
+        return kind
+    from pyflowbuf.serializers import get_serializer
+
+    return get_serializer(kind).name
+
+
+def _common_kind(streams, what):
+    """The kind the streams declare (None when none does); streams declaring
+    different kinds are refused, as they would be at their first record."""
+    from pyflowbuf.serializers import kind_label
+
+    known = [s for s in streams if s.node.kind is not None]
+    if not known:
+        return None
+    first = known[0]
+    for s in known[1:]:
+        if _kind_identity(s.node.kind) != _kind_identity(first.node.kind):
+            raise ConfigurationError(
+                f"{what}: the streams carry different record kinds: {first.node.name!r} carries "
+                f"{kind_label(first.node.kind)} and {s.node.name!r} carries {kind_label(s.node.kind)}; "
+                "a union carries one kind: map the streams to one kind first, or connect() them")
+    return first.node.kind
 
 
 def _job_name(param, v, optional=False):

@@ -1315,6 +1315,17 @@ cdef class RecordReader:
         return tuple(bool(self.chs[i].finished) for i in range(self.nch))
 
     @property
+    def num_channels(self):
+        return self.nch
+
+    def channel_finished(self, int ch):
+        """True once channel ``ch`` delivered end-of-partition: barrier
+        alignment waits for no barrier from a channel that has ended."""
+        if not 0 <= ch < self.nch:
+            raise IndexError(f"channel {ch} out of range (reader has {self.nch})")
+        return bool(self.chs[ch].finished)
+
+    @property
     def held_buffers(self):
         """Buffers this reader holds (current ones, views not counted)."""
         return sum(1 for i in range(self.nch) if self.chs[i].has_cur)

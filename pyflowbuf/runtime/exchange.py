@@ -1,10 +1,12 @@
 """The two sides of an exchange inside a task: OutputSide (a ResultPartition
 with its RecordWriter) and InputSide (an InputGate with its RecordReader).
-Both decide the record encoding once per stream, not per record."""
+Both decide the record encoding once per stream, not per record. A task with
+several inputs reads them through a MultiInput: one InputSide per input."""
 from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import numpy as np
 
@@ -250,12 +252,51 @@ class InputSide:
         ev, self._event = self._event, None
         return ev
 
+    @property
+    def has_event(self):
+        """An event ended the last read and was not taken yet: data behind it
+        must wait until it is handled."""
+        return self._event is not None
+
+    @property
+    def notifier(self):
+        return self.gate.notifier
+
+    @property
+    def num_channels(self):
+        return self.gate.num_channels
+
+    def channel_finished(self, channel):
+        """Whether ``channel`` delivered its end-of-partition."""
+        r = self.reader
+        if r is None:
+            return self._final[2][channel]
+        return r.channel_finished(channel)
+
+    def block(self, channel):
+        """Read no data from ``channel`` until ``resume`` (barrier alignment)."""
+        self.gate.block(channel)
+
+    def resume(self, channel=-1):
+        self.gate.resume(channel)
+
+    def cancel(self):
+        self.gate.cancel()
+
+    @property
+    def cancelled(self):
+        return bool(self.gate.cancelled)
+
+    @property
+    def idle_ns(self):
+        return self.gate.idle_ns
+
     def release(self):
         """Once nothing reads this input any more: drop the reader, giving back
         the buffers it still holds (a failed or cancelled job stops mid-buffer)."""
         r = self.reader
         if r is not None:
-            self._final = (r.bytes_in, r.finished)
+            self._final = (r.bytes_in, r.finished, r.channels_finished)
             self.reader = None
 
     @property
@@ -272,3 +313,132 @@ class InputSide:
     def in_pool_usage(self):
         cap = sum(p.max_size for p in self.producer_pools) or 1
         return min(1.0, self.gate.queued_buffers / cap)
+
+
+class MultiInput:
+    """The inputs of a subtask that reads several streams (union, connect).
+
+    One InputSide per input, each with its own InputGate and RecordReader (the
+    inputs may carry different record kinds), every gate parking on one
+    shared Notifier so that a push to any channel of any input wakes the task.
+    Reads take the inputs in turn, so a busy input cannot starve another.
+
+    ``read`` returns ``(input_index, batch)``; an event (a barrier, say) ends
+    a read of its input with ``(input_index, [])``, and until ``take_event``
+    hands it out as ``(input_index, event)`` no input is read any further, so
+    the task sees each event in its place in the stream. Alignment blocks and
+    resumes single channels with ``block(input_index, channel)`` and
+    ``resume(input_index, channel)``.
+    """
+
+    def __init__(self, sides):
+        sides = list(sides)
+        if len(sides) < 2:
+            raise ValueError(f"a MultiInput reads at least two inputs, got {len(sides)}")
+        notifier = sides[0].gate.notifier
+        if any(s.gate.notifier is not notifier for s in sides):
+            # a push to a gate with another notifier would not wake the task
+            raise ValueError("the gates of a MultiInput must share one Notifier")
+        self.sides = sides
+        self.notifier = notifier
+        self._next = 0
+        self._wait_ns = 0
+
+    @property
+    def num_inputs(self):
+        return len(self.sides)
+
+    def _poll(self, max_records):
+        """(input_index, batch) of the next input with something now, starting
+        after the one read last; (i, []) at an event of input i; (-1, []) when
+        nothing is there."""
+        sides = self.sides
+        n = len(sides)
+        for k in range(n):
+            i = self._next + k
+            if i >= n:
+                i -= n
+            side = sides[i]
+            if side.finished:
+                continue
+            batch = side.read(max_records, 0)
+            if batch:
+                self._next = i + 1 if i + 1 < n else 0
+                return i, batch
+            if side.has_event:
+                return i, batch
+        return -1, []
+
+    def read(self, max_records, timeout):
+        """``(input_index, batch)``: records of one input, waiting up to
+        ``timeout`` s (None: no limit) when no input has any; ``(i, [])`` at an
+        event of input i (see ``take_event``); ``(-1, [])`` on timeout, at the
+        end, or after a wake-up that brought no records (a mail, a resumed
+        channel), so the task gets to look at its mailbox."""
+        for i, side in enumerate(self.sides):
+            if side.has_event:
+                return i, []
+        got = self._poll(max_records)
+        if got[0] >= 0 or timeout == 0:
+            return got
+        notifier = self.notifier
+        token = notifier.prepare()
+        waiting = False
+        try:
+            # after prepare(): a push from here on wakes the wait below
+            got = self._poll(max_records)
+            if got[0] >= 0 or self.finished:
+                return got
+            if any(s.cancelled for s in self.sides):
+                raise errors.CancelledError("reading the input gates: cancelled")
+            waiting = True
+        finally:
+            if not waiting:
+                notifier.cancel()     # wait() retires the waiter itself
+        t0 = time.monotonic_ns()
+        notifier.wait(token, timeout)
+        self._wait_ns += time.monotonic_ns() - t0
+        return self._poll(max_records)
+
+    def take_event(self):
+        """``(input_index, (channel, kind, aux, flags))`` of the event that ended
+        the last read, or None."""
+        for i, side in enumerate(self.sides):
+            if side.has_event:
+                return i, side.take_event()
+        return None
+
+    def block(self, input_index, channel):
+        self.sides[input_index].block(channel)
+
+    def resume(self, input_index, channel=-1):
+        self.sides[input_index].resume(channel)
+
+    def channel_finished(self, input_index, channel):
+        return self.sides[input_index].channel_finished(channel)
+
+    def cancel(self):
+        for s in self.sides:
+            s.cancel()
+
+    def release(self):
+        for s in self.sides:
+            s.release()
+
+    @property
+    def finished(self):
+        """Every input delivered end-of-partition on every channel."""
+        return all(s.finished and not s.has_event for s in self.sides)
+
+    @property
+    def idle_ns(self):
+        return self._wait_ns + sum(s.idle_ns for s in self.sides)
+
+    @property
+    def bytes_in(self):
+        return sum(s.bytes_in for s in self.sides)
+
+    @property
+    def in_pool_usage(self):
+        cap = sum(p.max_size for s in self.sides for p in s.producer_pools) or 1
+        return min(1.0, sum(s.gate.queued_buffers for s in self.sides) / cap)

@@ -1,5 +1,8 @@
 """The logical graph (one Node per API call) and its plan: chains of forward
-operators with equal parallelism fused into one JobVertex (operator chaining)."""
+operators with equal parallelism fused into one JobVertex (operator chaining).
+
+A node reads any number of inputs (none for a source, several for union and
+connect); each input says how records reach the node from its upstream node."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,15 +12,21 @@ PARTITIONERS = ("forward", "rebalance", "hash", "broadcast")
 
 
 @dataclass(eq=False)
+class Input:
+    """One input of a node: the upstream node and how its records are partitioned."""
+    node: "Node"
+    partitioner: str = "forward"
+    key_fn: Callable | None = None                   # for the hash partitioner
+
+
+@dataclass(eq=False)
 class Node:
     id: int
     name: str
     parallelism: int
     make_operator: Callable[[], Any] | None = None   # None for sources
     source: Any = None                               # a Source factory for sources
-    input: "Node | None" = None
-    partitioner: str = "forward"                     # how records reach this node from `input`
-    key_fn: Callable | None = None                   # for the hash partitioner
+    inputs: list = field(default_factory=list)       # [Input], in input-index order
     kind: Any = None                                 # output record kind (None: inferred)
     is_sink: bool = False
     is_iterator: bool = False                        # records go back to the caller
@@ -26,6 +35,28 @@ class Node:
     collect_parts: dict | None = None                # a collect() sink's results, by subtask
     user_sink: bool = False                          # sink(fn): its effects stay in the process running it
     consumers: list = field(default_factory=list)
+
+    # The single-input view most of the code needs; a node with several inputs
+    # has no one answer, so asking it is a bug, not a silent first-input pick.
+    def _sole(self) -> Input | None:
+        if len(self.inputs) > 1:
+            raise ValueError(f"node {self.name!r} has {len(self.inputs)} inputs; use node.inputs")
+        return self.inputs[0] if self.inputs else None
+
+    @property
+    def input(self) -> "Node | None":
+        sole = self._sole()
+        return None if sole is None else sole.node
+
+    @property
+    def partitioner(self) -> str:
+        sole = self._sole()
+        return "forward" if sole is None else sole.partitioner
+
+    @property
+    def key_fn(self) -> Callable | None:
+        sole = self._sole()
+        return None if sole is None else sole.key_fn
 
 
 @dataclass(eq=False)
@@ -47,6 +78,11 @@ class JobVertex:
         return " -> ".join(n.name for n in self.nodes)
 
     @property
+    def num_inputs(self) -> int:
+        """Input gates each subtask reads: one per JobEdge into this vertex."""
+        return len(self.head.inputs)
+
+    @property
     def is_iterator(self) -> bool:
         return self.head.is_iterator
 
@@ -58,6 +94,7 @@ class JobEdge:
     partitioner: str
     key_fn: Callable | None
     kind: Any                      # resolved record kind (a Serializer or a NumPy dtype) or None
+    input_index: int = 0           # which input of the target's head node this edge feeds
 
     @property
     def pointwise(self) -> bool:
@@ -65,19 +102,24 @@ class JobEdge:
 
 
 def plan(nodes: list, chaining: bool) -> tuple[list, list]:
-    """Group nodes into JobVertices and connect them with JobEdges."""
+    """Group nodes into JobVertices and connect them with JobEdges.
+
+    A node with several inputs always heads a vertex of its own (its task
+    reads one gate per input); operators after it chain to it as usual."""
     vertex_of: dict = {}
     vertices: list = []
     edges: list = []
     for node in nodes:
-        up = node.input
-        if up is not None and node.partitioner == "forward" and up.parallelism != node.parallelism:
-            raise ValueError(
-                f"forward partitioning from {up.name!r} (parallelism {up.parallelism}) to "
-                f"{node.name!r} (parallelism {node.parallelism}) needs equal parallelism; "
-                "use rebalance() or set the same parallelism")
+        for inp in node.inputs:
+            up = inp.node
+            if inp.partitioner == "forward" and up.parallelism != node.parallelism:
+                raise ValueError(
+                    f"forward partitioning from {up.name!r} (parallelism {up.parallelism}) to "
+                    f"{node.name!r} (parallelism {node.parallelism}) needs equal parallelism; "
+                    "use rebalance() or set the same parallelism")
+        up = node.inputs[0].node if len(node.inputs) == 1 else None
         chainable = (
-            chaining and up is not None and node.partitioner == "forward"
+            chaining and up is not None and node.inputs[0].partitioner == "forward"
             and len(up.consumers) == 1 and not node.is_iterator and not up.is_sink
         )
         if chainable:
@@ -86,7 +128,8 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
         else:
             v = JobVertex(len(vertices), [node], node.parallelism)
             vertices.append(v)
-            if up is not None:
-                edges.append(JobEdge(vertex_of[up.id], v, node.partitioner, node.key_fn, up.kind))
+            for k, inp in enumerate(node.inputs):
+                edges.append(JobEdge(vertex_of[inp.node.id], v, inp.partitioner, inp.key_fn,
+                                     inp.node.kind, input_index=k))
         vertex_of[node.id] = v
     return vertices, edges

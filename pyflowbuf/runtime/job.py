@@ -11,7 +11,7 @@ import traceback
 from pyflowbuf import errors
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool, Notifier
-from pyflowbuf.runtime.exchange import EdgeKind, InputSide, OutputSide
+from pyflowbuf.runtime.exchange import EdgeKind, InputSide, MultiInput, OutputSide
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
 from pyflowbuf.runtime.sources import rate_limiter
 from pyflowbuf.runtime.task import Subtask
@@ -195,7 +195,8 @@ class JobExecution(Execution):
         num_segments = env.num_segments or max(self._segments_needed() + 16, 64)
         self.network_pool = net = NetworkBufferPool(num_segments, env.segment_size)
         self._queues = []  # every BufferQueue, to give back what is left in them
-        inputs = {}      # (vertex id, subtask) -> InputSide
+        inputs = {}      # (vertex id, subtask) -> {input index: InputSide}
+        notifiers = {}   # (vertex id, subtask) -> the one Notifier all its gates wake
         outputs = {}     # (vertex id, subtask) -> [OutputSide]
         here = self._here
         for k, e in enumerate(self.edges):
@@ -226,18 +227,22 @@ class JobExecution(Execution):
             for j in range(down.parallelism):
                 if not here(down, j):
                     continue
-                if (down.id, j) in inputs:
-                    raise ValueError(f"{down.name!r} has two inputs; union/join are not supported yet")
+                sides = inputs.setdefault((down.id, j), {})
+                if e.input_index in sides:
+                    raise ValueError(f"two edges feed input {e.input_index} of {down.name!r}")
                 producers = [i for (i, b) in needed if b == j]
                 chans = [queues[i, j] for i in producers]
                 remote_from = [i for i in producers if not here(up, i)]
-                gate = InputGate(chans, Notifier())
+                notifier = notifiers.get((down.id, j))
+                if notifier is None:
+                    notifier = notifiers[down.id, j] = Notifier()
+                gate = InputGate(chans, notifier)
                 remote_channels = []
                 if remote_from:
                     remote_channels = self.remote.connect(
                         net, gate, [(self.placement(up, i), f"{k}/{i}", j, queues[i, j]) for i in remote_from],
                         wire_kind, self._remote_failed)
-                inputs[(down.id, j)] = InputSide(
+                sides[e.input_index] = InputSide(
                     gate, kind, env.max_record_size, [pools[i] for i in producers if i in pools],
                     remote_channels=remote_channels, allow_pickle=env.allow_pickle,
                     owned=down.is_iterator and not down.head.zero_copy)
@@ -247,7 +252,7 @@ class JobExecution(Execution):
                 if not here(v, i):
                     continue
                 if v.is_iterator:
-                    self.iterator_input = inputs[(v.id, 0)]
+                    self.iterator_input = inputs[(v.id, 0)][0]
                     continue
                 head = v.head
                 ops = [n.make_operator() for n in v.nodes if n.make_operator is not None]
@@ -258,8 +263,14 @@ class JobExecution(Execution):
                 limiter = rate_limiter(head.rate_limit)
                 if limiter is not None:
                     limiter = limiter.for_subtask(v.parallelism)
+                sides = inputs.get((v.id, i), {})
+                if v.num_inputs > 1:
+                    input_side = MultiInput([sides[k] for k in range(v.num_inputs)])
+                else:
+                    # one input: the task reads its InputSide directly, nothing in between
+                    input_side = sides.get(0)
                 self.tasks.append(Subtask(self, v, i, ops, outputs.get((v.id, i), []),
-                                          source=source, input_side=inputs.get((v.id, i)),
+                                          source=source, input_side=input_side,
                                           rate_limiter=limiter))
 
     def _remote_failed(self, exc):

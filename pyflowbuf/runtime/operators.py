@@ -51,6 +51,12 @@ class Operator:
     def process_batch(self, batch: list) -> list:
         raise NotImplementedError
 
+    def process_input(self, batch: list, input_index: int) -> list:
+        """A batch read from input ``input_index`` of a task with several
+        inputs (union, connect); only the operator heading such a task gets
+        these. One-input operators do not care where a batch came from."""
+        return self.process_batch(batch)
+
     def finish(self) -> list:
         """Records to emit at end of input."""
         return []
@@ -90,6 +96,19 @@ class Operator:
         self._kind = kind if isinstance(kind, np.dtype) else get_serializer(kind)
         self._find_misfit = misfit_finder(self._kind) or _ANY
         return self._find_misfit
+
+    def _extend(self, out: list, res) -> None:
+        """Add what a process function returned (an iterable of records, or None) to ``out``."""
+        if res is None:
+            return
+        if isinstance(res, _NOT_RECORDS):
+            raise self._not_records(res)
+        try:
+            out.extend(res)
+        except TypeError:
+            if hasattr(res, "__iter__"):
+                raise  # the iteration itself failed, inside the user's iterable
+            raise self._not_records(res) from None
 
     def _not_records(self, value) -> errors.RecordTypeError:
         t = type(value).__name__
@@ -211,6 +230,84 @@ class KeyedProcess(_Keyed):
                     if hasattr(res, "__iter__"):
                         raise
                     raise self._not_records(res) from None
+        return self._checked(out)
+
+    def snapshot_state(self):
+        return {k: dict(v) for k, v in self.state.items()}
+
+    def restore_state(self, state):
+        self.state = {k: dict(v) for k, v in (state or {}).items()}
+
+
+# ---- operators with several inputs: the head of their task, fed by input index ----
+
+class Union(Operator):
+    """The records of every input, in the order they arrive. Still an
+    operator: records of an input whose kind was inferred are checked here
+    against the union's kind, as any operator's output is."""
+
+    def process_batch(self, batch):
+        return self._checked(batch)
+
+
+class _TwoInput(Operator):
+    """``fns[i]`` handles the records of input ``i``."""
+
+    def __init__(self, name, fn1: Callable, fn2: Callable):
+        super().__init__(name)
+        self.fns = (fn1, fn2)
+
+    def process_batch(self, batch):
+        raise TypeError(f"operator {self.name!r} has two inputs: it takes batches with their input index")
+
+
+class CoMap(_TwoInput):
+    def process_input(self, batch, input_index):
+        fn = self.fns[input_index]
+        return self._checked([fn(x) for x in batch])
+
+
+class CoProcess(_TwoInput):
+    """``fn_i(record, state) -> iterable`` with one ``state`` dict per
+    subtask, shared by both inputs (and going into checkpoints)."""
+
+    def __init__(self, name, fn1, fn2):
+        super().__init__(name, fn1, fn2)
+        self.state: dict = {}
+
+    def process_input(self, batch, input_index):
+        fn, state = self.fns[input_index], self.state
+        out: list = []
+        for x in batch:
+            self._extend(out, fn(x, state))
+        return self._checked(out)
+
+    def snapshot_state(self):
+        return dict(self.state)
+
+    def restore_state(self, state):
+        self.state = dict(state or {})
+
+
+class KeyedCoProcess(_TwoInput):
+    """``fn_i(key, record, state) -> iterable`` where ``key = key_fn_i(record)``
+    and ``state`` is the per-key dict both inputs share: both inputs are hash
+    partitioned with the same stable hash, so equal keys meet in one subtask."""
+
+    def __init__(self, name, key_fn1, key_fn2, fn1, fn2):
+        super().__init__(name, fn1, fn2)
+        self.key_fns = (key_fn1, key_fn2)
+        self.state: dict = {}
+
+    def process_input(self, batch, input_index):
+        key_fn, fn, state = self.key_fns[input_index], self.fns[input_index], self.state
+        out: list = []
+        for x in batch:
+            k = key_fn(x)
+            st = state.get(k)
+            if st is None:
+                st = state[k] = {}
+            self._extend(out, fn(k, x, st))
         return self._checked(out)
 
     def snapshot_state(self):

@@ -1,7 +1,9 @@
 """A subtask: one thread running a mailbox loop over its chain of operators.
 
 Processing input is the default action; control messages (cancel, flush,
-user callables) arrive as mails and are handled between batches. Time is
+user callables) arrive as mails and are handled between batches. A task with
+several inputs (union, connect) reads a MultiInput and hands each batch, and
+each event, to its chain with the index of the input it came from. Time is
 accounted as Flink does: idle = waiting for input, backpressured = waiting for
 an output buffer, busy = the rest.
 """
@@ -15,6 +17,7 @@ import numpy as np
 
 from pyflowbuf import errors
 from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error
+from pyflowbuf.runtime.exchange import MultiInput
 from pyflowbuf.runtime.pull import PullPolicy
 from pyflowbuf.runtime.sources import payload_nbytes
 
@@ -79,7 +82,7 @@ class Subtask(threading.Thread):
         """Run ``mail()`` in this task's thread between batches."""
         self.mailbox.append(mail)
         if self.input is not None:
-            self.input.gate.notifier.notify()
+            self.input.notifier.notify()
 
     def _drain_mailbox(self):
         mb = self.mailbox
@@ -96,6 +99,8 @@ class Subtask(threading.Thread):
                 op.open(self.index, self.vertex.parallelism)
             if self.source is not None:
                 self._run_source()
+            elif isinstance(self.input, MultiInput):
+                self._run_multi_input()
             else:
                 self._run_input()
             if not self.job.cancelled:
@@ -117,6 +122,23 @@ class Subtask(threading.Thread):
 
     def _process(self, batch: list) -> None:
         for op in self.operators:
+            self.current_operator = op.name
+            batch = op.process_batch(batch)
+            if not batch:
+                return
+        for out in self.outputs:
+            out.emit(batch)
+
+    def _process_input(self, batch: list, input_index: int) -> None:
+        """``_process`` for a task with several inputs: the head operator learns
+        which input the batch came from; the operators chained after it do not."""
+        ops = self.operators
+        head = ops[0]
+        self.current_operator = head.name
+        batch = head.process_input(batch, input_index)
+        if not batch:
+            return
+        for op in ops[1:]:
             self.current_operator = op.name
             batch = op.process_batch(batch)
             if not batch:
@@ -210,11 +232,50 @@ class Subtask(threading.Thread):
                 self._process(batch)
                 self._flush_if_due(time.monotonic_ns())
 
-    def _on_event(self, event):
-        """Events other than end-of-partition (barriers arrive here)."""
+    def _run_multi_input(self):
+        """``_run_input`` over several inputs: the same loop, each batch and
+        each event tagged with its input index. A separate loop, so that a
+        task with one input pays nothing for the index."""
+        job, inp = self.job, self.input
+        self._timeout_ns = int(job.env.buffer_timeout * 1e9)
+        self._next_flush = time.monotonic_ns() + self._timeout_ns
+        per_record = job.env.buffer_timeout == 0
+        max_batch = job.env.max_batch
+        idle_wait = max(job.env.buffer_timeout, 0.05)
+        while not job.cancelled:
+            if self.mailbox:
+                self._drain_mailbox()
+            index, batch = inp.read(max_batch, 0)
+            if not batch:
+                got = inp.take_event()
+                if got is not None:
+                    self._on_event(got[1], got[0])
+                    continue
+                if inp.finished:
+                    return
+                for out in self.outputs:
+                    out.flush()
+                self._next_flush = time.monotonic_ns() + self._timeout_ns
+                index, batch = inp.read(max_batch, idle_wait)
+                if not batch:
+                    continue
+            self.records_in += len(batch)
+            if per_record:
+                for rec in batch:
+                    self._process_input([rec], index)
+                    for out in self.outputs:
+                        out.flush()
+            else:
+                self._process_input(batch, index)
+                self._flush_if_due(time.monotonic_ns())
+
+    def _on_event(self, event, input_index: int = 0):
+        """Events other than end-of-partition (barriers arrive here), with the
+        index of the input that delivered them: ``event`` is (channel, kind,
+        aux, flags), channel counted within that input's gate."""
         handler = self.job.event_handler
         if handler is not None:
-            handler(self, event)
+            handler(self, event, input_index)
 
     def _finish(self):
         tail: list = []
@@ -233,14 +294,14 @@ class Subtask(threading.Thread):
         for out in self.outputs:
             out.cancel()
         if self.input is not None:
-            self.input.gate.cancel()
+            self.input.cancel()
         if self.rate_limiter is not None:
             self.rate_limiter.cancel()
 
     # ---- counters for metrics ----
     def counters(self) -> dict:
         inp = self.input
-        idle = self.source_idle_ns + (inp.gate.idle_ns if inp is not None else 0)
+        idle = self.source_idle_ns + (inp.idle_ns if inp is not None else 0)
         if self.finished_ns:
             # a task that has ended is idle from then on, not busy
             idle += time.monotonic_ns() - self.finished_ns
