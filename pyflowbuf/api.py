@@ -83,7 +83,10 @@ class Environment:
                  metrics_interval: float = 1.0, name: str = "job",
                  metrics_log: str | os.PathLike | None = None, prometheus_port: int | None = None,
                  live_view: bool = False, workers: int | None = None, allow_pickle: bool = False,
-                 bind_host: str = "127.0.0.1", credit_based: bool = True):
+                 bind_host: str = "127.0.0.1", credit_based: bool = True,
+                 checkpoint_interval: float | None = None, checkpoint_dir: str | os.PathLike | None = None,
+                 checkpoint_timeout: float = 600.0, checkpoints_retained: int = 2,
+                 restart_attempts: int = 0, checkpointing_mode: str = "exactly_once"):
         self.parallelism = parallelism
         self.segment_size = segment_size
         self.num_segments = num_segments
@@ -101,6 +104,12 @@ class Environment:
         self.allow_pickle = allow_pickle
         self.bind_host = bind_host
         self.credit_based = credit_based
+        self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_timeout = checkpoint_timeout
+        self.checkpoints_retained = checkpoints_retained
+        self.restart_attempts = restart_attempts
+        self.checkpointing_mode = checkpointing_mode
         self._check_settings()
         self.buffer_timeout = float(buffer_timeout)
         self.nodes: list[Node] = []
@@ -140,6 +149,31 @@ class Environment:
         if port is not None and (not _int(port) or not 0 <= port <= 65535):
             raise ConfigurationError(f"prometheus_port must be an int in 0..65535 (0: a free port), got {port!r}")
         _job_name("name", self.name)
+        ci = self.checkpoint_interval
+        if ci is not None and (not _number(ci) or not 0 < ci < math.inf):
+            raise ConfigurationError(f"checkpoint_interval must be None (off) or seconds > 0, got {ci!r}")
+        if not _number(self.checkpoint_timeout) or not 0 < self.checkpoint_timeout < math.inf:
+            raise ConfigurationError(f"checkpoint_timeout must be seconds > 0, got {self.checkpoint_timeout!r}")
+        _positive_int("checkpoints_retained", self.checkpoints_retained)
+        if not _int(self.restart_attempts) or self.restart_attempts < 0:
+            raise ConfigurationError(f"restart_attempts must be an int >= 0, got {self.restart_attempts!r}")
+        from pyflowbuf.runtime.checkpointing import MODES
+        if self.checkpointing_mode not in MODES:
+            raise ConfigurationError(
+                f"checkpointing_mode must be one of {MODES}, got {self.checkpointing_mode!r}")
+        if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, (str, os.PathLike)):
+            raise ConfigurationError(f"checkpoint_dir must be a path or an fsspec URL, got {self.checkpoint_dir!r}")
+        if ci is not None and self.workers:
+            raise ConfigurationError(
+                "checkpoint_interval with workers= is not supported yet: checkpoints run for jobs in one "
+                "process (tasks as threads); leave workers unset to checkpoint this job")
+
+    def checkpoints(self) -> list:
+        """The checkpoints of the running or last job, oldest first: id, status
+        (completed / aborted / expired / failed), trigger_time, duration_s,
+        alignment_ms per task, state_bytes, size."""
+        ex = self.last_execution
+        return [] if ex is None else ex.checkpoints()
 
     # ---- sources ----
     def _add(self, **kw) -> Node:
@@ -239,28 +273,40 @@ class Environment:
     def plan(self):
         return plan(self.nodes, self.chaining)
 
-    def execute(self, job_name: str | float | None = None, timeout: float | None = None):
+    def execute(self, job_name: str | float | None = None, timeout: float | None = None, *,
+                restore_from=None):
         """Run the job to completion; raises JobFailedError if any task fails.
 
         ``execute("name")`` names the job (PyFlink's ``execute(job_name)``);
         a number first is the timeout, as ``execute(30)`` always meant:
         ``execute(timeout=30)``. On timeout the job is cancelled and
-        TimeoutError raised. An Environment executes its graph once."""
+        TimeoutError raised. An Environment executes its graph once.
+
+        ``restore_from`` (checkpointing on): start from a checkpoint of an
+        earlier run of the same job in ``checkpoint_dir``: ``"latest"`` (the
+        newest complete one, or a fresh start when there is none), a
+        checkpoint id, or a ``chk-<id>`` directory."""
         job_name, timeout = _execute_args(job_name, timeout)
         if any(n.is_iterator for n in self.nodes):
             raise ConfigurationError("this job has a to_iterator() sink: run it with execute_iter()")
+        if restore_from is not None and self.checkpoint_interval is None:
+            raise ConfigurationError("restore_from needs checkpointing: set checkpoint_interval (and checkpoint_dir)")
         job = self._claim(job_name)
+        job.restore_from = restore_from
         self._start(job)
         return job.join(timeout)
 
-    def execute_async(self, job_name: str | None = None):
+    def execute_async(self, job_name: str | None = None, *, restore_from=None):
         """Start the job and return its JobExecution (``join``, ``cancel``,
         ``metrics``, ``done``). An Environment executes its graph once."""
         _job_name("job_name", job_name, optional=True)
         if any(n.is_iterator for n in self.nodes):
             # nobody would read it: the job would stall once its buffers fill
             raise ConfigurationError("this job has a to_iterator() sink: run it with execute_iter()")
+        if restore_from is not None and self.checkpoint_interval is None:
+            raise ConfigurationError("restore_from needs checkpointing: set checkpoint_interval (and checkpoint_dir)")
         job = self._claim(job_name)
+        job.restore_from = restore_from
         self._start(job)
         return job
 
@@ -273,6 +319,10 @@ class Environment:
         if not any(n is sink.node for n in self.nodes):
             raise ConfigurationError("execute_iter: the sink handle belongs to another Environment")
         _job_name("job_name", job_name, optional=True)
+        if self.checkpoint_interval is not None and self.restart_attempts:
+            raise ConfigurationError(
+                "execute_iter hands records to the caller before a checkpoint covers them, so a restart "
+                "would hand them out again: with restart_attempts > 0 use collect() or write_text()")
         job = self._claim(job_name)
         return self._iterate(job, sink.node)
 
@@ -457,8 +507,15 @@ class Stream:
         node.user_sink = True
 
     def write_text(self, path, *, parallelism: int | None = None, name: str = "write_text") -> None:
-        """One line per record (``str(record)``); with parallelism p > 1 the files are path.0 .. path.p-1."""
-        self._then(name, lambda: ops.TextFileSink(name, path), parallelism, None, sink=True)
+        """One line per record (``str(record)``); with parallelism p > 1 the files are path.0 .. path.p-1.
+
+        With checkpointing on, ``path`` is a directory of part files
+        (``part-<subtask>-<seq>``), each committed by an atomic rename when a
+        checkpoint covering it completes, or when the job ends: exactly once
+        across failures (files whose names start with ``.`` are not committed)."""
+        env = self.env
+        self._then(name, lambda: ops.TextFileSink(name, path, transactional=env.checkpoint_interval is not None),
+                   parallelism, None, sink=True)
 
     def to_iterator(self, *, name: str = "iterator", zero_copy: bool = False) -> "IteratorSink":
         """A sink read by ``Environment.execute_iter`` in the caller's thread.

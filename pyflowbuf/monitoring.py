@@ -45,6 +45,16 @@ _GAUGES = (
     ("bytes_out_per_s", "bytes_out_per_s", "Bytes written per second over the last sample"),
     ("in_pool_usage", "in_pool_usage", "Input buffers queued / input capacity (0..1)"),
     ("out_pool_usage", "out_pool_usage", "Output pool segments in use / pool cap (0..1)"),
+    ("last_checkpoint", "last_checkpoint", "Id of the last checkpoint this task snapshotted"),
+    ("checkpoint_alignment_ms", "checkpoint_alignment_ms",
+     "Time the task spent aligning barriers for its last checkpoint, ms"),
+)
+# checkpoint-level gauges: (history key, gauge suffix, help text)
+_CHECKPOINT_GAUGES = (
+    ("id", "last_id", "Id of the last checkpoint that ended"),
+    ("duration_s", "last_duration_seconds", "Trigger to completion of the last checkpoint, seconds"),
+    ("state_bytes", "last_state_bytes", "Bytes of state in the last completed checkpoint"),
+    ("max_alignment_ms", "last_max_alignment_ms", "Longest alignment of any task in the last checkpoint, ms"),
 )
 _LABELS = ("job", "task", "vertex")
 _TIME_KEYS = ("busy_ms_per_s", "idle_ms_per_s", "backpressured_ms_per_s")
@@ -99,6 +109,12 @@ class PrometheusExporter:
                                _LABELS, registry=self.registry)
         self._running = pc.Gauge("pyflowbuf_task_running", "1 while the task is RUNNING, else 0",
                                  _LABELS, registry=self.registry)
+        self._checkpoint = {
+            key: pc.Gauge(f"pyflowbuf_checkpoint_{suffix}", doc, ("job",), registry=self.registry)
+            for key, suffix, doc in _CHECKPOINT_GAUGES
+        }
+        self._checkpoints = pc.Counter("pyflowbuf_checkpoints", "Checkpoints that ended, by status",
+                                       ("job", "status"), registry=self.registry)
         self._server = self._thread = None
         self.port = None
         if serve:
@@ -132,6 +148,16 @@ class PrometheusExporter:
                         gauge.labels(*labels).set(float(value))
                 self._level.labels(*labels).set(LEVEL_CODES[_level_of(m)])
                 self._running.labels(*labels).set(1.0 if m.get("state") == "RUNNING" else 0.0)
+
+    def checkpoint(self, entry: dict) -> None:
+        with self._lock:
+            self._checkpoints.labels(self.job_name, entry.get("status", "unknown")).inc()
+            if entry.get("status") != "completed":
+                return
+            values = dict(entry, max_alignment_ms=max(entry.get("alignment_ms", {}).values(), default=0.0))
+            for key, gauge in self._checkpoint.items():
+                if values.get(key) is not None:
+                    gauge.labels(self.job_name).set(float(values[key]))
 
     def close(self) -> None:
         """Stop serving (the gauges keep their last values)."""
@@ -207,6 +233,7 @@ class LiveView:
         self._count = 0
         self._last = None
         self._closed = False
+        self._last_checkpoint = None
 
     def render(self, snapshot: dict):
         """The rich Table for one snapshot."""
@@ -214,8 +241,14 @@ class LiveView:
         from rich.table import Table
         from rich.text import Text
 
+        caption = "busy / idle / backpr.: ms per second"
+        c = self._last_checkpoint
+        if c is not None:
+            caption += (f"; checkpoint {c['id']} {c['status']} in {c['duration_s']:.3f} s, "
+                        f"{_si(c.get('state_bytes') or 0)}B of state, max alignment "
+                        f"{max(c.get('alignment_ms', {}).values(), default=0.0):.1f} ms")
         table = Table(title=f"pyflowbuf job {self.job_name!r}", title_justify="left",
-                      caption="busy / idle / backpr.: ms per second", caption_justify="left",
+                      caption=caption, caption_justify="left",
                       box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
         table.add_column("task", no_wrap=True, overflow="ellipsis", max_width=32)
         table.add_column("state", no_wrap=True)
@@ -232,6 +265,10 @@ class LiveView:
                 f"{100 * m.get('in_pool_usage', 0):.0f}%", f"{100 * m.get('out_pool_usage', 0):.0f}%",
             )
         return table
+
+    def checkpoint(self, entry: dict) -> None:
+        """Shown in the caption from the next redraw on."""
+        self._last_checkpoint = entry
 
     def __call__(self, snapshot: dict) -> None:
         with self._lock:

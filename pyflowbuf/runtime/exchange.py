@@ -148,6 +148,16 @@ class OutputSide:
         if self.writer is not None:
             self.writer.flush()
 
+    def broadcast_event(self, kind: int, aux: int = 0) -> None:
+        """Send an event (a checkpoint barrier, a cancel marker) to every
+        consumer, after the records written before it: partly filled buffers
+        ship first, so the event keeps its place in every subpartition."""
+        if self.writer is not None:
+            self.writer.broadcast_event(kind, aux)
+            return
+        for q in self.queues:      # nothing written yet: no buffer to ship first
+            q.push_event(kind, aux)
+
     def end_input(self):
         if self.writer is None:
             # nothing was written: still tell every consumer this partition is done

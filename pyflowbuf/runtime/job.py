@@ -11,6 +11,7 @@ import traceback
 from pyflowbuf import errors
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool, Notifier
+from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.runtime.exchange import EdgeKind, InputSide, MultiInput, OutputSide
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
 from pyflowbuf.runtime.sources import rate_limiter
@@ -175,6 +176,15 @@ class JobExecution(Execution):
         self.sampler = None
         self._exported = set()         # ids of queues a remote consumer drains
         check_output_pools(env, self.edges, [(self._here, self._remote_buffers())])
+        # checkpoints: on when the Environment asks (in the process that runs the job)
+        self.checkpoint_config = ckpt.CheckpointConfig.from_env(env) if remote is None else None
+        self.coordinator = None
+        self.restore_from = None       # set by Environment.execute(restore_from=...)
+        self.restored_from = None      # the checkpoint id the job (or its last attempt) started from
+        self.restarts = 0
+        self.restart_failures: list = []   # (task, operator, exception text) of each failure recovered
+        self.network_pools: list = []  # the pool of every attempt, to check that all came back
+        self._snapshot_writer = None
 
     # ---- building ----
     def _output_pool_size(self, nsub: int):
@@ -194,6 +204,7 @@ class JobExecution(Execution):
         env = self.env
         num_segments = env.num_segments or max(self._segments_needed() + 16, 64)
         self.network_pool = net = NetworkBufferPool(num_segments, env.segment_size)
+        self.network_pools.append(net)
         self._queues = []  # every BufferQueue, to give back what is left in them
         inputs = {}      # (vertex id, subtask) -> {input index: InputSide}
         notifiers = {}   # (vertex id, subtask) -> the one Notifier all its gates wake
@@ -294,9 +305,12 @@ class JobExecution(Execution):
         listeners = make_listeners(self.env) if self.remote is None else []
         try:
             self._build()
+            if self.checkpoint_config is not None:
+                self._start_checkpointing(listeners)
             self.sampler = MetricsSampler(self, self.env.metrics_interval, listeners)
         except BaseException:
             close_listeners(listeners)
+            self._stop_checkpointing()
             raise
         self.started = time.monotonic()
         started = []
@@ -306,6 +320,8 @@ class JobExecution(Execution):
                 t.start()
                 started.append(t)
             self.sampler.start()
+            if self.coordinator is not None:
+                self.coordinator.start()
             self._watcher = threading.Thread(target=self._watch, name="pyflowbuf: job watcher", daemon=True)
             self._watcher.start()
         except BaseException:
@@ -320,11 +336,27 @@ class JobExecution(Execution):
         return self
 
     def _watch(self):
-        for t in self.tasks:
-            t.join()
+        while True:
+            for t in self.tasks:
+                t.join()
+            if not self._should_restart():
+                break
+            try:
+                self._restart()
+            except BaseException as exc:  # noqa: BLE001 - the restart itself failed: the job fails
+                tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                self.failure = ("job", "recovery", exc, tb)
+                self.cancel(_user=False)
+                for t in self.tasks:
+                    t.join()
+                break
         self.ended = time.monotonic()
         try:
             self._release_buffers()
+            if self.coordinator is not None:
+                if self.failure is None and not self.cancelled:
+                    self.coordinator.finish_job()     # sinks commit their final output
+                self._stop_checkpointing()
         finally:
             try:
                 # the final sample is the last thing the job records, taken
@@ -363,6 +395,106 @@ class JobExecution(Execution):
                 if not isinstance(item, tuple):   # a Buffer (events are tuples)
                     item.release()
 
+    # ---- checkpoints and recovery ----
+    def _start_checkpointing(self, listeners):
+        from pyflowbuf.checkpoint import CheckpointStorage
+
+        config = self.checkpoint_config
+        if config.mode == "exactly_once":
+            for t in self.tasks:
+                if t.source is not None and not t.source.rewindable:
+                    raise errors.ConfigurationError(
+                        f"source {t.vertex.head.name!r} cannot rewind (a plain iterator or generator), so a "
+                        "recovery could not replay it and exactly-once checkpoints are impossible: pass a "
+                        "collection, a function returning a fresh iterable (from_generator), a file or a "
+                        "sequence, or Environment(checkpointing_mode='at_least_once')")
+        storage = CheckpointStorage(config.directory, retained=config.retained, allow_pickle=config.allow_pickle)
+        self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)
+        self.coordinator.listeners = listeners
+        self._snapshot_writer = ckpt.new_writer()
+        meta = ckpt.restore_plan(storage, self.restore_from)
+        self._arm_checkpointing(meta)
+
+    def _arm_checkpointing(self, meta):
+        """Give every task its side of checkpoints and, after a failure or for
+        ``restore_from``, the state of checkpoint ``meta`` to start from."""
+        coordinator = self.coordinator
+        states = {}
+        if meta is not None:
+            storage = coordinator.storage
+            keys = {ckpt.task_key(t.vertex, t.index) for t in self.tasks}
+            if set(meta.tasks) != keys:
+                raise errors.ConfigurationError(
+                    f"checkpoint {meta.checkpoint_id} in {storage.url} was taken of another job graph (tasks "
+                    f"{sorted(meta.tasks)}, this job has {sorted(keys)}); restoring into a different graph "
+                    "or parallelism is not supported")
+            states = ckpt.read_states(storage, meta)
+            # what that checkpoint covered is committed (its notification may have been lost)
+            ckpt.run_commits(meta.properties.get("commits", []))
+            self.restored_from = meta.checkpoint_id
+        for t in self.tasks:
+            t.checkpointing = ckpt.TaskCheckpointing(t, coordinator, self._snapshot_writer)
+            state = states.get(t.checkpointing.key)
+            if state is not None and state.get("vertex") != t.vertex.name:
+                raise errors.ConfigurationError(
+                    f"checkpoint {meta.checkpoint_id}: task {t.checkpointing.key} was {state.get('vertex')!r}, "
+                    f"here it is {t.vertex.name!r}; the job graph changed")
+            t.restore = state
+        coordinator.attach(self, [t.checkpointing.key for t in self.tasks])
+
+    def _stop_checkpointing(self):
+        if self.coordinator is not None:
+            self.coordinator.stop()
+            self.coordinator.abort_all("the job ended")
+        if self._snapshot_writer is not None:
+            self._snapshot_writer.shutdown(wait=True)
+
+    def _should_restart(self) -> bool:
+        config = self.checkpoint_config
+        return (self.failure is not None and self.coordinator is not None and config is not None
+                and self.restarts < config.restart_attempts and not self._user_cancelled)
+
+    def _restart(self):
+        """After a task failed: every task has stopped; give back every
+        segment, then build the job again and restore the latest complete
+        checkpoint (sources rewind to its positions)."""
+        task, op, exc, _ = self.failure
+        self.restarts += 1
+        self.restart_failures.append((task, op, f"{type(exc).__name__}: {exc}"))
+        self.coordinator.abort_all(f"task {task!r} failed; restarting")
+        self._release_buffers()
+        old = self.network_pool
+        if old.available_segments != old.total_segments:
+            raise errors.FlowBufError(
+                f"{old.total_segments - old.available_segments} segment(s) were not returned by the failed attempt")
+        meta = self.coordinator.storage.latest(verify=False)
+        with self._lock:
+            self.failure = None
+            self.cancelled = False
+        self.tasks = []
+        self._build()
+        self._arm_checkpointing(meta)
+        if self.sampler is not None:
+            self.sampler.forget_counters()
+        for t in self.tasks:
+            t.start()
+
+    def trigger_sources(self, checkpoint_id):
+        for t in self.tasks:
+            if t.source is not None:
+                t.post(lambda t=t: t.trigger_checkpoint(checkpoint_id))
+
+    def notify_complete(self, checkpoint_id):
+        for t in self.tasks:
+            t.post(lambda t=t: t.notify_checkpoint_complete(checkpoint_id))
+
+    def abort_checkpoint(self, checkpoint_id):
+        for t in self.tasks:
+            t.post(lambda t=t: t.abort_checkpoint(checkpoint_id))
+
+    def checkpoints(self) -> list:
+        return [] if self.coordinator is None else self.coordinator.checkpoints()
+
     def task_failed(self, task, exc):
         with self._lock:
             first = self.failure is None and not (self.cancelled and isinstance(exc, errors.CancelledError))
@@ -375,8 +507,12 @@ class JobExecution(Execution):
         if first:
             self.cancel()
 
-    def cancel(self):
+    _user_cancelled = False
+
+    def cancel(self, _user=True):
         """Stop every task: blocked waits wake at once and raise inside the task."""
+        if _user and self.failure is None:
+            self._user_cancelled = True     # a cancel, not the fallout of a failure: no restart
         self.cancelled = True
         for t in self.tasks:
             t.cancel()

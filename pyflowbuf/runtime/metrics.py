@@ -35,6 +35,9 @@ def _rates(prev: dict, cur: dict, dt_ns: int) -> dict:
         "bytes_in": cur["bytes_in"],
         "bytes_out": cur["bytes_out"],
         "buffers_out": cur.get("buffers_out", 0),
+        # checkpoints: the last one this task acknowledged and its alignment time
+        "last_checkpoint": cur.get("last_checkpoint", 0),
+        "checkpoint_alignment_ms": cur.get("checkpoint_alignment_ms", 0.0),
         "in_pool_usage": round(cur["in_pool_usage"], 3),
         "out_pool_usage": round(cur["out_pool_usage"], 3),
         "level": backpressure_level(bp),
@@ -71,6 +74,18 @@ def close_listeners(listeners) -> None:
         if close is not None:
             try:
                 close()
+            except Exception:  # an exporter must never break the job
+                pass
+
+
+def publish_checkpoint(listeners, entry: dict) -> None:
+    """A checkpoint ended (completed, aborted, expired, failed): listeners that
+    keep checkpoint figures get its history entry."""
+    for listener in listeners:
+        hook = getattr(listener, "checkpoint", None)
+        if hook is not None:
+            try:
+                hook(entry)
             except Exception:  # an exporter must never break the job
                 pass
 
@@ -150,6 +165,13 @@ class MetricsSampler(threading.Thread):
             finally:
                 close_listeners(self.listeners)
 
+    def forget_counters(self) -> None:
+        """A restarted job has new tasks whose counters start again from zero:
+        rates are measured from them, not from the failed attempt's."""
+        with self._lock:
+            self._prev = {}
+            self._older = None
+
     def latest(self) -> dict:
         with self._lock:
             return dict(self._latest)
@@ -177,6 +199,12 @@ class JsonLinesLog:
         ts = time.time()
         for task, m in snap.items():
             self.fh.write(json.dumps({"ts": round(ts, 3), "job": self.job_name, "task": task, **m}) + "\n")
+        self.fh.flush()
+
+    def checkpoint(self, entry):
+        """One line per checkpoint: ``{"ts", "job", "checkpoint": {...}}``."""
+        line = json.dumps({"ts": round(time.time(), 3), "job": self.job_name, "checkpoint": entry}, default=str)
+        self.fh.write(line + "\n")
         self.fh.flush()
 
     def close(self):

@@ -11,6 +11,8 @@ the same way with chaining on or off, naming the operator and the value.
 """
 from __future__ import annotations
 
+import os
+
 from typing import Any, Callable
 
 import numpy as np
@@ -62,11 +64,21 @@ class Operator:
         return []
 
     def snapshot_state(self) -> Any:
-        """Operator state for a checkpoint (None when stateless)."""
+        """Operator state for a checkpoint (None when stateless): a copy, since
+        the task goes on processing while it is written out."""
         return None
 
     def restore_state(self, state: Any) -> None:
-        pass
+        """Called before ``open`` when the job restores from a checkpoint."""
+
+    def prepare_commit(self, checkpoint_id: int) -> list:
+        """Sinks: close the transaction that checkpoint ``checkpoint_id`` covers
+        and return the idempotent actions that commit it (and any earlier ones
+        not known to be committed). -1 is the end of input."""
+        return []
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        """Checkpoint ``checkpoint_id`` is complete: its actions were carried out."""
 
     # ---- the one kind check ----
     def _checked(self, out: list) -> list:
@@ -326,9 +338,20 @@ class CollectSink(Operator):
         super().__init__(name)
         self.target = target
 
+    _keep = 0
+
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
-        self.out = self.target[subtask] = []
+        # After a restore, the records the checkpoint covers stay and the rest
+        # (emitted by the failed attempt after it) go: they will come again.
+        self.out = self.target.setdefault(subtask, [])
+        del self.out[self._keep:]
+
+    def snapshot_state(self):
+        return {"records": len(self.out)}
+
+    def restore_state(self, state):
+        self._keep = state["records"] if state else 0
 
     def process_batch(self, batch):
         if batch and type(batch[0]) in _PLAIN:
@@ -385,22 +408,74 @@ class FunctionSink(Operator):
 
 
 class TextFileSink(Operator):
+    """``write_text``. Without checkpoints: one file (``path``, or ``path.i``
+    for subtask i of p > 1). With checkpoints: ``path`` is a directory of part
+    files ``part-<subtask>-<seq>``, each written under a hidden name and
+    renamed into place only when a checkpoint covering it completes (or the
+    job ends): Flink's two-phase commit, so readers never see records a
+    recovery will write again."""
+
     kind = "sink"
 
-    def __init__(self, name, path, encoding="utf-8"):
+    def __init__(self, name, path, encoding="utf-8", transactional=False):
         super().__init__(name)
         self.path = path
         self.encoding = encoding
+        self.transactional = transactional
+        self.fh = None
+        self.seq = 0
+        self.uncommitted: list = []     # (checkpoint id, action) until a checkpoint covering it completes
 
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
-        path = str(self.path) if parallelism == 1 else f"{self.path}.{subtask}"
-        self.fh = open(path, "w", encoding=self.encoding)
+        if not self.transactional:
+            path = str(self.path) if parallelism == 1 else f"{self.path}.{subtask}"
+            self.fh = open(path, "w", encoding=self.encoding)
+            return
+        self.dir = os.fspath(self.path)
+        os.makedirs(self.dir, exist_ok=True)
+        # what an earlier attempt left uncommitted will be written again
+        prefix = f".part-{subtask:05d}-"
+        for name in os.listdir(self.dir):
+            if name.startswith(prefix):
+                os.remove(os.path.join(self.dir, name))
+
+    def _part(self, hidden: bool) -> str:
+        name = f"part-{self.subtask:05d}-{self.seq:06d}"
+        return os.path.join(self.dir, f".{name}.inprogress" if hidden else name)
 
     def process_batch(self, batch):
+        if self.fh is None:
+            self.fh = open(self._part(True), "w", encoding=self.encoding)
         self.fh.write("".join(f"{x}\n" for x in batch))
         return []
 
-    def finish(self):
+    def _close_part(self, checkpoint_id):
+        if self.fh is None:
+            return
         self.fh.close()
+        self.fh = None
+        self.uncommitted.append((checkpoint_id, ("rename", self._part(True), self._part(False))))
+        self.seq += 1
+
+    def prepare_commit(self, checkpoint_id):
+        if not self.transactional:
+            return []
+        self._close_part(checkpoint_id)
+        return [action for _, action in self.uncommitted]
+
+    def notify_checkpoint_complete(self, checkpoint_id):
+        self.uncommitted = [(n, a) for n, a in self.uncommitted if not 0 <= n <= checkpoint_id]
+
+    def snapshot_state(self):
+        return {"seq": self.seq} if self.transactional else None
+
+    def restore_state(self, state):
+        if self.transactional and state:
+            self.seq = state["seq"]
+
+    def finish(self):
+        if not self.transactional and self.fh is not None:
+            self.fh.close()
+            self.fh = None
         return []

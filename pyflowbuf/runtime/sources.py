@@ -23,6 +23,11 @@ class Source:
         """Up to ``max_records`` records; None when exhausted."""
         raise NotImplementedError
 
+    # Checkpoints record ``position()`` and recovery calls ``seek()`` after
+    # ``open()``; a source that cannot rewind says so, and a job that needs
+    # exactly-once recovery refuses it before it starts.
+    rewindable = False
+
     def position(self) -> Any:
         return None
 
@@ -48,6 +53,10 @@ class IterableSource(Source):
         if parallelism != 1:
             raise ValueError("an iterable/generator source has parallelism 1")
         self._it = iter(self._factory() if self._factory else self._iterable)
+
+    @property
+    def rewindable(self):
+        return self._factory is not None or isinstance(self._iterable, (list, tuple, range))
 
     def next_batch(self, max_records):
         batch = list(itertools.islice(self._it, max_records))
@@ -78,6 +87,7 @@ class SequenceSource(Source):
     """Integers ``start, start+step, ... < stop``; parallel subtasks take strides."""
 
     default_kind = "int64"
+    rewindable = True
 
     def __init__(self, start: int, stop: int | None, step: int = 1):
         if step == 0:
@@ -114,6 +124,10 @@ class ArraySource(Source):
     def __init__(self, arrays: Iterable | Callable[[], Iterable]):
         self.inner = IterableSource(arrays)
 
+    @property
+    def rewindable(self):
+        return self.inner.rewindable
+
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
         self.inner.open(subtask, parallelism)
@@ -133,6 +147,7 @@ class TextFileSource(Source):
     line is the position, so a checkpoint can rewind exactly."""
 
     default_kind = "str"
+    rewindable = True
 
     def __init__(self, path, encoding: str = "utf-8"):
         self.path = os.fspath(path)
@@ -194,7 +209,9 @@ class RateLimiter:
         self.bytes_per_s = _positive_rate("bytes_per_s", bytes_per_s)
         self.rates = [self.records_per_s, self.bytes_per_s]
         self.tokens = [0.0 if r is None else min(r, 1.0) for r in self.rates]
-        self.last = time.monotonic()
+        # counted from the first acquire: the time a job takes to start is no
+        # credit for a burst
+        self.last = None
         self._cancel = threading.Event()
         self._records = 0
         self._bytes = 0
@@ -222,6 +239,8 @@ class RateLimiter:
         self._records += records
         self._bytes += nbytes
         need = (records, nbytes)
+        if self.last is None:
+            self.last = time.monotonic()
         while True:
             now = time.monotonic()
             dt, self.last = now - self.last, now

@@ -16,10 +16,16 @@ import time
 import numpy as np
 
 from pyflowbuf import errors
+from pyflowbuf._core.channel import BARRIER, CANCEL_BARRIER
+from pyflowbuf.runtime.alignment import SNAPSHOT, BarrierAligner
 from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error
 from pyflowbuf.runtime.exchange import MultiInput
 from pyflowbuf.runtime.pull import PullPolicy
 from pyflowbuf.runtime.sources import payload_nbytes
+
+
+def _no_op(key):
+    pass
 
 
 class _SourceCheck:
@@ -62,6 +68,13 @@ class Subtask(threading.Thread):
         self.bytes_in_source = 0
         self.source_idle_ns = 0
         self.pull_policy = None
+        # checkpoints (set by the job when they are on): the task's side of
+        # them, its barrier aligner, and the state to start from after a restore
+        self.checkpointing = None
+        self.aligner = None
+        self.restore = None
+        self.last_checkpoint = 0
+        self.last_alignment_ms = 0.0
         self.pulls = 0
         self.started_ns = 0
         self.finished_ns = 0
@@ -94,17 +107,29 @@ class Subtask(threading.Thread):
         self.started_ns = time.monotonic_ns()
         self.state = "RUNNING"
         try:
+            restore = self.restore
+            if restore is not None:
+                for op, state in zip(self.operators, restore["operators"]):
+                    self.current_operator = op.name
+                    op.restore_state(state)
             for op in self.operators:
                 self.current_operator = op.name
                 op.open(self.index, self.vertex.parallelism)
-            if self.source is not None:
+            if self.checkpointing is not None:
+                self._arm_alignment()
+            finished_before = restore is not None and restore["finished"]
+            if finished_before:
+                # it had ended before the checkpoint: nothing more comes from it
+                self._finish_restored()
+            elif self.source is not None:
                 self._run_source()
             elif isinstance(self.input, MultiInput):
                 self._run_multi_input()
             else:
                 self._run_input()
             if not self.job.cancelled:
-                self._finish()
+                if not finished_before:
+                    self._finish()
                 self.state = "FINISHED"
             else:
                 self.state = "CANCELED"
@@ -157,6 +182,8 @@ class Subtask(threading.Thread):
         outputs = self.outputs
         self.current_operator = self.vertex.head.name
         src.open(self.index, self.vertex.parallelism)
+        if self.restore is not None:
+            src.seek(self.restore["source"])
         self._timeout_ns = int(job.env.buffer_timeout * 1e9)
         self._next_flush = time.monotonic_ns() + self._timeout_ns
         # buffer_timeout == 0: Flink's "flush after every record"
@@ -208,6 +235,8 @@ class Subtask(threading.Thread):
             if self.mailbox:
                 self._drain_mailbox()
             batch = inp.read(max_batch, 0)
+            if self.aligner is not None:
+                self._check_channel_ends()
             if not batch:
                 event = inp.take_event()
                 if event is not None:
@@ -246,6 +275,8 @@ class Subtask(threading.Thread):
             if self.mailbox:
                 self._drain_mailbox()
             index, batch = inp.read(max_batch, 0)
+            if self.aligner is not None:
+                self._check_channel_ends()
             if not batch:
                 got = inp.take_event()
                 if got is not None:
@@ -273,6 +304,15 @@ class Subtask(threading.Thread):
         """Events other than end-of-partition (barriers arrive here), with the
         index of the input that delivered them: ``event`` is (channel, kind,
         aux, flags), channel counted within that input's gate."""
+        kind = event[1]
+        if (kind == BARRIER or kind == CANCEL_BARRIER) and self.aligner is not None:
+            self._check_channel_ends()
+            key = (input_index, event[0])
+            if kind == BARRIER:
+                self._carry_out(self.aligner.on_barrier(key, event[2]))
+            else:
+                self._carry_out(self.aligner.on_cancel(key, event[2]))
+            return
         handler = self.job.event_handler
         if handler is not None:
             handler(self, event, input_index)
@@ -287,6 +327,81 @@ class Subtask(threading.Thread):
         if tail:
             for out in self.outputs:
                 out.emit(tail)
+        if self.checkpointing is not None:
+            if self.aligner is not None:
+                self._check_channel_ends()
+            self.checkpointing.finished()
+        for out in self.outputs:
+            out.end_input()
+
+    # ---- checkpoints ----
+    def _arm_alignment(self):
+        """The barrier aligner over this task's input channels, keyed
+        (input index, channel). At-least-once counts barriers and never blocks."""
+        inp = self.input
+        if inp is None:
+            return
+        sides = inp.sides if isinstance(inp, MultiInput) else [inp]
+        keys = [(i, ch) for i, side in enumerate(sides) for ch in range(side.num_channels)]
+        if self.checkpointing.coordinator.config.mode == "at_least_once":
+            block = resume = _no_op
+        else:
+            def block(key):
+                sides[key[0]].block(key[1])
+
+            def resume(key):
+                sides[key[0]].resume(key[1])
+        self._sides = sides
+        self._ended = set()
+        self.aligner = BarrierAligner(keys, block, resume)
+
+    def _check_channel_ends(self):
+        """Channels that ended since the last look leave the alignment (an
+        end-of-partition is consumed inside the reader, never an event)."""
+        al = self.aligner
+        for key in list(al.live):
+            if key not in self._ended and self._sides[key[0]].channel_finished(key[1]):
+                self._ended.add(key)
+                self._carry_out(al.on_channel_finished(key))
+
+    def _carry_out(self, actions):
+        for action, n in actions:
+            if action == SNAPSHOT:
+                al_ns = self.aligner.alignment_ns.get(n, 0) if self.aligner is not None else 0
+                self.checkpointing.snapshot_and_write(n, al_ns)
+                self.last_checkpoint, self.last_alignment_ms = n, al_ns / 1e6
+                self._broadcast(BARRIER, n)
+            else:   # ABORT: downstream tasks stop aligning it too
+                self._broadcast(CANCEL_BARRIER, n)
+
+    def _broadcast(self, kind, aux):
+        for out in self.outputs:
+            out.broadcast_event(kind, aux)
+
+    def trigger_checkpoint(self, checkpoint_id: int) -> None:
+        """Mail to a source subtask: snapshot, then barrier n on every output,
+        in order with the records written before it."""
+        if self.checkpointing is None or self.finished_ns or self.job.cancelled:
+            return
+        self.checkpointing.snapshot_and_write(checkpoint_id)
+        self.last_checkpoint, self.last_alignment_ms = checkpoint_id, 0.0
+        self._broadcast(BARRIER, checkpoint_id)
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        """Mail: checkpoint n is complete (its sink commits were carried out)."""
+        for op in self.operators:
+            op.notify_checkpoint_complete(checkpoint_id)
+
+    def abort_checkpoint(self, checkpoint_id: int) -> None:
+        """Mail: the coordinator gave up checkpoint n (timeout, a decline)."""
+        if self.aligner is not None:
+            self._carry_out(self.aligner.abort(checkpoint_id))
+
+    def _finish_restored(self):
+        """A task restored as finished: its final state is back, its output was
+        consumed before the checkpoint; it tells its consumers it has ended."""
+        state = dict(self.restore)
+        self.checkpointing.coordinator.task_finished(self.checkpointing.key, state, [])
         for out in self.outputs:
             out.end_input()
 
@@ -314,6 +429,8 @@ class Subtask(threading.Thread):
             "bytes_out": sum(o.bytes for o in self.outputs),
             # buffers shipped: with bytes_out it shows a per-record flush at once
             "buffers_out": sum(o.writer.buffers_out for o in self.outputs if o.writer is not None),
+            "last_checkpoint": self.last_checkpoint,
+            "checkpoint_alignment_ms": self.last_alignment_ms,
             "in_pool_usage": inp.in_pool_usage if inp is not None else 0.0,
             "out_pool_usage": max((o.pool.usage for o in self.outputs), default=0.0),
         }

@@ -1,0 +1,354 @@
+"""Checkpoints (Flink's asynchronous barrier snapshots): the coordinator, which
+runs where the job was started, and each subtask's side of it.
+
+The coordinator triggers checkpoint *n* at every source subtask (a mail in its
+mailbox). A source records its position, snapshots its chain's state and emits
+barrier *n* on all its outputs, in order with its records. Every other
+subtask aligns barrier *n* over its input channels (``alignment``), snapshots
+and forwards it. A snapshot is a copy of the state taken in the task's thread;
+a background thread writes it to durable storage and acknowledges it. When
+every subtask has acknowledged, the coordinator writes the checkpoint's
+metadata (only then is it complete), and tells the sinks to commit what the
+checkpoint covers. A subtask that finished (end of input) hands the
+coordinator its final state, which stands for it in every later checkpoint.
+
+Recovery (``JobExecution``) restores every subtask from the latest complete
+checkpoint: sources seek to their recorded positions, operators restore their
+state, sinks commit what that checkpoint covered and drop everything written
+after it. Records in flight at the failure are re-read from the sources:
+exactly-once state and output.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyflowbuf import errors
+from pyflowbuf.runtime.metrics import publish_checkpoint
+
+log = logging.getLogger("pyflowbuf.checkpoint")
+
+MODES = ("exactly_once", "at_least_once")
+DEFAULT_CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclass
+class CheckpointConfig:
+    """The checkpoint settings of an Environment (see ``Environment``)."""
+
+    interval: float
+    directory: str
+    timeout: float = 600.0
+    retained: int = 2
+    restart_attempts: int = 0
+    mode: str = "exactly_once"
+    allow_pickle: bool = False
+
+    @classmethod
+    def from_env(cls, env) -> "CheckpointConfig | None":
+        interval = getattr(env, "checkpoint_interval", None)
+        if interval is None:
+            return None
+        return cls(interval=interval, directory=os.fspath(env.checkpoint_dir or DEFAULT_CHECKPOINT_DIR),
+                   timeout=env.checkpoint_timeout, retained=env.checkpoints_retained,
+                   restart_attempts=env.restart_attempts, mode=env.checkpointing_mode,
+                   allow_pickle=env.allow_pickle)
+
+
+@dataclass
+class _Pending:
+    checkpoint_id: int
+    trigger_time: float           # epoch seconds
+    trigger_ns: int               # monotonic
+    expected: set
+    handles: dict = field(default_factory=dict)       # task key -> TaskStateHandle
+    alignment_ms: dict = field(default_factory=dict)  # task key -> ms spent aligning
+    commits: list = field(default_factory=list)       # sink commit actions the checkpoint covers
+
+
+class CheckpointCoordinator:
+    """Triggers, collects and completes checkpoints for one job.
+
+    ``execution`` provides ``trigger_sources(n)``, ``notify_complete(n)`` and
+    ``abort_checkpoint(n)``; subtasks call ``acknowledge``, ``decline`` and
+    ``task_finished`` from any thread."""
+
+    def __init__(self, config: CheckpointConfig, storage, job_name: str = "job"):
+        self.config = config
+        self.storage = storage
+        self.job_name = job_name
+        self._lock = threading.Lock()
+        latest = storage.latest(verify=False)
+        self._next_id = (latest.checkpoint_id if latest is not None else 0) + 1
+        self.pending: dict[int, _Pending] = {}
+        self.history: list[dict] = []
+        self.finished: dict[str, tuple] = {}       # task key -> (state, commits)
+        self.task_keys: set = set()
+        self.execution = None
+        self._stop = threading.Event()
+        self._thread = None
+        self.completed = 0
+        self.listeners: list = []      # metrics listeners with a checkpoint(entry) hook
+
+    # ---- lifecycle ----
+    def attach(self, execution, task_keys, finished=None) -> None:
+        """A (re)started attempt: which subtasks take part and how to reach them."""
+        with self._lock:
+            self.execution = execution
+            self.task_keys = set(task_keys)
+            self.finished = dict(finished or {})
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pyflowbuf: checkpoint coordinator",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self):
+        interval = self.config.interval
+        while not self._stop.wait(interval):
+            try:
+                self._expire()
+                self.trigger()
+            except Exception:       # the coordinator must outlive one bad checkpoint
+                log.exception("pyflowbuf: checkpoint coordinator")
+
+    # ---- triggering ----
+    def trigger(self) -> int | None:
+        """Start the next checkpoint; None when one is still pending (one at a
+        time, Flink's default) or every subtask has finished."""
+        with self._lock:
+            execution = self.execution
+            if execution is None or self.pending or self._stop.is_set():
+                return None
+            running = self.task_keys - set(self.finished)
+            if not running:
+                return None
+            n = self._next_id
+            self._next_id += 1
+            p = self.pending[n] = _Pending(n, time.time(), time.monotonic_ns(), set(self.task_keys))
+            finished = dict(self.finished)
+        for key, (state, commits) in finished.items():
+            self._write_final(p, key, state, commits)
+        execution.trigger_sources(n)
+        return n
+
+    def _write_final(self, p: _Pending, key, state, commits) -> None:
+        try:
+            handle = self.storage.write_task_state(p.checkpoint_id, key, state)
+        except Exception as exc:
+            self.decline(key, p.checkpoint_id, f"writing the final state of {key}: {exc}")
+            return
+        self.acknowledge(key, p.checkpoint_id, handle, 0.0, commits)
+
+    def _expire(self) -> None:
+        timeout_ns = self.config.timeout * 1e9
+        now = time.monotonic_ns()
+        with self._lock:
+            late = [n for n, p in self.pending.items() if now - p.trigger_ns > timeout_ns]
+        for n in late:
+            self.abort(n, f"checkpoint {n} did not complete within checkpoint_timeout="
+                          f"{self.config.timeout} s", status="expired")
+
+    # ---- from subtasks ----
+    def acknowledge(self, task_key, checkpoint_id, handle, alignment_ms, commits) -> None:
+        with self._lock:
+            p = self.pending.get(checkpoint_id)
+            if p is None or task_key not in p.expected:
+                return          # aborted meanwhile: its directory is gone or going
+            p.handles[task_key] = handle
+            p.alignment_ms[task_key] = alignment_ms
+            p.commits.extend(commits)
+            if set(p.handles) < p.expected:
+                return
+            del self.pending[checkpoint_id]
+        self._complete(p)
+
+    def decline(self, task_key, checkpoint_id, reason) -> None:
+        self.abort(checkpoint_id, f"task {task_key} declined: {reason}")
+
+    def task_finished(self, task_key, state, commits) -> None:
+        """A subtask ended its input: its final state stands for it from now on,
+        also in checkpoints it has not acknowledged yet."""
+        with self._lock:
+            self.finished[task_key] = (state, list(commits))
+            waiting = [p for p in self.pending.values() if task_key not in p.handles]
+        for p in waiting:
+            self._write_final(p, task_key, state, commits)
+
+    # ---- completing ----
+    def _complete(self, p: _Pending) -> None:
+        duration = (time.monotonic_ns() - p.trigger_ns) / 1e9
+        try:
+            meta = self.storage.complete(
+                p.checkpoint_id, list(p.handles.values()), trigger_time=p.trigger_time, duration=duration,
+                properties={"job": self.job_name, "alignment_ms": p.alignment_ms, "mode": self.config.mode,
+                            "commits": p.commits})
+        except Exception as exc:
+            log.warning("pyflowbuf: completing checkpoint %d failed: %s", p.checkpoint_id, exc)
+            self._record(p, "failed", duration, reason=str(exc))
+            try:
+                self.storage.abort(p.checkpoint_id)
+            except Exception:
+                pass
+            return
+        run_commits(p.commits)
+        with self._lock:
+            self.completed += 1
+        self._record(p, "completed", duration, state_bytes=meta.state_bytes, size=meta.size)
+        execution = self.execution
+        if execution is not None:
+            execution.notify_complete(p.checkpoint_id)
+
+    def abort(self, checkpoint_id, reason, status="aborted") -> None:
+        with self._lock:
+            p = self.pending.pop(checkpoint_id, None)
+            execution = self.execution
+        if p is None:
+            return
+        log.info("pyflowbuf: checkpoint %d %s: %s", checkpoint_id, status, reason)
+        try:
+            self.storage.abort(checkpoint_id)
+        except Exception:
+            pass
+        self._record(p, status, (time.monotonic_ns() - p.trigger_ns) / 1e9, reason=reason)
+        if execution is not None:
+            execution.abort_checkpoint(checkpoint_id)
+
+    def abort_all(self, reason) -> None:
+        with self._lock:
+            ids = list(self.pending)
+        for n in ids:
+            self.abort(n, reason)
+
+    def finish_job(self) -> None:
+        """The job ended without failure: sinks commit their final output."""
+        self.stop()
+        with self._lock:
+            commits = [c for _, cs in self.finished.values() for c in cs]
+        run_commits(commits)
+
+    def _record(self, p: _Pending, status, duration, **extra) -> None:
+        entry = {"id": p.checkpoint_id, "status": status, "trigger_time": p.trigger_time,
+                 "duration_s": round(duration, 6),
+                 "alignment_ms": dict(p.alignment_ms), "acknowledged": len(p.handles),
+                 "tasks": len(p.expected), **extra}
+        with self._lock:
+            self.history.append(entry)
+            if len(self.history) > 1000:
+                del self.history[:100]
+        publish_checkpoint(self.listeners, entry)
+
+    def checkpoints(self) -> list[dict]:
+        with self._lock:
+            return [dict(e) for e in self.history]
+
+
+# ---------------------------------------------------------------- sink commits
+
+def run_commits(commits) -> None:
+    """Carry out sink commit actions; each is idempotent, so a commit repeated
+    after a failure (the notification may have been lost) changes nothing."""
+    for action in commits:
+        kind = action[0]
+        if kind == "rename":
+            _, src, dst = action
+            if os.path.exists(src):
+                os.replace(src, dst)
+            elif not os.path.exists(dst):
+                log.warning("pyflowbuf: committed file %s is missing (and %s too)", dst, src)
+        else:
+            raise errors.FlowBufError(f"unknown sink commit action {kind!r}")
+
+
+# ---------------------------------------------------------------- a subtask's side
+
+class TaskCheckpointing:
+    """What a subtask does for checkpoints: snapshot its chain, write it in the
+    background, acknowledge; barrier alignment lives in ``aligner``."""
+
+    def __init__(self, task, coordinator: CheckpointCoordinator, writer: ThreadPoolExecutor):
+        self.task = task
+        self.coordinator = coordinator
+        self.writer = writer
+        self.key = task_key(task.vertex, task.index)
+        self.aligner = None
+
+    def snapshot(self, checkpoint_id: int) -> tuple[dict, list]:
+        """Copy the chain's state now (in the task's thread): source position,
+        operator states, sink transactions to commit with this checkpoint."""
+        t = self.task
+        commits: list = []
+        states = []
+        for op in t.operators:
+            commits.extend(op.prepare_commit(checkpoint_id))
+            states.append(op.snapshot_state())
+        state = {"vertex": t.vertex.name, "subtask": t.index, "finished": False,
+                 "source": None if t.source is None else t.source.position(),
+                 "operators": states}
+        return state, commits
+
+    def snapshot_and_write(self, checkpoint_id: int, alignment_ns: int = 0) -> None:
+        try:
+            state, commits = self.snapshot(checkpoint_id)
+        except Exception as exc:
+            self.coordinator.decline(self.key, checkpoint_id, f"snapshot failed: {exc!r}")
+            raise
+        self.writer.submit(self._write, checkpoint_id, state, commits, alignment_ns / 1e6)
+
+    def _write(self, checkpoint_id, state, commits, alignment_ms):
+        storage = self.coordinator.storage
+        try:
+            handle = storage.write_task_state(checkpoint_id, self.key, state)
+        except Exception as exc:  # noqa: BLE001 - reported to the coordinator
+            log.warning("pyflowbuf: %s could not write checkpoint %d: %s", self.key, checkpoint_id, exc)
+            self.coordinator.decline(self.key, checkpoint_id, repr(exc))
+            return
+        self.coordinator.acknowledge(self.key, checkpoint_id, handle, alignment_ms, commits)
+
+    def finished(self) -> None:
+        """End of input: the final state (no record will change it any more)."""
+        state, commits = self.snapshot(-1)
+        state["finished"] = True
+        self.coordinator.task_finished(self.key, state, commits)
+
+
+def task_key(vertex, index) -> str:
+    """A subtask's name in checkpoints: stable across attempts and processes,
+    for the same graph (vertex ids follow the order operators were declared)."""
+    return f"v{vertex.id}-{index}"
+
+
+def restore_plan(storage, restore_from, *, verify: bool = True):
+    """The CheckpointMetadata to restore from: ``"latest"`` (None when there is
+    none yet), a checkpoint id, or a ``chk-<id>`` directory path."""
+    if restore_from is None:
+        return None
+    if restore_from == "latest":
+        return storage.latest(verify=verify)
+    if isinstance(restore_from, int) and not isinstance(restore_from, bool):
+        return storage.load_metadata(restore_from, verify=verify)
+    name = os.path.basename(os.fspath(restore_from).rstrip("/"))
+    if name.startswith("chk-") and name[4:].isdigit():
+        return storage.load_metadata(int(name[4:]), verify=verify)
+    raise errors.ConfigurationError(
+        f"restore_from must be 'latest', a checkpoint id or a chk-<id> directory, got {restore_from!r}")
+
+
+def new_writer() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="pyflowbuf: snapshot writer")
+
+
+def read_states(storage, meta) -> dict[str, Any]:
+    """Every task's state of a complete checkpoint, by task key."""
+    return {key: storage.read_task_state(meta.checkpoint_id, key, metadata=meta).state for key in meta.tasks}

@@ -1,0 +1,308 @@
+"""Checkpoints and recovery: barriers through the job, durable snapshots, and
+exactly-once state and output after injected failures.
+
+The fault-injection tests compare a job that fails (an exception raised once
+at a random record, in a random operator) with the same job without failures:
+the committed output and the final keyed state must be equal, nothing lost and
+nothing duplicated.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import pyflowbuf as fb
+from pyflowbuf import errors
+from pyflowbuf.checkpoint import CheckpointStorage
+
+N_KEYS = 7
+KILLS = collections.Counter()       # fault-injection runs that really failed and recovered
+
+
+class FailOnce:
+    """An identity function that raises once, at its ``at``-th call (across all
+    subtasks of the operator), and never again: the failure of one attempt."""
+
+    def __init__(self, at: int):
+        self.at = at
+        self.calls = 0
+        self.fired = False
+        self.lock = threading.Lock()
+
+    def __call__(self, x):
+        with self.lock:
+            self.calls += 1
+            fire = not self.fired and self.calls == self.at
+            if fire:
+                self.fired = True
+        if fire:
+            raise RuntimeError(f"injected failure at call {self.at}")
+        return x
+
+
+def keyed_job(env, n, *, parallelism, partition, stages, fail=None, fail_stage=0, out_dir=None, rate=None):
+    """source -> (stages of map, one may fail) -> key_by -> running count -> sinks."""
+    s = env.from_sequence(0, n, parallelism=1, rate_limit=rate)
+    for i in range(stages):
+        fn = fail if (fail is not None and i == fail_stage) else (lambda x: x)
+        if partition == "rebalance":
+            s = s.rebalance()
+        s = s.map(fn, parallelism=parallelism, name=f"stage{i}", kind="int64")
+    counts = (s.map(lambda x: (x % N_KEYS, x), kind="struct")
+               .key_by(lambda kv: kv[0])
+               .reduce(lambda a, b: (a[0], a[1] + b[1]), parallelism=parallelism, name="count"))
+    handle = counts.collect(parallelism=1)
+    if out_dir is not None:
+        counts.map(lambda kv: f"{kv[0]},{kv[1]}", kind="str").write_text(str(out_dir), parallelism=1)
+    return handle
+
+
+def final_counts(records):
+    """The last running count per key (the keyed state at the end)."""
+    last = {}
+    for k, total in records:
+        last[k] = max(last.get(k, -1), total)
+    return last
+
+
+def read_parts(directory):
+    lines = []
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("part-"):
+            with open(os.path.join(directory, name)) as fh:
+                lines += fh.read().splitlines()
+    return lines
+
+
+def expected(n):
+    sums = collections.defaultdict(int)
+    for x in range(n):
+        sums[x % N_KEYS] += x
+    return dict(sums)
+
+
+# ---------------------------------------------------------------- basics
+
+def test_checkpoints_complete_during_a_job(tmp_path):
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk", chaining=False)
+    h = keyed_job(env, 6000, parallelism=2, partition="rebalance", stages=1, rate=20_000)
+    env.execute(60)
+    assert final_counts(h.result) == expected(6000)
+    done = [c for c in env.checkpoints() if c["status"] == "completed"]
+    assert done, env.checkpoints()
+    c = done[-1]
+    assert c["tasks"] == c["acknowledged"] and c["state_bytes"] > 0
+    assert set(c["alignment_ms"]) and all(v >= 0 for v in c["alignment_ms"].values())
+    ids = [c["id"] for c in env.checkpoints()]
+    assert ids == sorted(ids)
+    storage = CheckpointStorage(str(tmp_path / "chk"))
+    kept = storage.list_complete()
+    assert 1 <= len(kept) <= 2                     # checkpoints_retained=2
+
+
+def test_recovery_gives_exactly_once_state_and_output(tmp_path):
+    fail = FailOnce(2500)
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk", restart_attempts=2,
+                         chaining=False)
+    h = keyed_job(env, 6000, parallelism=2, partition="rebalance", stages=2, fail=fail, fail_stage=1,
+                  out_dir=tmp_path / "out", rate=20_000)
+    env.execute(120)
+    assert fail.fired
+    assert final_counts(h.result) == expected(6000)
+    # the collected running counts are those of a run without failures: no duplicate, none lost
+    assert collections.Counter(k for k, _ in h.result) == collections.Counter(x % N_KEYS for x in range(6000))
+    lines = read_parts(tmp_path / "out")
+    assert sorted(lines) == sorted(f"{k},{v}" for k, v in h.result)
+    assert not [f for f in os.listdir(tmp_path / "out") if f.startswith(".")]   # nothing uncommitted left
+    assert env.last_execution.restarts == 1
+
+
+def test_failure_without_restart_attempts_fails_the_job(tmp_path):
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk")
+    keyed_job(env, 3000, parallelism=1, partition="forward", stages=1, fail=FailOnce(100), rate=20_000)
+    with pytest.raises(errors.JobFailedError, match="injected failure"):
+        env.execute(60)
+
+
+def test_restart_attempts_are_limited(tmp_path):
+    def always(x):
+        if x == 500:
+            raise ValueError("always fails at 500")
+        return x
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk", restart_attempts=2)
+    env.from_sequence(0, 2000, rate_limit=20_000).map(always).collect()
+    with pytest.raises(errors.JobFailedError, match="always fails at 500"):
+        env.execute(60)
+    assert env.last_execution.restarts == 2
+
+
+def test_every_segment_returns_after_restarts(tmp_path):
+    fail = FailOnce(1000)
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk", restart_attempts=1,
+                         chaining=False)
+    keyed_job(env, 3000, parallelism=2, partition="rebalance", stages=1, fail=fail, rate=20_000)
+    env.execute(60)
+    ex = env.last_execution
+    assert ex.restarts == 1
+    for pool in ex.network_pools:
+        assert pool.available_segments == pool.total_segments
+
+
+def test_non_rewindable_source_is_refused(tmp_path):
+    env = fb.Environment(checkpoint_interval=0.1, checkpoint_dir=tmp_path / "chk")
+    env.from_iterable(iter(range(10))).collect()
+    with pytest.raises(errors.ConfigurationError, match="cannot rewind"):
+        env.execute(10)
+    # at-least-once: accepted
+    env = fb.Environment(checkpoint_interval=0.1, checkpoint_dir=tmp_path / "chk2",
+                         checkpointing_mode="at_least_once")
+    out = env.from_iterable(iter(range(10))).collect()
+    env.execute(10)
+    assert out.result == list(range(10))
+
+
+def test_checkpoint_settings_are_validated(tmp_path):
+    for kw, name in [(dict(checkpoint_interval=0), "checkpoint_interval"),
+                     (dict(checkpoint_interval=-1), "checkpoint_interval"),
+                     (dict(checkpoint_interval="1s"), "checkpoint_interval"),
+                     (dict(checkpoint_interval=1, checkpoint_timeout=0), "checkpoint_timeout"),
+                     (dict(checkpoint_interval=1, checkpoints_retained=0), "checkpoints_retained"),
+                     (dict(restart_attempts=-1), "restart_attempts"),
+                     (dict(checkpoint_interval=1, checkpointing_mode="twice"), "checkpointing_mode")]:
+        with pytest.raises(ValueError, match=name):
+            fb.Environment(checkpoint_dir=tmp_path, **kw)
+
+
+def test_checkpoints_on_an_fsspec_memory_filesystem():
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    if fs.exists("/pyflowbuf-test"):
+        fs.rm("/pyflowbuf-test", recursive=True)
+    fail = FailOnce(1500)
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir="memory://pyflowbuf-test",
+                         restart_attempts=1, chaining=False)
+    h = keyed_job(env, 4000, parallelism=2, partition="rebalance", stages=1, fail=fail, rate=20_000)
+    env.execute(60)
+    assert fail.fired and final_counts(h.result) == expected(4000)
+    assert CheckpointStorage("memory://pyflowbuf-test").latest() is not None
+
+
+def test_a_torn_checkpoint_is_skipped_on_restore(tmp_path):
+    chk = tmp_path / "chk"
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=chk, checkpoints_retained=3)
+    keyed_job(env, 4000, parallelism=1, partition="forward", stages=1, rate=20_000)
+    env.execute(60)
+    storage = CheckpointStorage(str(chk), retained=3)
+    complete = storage.list_complete()
+    assert len(complete) >= 2
+    newest = complete[-1]
+    victim = os.path.join(newest.path.removeprefix("file://"), next(iter(newest.tasks.values())).file)
+    with open(victim, "r+b") as fh:
+        fh.seek(20)
+        byte = fh.read(1)
+        fh.seek(20)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    assert storage.latest().checkpoint_id == complete[-2].checkpoint_id
+
+
+# ---------------------------------------------------------------- Hypothesis fault injection
+
+@given(parallelism=st.integers(1, 3), stages=st.integers(1, 3),
+       partition=st.sampled_from(["forward", "rebalance"]), fail_stage=st.integers(0, 2),
+       fail_at=st.integers(1, 3000), chaining=st.booleans())
+def test_exactly_once_under_random_failures(tmp_path_factory, parallelism, stages, partition, fail_stage,
+                                            fail_at, chaining):
+    tmp = tmp_path_factory.mktemp("eo")
+    n = 3000
+    fail = FailOnce(fail_at)
+    env = fb.Environment(checkpoint_interval=0.01, checkpoint_dir=tmp / "chk", restart_attempts=3,
+                         chaining=chaining)
+    h = keyed_job(env, n, parallelism=parallelism, partition=partition, stages=stages, fail=fail,
+                  fail_stage=min(fail_stage, stages - 1), out_dir=tmp / "out", rate=40_000)
+    env.execute(120)
+    if fail.fired:
+        KILLS["exception"] += 1
+    assert final_counts(h.result) == expected(n)
+    assert collections.Counter(k for k, _ in h.result) == collections.Counter(x % N_KEYS for x in range(n))
+    assert sorted(read_parts(tmp / "out")) == sorted(f"{k},{v}" for k, v in h.result)
+
+
+# ---------------------------------------------------------------- a new process resumes
+
+RESUME = textwrap.dedent("""
+    import os, sys
+    import pyflowbuf as fb
+    chk, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    def maybe_die(x):
+        if kill_at and x == kill_at:
+            os._exit(17)            # the process dies, no cleanup
+        return x
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=chk, chaining=False)
+    (env.from_sequence(0, 5000, rate_limit=20000)
+        .map(maybe_die, kind="int64")
+        .map(lambda x: (x % 5, x), kind="struct")
+        .key_by(lambda kv: kv[0])
+        .reduce(lambda a, b: (a[0], a[1] + b[1]))
+        .map(lambda kv: f"{kv[0]},{kv[1]}", kind="str")
+        .write_text(out))
+    env.execute(120, restore_from="latest")
+""")
+
+
+def test_a_new_process_resumes_a_crashed_job_from_its_checkpoint_dir(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(RESUME)
+    chk, out = str(tmp_path / "chk"), str(tmp_path / "out")
+    run = lambda kill: subprocess.run([sys.executable, str(script), chk, out, str(kill)],  # noqa: E731
+                                      capture_output=True, text=True, timeout=180)
+    first = run(3000)
+    assert first.returncode == 17, first.stderr
+    assert CheckpointStorage(chk).latest() is not None
+    second = run(0)
+    assert second.returncode == 0, second.stderr
+    KILLS["process"] += 1
+    lines = read_parts(out)
+    # exactly the running counts of a run without failure
+    want, sums = [], collections.defaultdict(int)
+    for x in range(5000):
+        sums[x % 5] += x
+        want.append(f"{x % 5},{sums[x % 5]}")
+    assert sorted(lines) == sorted(want)
+
+
+def test_the_main_jobs_checkpoint_step(tmp_path):
+    from pyflowbuf.demo import checkpoint_demo
+
+    res = checkpoint_demo(tmp_path, records=30_000)
+    assert res["restarts"] == 1 and res["exactly_once"] and res["output_lines"] == 30_000
+    assert res["checkpoints_completed"] >= 1
+
+
+def test_the_readme_checkpoint_example(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with open("events.csv", "w") as fh:
+        for i in range(3000):
+            fh.write(f"user{i % 4},page{i}\n")
+
+    def count(user, event, state):
+        state["n"] = state.get("n", 0) + 1
+        return [f"{user},{state['n']}"]
+
+    env = fb.Environment(parallelism=2, checkpoint_interval=1.0, checkpoint_dir="checkpoints",
+                         restart_attempts=3)
+    (env.read_text("events.csv")
+        .map(lambda line: tuple(line.split(",")[:2]))
+        .key_by(lambda e: e[0])
+        .process(count)
+        .write_text("counts"))
+    env.execute(60, restore_from="latest")
+    lines = read_parts("counts")
+    assert sorted(lines) == sorted(f"user{u},{n}" for u in range(4) for n in range(1, 751))
