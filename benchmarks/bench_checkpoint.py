@@ -1,0 +1,183 @@
+"""Checkpoint benchmark: what aligned checkpoints cost when nothing fails, how
+long they take with and without backpressure, and how long a recovery takes.
+
+checkpoint_overhead_ratio
+    records/s of a keyed-count job (source -> map -> key_by -> reduce -> sink,
+    chaining off, 4 tasks) with a checkpoint every second / the same job
+    without checkpoints, interleaved repetitions. Goal >= 0.95.
+aligned_checkpoint_s_no_backpressure
+    median duration (trigger to completion) of the checkpoints of that job.
+aligned_checkpoint_s_backpressure
+    the same job with the source rate-limited and a sink 20x slower than it,
+    default buffers and 32 KiB segments: the barrier waits behind every buffer
+    queued ahead of it. Median of the checkpoints that completed.
+recovery_s, state_write_s
+    a job builds about 100 MB of keyed state (quick: 30 MB), one checkpoint
+    completes, then an operator fails: from the failure to the first record
+    processed after the restore. Next to it the time that checkpoint took to
+    write the state once (its duration).
+exactly_once_ok
+    1 when the failing job's result equals the same job's without a failure.
+
+Run: ``python benchmarks/run.py checkpoint [--quick] [--json]``.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import Goal  # noqa: E402
+
+import pyflowbuf as fb  # noqa: E402
+
+KEYS = 1000
+
+
+def params(quick: bool) -> dict:
+    if quick:
+        return dict(repeats=3, n=2_000_000, bp_seconds=8.0, bp_rate=200_000, state_keys=300_000,
+                    state_value=100)
+    return dict(repeats=5, n=5_000_000, bp_seconds=20.0, bp_rate=200_000, state_keys=1_000_000,
+                state_value=100)
+
+
+def _keyed_count(env, source):
+    return (source.map(lambda x: x + 1, kind="int64", name="map")
+                  .map(lambda x: (x % KEYS, 1), kind="struct", name="pair")
+                  .key_by(lambda kv: kv[0])
+                  .reduce(lambda a, b: (a[0], a[1] + b[1]), name="count"))
+
+
+def overhead_case(n, checkpoints: list | None, tmp):
+    def run():
+        kw = {}
+        if checkpoints is not None:
+            kw = dict(checkpoint_interval=1.0, checkpoint_dir=tempfile.mkdtemp(dir=tmp))
+        env = fb.Environment(chaining=False, **kw)
+        seen = [0]
+        _keyed_count(env, env.from_sequence(0, n)).sink(lambda b: seen.__setitem__(0, seen[0] + len(b)),
+                                                       batched=True, name="sink")
+        t0 = time.perf_counter()
+        env.execute(600)
+        dt = time.perf_counter() - t0
+        assert seen[0] == n
+        if checkpoints is not None:
+            checkpoints.extend(c["duration_s"] for c in env.checkpoints() if c["status"] == "completed")
+        return n / dt
+    return run
+
+
+def backpressure_durations(seconds, rate, tmp) -> tuple[list, float]:
+    """A sink 20x slower than the rate-limited source: checkpoints under backpressure."""
+    env = fb.Environment(chaining=False, checkpoint_interval=1.0, checkpoint_dir=tempfile.mkdtemp(dir=tmp))
+    sink_rate = rate / 20
+
+    def slow_sink(batch):
+        time.sleep(len(batch) / sink_rate)
+
+    _keyed_count(env, env.from_sequence(0, None, rate_limit=rate)).sink(slow_sink, batched=True, name="sink")
+    job = env.execute_async()
+    time.sleep(seconds)
+    done = [c["duration_s"] for c in env.checkpoints() if c["status"] == "completed"]
+    job.cancel()
+    try:
+        job.join(60)
+    except fb.errors.JobFailedError:
+        pass
+    bp = max((m["backpressured_ms_per_s"] for m in env.metrics().values()), default=0.0)
+    return done, bp
+
+
+def recovery(keys, value_size, tmp) -> dict:
+    """Build keyed state, let one checkpoint complete, fail, time the restore."""
+    marks = {}
+    n = keys * 4
+
+    def failing(x):
+        # fails once, at the first record after a checkpoint holding the whole
+        # state completed (the map runs as one subtask: nothing else calls it
+        # in the failed attempt afterwards)
+        if "failed_at" not in marks:
+            if x >= keys and marks.get("checkpointed"):
+                marks["failed_at"] = time.monotonic()
+                raise RuntimeError("injected failure")
+        elif "first_after" not in marks:
+            marks["first_after"] = time.monotonic()
+        return x
+
+    def job(fail: bool):
+        env = fb.Environment(chaining=False, checkpoint_interval=0.5, restart_attempts=1,
+                             checkpoint_dir=tempfile.mkdtemp(dir=tmp))
+        pad = "v" * value_size
+        out = (env.from_sequence(0, n)
+                  .map(failing if fail else (lambda x: x), kind="int64", name="maybe_fail")
+                  .map(lambda x: (x % keys, pad + str(x)), kind="struct", name="value")
+                  .key_by(lambda kv: kv[0])
+                  .reduce(lambda a, b: b, name="last")
+                  .filter(lambda kv: kv[0] < 100, name="few")
+                  .collect())
+        ex = env.execute_async()
+        if fail:
+            while not ex.done:
+                ok = [c for c in env.checkpoints() if c["status"] == "completed" and c.get("state_bytes", 0)
+                      >= keys * value_size]
+                if ok:
+                    marks["checkpointed"] = ok[-1]
+                    break
+                time.sleep(0.05)
+        ex.join(600)
+        return sorted(out.result), env
+
+    got, env = job(True)
+    want, _ = job(False)
+    ck = marks.get("checkpointed") or {}
+    return {"recovery_s": marks["first_after"] - marks["failed_at"] if "first_after" in marks else float("nan"),
+            "state_write_s": ck.get("duration_s", float("nan")),
+            "state_bytes": ck.get("state_bytes", 0),
+            "exactly_once_ok": int(got == want and env.last_execution.restarts == 1)}
+
+
+def main(quick: bool = False) -> dict:
+    p = params(quick)
+    rep = common.Report("checkpoint", quick, params={**p, "keys": KEYS, "chaining": False,
+                                                      "segment_size": 32 * 1024, "checkpoint_interval_s": 1.0})
+    with tempfile.TemporaryDirectory(prefix="pyflowbuf-bench-") as tmp:
+        rep.section("keyed count, chaining off: a checkpoint every second vs none")
+        durations: list = []
+        with common.progress("overhead", p["repeats"]) as adv:
+            s = common.interleaved({"checkpointed": overhead_case(p["n"], durations, tmp),
+                                    "plain": overhead_case(p["n"], None, tmp)}, p["repeats"], advance=adv)
+        rep.add("checkpointed_records_per_s", s.median("checkpointed"), "records/s")
+        rep.add("plain_records_per_s", s.median("plain"), "records/s")
+        rep.add("checkpoint_overhead_ratio", s.ratio("checkpointed", "plain"), "x", goal=Goal(">=", 0.95, "x"))
+        rep.add("aligned_checkpoint_s_no_backpressure",
+                statistics.median(durations) if durations else float("nan"), "s",
+                note=f"median of {len(durations)} checkpoints")
+
+        rep.section("a sink 20x slower than the source: the barrier waits behind queued buffers")
+        bp_durations, bp = backpressure_durations(p["bp_seconds"], p["bp_rate"], tmp)
+        rep.add("aligned_checkpoint_s_backpressure",
+                statistics.median(bp_durations) if bp_durations else float("nan"), "s",
+                note=f"median of {len(bp_durations)} completed in {p['bp_seconds']} s; max backpressured "
+                     f"{bp:.0f} ms/s")
+
+        rep.section("recovery from a failure with keyed state")
+        r = recovery(p["state_keys"], p["state_value"], tmp)
+        rep.add("recovery_s", r["recovery_s"], "s", note="failure -> first record processed after restore")
+        rep.add("state_write_s", r["state_write_s"], "s", note="the checkpoint that wrote the state once")
+        rep.add("recovery_state_mib", r["state_bytes"] / 2**20, "MiB")
+        rep.add("exactly_once_ok", r["exactly_once_ok"], "", goal=Goal(">=", 1, ""))
+    return rep.as_dict()
+
+
+if __name__ == "__main__":
+    result = main(quick="--quick" in sys.argv[1:])
+    sys.stdout.write(json.dumps(common.jsonable(result), allow_nan=False, separators=(",", ":")) + "\n")
