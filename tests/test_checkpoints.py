@@ -306,3 +306,30 @@ def test_the_readme_checkpoint_example(tmp_path, monkeypatch):
     env.execute(60, restore_from="latest")
     lines = read_parts("counts")
     assert sorted(lines) == sorted(f"user{u},{n}" for u in range(4) for n in range(1, 751))
+
+
+def test_a_finished_task_does_not_rewrite_a_checkpoint_it_snapshotted(tmp_path):
+    """The task's own write for n may still be on its way when it finishes:
+    the coordinator must not write its final state into n as well (two
+    writers of one file: the metadata check then fails the checkpoint)."""
+    from pyflowbuf.runtime.checkpointing import CheckpointConfig, CheckpointCoordinator
+
+    storage = CheckpointStorage(str(tmp_path))
+    coord = CheckpointCoordinator(CheckpointConfig(interval=1, directory=str(tmp_path)), storage)
+
+    class Execution:
+        def trigger_sources(self, n): pass
+        def notify_complete(self, n): pass
+        def abort_checkpoint(self, n): pass
+
+    coord.attach(Execution(), ["a", "b"])
+    n = coord.trigger()
+    writes = []
+    write = storage.write_task_state
+    storage.write_task_state = lambda *a, **k: writes.append(a[:2]) or write(*a, **k)
+    coord.task_finished("a", {"finished": True}, [], snapshotted=n)
+    assert writes == []
+    coord.task_finished("b", {"finished": True}, [], snapshotted=n - 1)   # b never snapshotted n
+    assert writes == [(n, "b")]
+    coord.acknowledge("a", n, write(n, "a", {"x": 1}), 0.0, [])
+    assert coord.checkpoints()[-1]["status"] == "completed"

@@ -177,12 +177,15 @@ class CheckpointCoordinator:
     def decline(self, task_key, checkpoint_id, reason) -> None:
         self.abort(checkpoint_id, f"task {task_key} declined: {reason}")
 
-    def task_finished(self, task_key, state, commits) -> None:
+    def task_finished(self, task_key, state, commits, snapshotted: int = 0) -> None:
         """A subtask ended its input: its final state stands for it from now on,
-        also in checkpoints it has not acknowledged yet."""
+        also in checkpoints it has not snapshotted. Those it has snapshotted
+        (ids up to ``snapshotted``) get its own write, which may still be on
+        its way: writing the final state there too would race it for the file."""
         with self._lock:
             self.finished[task_key] = (state, list(commits))
-            waiting = [p for p in self.pending.values() if task_key not in p.handles]
+            waiting = [p for p in self.pending.values()
+                       if task_key not in p.handles and p.checkpoint_id > snapshotted]
         for p in waiting:
             self._write_final(p, task_key, state, commits)
 
@@ -283,6 +286,7 @@ class TaskCheckpointing:
         self.writer = writer
         self.key = task_key(task.vertex, task.index)
         self.aligner = None
+        self.snapshotted = 0      # the last checkpoint id this task snapshotted
 
     def snapshot(self, checkpoint_id: int) -> tuple[dict, list]:
         """Copy the chain's state now (in the task's thread): source position,
@@ -299,6 +303,7 @@ class TaskCheckpointing:
         return state, commits
 
     def snapshot_and_write(self, checkpoint_id: int, alignment_ns: int = 0) -> None:
+        self.snapshotted = max(self.snapshotted, checkpoint_id)
         try:
             state, commits = self.snapshot(checkpoint_id)
         except Exception as exc:
@@ -320,7 +325,7 @@ class TaskCheckpointing:
         """End of input: the final state (no record will change it any more)."""
         state, commits = self.snapshot(-1)
         state["finished"] = True
-        self.coordinator.task_finished(self.key, state, commits)
+        self.coordinator.task_finished(self.key, state, commits, self.snapshotted)
 
 
 def task_key(vertex, index) -> str:
