@@ -43,9 +43,9 @@ KEYS = 1000
 
 def params(quick: bool) -> dict:
     if quick:
-        return dict(repeats=3, n=2_000_000, bp_seconds=30.0, bp_rate=200_000, state_keys=300_000,
+        return dict(repeats=5, n=3_000_000, bp_seconds=30.0, bp_rate=200_000, state_keys=300_000,
                     state_value=100)
-    return dict(repeats=5, n=5_000_000, bp_seconds=60.0, bp_rate=200_000, state_keys=1_000_000,
+    return dict(repeats=9, n=5_000_000, bp_seconds=60.0, bp_rate=200_000, state_keys=1_000_000,
                 state_value=100)
 
 
