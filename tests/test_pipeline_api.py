@@ -18,34 +18,12 @@ from hypothesis import strategies as st
 import pyflowbuf as fb
 from pyflowbuf.errors import JobFailedError
 
+from pipeline_helpers import assert_clean, run  # noqa: E402
+
 pytestmark = pytest.mark.timeout(120)
 
 CHAINING = pytest.mark.parametrize("chaining", [True, False], ids=["chained", "unchained"])
 PARALLELISM = pytest.mark.parametrize("p", [1, 3], ids=["p1", "p3"])
-
-
-def job_threads(job) -> list:
-    """Threads of ``job`` still alive (tasks, metrics sampler, watcher)."""
-    threads = list(job.tasks)
-    if job.sampler is not None:
-        threads.append(job.sampler)
-    watcher = getattr(job, "_watcher", None)
-    if watcher is not None:
-        threads.append(watcher)
-    return [t for t in threads if t.is_alive()]
-
-
-def assert_clean(env) -> None:
-    """After a job: every segment back in the pool, no thread of it alive."""
-    job = env.last_execution
-    pool = job.network_pool
-    assert pool.available_segments == pool.total_segments, (pool.available_segments, pool.total_segments)
-    assert job_threads(job) == []
-
-
-def run(env, timeout=60):
-    env.execute(timeout)
-    assert_clean(env)
 
 
 # --------------------------------------------------------------------------- operators

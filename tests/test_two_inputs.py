@@ -27,33 +27,12 @@ from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf.errors import ConfigurationError, JobFailedError
 from pyflowbuf.runtime.exchange import EdgeKind, InputSide, MultiInput
 
+from pipeline_helpers import assert_clean, run  # noqa: E402
+
 pytestmark = pytest.mark.timeout(120)
 
 CHAINING = pytest.mark.parametrize("chaining", [True, False], ids=["chained", "unchained"])
 HAS_FORK = "fork" in multiprocessing.get_all_start_methods()
-
-
-def job_threads(job) -> list:
-    threads = list(job.tasks)
-    if job.sampler is not None:
-        threads.append(job.sampler)
-    watcher = getattr(job, "_watcher", None)
-    if watcher is not None:
-        threads.append(watcher)
-    return [t for t in threads if t.is_alive()]
-
-
-def assert_clean(env) -> None:
-    """After a job: every segment back in the pool, no thread of it alive."""
-    job = env.last_execution
-    pool = job.network_pool
-    assert pool.available_segments == pool.total_segments, (pool.available_segments, pool.total_segments)
-    assert job_threads(job) == []
-
-
-def run(env, timeout=60):
-    env.execute(timeout)
-    assert_clean(env)
 
 
 def counts(records) -> collections.Counter:
