@@ -234,7 +234,10 @@ class Subtask(threading.Thread):
         while not job.cancelled:
             if self.mailbox:
                 self._drain_mailbox()
-            batch = inp.read(max_batch, 0)
+            # An event that ended the idle read below is still pending: reading
+            # again would go past it (and a second event would replace it, so
+            # a barrier got lost and its alignment hung until end of input).
+            batch = [] if inp.has_event else inp.read(max_batch, 0)
             if self.aligner is not None:
                 self._check_channel_ends()
             if not batch:
