@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyflowbuf import errors
+from pyflowbuf.checkpoint.storage import CheckpointStateError
 from pyflowbuf.runtime.metrics import publish_checkpoint
 
 log = logging.getLogger("pyflowbuf.checkpoint")
@@ -316,7 +317,9 @@ class TaskCheckpointing:
         try:
             handle = storage.write_task_state(checkpoint_id, self.key, state)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator
-            log.warning("pyflowbuf: %s could not write checkpoint %d: %s", self.key, checkpoint_id, exc)
+            # a checkpoint aborted meanwhile (a failure, a restart) is no news
+            level = logging.DEBUG if isinstance(exc, CheckpointStateError) else logging.WARNING
+            log.log(level, "pyflowbuf: %s could not write checkpoint %d: %s", self.key, checkpoint_id, exc)
             self.coordinator.decline(self.key, checkpoint_id, repr(exc))
             return
         self.coordinator.acknowledge(self.key, checkpoint_id, handle, alignment_ms, commits)
@@ -354,6 +357,32 @@ def new_writer() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=2, thread_name_prefix="pyflowbuf: snapshot writer")
 
 
-def read_states(storage, meta) -> dict[str, Any]:
-    """Every task's state of a complete checkpoint, by task key."""
-    return {key: storage.read_task_state(meta.checkpoint_id, key, metadata=meta).state for key in meta.tasks}
+def read_states(storage, meta, keys=None) -> dict[str, Any]:
+    """The task states of a complete checkpoint, by task key: every task's, or
+    those of ``keys`` (the tasks of one worker process)."""
+    return {key: storage.read_task_state(meta.checkpoint_id, key, metadata=meta).state
+            for key in meta.tasks if keys is None or key in keys}
+
+
+def graph_task_keys(vertices) -> set:
+    """The task keys of a whole job graph (the iterator sink is no task)."""
+    return {task_key(v, i) for v in vertices if not v.is_iterator for i in range(v.parallelism)}
+
+
+def check_graph(meta, keys, url) -> None:
+    """Refuse to restore a checkpoint taken of another graph or parallelism."""
+    if set(meta.tasks) != set(keys):
+        raise errors.ConfigurationError(
+            f"checkpoint {meta.checkpoint_id} in {url} was taken of another job graph (tasks "
+            f"{sorted(meta.tasks)}, this job has {sorted(keys)}); restoring into a different graph "
+            "or parallelism is not supported")
+
+
+def check_rewindable(config: CheckpointConfig, name, source) -> None:
+    """Exactly-once recovery replays the sources from their recorded positions."""
+    if config.mode == "exactly_once" and not source.rewindable:
+        raise errors.ConfigurationError(
+            f"source {name!r} cannot rewind (a plain iterator or generator), so a "
+            "recovery could not replay it and exactly-once checkpoints are impossible: pass a "
+            "collection, a function returning a fresh iterable (from_generator), a file or a "
+            "sequence, or Environment(checkpointing_mode='at_least_once')")

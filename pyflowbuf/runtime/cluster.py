@@ -8,6 +8,17 @@ functions need no pickling; it hands out the workers' addresses, relays
 cancellation, gathers metrics, collected results and the first real failure,
 and leaves no process behind: workers die with the driver (PR_SET_PDEATHSIG)
 and are killed if they outlive a cancelled job's grace period.
+
+Checkpoints (``checkpoint_interval``): the coordinator runs in the driver and
+reaches the workers' tasks through control messages on each worker's pipe
+(trigger, complete, abort); each worker's tasks write their own state files
+to ``checkpoint_dir`` and acknowledge through a proxy of the coordinator
+(``WorkerCoordinator``). Barriers cross TCP as events, in order with the
+buffers and without credit. On a failure (a task, or a worker process that
+died) the driver stops every worker and forks a new set restoring the latest
+complete checkpoint, up to ``restart_attempts``. ``collect()`` records reach
+the driver ahead of each acknowledgement (``CollectShipper``), so the driver
+holds every record a checkpoint covers and keeps exactly those on a restore.
 """
 from __future__ import annotations
 
@@ -19,12 +30,17 @@ import sys
 import threading
 import time
 import traceback
+import logging
 import warnings
 
 from pyflowbuf import errors
 from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
+from pyflowbuf.runtime import checkpointing as ckpt
+from pyflowbuf.runtime.operators import CollectSink
 from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution, check_output_pools
 from pyflowbuf.runtime.metrics import MetricsRelay, close_listeners, make_listeners
+
+log = logging.getLogger("pyflowbuf.cluster")
 
 DRIVER = -1
 START_TIMEOUT_S = 60.0
@@ -55,6 +71,7 @@ class RemoteContext:
         self.manager = ConnectionManager(secret, credit_based=env.credit_based)
         self.addresses: dict = {}
         self.exports: list = []
+        self.collected = None        # the worker's CollectShipper (checkpoints need it before tasks run)
 
     def start_server(self):
         return self.server.start()
@@ -87,6 +104,11 @@ class RemoteContext:
             ch.attach_gate(gate)
             channels.append(ch)
         return channels
+
+    def tasks_armed(self, tasks):
+        """The job armed its tasks for checkpoints; none runs yet."""
+        if self.collected is not None:
+            self.collected.restored(tasks)
 
     def exports_drained(self) -> bool:
         return all(self.server.export_state(p, s) in ("finished", "released", None) for p, s in self.exports)
@@ -124,51 +146,160 @@ def _secondary(exc, op) -> bool:
     return op == "remote exchange" or isinstance(exc, (errors.CancelledError, errors.ConnectionLostError))
 
 
-def _collected(env) -> dict:
-    return {n.id: dict(n.collect_parts) for n in env.nodes if n.collect_parts is not None}
+class _Sender:
+    """``conn.send`` for the threads of a worker (the control loop, task
+    threads finishing, snapshot writers): one message at a time, and a lock
+    that lets a caller keep several messages together in order."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.lock = threading.RLock()
+
+    def __call__(self, msg):
+        with self.lock:
+            self.conn.send(msg)
+
+
+class CollectShipper:
+    """Ships a worker's ``collect()`` records to the driver as increments
+    ``{node id: {subtask: (start, records)}}``: the driver replaces its list
+    from ``start`` on. Increments go out ahead of every acknowledgement and
+    final state on the same pipe, so by the time a checkpoint completes the
+    driver holds every record it covers, even if the worker dies right
+    after. A restored collect sink keeps the records its checkpoint counted:
+    here they are placeholders (the driver has them), and the first increment
+    (``start`` = that count) drops what the failed attempt collected after it."""
+
+    def __init__(self, env, send: _Sender):
+        self.parts = {n.id: n.collect_parts for n in env.nodes if n.collect_parts is not None}
+        self.send = send
+        self.shipped: dict = {}      # (node id, subtask) -> records the driver has
+
+    def restored(self, tasks):
+        sync: dict = {}
+        for t in tasks:
+            for i, op in enumerate(t.operators):
+                if not isinstance(op, CollectSink):
+                    continue
+                state = t.restore["operators"][i] if t.restore is not None else None
+                keep = state["records"] if state else 0
+                # the sink keeps list[:keep] when it opens, then appends after it
+                op.target[t.index] = [None] * keep
+                self.shipped[(op.node_id, t.index)] = keep
+                sync.setdefault(op.node_id, {})[t.index] = (keep, [])
+        if sync:
+            self.send(("collected", sync))
+
+    def increments(self) -> dict:
+        out: dict = {}
+        for nid, parts in self.parts.items():
+            # list() copies at once: a sink task may add its subtask meanwhile
+            for sub, records in list(parts.items()):
+                start = self.shipped.get((nid, sub), 0)
+                end = len(records)       # sinks only append (after their restore)
+                if end > start:
+                    out.setdefault(nid, {})[sub] = (start, records[start:end])
+                    self.shipped[(nid, sub)] = end
+        return out
+
+    def flush(self):
+        with self.send.lock:
+            inc = self.increments()
+            if inc:
+                self.send(("collected", inc))
+
+
+class WorkerCoordinator:
+    """The checkpoint coordinator as a worker's tasks see it: its config and
+    storage (each task writes its own state file to the shared
+    ``checkpoint_dir``), and acknowledgements, declines and final states
+    sent to the driver, whose CheckpointCoordinator completes checkpoints."""
+
+    def __init__(self, config, storage, send: _Sender, collected: CollectShipper):
+        self.config = config
+        self.storage = storage
+        self._send = send
+        self._collected = collected
+
+    def _post(self, msg, with_records=False):
+        try:
+            with self._send.lock:
+                if with_records:
+                    self._collected.flush()
+                self._send(msg)
+        except (OSError, ValueError) as exc:
+            # the driver is gone: the control thread sees it too and cancels the job
+            log.debug("pyflowbuf: worker could not reach the driver: %s", exc)
+
+    def acknowledge(self, task_key, checkpoint_id, handle, alignment_ms, commits) -> None:
+        self._post(("ack", task_key, checkpoint_id, handle.to_dict(), alignment_ms, list(commits)), True)
+
+    def decline(self, task_key, checkpoint_id, reason) -> None:
+        self._post(("decline", task_key, checkpoint_id, str(reason)))
+
+    def task_finished(self, task_key, state, commits, snapshotted: int = 0) -> None:
+        self._post(("finished", task_key, state, list(commits), snapshotted), True)
 
 
 def _worker_main(env, me, workers, secret, conn):
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
     remote = None
+    send = _Sender(conn)
     try:
         remote = RemoteContext(secret, env)
+        remote.collected = shipper = CollectShipper(env, send)
         job = JobExecution(env, placement(workers), me, remote)
-        conn.send(("ready", remote.start_server()))
+        config = ckpt.CheckpointConfig.from_env(env)
+        if config is not None:
+            from pyflowbuf.checkpoint import CheckpointStorage
+
+            storage = CheckpointStorage(config.directory, retained=config.retained,
+                                        allow_pickle=config.allow_pickle)
+            job.checkpoint_config = config
+            job.coordinator = WorkerCoordinator(config, storage, send, shipper)
+        send(("ready", remote.start_server()))
         msg = conn.recv()
         if msg[0] != "go":
             return
         remote.addresses = msg[1]
+        job.restore_from = msg[2]       # a checkpoint id the driver chose, or None
         job.start()
 
         def listen():
             try:
                 while True:
-                    if conn.recv()[0] == "cancel":
+                    what, *args = conn.recv()
+                    if what == "cancel":
                         job.cancel()
+                    elif what == "trigger":
+                        job.trigger_sources(*args)
+                    elif what == "complete":
+                        job.notify_complete(*args)
+                    elif what == "abort":
+                        job.abort_checkpoint(*args)
             except (EOFError, OSError):
                 job.cancel()   # the driver is gone
         threading.Thread(target=listen, name="pyflowbuf: worker control", daemon=True).start()
         while not job._done.wait(env.metrics_interval):
-            conn.send(("metrics", job.metrics()))
+            send(("metrics", job.metrics()))
         try:
             job.join()
         except errors.JobFailedError:
             task, op, exc, tb = job.failure
-            conn.send(("failed", task, op, f"{type(exc).__name__}: {exc}", tb, _secondary(exc, op),
-                       job.metrics()))
+            send(("failed", task, op, f"{type(exc).__name__}: {exc}", tb, _secondary(exc, op), job.metrics()))
             return
         # consumers elsewhere may still be reading our exports
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while not job.cancelled and not remote.exports_drained() and time.monotonic() < deadline:
             time.sleep(0.01)
         # job.metrics() is the final sample now: join() returned after it
-        conn.send(("done", _collected(env), job.summary(), job.metrics()))
+        with send.lock:
+            send(("done", shipper.increments(), job.summary(), job.metrics()))
     except BaseException as exc:  # noqa: BLE001 - report everything to the driver
         try:
-            conn.send(("failed", f"worker {me}", "worker", f"{type(exc).__name__}: {exc}",
-                       traceback.format_exc(), False))
+            send(("failed", f"worker {me}", "worker", f"{type(exc).__name__}: {exc}",
+                  traceback.format_exc(), False))
         except Exception:
             pass
     finally:
@@ -198,7 +329,9 @@ class ClusterExecution(Execution):
         self._conns: dict = {}
         self._summaries: dict = {}
         self._results: dict = {}
+        self._collect_base: dict = {}        # (node id, subtask) -> index of the first record held
         self._finished_workers: set = set()
+        self._send_lock = threading.Lock()   # the coordinator's thread and the driver's both send
         self.local = None
         self.network_pool = None
         self.sampler = None              # a MetricsRelay once started
@@ -213,6 +346,16 @@ class ClusterExecution(Execution):
             processes.append((lambda v, i: place(v, i) == DRIVER, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS)))
         check_output_pools(env, edges, processes)
         self._worker_sinks = sorted({n.name for n in env.nodes if n.user_sink})
+        self.vertices = vertices
+        # checkpoints: the coordinator lives here, for every worker's tasks
+        self.checkpoint_config = ckpt.CheckpointConfig.from_env(env)
+        self.coordinator = None
+        self.restore_from = None       # set by Environment.execute(restore_from=...)
+        self.restored_from = None      # the checkpoint id the job (or its last attempt) started from
+        self.restarts = 0
+        self.restart_failures: list = []   # (task, operator, error text) of each failure recovered
+        self._user_cancelled = False
+        self._task_keys = ckpt.graph_task_keys(vertices)
 
     # ---- lifecycle ----
     def start(self):
@@ -220,18 +363,23 @@ class ClusterExecution(Execution):
         # one log, one live view for the whole job; a busy port is refused
         # before any worker is forked.
         self.sampler = MetricsRelay(self.env.metrics_interval, make_listeners(self.env))
-        ctx = mp.get_context("fork")
+        self._ctx = mp.get_context("fork")
         self.started = time.monotonic()
         try:
-            self._start_workers(ctx)
+            restore_id = self._start_checkpointing() if self.checkpoint_config is not None else None
+            self._start_workers(self._ctx, restore_id)
         except BaseException:
             close_listeners(self.sampler.listeners)
+            if self.coordinator is not None:
+                self.coordinator.stop()
             raise
+        if self.coordinator is not None:
+            self.coordinator.start()
         self._monitor = threading.Thread(target=self._watch, name="pyflowbuf: driver", daemon=True)
         self._monitor.start()
         return self
 
-    def _start_workers(self, ctx):
+    def _start_workers(self, ctx, restore_id=None):
         addresses = {}
         try:
             for w in range(self.workers):
@@ -255,8 +403,11 @@ class ClusterExecution(Execution):
                                           RemoteContext(self.secret, self.env))
                 self.local.remote.addresses = addresses
             self.ran = True
-            for c in self._conns:
-                c.send(("go", addresses))
+            with self._send_lock:
+                for c in self._conns:
+                    c.send(("go", addresses, restore_id))
+            if self.coordinator is not None:
+                self.coordinator.attach(self, self._task_keys)
         except BaseException:
             self.cancelled = True     # the workers are not part of a job: no grace period
             self._kill()
@@ -267,6 +418,34 @@ class ClusterExecution(Execution):
             raise
 
     def _watch(self):
+        relay = self.sampler
+        try:
+            while True:
+                self._watch_attempt()
+                if not self._should_restart():
+                    break
+                try:
+                    if not self._restart():
+                        break
+                except BaseException as exc:  # noqa: BLE001 - the restart itself failed: the job fails
+                    # (a start that fails kills whatever workers it forked)
+                    self.failure = ("job", "recovery", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                    self._failure_secondary = False
+                    self.cancelled = True
+                    break
+            if self.coordinator is not None:
+                if self.failure is None and not self.cancelled:
+                    self.coordinator.finish_job()     # sinks commit their final output
+                self._stop_checkpointing()
+        finally:
+            self.ended = time.monotonic()
+            try:
+                relay.close()       # the final merged sample, the last thing the job records
+            finally:
+                self._done.set()
+
+    def _watch_attempt(self):
+        """Relay one attempt's messages until every worker of it has ended."""
         conns = dict(self._conns)
         relay = self.sampler
         while conns:
@@ -283,24 +462,60 @@ class ClusterExecution(Execution):
                         self._fail(f"worker {w}", "worker process",
                                    f"worker {w} exited unexpectedly (exit code {code})", "", secondary=False)
                     continue
-                if msg[0] == "metrics":
-                    relay.update(w, msg[1])
-                elif msg[0] == "done":
-                    self._finished_workers.add(w)
-                    for node_id, parts in msg[1].items():
-                        self._results.setdefault(node_id, {}).update(parts)
-                    self._summaries[w] = msg[2]
-                    relay.update(w, msg[3])
-                elif msg[0] == "failed":
-                    self._finished_workers.add(w)
-                    if len(msg) > 6:
-                        relay.update(w, msg[6])
-                    self._fail(*msg[1:5], secondary=msg[5])
-        self.ended = time.monotonic()
-        try:
-            relay.close()       # the final merged sample, the last thing the job records
-        finally:
-            self._done.set()
+                try:
+                    self._handle(w, msg)
+                except Exception as exc:  # noqa: BLE001 - a message the driver cannot act on fails the job
+                    self._fail("driver", "checkpoint coordinator", f"{type(exc).__name__}: {exc}",
+                               traceback.format_exc(), secondary=False)
+
+    def _handle(self, w, msg):
+        what = msg[0]
+        relay = self.sampler
+        if what == "metrics":
+            relay.update(w, msg[1])
+        elif what == "collected":
+            self._collect(w, msg[1])
+        elif what == "ack":
+            _, key, n, handle, alignment_ms, commits = msg
+            from pyflowbuf.checkpoint.storage import TaskStateHandle
+
+            self.coordinator.acknowledge(key, n, TaskStateHandle.from_dict(handle), alignment_ms, commits)
+        elif what == "decline":
+            self.coordinator.decline(msg[1], msg[2], msg[3])
+        elif what == "finished":
+            _, key, state, commits, snapshotted = msg
+            self.coordinator.task_finished(key, state, commits, snapshotted)
+        elif what == "done":
+            self._finished_workers.add(w)
+            self._collect(w, msg[1])
+            self._summaries[w] = msg[2]
+            relay.update(w, msg[3])
+        elif what == "failed":
+            self._finished_workers.add(w)
+            if len(msg) > 6:
+                relay.update(w, msg[6])
+            self._fail(*msg[1:5], secondary=msg[5])
+        else:
+            raise errors.ProtocolError(f"unknown message {what!r} from worker {w}")
+
+    def _collect(self, w, increments):
+        for nid, subs in increments.items():
+            parts = self._results.setdefault(nid, {})
+            for sub, (start, records) in subs.items():
+                have = parts.setdefault(sub, [])
+                base = self._collect_base.get((nid, sub), 0)
+                at = start - base
+                if not 0 <= at <= len(have):
+                    if have or self.restarts:
+                        raise errors.FlowBufError(
+                            f"worker {w} sent collected records of subtask {sub} from #{start}, but the "
+                            f"driver holds #{base} to #{base + len(have)}: records a checkpoint covers were lost")
+                    # restore_from a checkpoint of an earlier run: the records it
+                    # covers were that run's results (as for a job in one process)
+                    self._collect_base[(nid, sub)] = base = start
+                    at = 0
+                del have[at:]
+                have.extend(records)
 
     def _fail(self, task, op, text, tb, secondary):
         with self._lock:
@@ -310,19 +525,105 @@ class ClusterExecution(Execution):
             if replace:
                 self.failure = (task, op, text, tb)
                 self._failure_secondary = secondary
-        self.cancel()
+        self.cancel(_user=False)
 
-    def cancel(self):
+    def cancel(self, _user=True):
+        if _user:
+            # the caller's cancel (or join's timeout), even during a recovery:
+            # no restart; failures cancel with _user=False
+            self._user_cancelled = True
         if self.cancelled:
             return
         self.cancelled = True
-        for c in list(self._conns):
-            try:
-                c.send(("cancel",))
-            except (OSError, ValueError):
-                pass
+        self._broadcast(("cancel",))
         if self.local is not None:
             self.local.cancel()
+
+    def _broadcast(self, msg):
+        with self._send_lock:
+            for c in list(self._conns):
+                try:
+                    c.send(msg)
+                except (OSError, ValueError):
+                    pass    # that worker has ended; its end is reported on its pipe
+
+    # ---- checkpoints and recovery ----
+    def _start_checkpointing(self):
+        """The coordinator, before any worker is forked; returns the id of the
+        checkpoint to restore (``restore_from``), or None."""
+        from pyflowbuf.checkpoint import CheckpointStorage
+
+        config = self.checkpoint_config
+        # refused here, before a worker exists, rather than as a worker's failure
+        for v in self.vertices:
+            if v.head.source is not None:
+                ckpt.check_rewindable(config, v.head.name, v.head.source())
+        storage = CheckpointStorage(config.directory, retained=config.retained, allow_pickle=config.allow_pickle)
+        self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)
+        self.coordinator.listeners = self.sampler.listeners
+        return self._restore_point(ckpt.restore_plan(storage, self.restore_from))
+
+    def _restore_point(self, meta):
+        if meta is None:
+            self.restored_from = None
+            return None
+        ckpt.check_graph(meta, self._task_keys, self.coordinator.storage.url)
+        # what that checkpoint covered is committed (its notification may have been lost)
+        ckpt.run_commits(meta.properties.get("commits", []))
+        self.restored_from = meta.checkpoint_id
+        return meta.checkpoint_id
+
+    def _stop_checkpointing(self):
+        self.coordinator.stop()
+        self.coordinator.abort_all("the job ended")
+
+    def _should_restart(self) -> bool:
+        config = self.checkpoint_config
+        return (self.failure is not None and self.coordinator is not None and self.local is None
+                and self.restarts < config.restart_attempts and not self._user_cancelled)
+
+    def _restart(self) -> bool:
+        """After a failure every worker of the attempt has ended (or is killed
+        now): fork a new set restoring the latest complete checkpoint. A worker
+        took its segments with it; the new ones start with a fresh pool.
+        False when the job was cancelled meanwhile (nothing restarted)."""
+        task, op, text, _ = self.failure
+        self.restarts += 1
+        self.restart_failures.append((task, op, text))
+        log.info("pyflowbuf: job %r: %s in task %s failed (%s); restarting (%d of %d)", self.env.name, op,
+                 task, text, self.restarts, self.checkpoint_config.restart_attempts)
+        coordinator = self.coordinator
+        coordinator.attach(None, self._task_keys)       # nothing to trigger until the new workers run
+        coordinator.abort_all(f"task {task!r} failed; restarting")
+        self._kill()
+        with self._send_lock:
+            for c in self._conns:
+                c.close()
+            self._conns = {}
+        self._procs = []
+        self._finished_workers = set()
+        meta = coordinator.storage.latest(verify=False)
+        restore_id = self._restore_point(meta)
+        with self._lock:
+            if self._user_cancelled:
+                return False        # cancelled while recovering: the job ends with its failure
+            self.failure = None
+            self._failure_secondary = True
+            self.cancelled = False
+        self._start_workers(self._ctx, restore_id)
+        return True
+
+    def trigger_sources(self, checkpoint_id):
+        self._broadcast(("trigger", checkpoint_id))
+
+    def notify_complete(self, checkpoint_id):
+        self._broadcast(("complete", checkpoint_id))
+
+    def abort_checkpoint(self, checkpoint_id):
+        self._broadcast(("abort", checkpoint_id))
+
+    def checkpoints(self) -> list:
+        return [] if self.coordinator is None else self.coordinator.checkpoints()
 
     def _kill(self):
         for p in self._procs:

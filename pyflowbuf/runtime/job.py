@@ -176,7 +176,8 @@ class JobExecution(Execution):
         self.sampler = None
         self._exported = set()         # ids of queues a remote consumer drains
         check_output_pools(env, self.edges, [(self._here, self._remote_buffers())])
-        # checkpoints: on when the Environment asks (in the process that runs the job)
+        # checkpoints: on when the Environment asks; a worker process is given
+        # its config and a proxy of the driver's coordinator (cluster.py)
         self.checkpoint_config = ckpt.CheckpointConfig.from_env(env) if remote is None else None
         self.coordinator = None
         self.restore_from = None       # set by Environment.execute(restore_from=...)
@@ -320,7 +321,7 @@ class JobExecution(Execution):
                 t.start()
                 started.append(t)
             self.sampler.start()
-            if self.coordinator is not None:
+            if self.coordinator is not None and self.remote is None:
                 self.coordinator.start()
             self._watcher = threading.Thread(target=self._watch, name="pyflowbuf: job watcher", daemon=True)
             self._watcher.start()
@@ -354,7 +355,7 @@ class JobExecution(Execution):
         try:
             self._release_buffers()
             if self.coordinator is not None:
-                if self.failure is None and not self.cancelled:
+                if self.failure is None and not self.cancelled and self.remote is None:
                     self.coordinator.finish_job()     # sinks commit their final output
                 self._stop_checkpointing()
         finally:
@@ -400,19 +401,18 @@ class JobExecution(Execution):
         from pyflowbuf.checkpoint import CheckpointStorage
 
         config = self.checkpoint_config
-        if config.mode == "exactly_once":
-            for t in self.tasks:
-                if t.source is not None and not t.source.rewindable:
-                    raise errors.ConfigurationError(
-                        f"source {t.vertex.head.name!r} cannot rewind (a plain iterator or generator), so a "
-                        "recovery could not replay it and exactly-once checkpoints are impossible: pass a "
-                        "collection, a function returning a fresh iterable (from_generator), a file or a "
-                        "sequence, or Environment(checkpointing_mode='at_least_once')")
-        storage = CheckpointStorage(config.directory, retained=config.retained, allow_pickle=config.allow_pickle)
-        self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)
-        self.coordinator.listeners = listeners
+        for t in self.tasks:
+            if t.source is not None:
+                ckpt.check_rewindable(config, t.vertex.head.name, t.source)
+        if self.coordinator is None:
+            storage = CheckpointStorage(config.directory, retained=config.retained,
+                                        allow_pickle=config.allow_pickle)
+            self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)
+            self.coordinator.listeners = listeners
+        # else: a worker process, given a proxy of the driver's coordinator
         self._snapshot_writer = ckpt.new_writer()
-        meta = ckpt.restore_plan(storage, self.restore_from)
+        # a worker is told the id of a checkpoint the driver has already checked
+        meta = ckpt.restore_plan(self.coordinator.storage, self.restore_from, verify=self.remote is None)
         self._arm_checkpointing(meta)
 
     def _arm_checkpointing(self, meta):
@@ -422,15 +422,14 @@ class JobExecution(Execution):
         states = {}
         if meta is not None:
             storage = coordinator.storage
-            keys = {ckpt.task_key(t.vertex, t.index) for t in self.tasks}
-            if set(meta.tasks) != keys:
-                raise errors.ConfigurationError(
-                    f"checkpoint {meta.checkpoint_id} in {storage.url} was taken of another job graph (tasks "
-                    f"{sorted(meta.tasks)}, this job has {sorted(keys)}); restoring into a different graph "
-                    "or parallelism is not supported")
-            states = ckpt.read_states(storage, meta)
-            # what that checkpoint covered is committed (its notification may have been lost)
-            ckpt.run_commits(meta.properties.get("commits", []))
+            ckpt.check_graph(meta, ckpt.graph_task_keys(self.vertices), storage.url)
+            mine = {ckpt.task_key(t.vertex, t.index) for t in self.tasks}
+            states = ckpt.read_states(storage, meta, mine)
+            if self.remote is None:
+                # What that checkpoint covered is committed (its notification
+                # may have been lost). With workers the driver does it, once:
+                # two processes renaming the same files would race.
+                ckpt.run_commits(meta.properties.get("commits", []))
             self.restored_from = meta.checkpoint_id
         for t in self.tasks:
             t.checkpointing = ckpt.TaskCheckpointing(t, coordinator, self._snapshot_writer)
@@ -440,10 +439,15 @@ class JobExecution(Execution):
                     f"checkpoint {meta.checkpoint_id}: task {t.checkpointing.key} was {state.get('vertex')!r}, "
                     f"here it is {t.vertex.name!r}; the job graph changed")
             t.restore = state
-        coordinator.attach(self, [t.checkpointing.key for t in self.tasks])
+        if self.remote is None:
+            coordinator.attach(self, [t.checkpointing.key for t in self.tasks])
+        else:
+            # before any task runs: the collect sinks' restored counts
+            self.remote.tasks_armed(self.tasks)
 
     def _stop_checkpointing(self):
-        if self.coordinator is not None:
+        # A worker's coordinator is a proxy: the driver's runs the checkpoints.
+        if self.coordinator is not None and self.remote is None:
             self.coordinator.stop()
             self.coordinator.abort_all("the job ended")
         if self._snapshot_writer is not None:
@@ -451,7 +455,9 @@ class JobExecution(Execution):
 
     def _should_restart(self) -> bool:
         config = self.checkpoint_config
+        # in a worker process the driver restarts the whole job (every worker)
         return (self.failure is not None and self.coordinator is not None and config is not None
+                and self.remote is None
                 and self.restarts < config.restart_attempts and not self._user_cancelled)
 
     def _restart(self):

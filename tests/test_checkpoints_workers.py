@@ -1,0 +1,378 @@
+"""Checkpoints and recovery for jobs with ``Environment(workers=N)``: the
+coordinator in the driver, barriers crossing TCP between workers, and
+exactly-once state and output after an exception in a worker's operator or a
+worker process killed outright."""
+from __future__ import annotations
+
+import collections
+import glob
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import pyflowbuf as fb
+from pyflowbuf import BufferQueue, InputGate, NetworkBufferPool, RecordReader, RecordWriter
+from pyflowbuf._core.channel import BARRIER
+from pyflowbuf.checkpoint import CheckpointStorage
+from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
+
+pytestmark = pytest.mark.timeout(60)
+
+N_KEYS = 7
+
+
+def counting_job(env, n, out_dir, fail=None, where="stage", rate=20_000):
+    """records 1..n -> map -> keyed running count -> map -> collect and
+    write_text; ``fail`` replaces the identity of the map ``where`` ("stage":
+    before the count, "after": after it). With parallelism 2 over 2 workers
+    the rebalance and the keyed exchange cross TCP both ways."""
+    same = lambda x: x      # noqa: E731
+    fail = fail or same
+    s = env.from_sequence(1, n + 1, parallelism=1, rate_limit=rate)
+    s = s.rebalance().map(fail if where == "stage" else same, parallelism=2, name="stage", kind="int64")
+    counts = (s.map(lambda x: (x % N_KEYS, x), kind="struct")
+               .key_by(lambda kv: kv[0])
+               .reduce(lambda a, b: (a[0], a[1] + b[1]), parallelism=2, name="count")
+               .map(fail if where == "after" else same, parallelism=2, name="after", kind="struct"))
+    handle = counts.collect(parallelism=2)
+    counts.map(lambda kv: f"{kv[0]},{kv[1]}", kind="str").write_text(str(out_dir), parallelism=2)
+    return handle
+
+
+def check_lines(lines, n):
+    """Running counts (key, sum so far) of records 1..n, as a run without failure
+    writes them: one line per record (none lost, none twice) and the final sum
+    per key. The order records of one key arrive in depends on the two map
+    subtasks, so the intermediate sums may differ between runs."""
+    pairs = [tuple(int(v) for v in line.split(",")) for line in lines]
+    assert collections.Counter(k for k, _ in pairs) == collections.Counter(x % N_KEYS for x in range(1, n + 1))
+    sums = collections.defaultdict(int)
+    for x in range(1, n + 1):
+        sums[x % N_KEYS] += x
+    final = {}
+    for k, total in pairs:
+        final[k] = max(final.get(k, -1), total)
+    assert final == dict(sums)
+    # a key's running sums strictly increase (every record is > 0): a replayed
+    # record would repeat a sum
+    for k in sums:
+        mine = [t for kk, t in pairs if kk == k]
+        assert len(set(mine)) == len(mine)
+
+
+def read_parts(directory):
+    lines = []
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("part-"):
+            with open(os.path.join(directory, name)) as fh:
+                lines += fh.read().splitlines()
+    return lines
+
+
+def check_exactly_once(handle, out_dir, n):
+    collected = [f"{k},{v}" for k, v in handle.result]
+    check_lines(collected, n)
+    assert sorted(read_parts(out_dir)) == sorted(collected)
+    assert not [f for f in os.listdir(out_dir) if f.startswith(".")]    # nothing uncommitted left
+
+
+class FailInWorker:
+    """Raises once, from the ``at``-th record a worker's copy sees on, as soon
+    as a checkpoint in ``chk`` is complete (so the recovery restores one); a
+    marker file (the workers are separate processes) keeps it from firing
+    again after the restart. ``kill``: the worker process dies at once."""
+
+    def __init__(self, marker, at, chk=None, kill=False):
+        self.marker, self.at, self.chk, self.kill = str(marker), at, chk, kill
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        if self.calls >= self.at and self.calls % 25 == 0:
+            if self.chk is not None and not glob.glob(os.path.join(self.chk, "chk-*", "_metadata")):
+                return x
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return x        # fired before (in the other worker, or an earlier attempt)
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure at record {self.calls} of pid {os.getpid()}")
+        return x
+
+
+def test_checkpoints_complete_with_workers(tmp_path):
+    env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk", chaining=False)
+    h = counting_job(env, 6000, tmp_path / "out")
+    env.execute(timeout=40)
+    check_exactly_once(h, tmp_path / "out", 6000)
+    done = [c for c in env.checkpoints() if c["status"] == "completed"]
+    assert done, env.checkpoints()
+    c = done[-1]
+    assert c["acknowledged"] == c["tasks"] and c["state_bytes"] > 0
+    # every task of both workers took part: alignment times of tasks in either worker
+    assert len(c["alignment_ms"]) == c["tasks"]
+    assert CheckpointStorage(str(tmp_path / "chk")).latest() is not None
+    assert env.last_execution.restarts == 0
+
+
+@pytest.mark.parametrize("where", ["stage", "after"])
+def test_an_exception_in_a_worker_is_recovered_exactly_once(tmp_path, where):
+    fail = FailInWorker(tmp_path / "fired", at=500, chk=tmp_path / "chk")
+    env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
+                         restart_attempts=2, chaining=False)
+    h = counting_job(env, 10_000, tmp_path / "out", fail=fail, where=where, rate=15_000)
+    env.execute(timeout=50)
+    ex = env.last_execution
+    assert os.path.exists(tmp_path / "fired"), (ex.restarts, env.checkpoints()[:3], h.result[:3])
+    assert ex.restarts == 1 and "injected failure" in ex.restart_failures[0][2]
+    assert ex.restored_from is not None           # from a checkpoint, not from the start
+    check_exactly_once(h, tmp_path / "out", 10_000)
+
+
+@pytest.mark.parametrize("where", ["stage", "after"])
+def test_a_killed_worker_process_is_recovered_exactly_once(tmp_path, where):
+    kill = FailInWorker(tmp_path / "killed", at=500, chk=tmp_path / "chk", kill=True)
+    env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
+                         restart_attempts=2, chaining=False)
+    h = counting_job(env, 10_000, tmp_path / "out", fail=kill, where=where, rate=15_000)
+    env.execute(timeout=50)
+    assert os.path.exists(tmp_path / "killed")
+    ex = env.last_execution
+    assert ex.restarts == 1
+    assert any("exited unexpectedly" in f[2] for f in ex.restart_failures), ex.restart_failures
+    assert ex.restored_from is not None
+    check_exactly_once(h, tmp_path / "out", 10_000)
+
+
+def test_without_restart_attempts_a_worker_failure_fails_the_job(tmp_path):
+    env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk", chaining=False)
+    counting_job(env, 4000, tmp_path / "out", fail=FailInWorker(tmp_path / "fired", at=300))
+    with pytest.raises(fb.errors.JobFailedError, match="injected failure"):
+        env.execute(timeout=40)
+
+
+def test_restart_attempts_with_workers_are_limited(tmp_path):
+    def always(x):
+        if x == 300:
+            raise ValueError("always fails at 300")
+        return x
+    env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
+                         restart_attempts=2, chaining=False)
+    counting_job(env, 4000, tmp_path / "out", fail=always)
+    with pytest.raises(fb.errors.JobFailedError, match="always fails at 300"):
+        env.execute(timeout=40)
+    assert env.last_execution.restarts == 2
+    assert not multiprocessing.active_children()
+
+
+def test_cancel_of_a_checkpointed_job_with_workers_restarts_nothing(tmp_path):
+    env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
+                         restart_attempts=3, chaining=False)
+    counting_job(env, 10_000_000, tmp_path / "out", rate=20_000)
+    job = env.execute_async()
+    time.sleep(0.5)
+    job.cancel()
+    job.join(timeout=30)
+    assert job.restarts == 0
+    assert [c for c in env.checkpoints() if c["status"] == "completed"]
+    assert not multiprocessing.active_children()
+
+
+def test_a_source_that_cannot_rewind_is_refused_before_any_worker_starts(tmp_path):
+    env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk")
+    env.from_iterable(iter(range(10))).map(lambda x: x, parallelism=2).collect()
+    with pytest.raises(fb.errors.ConfigurationError, match="cannot rewind"):
+        env.execute(timeout=20)
+    assert not multiprocessing.active_children()
+
+
+RESUME = textwrap.dedent("""
+    import glob, os, sys
+    import pyflowbuf as fb
+    chk, out, marker = sys.argv[1], sys.argv[2], sys.argv[3]
+    calls = [0]
+    def maybe_die(x):
+        calls[0] += 1
+        # once a checkpoint is complete (its metadata written), and only once
+        if (marker != "-" and calls[0] >= 1000 and calls[0] % 50 == 0
+                and glob.glob(os.path.join(chk, "chk-*", "_metadata"))):
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return x
+            os.kill(os.getppid(), 9)     # the driver dies; its workers die with it
+            os._exit(17)
+        return x
+    env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=chk, chaining=False)
+    s = (env.from_sequence(1, 6001, rate_limit=20000).rebalance()
+            .map(maybe_die, parallelism=2, kind="int64")
+            .map(lambda x: (x % 7, x), kind="struct")
+            .key_by(lambda kv: kv[0])
+            .reduce(lambda a, b: (a[0], a[1] + b[1]), parallelism=2))
+    s.map(lambda kv: f"{kv[0]},{kv[1]}", kind="str").write_text(out, parallelism=2)
+    h = s.collect(parallelism=2)
+    env.execute(timeout=40, restore_from="latest")
+    print("restored from", env.last_execution.restored_from)
+    print("collected", len(h.result))
+""")
+
+
+def test_a_new_process_resumes_a_job_with_workers_from_its_checkpoint_dir(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(RESUME)
+    chk, out, marker = str(tmp_path / "chk"), str(tmp_path / "out"), str(tmp_path / "died")
+    run = lambda m: subprocess.run([sys.executable, str(script), chk, out, m],  # noqa: E731
+                                   capture_output=True, text=True, timeout=50)
+    first = run(marker)
+    assert first.returncode == -signal.SIGKILL, (first.stdout, first.stderr)
+    latest = CheckpointStorage(chk).latest()
+    assert latest is not None
+    second = run("-")
+    assert second.returncode == 0, second.stderr
+    assert f"restored from {latest.checkpoint_id}" in second.stdout
+    # collect() holds what this run added after the checkpoint (as for a job in one process)
+    assert 0 < int(second.stdout.split("collected ")[1]) < 6000
+    check_lines(read_parts(out), 6000)
+
+
+# ---------------------------------------------------------------- barriers over TCP
+
+def test_barriers_cross_tcp_in_order_and_a_blocked_channel_holds_back_only_itself():
+    """Two producers feed one InputGate over TCP. Barriers arrive in order with
+    the records around them (events cost no credit). Blocking channel 0, as
+    alignment does, stops its data at the credit it had: nothing of it is
+    read, no new credit is announced, and channel 1 still delivers everything."""
+    secret = new_secret()
+    nbp = NetworkBufferPool(256, 4096)
+    server = NetworkServer(secret, max_buffer_size=4096)
+    server.start()
+    manager = ConnectionManager(secret)
+    try:
+        writers = []
+        for p in range(2):
+            q = BufferQueue(nbp)
+            server.export("p", p, q, kind="int64")
+            writers.append(RecordWriter(nbp.create_pool(8, 8), [q], kind="int64", request_timeout=30))
+        excl, floating = manager.create_input_pools(nbp, 2, 2, 2)
+        queues = [BufferQueue(nbp) for _ in range(2)]
+        gate = InputGate(queues)
+        chans = []
+        for p in range(2):
+            ch = manager.create_channel(server.address, "p", p, queues[p], excl[p], floating, kind="int64")
+            ch.attach_gate(gate)
+            chans.append(ch)
+        reader = RecordReader(gate, kind="int64")
+
+        # channel 0: records 0..99, barrier 1, then far more than its credit covers
+        writers[0].write_batch(list(range(100)))
+        writers[0].broadcast_event(BARRIER, 1)
+        big = list(range(100, 100 + 20_000))
+        done0 = threading.Event()
+
+        def produce0():
+            writers[0].write_batch(big)
+            writers[0].end_input()
+            done0.set()
+        t0 = threading.Thread(target=produce0, daemon=True)
+
+        got = {0: [], 1: []}
+        deadline = time.monotonic() + 20
+        # read up to channel 0's barrier, then block channel 0 (alignment)
+        while True:
+            assert time.monotonic() < deadline
+            batch = reader.read_batch(1000, timeout=0.2)
+            got[0] += batch
+            ev = reader.take_event()
+            if ev is not None:
+                assert ev[:3] == (0, BARRIER, 1)
+                break
+        assert got[0] == list(range(100))          # every record before the barrier, none after
+        gate.block(0)
+        t0.start()
+        # channel 1 delivers everything while channel 0 is blocked
+        def produce1():
+            writers[1].write_batch(list(range(5000)))
+            writers[1].broadcast_event(BARRIER, 1)
+            writers[1].write_batch(list(range(5000, 6000)))
+            writers[1].end_input()
+        threading.Thread(target=produce1, daemon=True).start()
+        events = []
+        while len(got[1]) < 6000:
+            assert time.monotonic() < deadline, len(got[1])
+            got[1] += reader.read_batch(1000, timeout=0.2)
+            ev = reader.take_event()
+            if ev is not None:
+                events.append((ev[:3], len(got[1])))
+        assert got[1] == list(range(6000))
+        assert events == [((1, BARRIER, 1), 5000)]
+        # channel 0 is held back at the credit it had: nothing more arrives, its producer waits
+        held = chans[0].credit.buffers_received
+        time.sleep(0.3)
+        assert chans[0].credit.buffers_received == held < 10     # of about 40 buffers it has to send
+        assert not done0.is_set()
+        gate.resume(0)
+        while not reader.finished:
+            assert time.monotonic() < deadline
+            got[0] += reader.read_batch(1000, timeout=0.2)
+            reader.take_event()
+        assert got[0] == list(range(100)) + big
+        assert done0.wait(5)
+    finally:
+        manager.close()
+        server.close()
+
+
+def test_a_task_never_reads_past_an_event_that_ended_its_idle_read():
+    """The idle read of a task's loop can end at an event (a barrier). Reading
+    again before handling it let the reader go past it: the records behind
+    the barrier were processed first, and a second event replaced the first,
+    so a barrier got lost and its checkpoint hung until the end of input."""
+    from types import SimpleNamespace
+
+    from pyflowbuf.runtime.task import Subtask
+
+    class Input:
+        """Records 1, 2; then barrier 1 ends the idle read; behind it record
+        3 and barrier 2."""
+        finished = False
+        notifier = SimpleNamespace(notify=lambda: None)
+
+        def __init__(self):
+            self.script = [[1, 2], [], ("event", (0, BARRIER, 1, 0)), [3], ("event", (0, BARRIER, 2, 0))]
+            self.pending = None
+
+        @property
+        def has_event(self):
+            return self.pending is not None
+
+        def read(self, max_records, timeout):
+            assert self.pending is None, "read past a pending event"
+            if not self.script:
+                self.finished = True
+                return []
+            step = self.script.pop(0)
+            if isinstance(step, tuple):
+                self.pending = step[1]
+                return []
+            return step
+
+        def take_event(self):
+            ev, self.pending = self.pending, None
+            return ev
+
+    seen = []
+    job = SimpleNamespace(cancelled=False, env=SimpleNamespace(buffer_timeout=0.001, max_batch=100),
+                          event_handler=lambda task, ev, i: seen.append(("event", ev[2])))
+    vertex = SimpleNamespace(name="v", parallelism=1, head=SimpleNamespace(name="v"))
+    task = Subtask(job, vertex, 0, [], [], input_side=Input())
+    task._process = lambda batch: seen.extend(batch)
+    task._run_input()
+    assert seen == [1, 2, ("event", 1), 3, ("event", 2)]
