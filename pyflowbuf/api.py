@@ -163,10 +163,6 @@ class Environment:
                 f"checkpointing_mode must be one of {MODES}, got {self.checkpointing_mode!r}")
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, (str, os.PathLike)):
             raise ConfigurationError(f"checkpoint_dir must be a path or an fsspec URL, got {self.checkpoint_dir!r}")
-        if ci is not None and self.workers:
-            raise ConfigurationError(
-                "checkpoint_interval with workers= is not supported yet: checkpoints run for jobs in one "
-                "process (tasks as threads); leave workers unset to checkpoint this job")
 
     def checkpoints(self) -> list:
         """The checkpoints of the running or last job, oldest first: id, status
@@ -289,10 +285,7 @@ class Environment:
         job_name, timeout = _execute_args(job_name, timeout)
         if any(n.is_iterator for n in self.nodes):
             raise ConfigurationError("this job has a to_iterator() sink: run it with execute_iter()")
-        if restore_from is not None and self.checkpoint_interval is None:
-            raise ConfigurationError("restore_from needs checkpointing: set checkpoint_interval (and checkpoint_dir)")
-        job = self._claim(job_name)
-        job.restore_from = restore_from
+        job = self._claim(job_name, restore_from)
         self._start(job)
         return job.join(timeout)
 
@@ -303,10 +296,7 @@ class Environment:
         if any(n.is_iterator for n in self.nodes):
             # nobody would read it: the job would stall once its buffers fill
             raise ConfigurationError("this job has a to_iterator() sink: run it with execute_iter()")
-        if restore_from is not None and self.checkpoint_interval is None:
-            raise ConfigurationError("restore_from needs checkpointing: set checkpoint_interval (and checkpoint_dir)")
-        job = self._claim(job_name)
-        job.restore_from = restore_from
+        job = self._claim(job_name, restore_from)
         self._start(job)
         return job
 
@@ -336,9 +326,11 @@ class Environment:
                 self._unclaim(job)
             raise
 
-    def _claim(self, job_name):
+    def _claim(self, job_name, restore_from=None):
         """The execution of this graph, once: checks everything that can be
         checked before anything starts, then takes the Environment."""
+        if restore_from is not None and self.checkpoint_interval is None:
+            raise ConfigurationError("restore_from needs checkpointing: set checkpoint_interval (and checkpoint_dir)")
         self._check_settings()
         for node in self.nodes:
             self._check_node_kind(node)
@@ -360,6 +352,7 @@ class Environment:
             raise
         job.claim = claim
         job.previous_name = name
+        job.restore_from = restore_from
         return job
 
     def _unclaim(self, job):
@@ -515,6 +508,33 @@ class Stream:
         across failures (files whose names start with ``.`` are not committed)."""
         env = self.env
         self._then(name, lambda: ops.TextFileSink(name, path, transactional=env.checkpoint_interval is not None),
+                   parallelism, None, sink=True)
+
+    def write_parquet(self, path, *, parallelism: int | None = None, name: str = "write_parquet",
+                      schema=None, row_group_size: int | None = None, compression="snappy") -> None:
+        """Parquet files in the directory ``path``, one ``part-<subtask>.parquet``
+        per subtask (pyarrow, the ``arrow`` extra).
+
+        Records may be Arrow RecordBatches/Tables, pandas DataFrames, NumPy
+        rows, dicts (a key per column), tuples (columns ``f0``, ``f1``.. or
+        the schema's, in order) or single values (one column, ``value``). The
+        schema is ``schema`` (a ``pyarrow.Schema``) or the first batch's, per
+        subtask; a later batch that does not fit it raises ``RecordTypeError``
+        naming the column. Pass ``schema`` when a column of the first batch
+        may be all None, or for one schema across subtasks. Rows are buffered
+        into row groups of ``row_group_size`` rows (default 131072).
+
+        With checkpointing on, the files are ``part-<subtask>-<seq>.parquet``,
+        each committed by an atomic rename when a checkpoint covering it
+        completes, or when the job ends: exactly once across failures (files
+        whose names start with ``.`` are not committed, and readers skip them)."""
+        if row_group_size is not None:
+            _positive_int("row_group_size", row_group_size)
+        schema = ops.parquet_settings(schema, compression)
+        env = self.env
+        self._then(name, lambda: ops.ParquetFileSink(name, path, schema=schema, row_group_size=row_group_size,
+                                                     compression=compression,
+                                                     transactional=env.checkpoint_interval is not None),
                    parallelism, None, sink=True)
 
     def to_iterator(self, *, name: str = "iterator", zero_copy: bool = False) -> "IteratorSink":

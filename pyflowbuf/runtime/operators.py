@@ -157,19 +157,13 @@ class FlatMap(Operator):
         self.fn = fn
 
     def process_batch(self, batch):
-        fn = self.fn
+        fn, add = self.fn, self._extend
         out: list = []
-        extend = out.extend
         for x in batch:
             res = fn(x)
-            if isinstance(res, _NOT_RECORDS):
+            if res is None:         # process() may return None; flat_map returns an iterable
                 raise self._not_records(res)
-            try:
-                extend(res)
-            except TypeError:
-                if hasattr(res, "__iter__"):
-                    raise  # the iteration itself failed, inside the user's iterable
-                raise self._not_records(res) from None
+            add(out, res)
         return self._checked(out)
 
 
@@ -232,16 +226,7 @@ class KeyedProcess(_Keyed):
             st = state.get(k)
             if st is None:
                 st = state[k] = {}
-            res = fn(k, x, st)
-            if res is not None:
-                if isinstance(res, _NOT_RECORDS):
-                    raise self._not_records(res)
-                try:
-                    out.extend(res)
-                except TypeError:
-                    if hasattr(res, "__iter__"):
-                        raise
-                    raise self._not_records(res) from None
+            self._extend(out, fn(k, x, st))
         return self._checked(out)
 
     def snapshot_state(self):
@@ -407,30 +392,29 @@ class FunctionSink(Operator):
         return []
 
 
-class TextFileSink(Operator):
-    """``write_text``. Without checkpoints: one file (``path``, or ``path.i``
-    for subtask i of p > 1). With checkpoints: ``path`` is a directory of part
-    files ``part-<subtask>-<seq>``, each written under a hidden name and
+class _PartFileSink(Operator):
+    """A file sink. Without checkpoints: one file per subtask (``_plain_path``).
+    With checkpoints: ``path`` is a directory of part files
+    ``part-<subtask>-<seq><suffix>``, each written under a hidden name and
     renamed into place only when a checkpoint covering it completes (or the
     job ends): Flink's two-phase commit, so readers never see records a
-    recovery will write again."""
+    recovery will write again. Subclasses write the file (``_open_file``,
+    ``_write``, ``_close_file``, ``_has_file``)."""
 
     kind = "sink"
+    suffix = ""
 
-    def __init__(self, name, path, encoding="utf-8", transactional=False):
+    def __init__(self, name, path, transactional=False):
         super().__init__(name)
         self.path = path
-        self.encoding = encoding
         self.transactional = transactional
-        self.fh = None
         self.seq = 0
         self.uncommitted: list = []     # (checkpoint id, action) until a checkpoint covering it completes
 
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
         if not self.transactional:
-            path = str(self.path) if parallelism == 1 else f"{self.path}.{subtask}"
-            self.fh = open(path, "w", encoding=self.encoding)
+            self._open_file(self._plain_path())
             return
         self.dir = os.fspath(self.path)
         os.makedirs(self.dir, exist_ok=True)
@@ -441,20 +425,19 @@ class TextFileSink(Operator):
                 os.remove(os.path.join(self.dir, name))
 
     def _part(self, hidden: bool) -> str:
-        name = f"part-{self.subtask:05d}-{self.seq:06d}"
+        name = f"part-{self.subtask:05d}-{self.seq:06d}{self.suffix}"
         return os.path.join(self.dir, f".{name}.inprogress" if hidden else name)
 
     def process_batch(self, batch):
-        if self.fh is None:
-            self.fh = open(self._part(True), "w", encoding=self.encoding)
-        self.fh.write("".join(f"{x}\n" for x in batch))
+        if not self._has_file():
+            self._open_file(self._part(True))
+        self._write(batch)
         return []
 
     def _close_part(self, checkpoint_id):
-        if self.fh is None:
+        if not self._has_file():
             return
-        self.fh.close()
-        self.fh = None
+        self._close_file()
         self.uncommitted.append((checkpoint_id, ("rename", self._part(True), self._part(False))))
         self.seq += 1
 
@@ -475,7 +458,295 @@ class TextFileSink(Operator):
             self.seq = state["seq"]
 
     def finish(self):
-        if not self.transactional and self.fh is not None:
-            self.fh.close()
-            self.fh = None
+        if not self.transactional and self._has_file():
+            self._close_file()
         return []
+
+
+class TextFileSink(_PartFileSink):
+    """``write_text``: one line per record. Without checkpoints one file,
+    ``path`` (``path.i`` for subtask i of p > 1)."""
+
+    def __init__(self, name, path, encoding="utf-8", transactional=False):
+        super().__init__(name, path, transactional)
+        self.encoding = encoding
+        self.fh = None
+
+    def _plain_path(self):
+        return str(self.path) if self.parallelism == 1 else f"{self.path}.{self.subtask}"
+
+    def _has_file(self):
+        return self.fh is not None
+
+    def _open_file(self, path):
+        self.fh = open(path, "w", encoding=self.encoding)
+
+    def _write(self, batch):
+        self.fh.write("".join(f"{x}\n" for x in batch))
+
+    def _close_file(self):
+        self.fh.close()
+        self.fh = None
+
+
+_ROW_GROUP_ROWS = 128 * 1024
+
+
+def import_pyarrow():
+    """pyarrow and pyarrow.parquet, or an error that says how to get them:
+    pyarrow is optional (the ``arrow`` extra), so it is imported only here."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError("write_parquet needs pyarrow: pip install 'pyflowbuf[arrow]'") from exc
+    return pa, pq
+
+
+def parquet_settings(schema, compression):
+    """``schema`` as a pyarrow.Schema (or None), once it and ``compression``
+    are known to be usable: refused when the stream is declared, not in a
+    task of a running job."""
+    pa, _ = import_pyarrow()
+    if schema is not None and not isinstance(schema, pa.Schema):
+        try:
+            schema = pa.schema(schema)
+        except (TypeError, ValueError, pa.ArrowException) as exc:
+            raise errors.ConfigurationError(
+                f"schema must be a pyarrow.Schema or what pyarrow.schema() takes (a list of fields or "
+                f"(name, type) pairs), got {short_repr(schema)}: {exc}") from None
+    codecs = compression.values() if isinstance(compression, dict) else [compression]
+    for codec in codecs:
+        if codec is None or (isinstance(codec, str) and codec.lower() == "none"):
+            continue
+        try:
+            ok = isinstance(codec, str) and pa.Codec.is_available(codec)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise errors.ConfigurationError(
+                f"compression must be None or a codec this pyarrow has (snappy, gzip, brotli, lz4, zstd), "
+                f"or a dict of them per column; got {codec!r}")
+    return schema
+
+
+class ParquetFileSink(_PartFileSink):
+    """``write_parquet``: records become the rows of Parquet files. Without
+    checkpoints ``path`` is a directory with ``part-<subtask>.parquet`` per
+    subtask. Rows are buffered up to ``row_group_size`` so that readers get
+    row groups of a useful size rather than one per batch.
+
+    The schema is ``schema`` or the first batch's; it goes into checkpoints,
+    so a restored subtask writes the schema its committed files have."""
+
+    suffix = ".parquet"
+
+    def __init__(self, name, path, schema=None, row_group_size=None, compression="snappy",
+                 transactional=False):
+        super().__init__(name, path, transactional)
+        self.schema = schema
+        self.row_group_size = row_group_size or _ROW_GROUP_ROWS
+        self.compression = compression
+        self.writer = None
+        self.file = None
+        self.pending: list = []
+        self.pending_rows = 0
+
+    def open(self, subtask, parallelism):
+        self.pa, self.pq = import_pyarrow()
+        super().open(subtask, parallelism)
+
+    def _plain_path(self):
+        os.makedirs(self.path, exist_ok=True)
+        return os.path.join(self.path, f"part-{self.subtask:05d}.parquet")
+
+    def _has_file(self):
+        return self.file is not None
+
+    def _open_file(self, path):
+        self.file = path
+        if self.schema is not None:
+            # a job whose input is empty still leaves a file that gives the schema
+            self.writer = self.pq.ParquetWriter(path, self.schema, compression=self.compression)
+
+    def _write(self, batch):
+        table = self._table(batch)
+        if self.writer is None:
+            # even for no rows: a part file this subtask commits must exist
+            self.writer = self.pq.ParquetWriter(self.file, self.schema, compression=self.compression)
+        if table.num_rows:
+            self.pending.append(table)
+            self.pending_rows += table.num_rows
+            if self.pending_rows >= self.row_group_size:
+                self._flush()
+
+    def _flush(self, everything=False):
+        """Write the pending rows as full row groups (and the rest too when
+        ``everything``: the file is about to close)."""
+        if not self.pending:
+            return
+        table = self.pa.concat_tables(self.pending)
+        size = self.row_group_size
+        n = table.num_rows if everything else table.num_rows - table.num_rows % size
+        if n:
+            self.writer.write_table(table.slice(0, n), row_group_size=size)
+        rest = table.slice(n)
+        self.pending = [rest] if rest.num_rows else []
+        self.pending_rows = rest.num_rows
+
+    def _close_file(self):
+        self._flush(everything=True)
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        self.file = None
+
+    def snapshot_state(self):
+        state = super().snapshot_state()
+        if state is not None and self.schema is not None:
+            state["schema"] = self.schema.serialize().to_pybytes()
+        return state
+
+    def restore_state(self, state):
+        super().restore_state(state)
+        # a declared schema wins: the user may have changed it on purpose
+        if self.transactional and state and state.get("schema") is not None and self.schema is None:
+            pa, _ = import_pyarrow()
+            self.schema = pa.ipc.read_schema(pa.py_buffer(state["schema"]))
+
+    # ---- records -> a table of the schema ----
+    def _table(self, batch):
+        pa = self.pa
+        first = batch[0]
+        if isinstance(first, (pa.RecordBatch, pa.Table)):
+            # Records read off an exchange are views over its segments: the
+            # pending rows get their own copy, or they would pin the pool.
+            tables = [self._conform(_copy_arrow(pa.table(x))) for x in batch]
+            return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        if _is_dataframe(first):
+            return pa.concat_tables([self._conform(self._from_pandas(df)) for df in batch])
+        if isinstance(first, np.ndarray):
+            return self._conform(self._from_rows(batch))
+        if isinstance(first, dict):
+            return self._conform(self._from_dicts(batch))
+        if isinstance(first, tuple):
+            return self._conform(self._from_tuples(batch))
+        return self._conform(self._from_columns({self._scalar_name(): batch}))
+
+    def _from_pandas(self, df):
+        try:
+            return self.pa.Table.from_pandas(df, preserve_index=False)
+        except (self.pa.ArrowException, TypeError, ValueError) as exc:
+            raise self._misfit(None, f"the DataFrame does not convert to Arrow ({_brief(exc)})") from None
+
+    def _from_rows(self, batch):
+        """The chunks of a NumPy rows stream: a structured dtype's fields are
+        the columns, a plain 1-D chunk is one column."""
+        try:
+            rows = np.concatenate(batch)     # also a copy that does not pin a segment
+        except ValueError as exc:
+            raise self._misfit(None, f"its NumPy chunks do not join into one array ({_brief(exc)})") from None
+        if rows.dtype.names:
+            return self._from_columns({n: rows[n] for n in rows.dtype.names})
+        if rows.ndim != 1:
+            raise self._misfit(None, f"NumPy chunks of shape {rows.shape[1:]} per row have no columns: "
+                                     "use a structured dtype")
+        return self._from_columns({self._scalar_name(): rows})
+
+    def _from_dicts(self, batch):
+        names = dict.fromkeys(self.schema.names) if self.schema is not None else {}
+        for d in batch:
+            if not isinstance(d, dict):
+                raise self._misfit(None, f"a record is {short_repr(d)} where the batch holds dicts")
+            names.update(dict.fromkeys(d))
+        return self._from_columns({k: [d.get(k) for d in batch] for k in names})
+
+    def _from_tuples(self, batch):
+        if self.schema is not None:
+            names = self.schema.names
+        else:
+            names = getattr(batch[0], "_fields", None) or [f"f{i}" for i in range(len(batch[0]))]
+        n = len(names)
+        for t in batch:
+            if not isinstance(t, tuple) or len(t) != n:
+                raise self._misfit(None, f"a record is {short_repr(t)} where tuples of {n} fields "
+                                         f"({', '.join(map(str, names))}) belong")
+        return self._from_columns(dict(zip(names, zip(*batch))))
+
+    def _scalar_name(self):
+        if self.schema is None:
+            return "value"
+        if len(self.schema) != 1:
+            raise self._misfit(None, f"records are single values but the schema has {len(self.schema)} "
+                                     "columns: write dicts or tuples")
+        return self.schema.names[0]
+
+    def _from_columns(self, columns):
+        pa, schema = self.pa, self.schema
+        arrays = []
+        for name, values in columns.items():
+            i = -1 if schema is None else schema.get_field_index(name)
+            want = schema.field(i).type if i >= 0 else None
+            try:
+                arrays.append(pa.array(values, type=want))
+            except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+                expect = f"{want} values" if want is not None else "of one Arrow type"
+                raise self._misfit(name, f"holds values that are not {expect} ({_brief(exc)})") from None
+        return pa.Table.from_arrays(arrays, names=list(columns))
+
+    def _conform(self, table):
+        """``table`` with exactly the schema's columns, in its order and of its
+        types (safe casts only); the first table decides the schema."""
+        pa, schema = self.pa, self.schema
+        if schema is None:
+            self.schema = table.schema
+            return table
+        names = table.column_names
+        for name in names:
+            if schema.get_field_index(name) < 0:
+                raise self._misfit(name, f"is not in the schema ({', '.join(schema.names)})")
+        columns = []
+        for field in schema:
+            if field.name not in names:
+                raise self._misfit(field.name, "is missing")
+            col = table.column(field.name)
+            if col.type != field.type:
+                try:
+                    col = col.cast(field.type)
+                except (pa.ArrowException, TypeError, ValueError) as exc:
+                    raise self._misfit(field.name, f"is {col.type} where the schema has {field.type} "
+                                                   f"({_brief(exc)})") from None
+            if not field.nullable and col.null_count:
+                raise self._misfit(field.name, "holds nulls but the schema says not null")
+            columns.append(col)
+        return pa.Table.from_arrays(columns, schema=schema)
+
+    def _misfit(self, column, what) -> errors.RecordTypeError:
+        where = f"column {column!r} " if column is not None else ""
+        if self.schema is None:
+            hint = "Pass schema= to write_parquet to declare the columns"
+        else:
+            hint = (f"The files' schema {_schema_text(self.schema)} is the one declared with schema= or "
+                    "the first batch's: pass schema= to write_parquet to choose it")
+            i = self.schema.get_field_index(column) if column is not None else -1
+            if i >= 0 and self.schema.field(i).type == self.pa.null():
+                hint += f" (the first batch had only None in {column!r}, so its type became null)"
+        err = errors.RecordTypeError(f"sink {self.name!r}: {where}{what}. {hint}")
+        err.column = column
+        return err
+
+
+def _is_dataframe(x) -> bool:
+    # by name, not isinstance: pandas may be half-imported by another task's
+    # thread (pyarrow imports it lazily), and a stream without it need not import it
+    return any(c.__name__ == "DataFrame" and c.__module__.split(".")[0] == "pandas" for c in type(x).__mro__)
+
+
+def _brief(exc) -> str:
+    """Arrow's message, which quotes the value: a DataFrame's repr would bury the rest."""
+    text = str(exc)
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+def _schema_text(schema) -> str:
+    return "(" + ", ".join(f"{f.name}: {f.type}" for f in schema) + ")"
