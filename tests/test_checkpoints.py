@@ -9,14 +9,17 @@ nothing duplicated.
 from __future__ import annotations
 
 import collections
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
@@ -215,24 +218,94 @@ def test_a_torn_checkpoint_is_skipped_on_restore(tmp_path):
 
 # ---------------------------------------------------------------- Hypothesis fault injection
 
-@given(parallelism=st.integers(1, 3), stages=st.integers(1, 3),
-       partition=st.sampled_from(["forward", "rebalance"]), fail_stage=st.integers(0, 2),
-       fail_at=st.integers(1, 3000), chaining=st.booleans())
-def test_exactly_once_under_random_failures(tmp_path_factory, parallelism, stages, partition, fail_stage,
-                                            fail_at, chaining):
+def random_job(env, n, stages, parallelism, fail, fail_stage, out_dir, rate):
+    """source -> stages (each reached by forward, rebalance, key_by, or a split
+    into two filters joined again by union; one stage's map may fail) -> keyed
+    running count -> collect + write_text."""
+    s = env.from_sequence(0, n, parallelism=1, rate_limit=rate)
+    for i, how in enumerate(stages):
+        fn = fail if i == fail_stage else (lambda x: x)
+        if how == "rebalance":
+            s = s.rebalance()
+        elif how == "key_by":
+            s = s.key_by(lambda x: x % 5)
+        elif how == "union":
+            evens = s.filter(lambda x: x % 2 == 0, name=f"evens{i}")
+            odds = s.filter(lambda x: x % 2 == 1, name=f"odds{i}")
+            s = evens.union(odds, parallelism=parallelism, name=f"union{i}")
+        s = s.map(fn, parallelism=parallelism, name=f"stage{i}", kind="int64")
+    counts = (s.map(lambda x: (x % N_KEYS, x), kind="struct")
+               .key_by(lambda kv: kv[0])
+               .reduce(lambda a, b: (a[0], a[1] + b[1]), parallelism=parallelism, name="count"))
+    handle = counts.collect(parallelism=1)
+    counts.map(lambda kv: f"{kv[0]},{kv[1]}", kind="str").write_text(str(out_dir), parallelism=1)
+    return handle
+
+
+def check_exactly_once(handle, out_dir, n):
+    assert final_counts(handle.result) == expected(n)
+    # one running count per input record: nothing lost, nothing duplicated
+    assert collections.Counter(k for k, _ in handle.result) == collections.Counter(x % N_KEYS for x in range(n))
+    assert sorted(read_parts(out_dir)) == sorted(f"{k},{v}" for k, v in handle.result)
+    assert not [f for f in os.listdir(out_dir) if f.startswith(".")]
+
+
+@given(parallelism=st.integers(1, 3),
+       stages=st.lists(st.sampled_from(["forward", "rebalance", "key_by", "union"]), min_size=1, max_size=4),
+       fail_stage=st.integers(0, 3), fail_at=st.integers(1, 3000), chaining=st.booleans())
+def test_exactly_once_under_random_failures(tmp_path_factory, parallelism, stages, fail_stage, fail_at, chaining):
     tmp = tmp_path_factory.mktemp("eo")
     n = 3000
     fail = FailOnce(fail_at)
     env = fb.Environment(checkpoint_interval=0.01, checkpoint_dir=tmp / "chk", restart_attempts=3,
                          chaining=chaining)
-    h = keyed_job(env, n, parallelism=parallelism, partition=partition, stages=stages, fail=fail,
-                  fail_stage=min(fail_stage, stages - 1), out_dir=tmp / "out", rate=40_000)
+    h = random_job(env, n, stages, parallelism, fail, min(fail_stage, len(stages) - 1), tmp / "out", 40_000)
     env.execute(120)
-    if fail.fired:
-        KILLS["exception"] += 1
-    assert final_counts(h.result) == expected(n)
-    assert collections.Counter(k for k, _ in h.result) == collections.Counter(x % N_KEYS for x in range(n))
-    assert sorted(read_parts(tmp / "out")) == sorted(f"{k},{v}" for k, v in h.result)
+    assert fail.fired      # every stage sees every record once: the failure always comes
+    KILLS["exception"] += 1
+    check_exactly_once(h, tmp / "out", n)
+    assert env.last_execution.restarts == 1
+
+
+class KillWorkerOnce:
+    """In a worker process: at its ``at``-th call, once over all attempts and
+    workers (a marker file), the process kills itself."""
+
+    def __init__(self, marker, at):
+        self.marker, self.at, self.calls = str(marker), at, 0
+
+    def __call__(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return x
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="workers need fork")
+@settings(max_examples=int(os.environ.get("PYFLOWBUF_WORKER_KILLS", "12")))
+@given(stages=st.lists(st.sampled_from(["forward", "rebalance", "key_by", "union"]), min_size=1, max_size=3),
+       fail_stage=st.integers(0, 2), kill_at=st.integers(1, 1400))
+def test_exactly_once_when_a_worker_process_is_killed_at_a_random_record(tmp_path_factory, stages, fail_stage,
+                                                                        kill_at):
+    tmp = tmp_path_factory.mktemp("kill")
+    n = 3000
+    env = fb.Environment(workers=2, parallelism=2, checkpoint_interval=0.02, checkpoint_dir=tmp / "chk",
+                         restart_attempts=3)
+    kill = KillWorkerOnce(tmp / "killed", kill_at)
+    h = random_job(env, n, stages, 2, kill, min(fail_stage, len(stages) - 1), tmp / "out", 20_000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", errors.WorkerSideEffectWarning)
+        env.execute(180)
+    # each of the stage's 2 subtasks sees about half the records: a kill point
+    # beyond what a subtask sees never fires
+    if os.path.exists(tmp / "killed"):
+        KILLS["worker"] += 1
+        assert env.last_execution.restarts == 1
+    check_exactly_once(h, tmp / "out", n)
 
 
 # ---------------------------------------------------------------- a new process resumes
