@@ -41,6 +41,8 @@ _GAUGES = (
     ("records_out_per_s", "records_out_per_s", "Records written per second over the last sample"),
     ("bytes_in", "bytes_in", "Bytes read from the network stack since the task started"),
     ("bytes_out", "bytes_out", "Bytes written to the network stack since the task started"),
+    ("buffers_out", "buffers_out", "Buffers shipped since the task started (far more than bytes_out "
+     "/ segment size means a flush per record)"),
     ("bytes_in_per_s", "bytes_in_per_s", "Bytes read per second over the last sample"),
     ("bytes_out_per_s", "bytes_out_per_s", "Bytes written per second over the last sample"),
     ("in_pool_usage", "in_pool_usage", "Input buffers queued / input capacity (0..1)"),

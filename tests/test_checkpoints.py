@@ -406,3 +406,31 @@ def test_a_finished_task_does_not_rewrite_a_checkpoint_it_snapshotted(tmp_path):
     assert writes == [(n, "b")]
     coord.acknowledge("a", n, write(n, "a", {"x": 1}), 0.0, [])
     assert coord.checkpoints()[-1]["status"] == "completed"
+
+
+def test_checkpoints_reach_the_json_log_prometheus_and_the_metrics(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk", chaining=False,
+                         metrics_log=log, metrics_interval=0.05)
+    keyed_job(env, 4000, parallelism=2, partition="rebalance", stages=1, rate=20_000)
+    env.execute(60)
+    import json
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    ckpts = [x["checkpoint"] for x in lines if "checkpoint" in x]
+    assert ckpts and any(c["status"] == "completed" for c in ckpts)
+    assert [c["id"] for c in ckpts] == [c["id"] for c in env.checkpoints()]
+    m = env.metrics()
+    assert max(t["last_checkpoint"] for t in m.values()) >= 1
+    assert all("checkpoint_alignment_ms" in t and "buffers_out" in t for t in m.values())
+
+    pytest.importorskip("prometheus_client")
+    from pyflowbuf.monitoring import PrometheusExporter
+
+    exp = PrometheusExporter(0, "j", serve=False)
+    exp.checkpoint({"id": 3, "status": "completed", "duration_s": 0.5, "state_bytes": 100,
+                    "alignment_ms": {"v1-0": 2.0, "v1-1": 7.5}})
+    exp.checkpoint({"id": 4, "status": "expired", "duration_s": 9.0, "alignment_ms": {}})
+    value = exp.registry.get_sample_value
+    assert value("pyflowbuf_checkpoint_last_id", {"job": "j"}) == 3
+    assert value("pyflowbuf_checkpoint_last_max_alignment_ms", {"job": "j"}) == 7.5
+    assert value("pyflowbuf_checkpoints_total", {"job": "j", "status": "expired"}) == 1
