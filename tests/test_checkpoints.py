@@ -434,3 +434,31 @@ def test_checkpoints_reach_the_json_log_prometheus_and_the_metrics(tmp_path):
     assert value("pyflowbuf_checkpoint_last_id", {"job": "j"}) == 3
     assert value("pyflowbuf_checkpoint_last_max_alignment_ms", {"job": "j"}) == 7.5
     assert value("pyflowbuf_checkpoints_total", {"job": "j", "status": "expired"}) == 1
+
+
+class Point:
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+
+
+def test_state_that_cannot_be_checkpointed_fails_the_job_naming_the_type(tmp_path):
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk", chaining=False)
+    (env.from_sequence(0, 4000, rate_limit=20_000)
+        .map(lambda x: Point(x % 3, x), kind="pickle")
+        .key_by(lambda p: p.k)
+        .reduce(lambda a, b: Point(a.k, a.v + b.v), kind="pickle")
+        .sink(lambda p: None))
+    with pytest.raises(errors.JobFailedError, match="Point"):
+        env.execute(60)
+    # with the opt-in it checkpoints
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk2", chaining=False,
+                         allow_pickle=True)
+    out = (env.from_sequence(0, 4000, rate_limit=20_000)
+              .map(lambda x: Point(x % 3, x), kind="pickle")
+              .key_by(lambda p: p.k)
+              .reduce(lambda a, b: Point(a.k, a.v + b.v), kind="pickle")
+              .map(lambda p: p.v, kind="int64")
+              .collect())
+    env.execute(60)
+    assert max(out.result) == max(sum(x for x in range(4000) if x % 3 == k) for k in range(3))
+    assert any(c["status"] == "completed" for c in env.checkpoints())

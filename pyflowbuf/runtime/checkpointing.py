@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyflowbuf import errors
-from pyflowbuf.checkpoint.storage import CheckpointStateError
+from pyflowbuf.checkpoint.storage import CheckpointStateError, UnsupportedStateError
 from pyflowbuf.runtime.metrics import publish_checkpoint
 
 log = logging.getLogger("pyflowbuf.checkpoint")
@@ -321,6 +321,11 @@ class TaskCheckpointing:
             level = logging.DEBUG if isinstance(exc, CheckpointStateError) else logging.WARNING
             log.log(level, "pyflowbuf: %s could not write checkpoint %d: %s", self.key, checkpoint_id, exc)
             self.coordinator.decline(self.key, checkpoint_id, repr(exc))
+            if isinstance(exc, UnsupportedStateError):
+                # no checkpoint of this job can ever complete: say so instead of
+                # running on unprotected (Flink fails a job whose state cannot be
+                # serialized, too)
+                self.task.job.task_failed(self.task, exc)
             return
         self.coordinator.acknowledge(self.key, checkpoint_id, handle, alignment_ms, commits)
 

@@ -2,6 +2,7 @@
 metric sampling."""
 from __future__ import annotations
 
+import gc
 import math
 import numbers
 import threading
@@ -349,7 +350,8 @@ class JobExecution(Execution):
                 self.failure = ("job", "recovery", exc, tb)
                 self.cancel(_user=False)
                 for t in self.tasks:
-                    t.join()
+                    if t.ident is not None:     # a rebuild that failed half-way started none
+                        t.join()
                 break
         self.ended = time.monotonic()
         try:
@@ -470,6 +472,8 @@ class JobExecution(Execution):
         self.coordinator.abort_all(f"task {task!r} failed; restarting")
         self._release_buffers()
         old = self.network_pool
+        if old.available_segments != old.total_segments:
+            gc.collect()    # a reference cycle (a traceback, a view) may still hold a Buffer
         if old.available_segments != old.total_segments:
             raise errors.FlowBufError(
                 f"{old.total_segments - old.available_segments} segment(s) were not returned by the failed attempt")
