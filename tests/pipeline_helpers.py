@@ -1,5 +1,8 @@
 """Checks shared by the pipeline test modules: after a job, every segment is
-back in its pool and no thread of the job is left."""
+back in its pool and no thread of the job is left; the committed output of a
+part-file sink."""
+
+import os
 
 
 def job_threads(job) -> list:
@@ -24,3 +27,14 @@ def assert_clean(env) -> None:
 def run(env, timeout=60):
     env.execute(timeout)
     assert_clean(env)
+
+
+def read_parts(directory):
+    """The lines of the committed part files of a write_text directory (hidden
+    in-progress files are not output)."""
+    lines = []
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("part-"):
+            with open(os.path.join(directory, name)) as fh:
+                lines += fh.read().splitlines()
+    return lines

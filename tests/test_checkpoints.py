@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
+from pipeline_helpers import read_parts  # noqa: E402
 from pyflowbuf import errors
 from pyflowbuf.checkpoint import CheckpointStorage
 
@@ -74,15 +75,6 @@ def final_counts(records):
     for k, total in records:
         last[k] = max(last.get(k, -1), total)
     return last
-
-
-def read_parts(directory):
-    lines = []
-    for name in sorted(os.listdir(directory)):
-        if name.startswith("part-"):
-            with open(os.path.join(directory, name)) as fh:
-                lines += fh.read().splitlines()
-    return lines
 
 
 def expected(n):

@@ -18,6 +18,7 @@ import time
 import pytest
 
 import pyflowbuf as fb
+from pipeline_helpers import read_parts  # noqa: E402
 from pyflowbuf import BufferQueue, InputGate, NetworkBufferPool, RecordReader, RecordWriter
 from pyflowbuf._core.channel import BARRIER
 from pyflowbuf.checkpoint import CheckpointStorage
@@ -65,15 +66,6 @@ def check_lines(lines, n):
     for k in sums:
         mine = [t for kk, t in pairs if kk == k]
         assert len(set(mine)) == len(mine)
-
-
-def read_parts(directory):
-    lines = []
-    for name in sorted(os.listdir(directory)):
-        if name.startswith("part-"):
-            with open(os.path.join(directory, name)) as fh:
-                lines += fh.read().splitlines()
-    return lines
 
 
 def check_exactly_once(handle, out_dir, n):

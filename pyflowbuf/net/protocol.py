@@ -226,11 +226,18 @@ def server_handshake(sock, reader, secret, max_buffer_size, *, deadline=None, ad
     blocking (no timeout) afterwards. ``admit()``, if given, is called once
     the client has proven the secret and before it is told so (AuthOk); it
     may raise HandshakeRefused, which the client hears as an ErrorResponse."""
+    return _within(sock, reader, deadline, _server_handshake, sock, reader, secret, max_buffer_size,
+                   deadline, admit)
+
+
+def _within(sock, reader, deadline, handshake, *args):
+    """Run one side of the handshake with every read bounded by ``deadline``;
+    afterwards the socket blocks again."""
     if deadline is None:
-        return _server_handshake(sock, reader, secret, max_buffer_size, None, admit)
+        return handshake(*args)
     reader.deadline = deadline
     try:
-        return _server_handshake(sock, reader, secret, max_buffer_size, deadline, admit)
+        return handshake(*args)
     finally:
         reader.deadline = None
         try:
@@ -275,17 +282,7 @@ def client_handshake(sock, reader, secret, mode, *, deadline=None):
     trickles its challenge a byte at a time cannot hold the consumer past it.
     socket.timeout is raised once it has passed; the socket is left blocking
     (no timeout) afterwards."""
-    if deadline is None:
-        return _client_handshake(sock, reader, secret, mode, None)
-    reader.deadline = deadline
-    try:
-        return _client_handshake(sock, reader, secret, mode, deadline)
-    finally:
-        reader.deadline = None
-        try:
-            sock.settimeout(None)
-        except OSError:
-            pass   # already closed: the caller sees why from what was raised
+    return _within(sock, reader, deadline, _client_handshake, sock, reader, secret, mode, deadline)
 
 
 def _client_handshake(sock, reader, secret, mode, deadline):

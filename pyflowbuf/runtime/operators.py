@@ -219,21 +219,33 @@ class KeyedProcess(_Keyed):
     lives in the task (and goes into checkpoints)."""
 
     def process_batch(self, batch):
-        key_fn, fn, state = self.key_fn, self.fn, self.state
-        out = []
-        for x in batch:
-            k = key_fn(x)
-            st = state.get(k)
-            if st is None:
-                st = state[k] = {}
-            self._extend(out, fn(k, x, st))
-        return self._checked(out)
+        return _process_per_key(self, batch, self.key_fn, self.fn)
 
     def snapshot_state(self):
-        return {k: dict(v) for k, v in self.state.items()}
+        return _copy_key_dicts(self.state)
 
     def restore_state(self, state):
-        self.state = {k: dict(v) for k, v in (state or {}).items()}
+        self.state = _copy_key_dicts(state)
+
+
+def _process_per_key(op, batch, key_fn, fn):
+    """``fn(key, record, state)`` for each record, ``state`` the key's dict in
+    ``op.state`` (created on first use); the records it returns, checked."""
+    state, add = op.state, op._extend
+    out: list = []
+    for x in batch:
+        k = key_fn(x)
+        st = state.get(k)
+        if st is None:
+            st = state[k] = {}
+        add(out, fn(k, x, st))
+    return op._checked(out)
+
+
+def _copy_key_dicts(state) -> dict:
+    """Per-key dict state, copied one level deep: a snapshot the task can keep
+    mutating while it is written, and a restore that owns its dicts."""
+    return {k: dict(v) for k, v in (state or {}).items()}
 
 
 # ---- operators with several inputs: the head of their task, fed by input index ----
@@ -297,21 +309,13 @@ class KeyedCoProcess(_TwoInput):
         self.state: dict = {}
 
     def process_input(self, batch, input_index):
-        key_fn, fn, state = self.key_fns[input_index], self.fns[input_index], self.state
-        out: list = []
-        for x in batch:
-            k = key_fn(x)
-            st = state.get(k)
-            if st is None:
-                st = state[k] = {}
-            self._extend(out, fn(k, x, st))
-        return self._checked(out)
+        return _process_per_key(self, batch, self.key_fns[input_index], self.fns[input_index])
 
     def snapshot_state(self):
-        return {k: dict(v) for k, v in self.state.items()}
+        return _copy_key_dicts(self.state)
 
     def restore_state(self, state):
-        self.state = {k: dict(v) for k, v in (state or {}).items()}
+        self.state = _copy_key_dicts(state)
 
 
 # ---- sinks: the last operator of a chain; they return nothing downstream ----
