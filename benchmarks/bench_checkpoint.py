@@ -43,10 +43,10 @@ KEYS = 1000
 
 def params(quick: bool) -> dict:
     if quick:
-        return dict(repeats=5, n=3_000_000, bp_seconds=30.0, bp_rate=200_000, state_keys=300_000,
-                    state_value=100)
+        return dict(repeats=5, n=3_000_000, bp_seconds=20.0, bp_rate=200_000, state_keys=300_000,
+                    state_value=100, n_workers=1_000_000)
     return dict(repeats=9, n=5_000_000, bp_seconds=60.0, bp_rate=200_000, state_keys=1_000_000,
-                state_value=100)
+                state_value=100, n_workers=3_000_000)
 
 
 def _keyed_count(env, source):
@@ -75,9 +75,13 @@ def overhead_case(n, checkpoints: list | None, tmp):
     return run
 
 
-def backpressure_durations(seconds, rate, tmp) -> tuple[list, float]:
+NUM_SEGMENTS = 512      # 16 MiB of network memory per process (segments of 32 KiB)
+
+
+def backpressure_durations(seconds, rate, tmp, mode="aligned", workers=None) -> dict:
     """A sink 20x slower than the rate-limited source: checkpoints under backpressure."""
-    env = fb.Environment(chaining=False, checkpoint_interval=1.0, checkpoint_dir=tempfile.mkdtemp(dir=tmp))
+    env = fb.Environment(chaining=False, checkpoint_interval=1.0, checkpoint_dir=tempfile.mkdtemp(dir=tmp),
+                         checkpoint_mode=mode, workers=workers, parallelism=1, num_segments=NUM_SEGMENTS)
     sink_rate = rate / 20
 
     def slow_sink(batch):
@@ -86,14 +90,64 @@ def backpressure_durations(seconds, rate, tmp) -> tuple[list, float]:
     _keyed_count(env, env.from_sequence(0, None, rate_limit=rate)).sink(slow_sink, batched=True, name="sink")
     job = env.execute_async()
     time.sleep(seconds)
-    done = [c["duration_s"] for c in env.checkpoints() if c["status"] == "completed"]
+    done = [c for c in env.checkpoints() if c["status"] == "completed"]
     job.cancel()
     try:
         job.join(60)
     except fb.errors.JobFailedError:
         pass
     bp = max((m["backpressured_ms_per_s"] for m in env.metrics().values()), default=0.0)
-    return done, bp
+    network_bytes = NUM_SEGMENTS * env.segment_size * (workers or 1)
+    return {"durations": [c["duration_s"] for c in done], "bp": bp,
+            "inflight_over_pool": max((c.get("inflight_bytes") or 0 for c in done), default=0) / network_bytes,
+            "modes": sorted({c.get("alignment") for c in done})}
+
+
+def throughput_case(n, mode, tmp, workers=None):
+    """records/s of the keyed count with a checkpoint every second in ``mode``
+    (None: no checkpoints)."""
+    def run():
+        kw = {}
+        if mode is not None:
+            kw = dict(checkpoint_interval=1.0, checkpoint_dir=tempfile.mkdtemp(dir=tmp), checkpoint_mode=mode)
+        env = fb.Environment(chaining=False, workers=workers, **kw)
+        out = _keyed_count(env, env.from_sequence(0, n)).filter(lambda kv: False, name="drop").collect()
+        t0 = time.perf_counter()
+        env.execute(600)
+        dt = time.perf_counter() - t0
+        assert out.result == []
+        return n / dt
+    return run
+
+
+def unaligned_section(rep, p, tmp, workers=None):
+    """Aligned and unaligned checkpoints under the same backpressure, and what
+    unaligned checkpoints cost without it; ``workers=2``: barriers cross TCP."""
+    sfx = "" if workers is None else f"_workers{workers}"
+    where = "in one process" if workers is None else f"with workers={workers} (barriers cross TCP)"
+    rep.section(f"aligned vs unaligned under backpressure (sink 20x slower), {where}")
+    al = backpressure_durations(p["ua_seconds"], p["bp_rate"], tmp, "aligned", workers)
+    ua = backpressure_durations(p["ua_seconds"], p["bp_rate"], tmp, "unaligned", workers)
+    med_al = statistics.median(al["durations"]) if al["durations"] else float("nan")
+    med_ua = statistics.median(ua["durations"]) if ua["durations"] else float("nan")
+    if workers is not None:
+        rep.add(f"aligned_checkpoint_s_backpressure{sfx}", med_al, "s",
+                note=f"median of {len(al['durations'])} in {p['ua_seconds']} s")
+    rep.add(f"unaligned_checkpoint_s_backpressure{sfx}", med_ua, "s",
+            note=f"median of {len(ua['durations'])} in {p['ua_seconds']} s, modes {ua['modes']}; "
+                 f"max backpressured {ua['bp']:.0f} ms/s")
+    rep.add(f"unaligned_vs_aligned_checkpoint_time{sfx}", med_al / med_ua, "x", goal=Goal(">=", 30, "x"),
+            note=f"aligned median {med_al:.3g} s ({len(al['durations'])} completed)")
+    rep.add(f"unaligned_inflight_bytes_over_pool{sfx}", ua["inflight_over_pool"], "",
+            goal=Goal("<=", 1.0, ""), note=f"largest checkpoint's in-flight bytes / {NUM_SEGMENTS} segments "
+                                           f"x 32 KiB x {workers or 1} process(es)")
+    rep.section(f"records/s with unaligned checkpoints every second vs none, {where}")
+    n = p["n"] if workers is None else p["n_workers"]
+    with common.progress("unaligned throughput", p["repeats"]) as adv:
+        s = common.interleaved({"unaligned": throughput_case(n, "unaligned", tmp, workers),
+                                "none": throughput_case(n, None, tmp, workers)}, p["repeats"], advance=adv)
+    rep.add(f"unaligned_throughput_ratio{sfx}", s.ratio("unaligned", "none"), "x", goal=Goal(">=", 0.9, "x"),
+            note=f"{s.median('unaligned'):.3g} vs {s.median('none'):.3g} records/s")
 
 
 def recovery(keys, value_size, tmp) -> dict:
@@ -163,11 +217,15 @@ def main(quick: bool = False) -> dict:
                 note=f"median of {len(durations)} checkpoints")
 
         rep.section("a sink 20x slower than the source: the barrier waits behind queued buffers")
-        bp_durations, bp = backpressure_durations(p["bp_seconds"], p["bp_rate"], tmp)
+        bp = backpressure_durations(p["bp_seconds"], p["bp_rate"], tmp)
+        bp_durations = bp["durations"]
         rep.add("aligned_checkpoint_s_backpressure",
                 statistics.median(bp_durations) if bp_durations else float("nan"), "s",
                 note=f"median of {len(bp_durations)} completed in {p['bp_seconds']} s; max backpressured "
-                     f"{bp:.0f} ms/s")
+                     f"{bp['bp']:.0f} ms/s")
+        p_ua = dict(p, ua_seconds=p["bp_seconds"])
+        unaligned_section(rep, p_ua, tmp)
+        unaligned_section(rep, p_ua, tmp, workers=2)
 
         rep.section("recovery from a failure with keyed state")
         r = recovery(p["state_keys"], p["state_value"], tmp)

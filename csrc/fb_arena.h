@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include "fb_atomic.h"
 #include "fb_debug.h"
 #include "fb_errors.h"
@@ -255,6 +257,63 @@ static inline void fb_pool_set_max(fb_pool *p, uint32_t new_max) {
     /* a higher cap may unblock a parked requester */
     if (p->listener) fb_event_notify(p->listener);
     fb_event_notify(&p->arena->available);
+}
+
+/* Gives the kernel back the pages of free segments past their first `keep`
+ * bytes (buffer debloating: writers fill at most the debloated size, so the
+ * rest of a segment is never touched again until the size grows). Only
+ * segments nobody is promised are touched: up to `FB_RELEASE_BATCH` tokens
+ * are taken from `unreserved` at a time, so the pops below cannot miss and
+ * no pool can be handed a segment while its pages are being dropped; a pool
+ * asking for a floating segment meanwhile parks and is woken when the batch
+ * is back. Visits at most the segments that were unreserved on entry (the
+ * FIFO free list would otherwise cycle forever). Returns the bytes advised
+ * away (pages that were not resident count too). */
+#define FB_RELEASE_BATCH 64
+static inline uint64_t fb_arena_release(fb_arena *a, uint64_t keep) {
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t from = (keep + page - 1) / page * page;
+    if (from >= a->segment_size || a->segment_size < page) return 0;
+    uint64_t len = a->segment_size - from, released = 0;
+    int64_t todo = fb_load_relaxed(&a->unreserved);
+    uint32_t segs[FB_RELEASE_BATCH];
+    while (todo > 0) {
+        int64_t n = todo < FB_RELEASE_BATCH ? todo : FB_RELEASE_BATCH;
+        int64_t t = fb_load_relaxed(&a->unreserved);
+        if (t <= 0) break;
+        if (n > t) n = t;
+        if (!fb_arena_take_tokens(a, n)) continue;
+        for (int64_t i = 0; i < n; i++)
+            while (fb_mpmc_pop(&a->free_list, &segs[i]) != FB_OK) fb_cpu_relax();
+        for (int64_t i = 0; i < n; i++)
+            if (madvise(fb_segment_ptr(a, segs[i]) + from, len, MADV_DONTNEED) == 0) released += len;
+        for (int64_t i = 0; i < n; i++)
+            while (fb_mpmc_push(&a->free_list, segs[i]) != FB_OK) fb_cpu_relax();
+        fb_arena_give_tokens(a, n);
+        fb_event_notify(&a->available);
+        todo -= n;
+    }
+    return released;
+}
+
+/* Bytes of the arena resident in memory now (mincore), for measuring what
+ * fb_arena_release gave back; -1 when the kernel cannot tell. */
+static inline int64_t fb_arena_resident(fb_arena *a) {
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t total = (uint64_t)a->num_segments * a->segment_size;
+    uint64_t start = (uint64_t)(uintptr_t)a->base / page * page;
+    uint64_t span = (uint64_t)(uintptr_t)a->base + total - start;
+    uint64_t pages = (span + page - 1) / page;
+    unsigned char *vec = (unsigned char *)malloc(pages);
+    if (!vec) return -1;
+    int64_t resident = -1;
+    if (mincore((void *)(uintptr_t)start, pages * page, vec) == 0) {
+        resident = 0;
+        for (uint64_t i = 0; i < pages; i++) resident += vec[i] & 1;
+        resident *= (int64_t)page;
+    }
+    free(vec);
+    return resident;
 }
 
 /* Marks the pool destroyed and hands its unused reservation back. Segments

@@ -113,6 +113,17 @@ static inline fb_bufdesc *fb_ring_peek(fb_ring *r) {
     return &r->slots[h & r->mask];
 }
 
+/* Positions, for unaligned checkpoints. A priority barrier carries the
+ * producer's push count at the moment it was pushed; the consumer compares it
+ * with its own pop count to know how many queued descriptors it overtook. */
+static inline uint64_t fb_ring_tail(fb_ring *r) { return r->tail; }           /* producer side */
+static inline uint64_t fb_ring_head(fb_ring *r) { return r->head; }           /* consumer side */
+
+/* Consumer side: the i-th descriptor after the head (i < size), left in place. */
+static inline fb_bufdesc *fb_ring_at(fb_ring *r, uint64_t i) {
+    return &r->slots[(r->head + i) & r->mask];
+}
+
 static inline uint64_t fb_ring_size(fb_ring *r) {
     uint64_t h = fb_load_acquire(&r->head);
     uint64_t t = fb_load_acquire(&r->tail);

@@ -6,9 +6,13 @@ from pyflowbuf._core.serde import RecordReader, RecordWriter, stable_hash
 from pyflowbuf import errors
 from pyflowbuf.api import CollectSink, Environment, IteratorSink, KeyedStream, Stream
 from pyflowbuf.runtime.sources import RateLimiter
+from pyflowbuf import windows
+from pyflowbuf.windows import Session, Sliding, TimeWindow, Tumbling
+from pyflowbuf.runtime.timers import KeyedProcessFunction
 
 __all__ = [
     "__version__", "Buffer", "BufferQueue", "InputGate", "LocalBufferPool", "NetworkBufferPool",
     "Notifier", "RecordReader", "RecordWriter", "errors", "stable_hash",
     "Environment", "Stream", "KeyedStream", "CollectSink", "IteratorSink", "RateLimiter",
+    "windows", "Tumbling", "Sliding", "Session", "TimeWindow", "KeyedProcessFunction",
 ]

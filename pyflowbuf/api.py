@@ -86,7 +86,10 @@ class Environment:
                  bind_host: str = "127.0.0.1", credit_based: bool = True,
                  checkpoint_interval: float | None = None, checkpoint_dir: str | os.PathLike | None = None,
                  checkpoint_timeout: float = 600.0, checkpoints_retained: int = 2,
-                 restart_attempts: int = 0, checkpointing_mode: str = "exactly_once"):
+                 restart_attempts: int = 0, checkpointing_mode: str = "exactly_once",
+                 checkpoint_mode: str = "aligned", alignment_timeout: float | None = None,
+                 debloat: bool = False, debloat_target: float = 1.0, debloat_period: float = 0.2,
+                 debloat_samples: int = 20, debloat_threshold: float = 0.25, min_buffer_size: int = 256):
         self.parallelism = parallelism
         self.segment_size = segment_size
         self.num_segments = num_segments
@@ -110,6 +113,15 @@ class Environment:
         self.checkpoints_retained = checkpoints_retained
         self.restart_attempts = restart_attempts
         self.checkpointing_mode = checkpointing_mode
+        self.checkpoint_mode = checkpoint_mode
+        self.alignment_timeout = alignment_timeout
+        # buffer debloating (off by default, as in Flink): runtime/debloat.py
+        self.debloat = debloat
+        self.debloat_target = debloat_target
+        self.debloat_period = debloat_period
+        self.debloat_samples = debloat_samples
+        self.debloat_threshold = debloat_threshold
+        self.min_buffer_size = min_buffer_size
         self._check_settings()
         self.buffer_timeout = float(buffer_timeout)
         self.nodes: list[Node] = []
@@ -122,6 +134,8 @@ class Environment:
         (the attributes are public, so they may have changed in between)."""
         _positive_int("parallelism", self.parallelism)
         _positive_int("max_batch", self.max_batch)
+        from pyflowbuf.runtime.debloat import check_settings as _check_debloat
+        _check_debloat(self)
         if self.num_segments is not None:
             _positive_int("num_segments", self.num_segments)
         if not _number(self.buffer_timeout) or not 0 <= self.buffer_timeout < math.inf:
@@ -161,6 +175,22 @@ class Environment:
         if self.checkpointing_mode not in MODES:
             raise ConfigurationError(
                 f"checkpointing_mode must be one of {MODES}, got {self.checkpointing_mode!r}")
+        from pyflowbuf.runtime.checkpointing import ALIGNMENTS
+        if self.checkpoint_mode not in ALIGNMENTS:
+            raise ConfigurationError(
+                f"checkpoint_mode must be one of {ALIGNMENTS}, got {self.checkpoint_mode!r}")
+        at = self.alignment_timeout
+        if at is not None and (not _number(at) or not 0 <= at < math.inf):
+            raise ConfigurationError(f"alignment_timeout must be None or seconds >= 0, got {at!r}")
+        if at is not None and self.checkpoint_mode != "unaligned":
+            raise ConfigurationError(
+                "alignment_timeout switches a checkpoint from aligned to unaligned: it needs "
+                "checkpoint_mode='unaligned' (with alignment_timeout=0 every checkpoint is unaligned "
+                "from the start)")
+        if self.checkpoint_mode == "unaligned" and self.checkpointing_mode != "exactly_once":
+            raise ConfigurationError(
+                "checkpoint_mode='unaligned' needs checkpointing_mode='exactly_once' (at-least-once "
+                "checkpoints never block a channel, so there is nothing to overtake)")
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, (str, os.PathLike)):
             raise ConfigurationError(f"checkpoint_dir must be a path or an fsspec URL, got {self.checkpoint_dir!r}")
 
@@ -219,6 +249,48 @@ class Environment:
         if not os.path.exists(path):
             raise FileNotFoundError(path)
         return self._source(name, lambda: srcs.TextFileSource(path, encoding), "str", rate_limit)
+
+    def read_parquet(self, path, *, columns: list | None = None, batch_size: int = 65536,
+                     as_: str = "records", parallelism: int | None = None, name: str = "read_parquet",
+                     rate_limit=None) -> "Stream":
+        """Rows of Parquet files (pyarrow): ``path`` is a file, a directory
+        (its files, hidden ``.``/``_`` names skipped), a glob or a list of them.
+
+        ``as_``: ``"records"`` (a dict per row), ``"tuples"`` (a tuple per row,
+        in column order), ``"arrow"`` (RecordBatches of up to ``batch_size``
+        rows) or ``"pandas"`` (DataFrames). The row groups are split over the
+        ``parallelism`` subtasks; the position (file, row group, row) rewinds
+        exactly for checkpoints. Files are listed and their footers read
+        here: a missing file is FileNotFoundError, a broken one
+        ``connectors.FileFormatError``."""
+        from pyflowbuf import connectors
+
+        factory, kind = connectors.parquet_source(path, columns=columns, batch_size=batch_size, as_=as_,
+                                                  what=f"read_parquet {name!r}")
+        return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
+
+    def read_csv(self, path, *, columns: list | None = None, column_types=None, column_names: list | None = None,
+                 header: bool = True, delimiter: str = ",", quote_char: str = '"', batch_size: int = 65536,
+                 block_size: int = 1 << 20, as_: str = "records", parallelism: int | None = None,
+                 name: str = "read_csv", rate_limit=None) -> "Stream":
+        """Rows of CSV files (pyarrow.csv), ``path`` as for ``read_parquet``,
+        records as its ``as_`` says.
+
+        The column names are the header line's (``header=True``, every file
+        has one), ``column_names``, or f0, f1, ..; the types are
+        ``column_types`` (a pyarrow Schema or a dict of name to type) and, for
+        the other columns, inferred from the first ``block_size`` bytes. An
+        unquoted empty field is None, a quoted one ``""``. Each file's lines
+        are split over the ``parallelism`` subtasks by byte ranges; values
+        holding line breaks inside quotes are not supported. A row that does
+        not parse is ``connectors.FileFormatError`` naming the file and line."""
+        from pyflowbuf import connectors
+
+        factory, kind = connectors.csv_source(
+            path, columns=columns, column_types=column_types, column_names=column_names, header=header,
+            delimiter=delimiter, quote_char=quote_char, batch_size=batch_size, block_size=block_size,
+            as_=as_, what=f"read_csv {name!r}")
+        return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
 
     def from_arrays(self, arrays: Iterable, *, dtype=None, name: str = "arrays", rate_limit=None) -> "Stream":
         """A rows stream: NumPy arrays of fixed-width rows, moved with one memcpy
@@ -421,11 +493,38 @@ class Stream:
         return self._with("broadcast")
 
     def key_by(self, key_fn: Callable) -> "KeyedStream":
+        if isinstance(key_fn, str):
+            return _key_by_column(self, key_fn)
         if not callable(key_fn):
             raise TypeError("key_by takes a function record -> key")
         ks = KeyedStream(self.env, self.node, key_fn)
         ks._partitioner = "hash"
         return ks
+
+    # ---- event time ----
+    def assign_timestamps(self, fn: Callable | str, out_of_orderness: float = 0.0,
+                          idle_timeout: float | None = None, *, watermark_interval: float = 0.2,
+                          parallelism: int | None = None, name: str = "timestamps") -> "Stream":
+        """Event time for this stream: ``fn(record)`` is a record's timestamp in
+        seconds (a float or int; a datetime is converted). Watermarks follow
+        the records: the highest timestamp seen minus ``out_of_orderness``,
+        sent every ``watermark_interval`` seconds (Flink's 200 ms; 0: after
+        every batch). A subtask that gets no records for ``idle_timeout``
+        seconds is marked idle, so it does not hold back the watermark of
+        the tasks it feeds. On an Arrow/pandas stream ``fn`` may be a column
+        name. See ``pyflowbuf.windows``."""
+        from pyflowbuf.runtime.watermarks import TimestampsAssigner, check_seconds
+
+        if not isinstance(fn, str):
+            _callable(fn, "assign_timestamps")
+        ooo = check_seconds("out_of_orderness", out_of_orderness)
+        idle = check_seconds("idle_timeout", idle_timeout, optional=True, positive=True)
+        interval = check_seconds("watermark_interval", watermark_interval)
+        node = self._then(name, lambda: TimestampsAssigner(name, fn, ooo, idle, interval), parallelism,
+                          self.node.kind)
+        node.timestamps = fn
+        node.event_time = True
+        return Stream(self.env, node)
 
     # ---- operators ----
     def map(self, fn: Callable, *, parallelism: int | None = None, name: str = "map", kind: Any = None) -> "Stream":
@@ -435,7 +534,9 @@ class Stream:
 
     def filter(self, fn: Callable, *, parallelism: int | None = None, name: str = "filter") -> "Stream":
         _callable(fn, "filter")
-        return Stream(self.env, self._then(name, lambda: ops.Filter(name, fn), parallelism, self.node.kind))
+        node = self._then(name, lambda: ops.Filter(name, fn), parallelism, self.node.kind)
+        node.timestamps = getattr(self.node, "timestamps", None)    # the records stay as they were
+        return Stream(self.env, node)
 
     def flat_map(self, fn: Callable, *, parallelism: int | None = None, name: str = "flat_map",
                  kind: Any = None) -> "Stream":
@@ -473,6 +574,14 @@ class Stream:
                              inputs=[s._input_to(p) for s in streams], kind=kind)
         return Stream(self.env, node)
 
+    def join(self, other: "Stream"):
+        """A window join: ``a.join(b).where(key_a).equal_to(key_b)
+        .window(Tumbling(5)).apply(fn(left, right))``, one output per pair
+        of records with equal keys in the same window (Flink's join)."""
+        from pyflowbuf.windows import JoinedStreams
+        _same_env(self.env, other, "join")
+        return JoinedStreams(self, other)
+
     def connect(self, other: "Stream") -> "ConnectedStreams":
         """Two streams read by one operator with a function per input
         (``.process(fn1, fn2)``, ``.map(fn1, fn2)``); the inputs may carry
@@ -498,6 +607,18 @@ class Stream:
         _callable(fn, "sink")
         node = self._then(name, lambda: ops.FunctionSink(name, fn, batched), parallelism, None, sink=True)
         node.user_sink = True
+
+    def print(self, prefix: str | None = None, *, parallelism: int | None = None, name: str = "print") -> None:
+        """Each record on stdout as ``str(record)``, as PyFlink's print():
+        after ``"<subtask>> "`` (from 1) when the sink has several subtasks,
+        ``"<prefix>> "`` / ``"<prefix>:<subtask>> "`` with a prefix. With
+        ``workers=`` a worker prints to the stdout it inherited. Not
+        transactional: after a restore, records since the checkpoint print again."""
+        if prefix is not None and not isinstance(prefix, str):
+            raise ConfigurationError(f"print: prefix must be a str or None, got {prefix!r}")
+        from pyflowbuf.connectors import PrintSink
+
+        self._then(name, lambda: PrintSink(name, prefix), parallelism, None, sink=True)
 
     def write_text(self, path, *, parallelism: int | None = None, name: str = "write_text") -> None:
         """One line per record (``str(record)``); with parallelism p > 1 the files are path.0 .. path.p-1.
@@ -562,14 +683,59 @@ class KeyedStream(Stream):
         node = self._then(name, lambda: ops.KeyedReduce(name, key_fn, fn), parallelism, kind)
         return Stream(self.env, node)
 
-    def process(self, fn: Callable, *, parallelism: int | None = None, name: str = "process",
-                kind: Any = None) -> Stream:
-        """``fn(key, record, state_dict) -> iterable of outputs (or None)``."""
-        _callable(fn, "process")
+    def process(self, fn: Callable, *, on_timer: Callable | None = None, on_end: Callable | None = None,
+                parallelism: int | None = None, name: str = "process", kind: Any = None) -> Stream:
+        """``fn(key, record, state_dict) -> iterable of outputs (or None)``.
+
+        A ``fn`` that takes a fourth argument gets a context
+        (``pyflowbuf.runtime.timers.Context``): ``ctx.timestamp`` (the
+        record's event time), ``ctx.watermark``,
+        ``ctx.register_event_time_timer(t)``,
+        ``ctx.register_processing_time_timer(t)``. Timers call
+        ``on_timer(key, t, state, ctx)``; they are per key, deduplicated, fire
+        in time order in the task's thread, and go into checkpoints. At end of
+        input every event-time timer fires (the watermark goes to +inf), then
+        ``on_end(key, state, ctx)`` runs for every key with state. ``fn`` may
+        also be a ``KeyedProcessFunction`` (process_element, on_timer, on_end)."""
+        from pyflowbuf.runtime.timers import KeyedProcessFunction, KeyedProcessOperator, takes_context
+
+        is_class = isinstance(fn, KeyedProcessFunction)
+        if not is_class:
+            _callable(fn, "process")
+        if on_timer is not None:
+            _callable(on_timer, "process on_timer")
+        if on_end is not None:
+            _callable(on_end, "process on_end")
         kind = _check_kind(kind, f"process {name!r}")
         key_fn = self._key_fn
-        node = self._then(name, lambda: ops.KeyedProcess(name, key_fn, fn), parallelism, kind)
+        with_ctx = is_class or takes_context(fn, 3)
+        if not (with_ctx or on_timer or on_end):
+            node = self._then(name, lambda: ops.KeyedProcess(name, key_fn, fn), parallelism, kind)
+            return Stream(self.env, node)
+        ts_fn = getattr(self.node, "timestamps", None)
+        if isinstance(ts_fn, str):
+            ts_fn = None
+        node = self._then(name, lambda: KeyedProcessOperator(name, key_fn, ts_fn, fn, on_timer, on_end,
+                                                             with_ctx), parallelism, kind)
+        node.event_time = True
         return Stream(self.env, node)
+
+    def window(self, assigner) -> "Any":
+        """Event-time windows per key: ``Tumbling(size)``, ``Sliding(size,
+        slide)`` or ``Session(gap)``; then ``.reduce``, ``.aggregate`` or
+        ``.process`` (``allowed_lateness(s)`` first, if wanted). The stream
+        needs timestamps (``assign_timestamps``). See ``pyflowbuf.windows``."""
+        from pyflowbuf.windows import WindowedStream
+        return WindowedStream(self, assigner)
+
+    def interval_join(self, other: "KeyedStream", lower: float | None = None, upper: float | None = None):
+        """Join each record of this stream with the records of ``other`` of
+        the same key whose time lies in [t + lower, t + upper]:
+        ``a.interval_join(b).between(lower, upper).process(fn)``, or
+        ``a.interval_join(b, lower, upper).process(fn)``."""
+        from pyflowbuf.windows import IntervalJoin
+        join = IntervalJoin(self, other)
+        return join if lower is None and upper is None else join.between(lower, upper)
 
 
 class ConnectedStreams:
@@ -595,11 +761,17 @@ class ConnectedStreams:
                              inputs=[self.first._input_to(p), self.second._input_to(p)], kind=kind)
         return Stream(self.env, node)
 
-    def process(self, fn1: Callable, fn2: Callable, *, parallelism: int | None = None,
+    def process(self, fn1: Callable, fn2: Callable, *, on_timer: Callable | None = None,
+                on_end: Callable | None = None, parallelism: int | None = None,
                 name: str = "co_process", kind: Any = None) -> Stream:
         """Keyed: ``fn_i(key, record, state) -> iterable of outputs (or None)``,
         ``state`` the per-key dict both inputs share. Unkeyed:
-        ``fn_i(record, state)`` with one ``state`` dict per subtask."""
+        ``fn_i(record, state)`` with one ``state`` dict per subtask.
+
+        Keyed, a ``fn_i`` taking a fourth argument gets the context of
+        ``KeyedStream.process`` (timestamps, watermark, timers), and
+        ``on_timer(key, t, state, ctx)`` / ``on_end(key, state, ctx)`` work as
+        there; the watermark is the minimum of the two inputs'."""
         _callable(fn1, "process (fn1, for the first input)")
         _callable(fn2, "process (fn2, for the second input)")
         kind = _check_kind(kind, f"process {name!r}")
@@ -610,6 +782,20 @@ class ConnectedStreams:
                 f"process {name!r}: the {keyed} connected stream is keyed and the {plain} is not, so "
                 "records with equal keys would not meet in one subtask and the per-key state could not "
                 "be shared: key_by both streams, or neither for one state dict per subtask")
+        from pyflowbuf.runtime.timers import KeyedCoProcessOperator, takes_context
+
+        ctx = (takes_context(fn1, 3 if first_keyed else 2), takes_context(fn2, 3 if first_keyed else 2))
+        if first_keyed and (any(ctx) or on_timer is not None or on_end is not None):
+            k1, k2 = self.first._key_fn, self.second._key_fn
+            ts = tuple(None if isinstance(t, str) else t
+                       for t in (getattr(s.node, "timestamps", None) for s in (self.first, self.second)))
+            make = lambda: KeyedCoProcessOperator(name, (k1, k2), ts, (fn1, fn2), on_timer,  # noqa: E731
+                                                  on_end, ctx)
+            stream = self._node(name, make, parallelism, kind)
+            stream.node.event_time = True
+            return stream
+        if on_timer is not None or on_end is not None:
+            raise ConfigurationError(f"process {name!r}: timers are per key: key_by both connected streams")
         if first_keyed:
             k1, k2 = self.first._key_fn, self.second._key_fn
             make = lambda: ops.KeyedCoProcess(name, k1, k2, fn1, fn2)  # noqa: E731
@@ -647,6 +833,29 @@ class IteratorSink:
 
 
 _FIXED_WIDTH = {"int64": 8, "float64": 8}
+
+
+def _key_by_column(stream, column):
+    """``key_by("column")`` of an Arrow/pandas batch stream: for the
+    vectorized windows (``window(...).aggregate({...})``), which group rows
+    by that column themselves."""
+    kind = stream.node.kind
+    name = None
+    if kind is not None and not isinstance(kind, np.dtype):
+        from pyflowbuf.serializers import get_serializer
+        name = get_serializer(kind).name
+    if name not in ("arrow", "pandas"):
+        raise TypeError(f"key_by takes a function record -> key; a column name ({column!r}) keys only a stream "
+                        "declared as Arrow or pandas batches (kind='arrow' / 'pandas')")
+
+    def no_record_key(batch):
+        raise ConfigurationError(
+            f"key_by({column!r}) names a column of Arrow/pandas batches; it keys the vectorized windows "
+            "(window(...).aggregate({...})) only: key other operators with a function")
+    ks = KeyedStream(stream.env, stream.node, no_record_key)
+    ks._partitioner = "hash"
+    ks._key_column = column
+    return ks
 
 
 def _int(v) -> bool:

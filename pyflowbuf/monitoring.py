@@ -50,6 +50,12 @@ _GAUGES = (
     ("last_checkpoint", "last_checkpoint", "Id of the last checkpoint this task snapshotted"),
     ("checkpoint_alignment_ms", "checkpoint_alignment_ms",
      "Time the task spent aligning barriers for its last checkpoint, ms"),
+    # buffer debloating (present only when it is on)
+    ("debloat_buffer_size", "debloat_buffer_size", "Debloated buffer size of the task's input gates, bytes"),
+    ("debloat_time_to_consume_s", "debloat_time_to_consume_s",
+     "Estimated time to consume the in-flight buffers of the task's input gates, s"),
+    ("debloat_inflight_bytes", "debloat_inflight_bytes", "Bytes queued in the task's input gates"),
+    ("debloat_segments_held", "debloat_segments_held", "Segments held for the task's input gates"),
 )
 # checkpoint-level gauges: (history key, gauge suffix, help text)
 _CHECKPOINT_GAUGES = (
@@ -57,6 +63,10 @@ _CHECKPOINT_GAUGES = (
     ("duration_s", "last_duration_seconds", "Trigger to completion of the last checkpoint, seconds"),
     ("state_bytes", "last_state_bytes", "Bytes of state in the last completed checkpoint"),
     ("max_alignment_ms", "last_max_alignment_ms", "Longest alignment of any task in the last checkpoint, ms"),
+    ("inflight_bytes", "last_inflight_bytes",
+     "Bytes of in-flight data (buffers overtaken by unaligned barriers) in the last completed checkpoint"),
+    ("unaligned", "last_unaligned",
+     "How the last completed checkpoint was taken: 0 aligned, 1 unaligned, 2 switched by the alignment timeout"),
 )
 _LABELS = ("job", "task", "vertex")
 _TIME_KEYS = ("busy_ms_per_s", "idle_ms_per_s", "backpressured_ms_per_s")
@@ -156,7 +166,8 @@ class PrometheusExporter:
             self._checkpoints.labels(self.job_name, entry.get("status", "unknown")).inc()
             if entry.get("status") != "completed":
                 return
-            values = dict(entry, max_alignment_ms=max(entry.get("alignment_ms", {}).values(), default=0.0))
+            values = dict(entry, max_alignment_ms=max(entry.get("alignment_ms", {}).values(), default=0.0),
+                          unaligned={"aligned": 0, "unaligned": 1, "switched": 2}.get(entry.get("alignment"), 0))
             for key, gauge in self._checkpoint.items():
                 if values.get(key) is not None:
                     gauge.labels(self.job_name).set(float(values[key]))
@@ -246,8 +257,9 @@ class LiveView:
         caption = "busy / idle / backpr.: ms per second"
         c = self._last_checkpoint
         if c is not None:
-            caption += (f"; checkpoint {c['id']} {c['status']} in {c['duration_s']:.3f} s, "
-                        f"{_si(c.get('state_bytes') or 0)}B of state, max alignment "
+            caption += (f"; checkpoint {c['id']} {c['status']} ({c.get('alignment', 'aligned')}) in "
+                        f"{c['duration_s']:.3f} s, {_si(c.get('state_bytes') or 0)}B of state, "
+                        f"{_si(c.get('inflight_bytes') or 0)}B in flight, max alignment "
                         f"{max(c.get('alignment_ms', {}).values(), default=0.0):.1f} ms")
         table = Table(title=f"pyflowbuf job {self.job_name!r}", title_justify="left",
                       caption=caption, caption_justify="left",

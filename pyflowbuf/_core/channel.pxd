@@ -23,6 +23,15 @@ cdef class BufferQueue:
     cdef public int cancelled
     cdef readonly uint64_t buffers_pushed
     cdef readonly uint64_t bytes_pushed
+    # called by a network sender with (checkpoint id, copies of the items a
+    # priority barrier overtook here, or None when an aligned barrier passed)
+    cdef public object overtaken_sink
+    # Buffer debloating, set by the consumer (a local gate, or the network
+    # server on NewBufferSize) and read by the producer: the buffer size the
+    # writer caps new buffers at (0: the whole segment) and the bytes the
+    # consumer wants in flight on this channel (0: unknown, a remote consumer)
+    cdef public uint32_t buffer_size
+    cdef public uint64_t desired_bytes
     cdef int push(self, const fb_bufdesc *d, bint priority) except -1 nogil
     cdef int push_quiet(self, const fb_bufdesc *d, bint priority) except -1 nogil
     cdef void wake_consumer(self) noexcept nogil
@@ -44,4 +53,5 @@ cdef class InputGate:
     cdef public int cancelled
     cdef readonly int64_t idle_ns
     cdef int poll(self, fb_bufdesc *d, int *channel) noexcept nogil
+    cdef int poll_priority(self, fb_bufdesc *d, int channel) noexcept nogil
     cdef int poll_wait(self, fb_bufdesc *d, int *channel, int64_t timeout_ns) noexcept nogil

@@ -7,12 +7,13 @@ bounded by the producer's LocalBufferPool, so the ring never needs to grow.
 """
 cimport cython
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memset
 
 from pyflowbuf._core.errors cimport check
 from pyflowbuf._core.memory cimport Buffer, NetworkBufferPool, Notifier
-from pyflowbuf.includes.arena cimport fb_pool_recycle
+from pyflowbuf.includes.arena cimport fb_pool_recycle, fb_segment_ptr
 from pyflowbuf.includes.errors cimport *
 from pyflowbuf.includes.park cimport *
 from pyflowbuf.includes.ring cimport *
@@ -22,6 +23,8 @@ BARRIER = EVT_BARRIER
 CANCEL_BARRIER = EVT_CANCEL_BARRIER
 END_OF_DATA = EVT_END_OF_DATA
 USER_EVENT = EVT_USER
+# barrier flag: an unaligned barrier (it overtook queued data; see BufferQueue.overtaken)
+BARRIER_UNALIGNED = 1
 
 
 @cython.final
@@ -113,12 +116,16 @@ cdef class BufferQueue:
             d = fb_ring_peek(self.ring)
         return d
 
-    def push_event(self, int kind, long long aux=0, int flags=0, bint priority=False):
+    def push_event(self, int kind, long long aux=0, int flags=0, bint priority=False, long long mark=-1):
         """Enqueue an event (end of partition, barrier, ...). Events take no
-        segment and are never blocked by a dry pool."""
+        segment and are never blocked by a dry pool.
+
+        A priority event carries ``mark``: the data lane's push count it was
+        sent at (default: now), so the consumer can tell which queued items it
+        overtook (``overtaken``). Producer side only."""
         cdef fb_bufdesc d
         d.pool = NULL
-        d.seg = 0
+        d.seg = <uint32_t>(mark if mark >= 0 else (fb_ring_tail(self.ring) if priority else 0))
         d.size = 0
         d.width = kind
         d.type = FB_DATA_EVENT
@@ -153,6 +160,38 @@ cdef class BufferQueue:
         if d.type == FB_DATA_EVENT:
             return (d.width, d.aux, d.flags)
         return Buffer.wrap(&d, self.network_pool)
+
+    @property
+    def push_position(self):
+        """Items pushed to the data lane so far (producer side): the mark of an
+        event pushed now."""
+        return fb_ring_tail(self.ring)
+
+    def overtaken(self, long long mark):
+        """Consumer side, right after taking a priority event with ``mark``:
+        how many data-lane items ahead of the head were pushed before it
+        (negative: the head has passed that point already)."""
+        return <int32_t>(<uint32_t>mark - <uint32_t>fb_ring_head(self.ring))
+
+    def copy_front(self, Py_ssize_t count):
+        """Consumer side: copies of the next ``count`` data-lane items, left in
+        place, as ``(type, width, flags, aux, payload)``; payload is bytes for
+        data buffers and None for events. The in-flight data an unaligned
+        barrier overtook: copied, so the consumer processes and recycles the
+        segments as usual while the copies are written to the checkpoint."""
+        cdef Py_ssize_t size = <Py_ssize_t>fb_ring_size(self.ring), i
+        cdef fb_bufdesc *d
+        cdef list out = []
+        if count > size:
+            raise ValueError(f"only {size} items queued, asked for {count}")
+        for i in range(count):
+            d = fb_ring_at(self.ring, i)
+            if d.type == FB_DATA_EVENT:
+                out.append((d.type, d.width, d.flags, d.aux, None))
+            else:
+                out.append((d.type, d.width, d.flags, d.aux,
+                            PyBytes_FromStringAndSize(fb_segment_ptr(self.network_pool.a, d.seg), d.size)))
+        return out
 
     def cancel(self):
         self.cancelled = 1
@@ -239,6 +278,13 @@ cdef class InputGate:
                 return FB_OK
         return FB_E_UNAVAILABLE
 
+    cdef int poll_priority(self, fb_bufdesc *d, int channel) noexcept nogil:
+        """Pop from ``channel``'s priority lane only."""
+        if fb_ring_pop(self.prios[channel], d) == FB_OK:
+            fb_event_notify(self.spaces[channel])
+            return FB_OK
+        return FB_E_UNAVAILABLE
+
     cdef int poll_wait(self, fb_bufdesc *d, int *channel, int64_t timeout_ns) noexcept nogil:
         """Poll; when nothing is there park until a producer pushes, the
         timeout passes (FB_E_TIMEOUT) or the gate is cancelled."""
@@ -308,6 +354,29 @@ cdef class InputGate:
         for i in range(self.num_channels):
             total += fb_ring_size(self.rings[i]) + fb_ring_size(self.prios[i])
         return total
+
+    def queued_per_channel(self):
+        """Buffers queued on each channel, in one call (the debloater's
+        buffers in use, per channel as Flink sums them)."""
+        cdef int i
+        return [fb_ring_size(self.rings[i]) + fb_ring_size(self.prios[i]) for i in range(self.num_channels)]
+
+    def queued_bytes_per_channel(self):
+        """Bytes in the data buffers queued on each channel (the in-flight
+        data of the gate). Consumer side: call it from the reading thread."""
+        cdef int i, j
+        cdef uint64_t k, n, total
+        cdef fb_ring *r
+        out = []
+        for i in range(self.num_channels):
+            total = 0
+            for j in range(2):
+                r = self.rings[i] if j == 0 else self.prios[i]
+                n = fb_ring_size(r)
+                for k in range(n):
+                    total += fb_ring_at(r, k).size
+            out.append(total)
+        return out
 
     def __repr__(self):
         return f"InputGate(channels={self.num_channels}, queued={self.queued_buffers})"

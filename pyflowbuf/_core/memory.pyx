@@ -161,6 +161,27 @@ cdef class NetworkBufferPool:
     def live_pools(self):
         return self.a.live_pools
 
+    def release_memory(self, keep_bytes=0):
+        """Give the kernel back the pages of every unpromised free segment
+        past its first ``keep_bytes`` (rounded up to a page), so that the
+        process's resident memory shrinks while buffers are debloated: a
+        writer capped at ``keep_bytes`` never touches the rest again. Safe
+        while pools run (those segments are taken off the free list for the
+        moment it takes). Returns the bytes advised away."""
+        _check_count("keep_bytes", keep_bytes, 0)
+        cdef uint64_t keep = keep_bytes, n
+        with nogil:
+            n = fb_arena_release(self.a, keep)
+        return n
+
+    @property
+    def resident_bytes(self):
+        """Bytes of the arena resident in memory now (None if unknown)."""
+        cdef int64_t r
+        with nogil:
+            r = fb_arena_resident(self.a)
+        return None if r < 0 else r
+
     def __repr__(self):
         return (f"NetworkBufferPool(total={self.total_segments}, segment_size={self.segment_size}, "
                 f"available={self.available_segments})")

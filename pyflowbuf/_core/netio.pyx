@@ -285,6 +285,7 @@ cdef class SenderView:
     cdef int64_t _added            # credit received; atomic (add_credit may run on any thread)
     cdef int64_t _used
     cdef readonly uint32_t seq
+    cdef readonly uint32_t event_mark   # of the last event taken (see BufferQueue.push_event)
     cdef int64_t _told_backlog
     cdef int _blocked
     cdef int _finished
@@ -376,6 +377,7 @@ cdef class SenderView:
         backlog[0] = <int32_t>self._backlog()
         self._told_backlog = backlog[0]
         if d.type == FB_DATA_EVENT:
+            self.event_mark = d.seg
             if self.block_on_barrier and d.width == EVT_BARRIER and not prio:
                 fb_atomic_store_int(&self._blocked, 1, __ATOMIC_RELEASE)
         else:

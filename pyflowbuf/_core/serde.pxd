@@ -91,6 +91,14 @@ cdef class RecordReader:
     cdef readonly uint64_t records_in
     cdef readonly uint64_t bytes_in
     cdef readonly uint64_t buffers_in
+    # unaligned checkpoints: the mark of the last priority event, channels
+    # whose buffers are being recorded as in-flight input, and in-flight
+    # input to read again after a restore before anything from the gate
+    cdef readonly uint32_t event_mark
+    cdef unsigned char *recording
+    cdef list recorded
+    cdef object _replay
+    cdef object _replay_cur
     cdef object _decode_one(self, ChanState *c)
     cdef object _make(self, ChanState *c, const char *p, uint32_t n)
     cdef int _check_len(self, uint32_t n) except -1
@@ -99,3 +107,6 @@ cdef class RecordReader:
     cdef object _next_record(self, int64_t timeout_ns)
     cdef int _release_current(self, ChanState *c) except -1
     cdef int _next_buffer(self, int64_t timeout_ns) except -2
+    cdef int _record(self, int ch, fb_bufdesc *d) except -1
+    cdef int _next_replayed(self) except -2
+    cdef int _ch_index(self, int ch) except -1

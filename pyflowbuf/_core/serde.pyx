@@ -24,7 +24,7 @@ from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 from libc.math cimport floor, isfinite
 from libc.string cimport memcpy
 
-from pyflowbuf._core.channel cimport EVT_END_OF_PARTITION, BufferQueue, InputGate
+from pyflowbuf._core.channel cimport EVT_BARRIER, EVT_CANCEL_BARRIER, EVT_END_OF_PARTITION, BufferQueue, InputGate
 from pyflowbuf._core.errors cimport check
 from pyflowbuf._core.memory cimport Buffer, LocalBufferPool, NetworkBufferPool, RecordView
 from pyflowbuf.includes.arena cimport fb_pool_recycle, fb_pool_request, fb_segment_ptr
@@ -670,6 +670,9 @@ cdef class RecordWriter:
         b.base = fb_segment_ptr(self.a, seg)
         b.pos = 0
         b.cap = <uint32_t>self.a.segment_size
+        cdef uint32_t want = (<BufferQueue>self.queues[ch]).buffer_size
+        if 0 < want < b.cap:
+            b.cap = want    # buffer debloating: ship once the consumer's size is in
         b.type = type
         b.width = width
         b.active = 1
@@ -706,6 +709,10 @@ cdef class RecordWriter:
         while n > 0:
             if not b.active:
                 self._new_segment(ch, FB_DATA_RECORDS, 0)
+                if b.cap < n:
+                    # a debloated size never refuses or shreds a record: its
+                    # buffer may hold up to the rest of it (one segment at most)
+                    b.cap = <uint32_t>min(<uint64_t>n, self.a.segment_size)
             k = b.cap - b.pos
             if k > n:
                 k = n
@@ -909,6 +916,8 @@ cdef class RecordWriter:
                 self._finish(channel)
             if not b.active:
                 self._new_segment(channel, FB_DATA_FIXED, <uint32_t>w)
+                if b.cap < w:
+                    b.cap = <uint32_t>w    # a debloated size still takes one row
             k = (b.cap - b.pos) // w
             if k > left:
                 k = left
@@ -1003,13 +1012,16 @@ cdef class RecordReader:
                 raise ValueError("all channels of a RecordReader's gate must share one NetworkBufferPool")
         self.a = self.arena_owner.a
         self.chs = <ChanState *>PyMem_Calloc(self.nch, sizeof(ChanState))
-        if self.chs is NULL:
+        self.recording = <unsigned char *>PyMem_Calloc(self.nch, 1)
+        if self.chs is NULL or self.recording is NULL:
             raise MemoryError()
         self.cur_ch = -1
+        self.recorded = [[] for _ in range(self.nch)]
 
     def __dealloc__(self):
         cdef int i
         cdef ChanState *c
+        PyMem_Free(self.recording)
         if self.chs is NULL:
             return
         for i in range(self.nch):
@@ -1031,13 +1043,15 @@ cdef class RecordReader:
             Py_DECREF(<object>b)
         elif c.cur.pool is not NULL:
             fb_pool_recycle(c.cur.pool, c.cur.seg)
+        else:
+            self._replay_cur = None     # a replayed buffer: its bytes were the memory
         return 0
 
     cdef object _make(self, ChanState *c, const char *p, uint32_t n):
         cdef Buffer buf
         cdef double dv
         if self.kind == KIND_BYTES:
-            if n >= self.zero_copy_min:
+            if n >= self.zero_copy_min and c.cur.pool is not NULL:
                 if c.cur_buf is NULL:
                     buf = Buffer.wrap(&c.cur, self.arena_owner)
                     Py_INCREF(buf)
@@ -1153,6 +1167,8 @@ cdef class RecordReader:
         while True:
             if self._event is not None or self.finished_count >= self.nch:
                 return 0
+            if self._replay:
+                return self._next_replayed()
             rc = gate.poll(&d, &ch)
             if rc == FB_E_UNAVAILABLE and timeout_ns != 0:
                 if deadline >= 0:
@@ -1166,9 +1182,14 @@ cdef class RecordReader:
             check(rc, "reading the input gate")
             c = &self.chs[ch]
             if d.type != FB_DATA_EVENT:
+                if self.recording[ch]:
+                    self._record(ch, &d)
                 break
             if d.width != EVT_END_OF_PARTITION:
                 self._event = (ch, d.width, d.aux, d.flags)
+                self.event_mark = d.seg
+                if self.recording[ch] and d.width != EVT_BARRIER and d.width != EVT_CANCEL_BARRIER:
+                    self._record(ch, &d)
                 return 0
             if c.partial is not NULL or c.hdr_have:
                 raise _errors.CorruptRecordError(
@@ -1186,6 +1207,127 @@ cdef class RecordReader:
         c.cur_buf = NULL
         self.cur_ch = ch
         return 1
+
+    cdef int _record(self, int ch, fb_bufdesc *d) except -1:
+        """A copy of a buffer (or event) taken from a recorded channel: the
+        segment is recycled as usual once read, the copy goes to the checkpoint."""
+        cdef object payload = None
+        if d.type != FB_DATA_EVENT:
+            payload = PyBytes_FromStringAndSize(fb_segment_ptr(self.a, d.seg), d.size)
+        (<list>self.recorded[ch]).append((d.type, d.width, d.flags, d.aux, payload))
+        return 0
+
+    cdef int _next_replayed(self) except -2:
+        """The next item of in-flight input being replayed after a restore."""
+        cdef int ch
+        cdef ChanState *c
+        ch, item = self._replay.popleft()
+        dtype, width, flags, aux, payload = item
+        if dtype == FB_DATA_EVENT:
+            self._event = (ch, width, aux, flags)
+            return 0
+        c = &self.chs[ch]
+        self._replay_cur = payload
+        c.cur.pool = NULL
+        c.cur.seg = 0
+        c.cur.size = <uint32_t>len(payload)
+        c.cur.width = width
+        c.cur.type = dtype
+        c.cur.flags = flags
+        c.cur.aux = aux
+        c.base = PyBytes_AS_STRING(payload)
+        c.pos = 0
+        c.has_cur = 1
+        c.cur_buf = NULL
+        self.buffers_in += 1
+        self.bytes_in += c.cur.size
+        self.cur_ch = ch
+        return 1
+
+    # ---- unaligned checkpoints ----
+    def poll_priority(self):
+        """Take an event from a priority lane now, leaving all data where it
+        is: a task waiting for output buffers (backpressure) still takes an
+        overtaking barrier. ``(channel, kind, aux, flags)`` or None."""
+        cdef fb_bufdesc d
+        cdef int ch
+        cdef InputGate gate = self.gate
+        if self._event is not None or self._replay:
+            return None
+        for ch in range(self.nch):
+            if gate.poll_priority(&d, ch) == FB_OK:
+                if d.type != FB_DATA_EVENT:
+                    raise _errors.CorruptRecordError(f"a data buffer in the priority lane of channel {ch}")
+                self.event_mark = d.seg
+                return (ch, d.width, d.aux, d.flags)
+        return None
+
+    def start_recording(self, int ch):
+        """Record a copy of every buffer (and event) taken from ``ch`` from now
+        on: in-flight input of an unaligned checkpoint."""
+        self._ch_index(ch)
+        self.recording[ch] = 1
+
+    def stop_recording(self, int ch):
+        """Stop recording ``ch``; returns what was recorded, in order."""
+        self._ch_index(ch)
+        self.recording[ch] = 0
+        out = self.recorded[ch]
+        self.recorded[ch] = []
+        return out
+
+    def is_recording(self, int ch):
+        return bool(self.recording[self._ch_index(ch)])
+
+    def unread_prefix(self, int ch):
+        """What this reader took from ``ch`` but has not handed out yet, as one
+        data item (or None): the start of a record that spans buffers, or the
+        rest of a buffer left after a batch ended mid-buffer. After a restore
+        it is read again first, so a record cut by the snapshot is whole."""
+        cdef ChanState *c = &self.chs[self._ch_index(ch)]
+        cdef bytes data
+        if c.partial is not NULL:
+            data = (<uint32_t>c.partial_len).to_bytes(4, "little") + \
+                PyBytes_FromStringAndSize(PyBytes_AS_STRING(<object>c.partial), c.partial_have)
+        elif c.hdr_have:
+            data = PyBytes_FromStringAndSize(c.hdr, c.hdr_have)
+        elif self.cur_ch == ch and c.has_cur and c.pos < c.cur.size:
+            data = PyBytes_FromStringAndSize(c.base + c.pos, c.cur.size - c.pos)
+            return (c.cur.type, c.cur.width, 0, 0, data)
+        else:
+            return None
+        return (FB_DATA_RECORDS, 0, 0, 0, data)
+
+    def replay(self, items):
+        """In-flight input to read before anything from the gate: an iterable
+        of ``(channel, (type, width, flags, aux, payload))`` in order."""
+        import collections
+        for ch, item in items:
+            self._ch_index(ch)
+            if item[0] != FB_DATA_EVENT and not isinstance(item[4], bytes):
+                raise TypeError("a replayed data item needs bytes as its payload")
+        if self._replay is None:
+            self._replay = collections.deque()
+        self._replay.extend(items)
+
+    def take_over(self, RecordReader old not None):
+        """Carry recording and replay state over from the reader this one
+        replaces (nothing was decoded by the old one)."""
+        if old.nch != self.nch:
+            raise ValueError("readers of different gates")
+        memcpy(self.recording, old.recording, self.nch)
+        self.recorded = old.recorded
+        old.recorded = [[] for _ in range(old.nch)]
+        self._replay, old._replay = old._replay, None
+
+    @property
+    def replaying(self):
+        return bool(self._replay) or self._replay_cur is not None
+
+    cdef int _ch_index(self, int ch) except -1:
+        if not 0 <= ch < self.nch:
+            raise IndexError(f"channel {ch} out of range (reader has {self.nch})")
+        return ch
 
     cdef object _next_record(self, int64_t timeout_ns):
         """A record, or _NEED_MORE when none is available within the timeout."""
@@ -1275,6 +1417,13 @@ cdef class RecordReader:
             raise TypeError("read_array() got a buffer of variable-size records; use read_batch()")
         if c.cur.width != dt.itemsize:
             raise ValueError(f"buffer holds {c.cur.width}-byte records, dtype {dt} has itemsize {dt.itemsize}")
+        if c.cur.pool is NULL:      # replayed after a restore: over its bytes
+            arr = np.frombuffer(self._replay_cur, dtype=dt, offset=c.pos)
+            self.records_in += arr.shape[0]
+            c.pos = c.cur.size
+            self._release_current(c)
+            self.cur_ch = -1
+            return arr
         if c.cur_buf is NULL:
             buf = Buffer.wrap(&c.cur, self.arena_owner)
             Py_INCREF(buf)

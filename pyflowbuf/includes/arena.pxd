@@ -34,3 +34,5 @@ cdef extern from "fb_arena.h" nogil:
     int fb_pool_set_min(fb_pool *p, uint32_t new_min)
     void fb_pool_set_max(fb_pool *p, uint32_t new_max)
     int fb_pool_destroy(fb_pool *p)
+    uint64_t fb_arena_release(fb_arena *a, uint64_t keep)
+    int64_t fb_arena_resident(fb_arena *a)

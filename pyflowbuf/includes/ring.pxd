@@ -26,3 +26,6 @@ cdef extern from "fb_ring.h" nogil:
     fb_bufdesc *fb_ring_peek(fb_ring *r)
     int fb_ring_was_empty(fb_ring *r)
     uint64_t fb_ring_size(fb_ring *r)
+    uint64_t fb_ring_tail(fb_ring *r)
+    uint64_t fb_ring_head(fb_ring *r)
+    fb_bufdesc *fb_ring_at(fb_ring *r, uint64_t i)

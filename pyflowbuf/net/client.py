@@ -10,7 +10,7 @@ import threading
 import time
 
 from pyflowbuf._core import netio
-from pyflowbuf._core.channel import END_OF_PARTITION, BufferQueue
+from pyflowbuf._core.channel import BARRIER, END_OF_PARTITION, BufferQueue
 from pyflowbuf._core.memory import LocalBufferPool, NetworkBufferPool, Notifier
 from pyflowbuf.errors import (CancelledError, ChannelClosedError, ConnectionLostError, FlowBufError,
                               PartitionNotFoundError, ProtocolError, RemoteError)
@@ -54,6 +54,10 @@ class RemoteInputChannel:
         self._state = "requested"
         self.error = None
         self.events_received = 0
+        # where each aligned barrier went into the local queue: a priority
+        # barrier of the same checkpoint (the alignment timeout converted it)
+        # overtakes only what came before that one
+        self.barrier_marks = {}
         self.gate = None
         self._deadline = time.monotonic() + request_timeout
         self._backoff = 0.02
@@ -273,7 +277,10 @@ class _ClientConnection:
                 ch.queue.push_event(kind, aux, flags, prio)
                 self.manager._retire(ch)
                 return
-            ch.queue.push_event(kind, aux, flags, prio)
+            if kind == BARRIER:
+                self._push_barrier(ch, aux, flags, prio)
+            else:
+                ch.queue.push_event(kind, aux, flags, prio)
         else:
             self._receive_data(ch, size, dt & 0x7F, width, flags, prio)
         cr = ch.credit
@@ -283,6 +290,17 @@ class _ClientConnection:
             self.manager._poke()
         elif cr.granted - cr.taken <= cr.low_water:
             self.manager._wake.notify()
+
+    @staticmethod
+    def _push_barrier(ch, checkpoint_id, flags, prio):
+        marks = ch.barrier_marks
+        if not prio:
+            marks[checkpoint_id] = ch.queue.push_position
+            if len(marks) > 8:
+                del marks[min(marks)]
+            ch.queue.push_event(BARRIER, checkpoint_id, flags, False)
+        else:
+            ch.queue.push_event(BARRIER, checkpoint_id, flags, True, marks.get(checkpoint_id, -1))
 
     def _read_control(self, msg):
         t = type(msg)

@@ -11,7 +11,7 @@ import threading
 import time
 
 from pyflowbuf._core import netio
-from pyflowbuf._core.channel import END_OF_PARTITION, BufferQueue, InputGate
+from pyflowbuf._core.channel import BARRIER, END_OF_PARTITION, BufferQueue, InputGate
 from pyflowbuf._core.memory import Notifier
 from pyflowbuf.errors import (AuthenticationError, CancelledError, ConnectionLostError, FlowBufError,
                               ProtocolError, RemoteError)
@@ -491,6 +491,9 @@ class _ServerConnection:
             v = self.views.get(msg.receiver_id)
             if v is not None:
                 v.export.buffer_size = msg.size
+                # the producer's RecordWriter caps the next buffers of this
+                # subpartition at it (at most a segment; a record never waits on it)
+                v.export.queue.buffer_size = msg.size
                 if v.export.on_buffer_size is not None:
                     try:
                         v.export.on_buffer_size(msg.size)
@@ -572,6 +575,8 @@ class _ServerConnection:
                     bufs.append(item)
                 elif what == EVENT:
                     kind, aux, flags = item
+                    if kind == BARRIER:
+                        _barrier_passed(v, aux, prio)
                     parts.append(F.encode_event(v.receiver_id, v.subpartition, seq, backlog, kind, aux, flags, prio))
                     if kind == END_OF_PARTITION:
                         v.finished = True
@@ -607,6 +612,23 @@ class _ServerConnection:
             self.server._parks += self.pump.parks
             self.server._credit_parks += self.pump.credit_parks
         self.server._forget(self)
+
+
+def _barrier_passed(view, checkpoint_id, prio):
+    """Barrier ``checkpoint_id`` leaves this sender: tell the producer what it
+    overtook here (copies of the buffers still queued before it, its in-flight
+    output for an unaligned checkpoint), or that an aligned one passed with
+    nothing overtaken. Runs on the sender thread right after the barrier was
+    taken, so the queue's head has not moved since."""
+    sink = view.queue.overtaken_sink
+    if sink is None:
+        return
+    if not prio:
+        sink(checkpoint_id, None)
+        return
+    k = view.queue.overtaken(view.event_mark)
+    if k >= 0:          # negative: the aligned barrier went first, it told already
+        sink(checkpoint_id, view.queue.copy_front(k))
 
 
 def _is_int(x):

@@ -11,6 +11,17 @@ Then the subtask snapshots and forwards barrier *n*, and every channel is
 resumed. A channel that ends (end of partition) no longer takes part. A
 subtask with one live channel never blocks.
 
+Unaligned checkpoints (Flink's unaligned barriers): a barrier flagged
+unaligned overtook the data queued ahead of it. At the first one the subtask
+snapshots at once and forwards *n* (overtaking too), blocks nothing, and
+records as in-flight input what it takes from every channel until barrier *n*
+arrives there (``CAPTURE``: that channel's recording ends, and the data the
+barrier overtook is taken along); ``INFLIGHT_DONE`` once every channel has
+delivered it. An aligned checkpoint turns unaligned when a barrier of it
+arrives unaligned (the alignment timeout converted it upstream) or on
+``switch`` (the timeout, here): channels blocked so far are resumed, since
+what they hold came after the barrier.
+
 A cancel marker for *n* (the checkpoint was aborted upstream, or timed out)
 ends the alignment at once and resumes every channel; barriers of an aborted
 or older checkpoint arriving later are ignored. A barrier of a newer
@@ -27,6 +38,13 @@ Key = Hashable          # (input index, channel index)
 # what on_barrier / on_cancel / on_channel_finished tell the subtask to do
 SNAPSHOT = "snapshot"   # all aligned: snapshot checkpoint `id` and forward its barrier
 ABORT = "abort"         # give up checkpoint `id`: forward a cancel marker
+# unaligned: (SNAPSHOT_UNALIGNED, (id, keys)) snapshot now, forward an
+# overtaking barrier, record `keys` (their unread prefix first);
+# (CAPTURE, (id, key)) the barrier arrived on `key` (or it ended): close its
+# in-flight input; (INFLIGHT_DONE, id) every channel delivered the barrier
+SNAPSHOT_UNALIGNED = "snapshot_unaligned"
+CAPTURE = "capture"
+INFLIGHT_DONE = "inflight_done"
 
 
 class BarrierAligner:
@@ -50,9 +68,12 @@ class BarrierAligner:
         self.started_ns = 0
         self.alignment_ns: dict[int, int] = {}    # checkpoint id -> time spent aligning
         self.aborted: set = set()
+        self.unaligned = False                # the current checkpoint went unaligned
+        self.recording: set = set()           # channels whose in-flight input is being recorded
+        self.switched: set = set()            # ids to take unaligned from their first barrier on
 
     # ---- events ----
-    def on_barrier(self, key: Key, checkpoint_id: int) -> list:
+    def on_barrier(self, key: Key, checkpoint_id: int, unaligned: bool = False) -> list:
         n = checkpoint_id
         if key not in self.live:
             return []                      # a barrier after this channel ended cannot happen; be safe
@@ -66,12 +87,43 @@ class BarrierAligner:
             self.latest = n
             self.arrived = set()
             self.started_ns = self._clock()
+            self.unaligned = False
+        if key in self.arrived:
+            return actions                 # its second barrier: the converted copy, or the original after it
+        if not self.unaligned and (unaligned or n in self.switched):
+            actions += self._go_unaligned()
         self.arrived.add(key)
+        if self.unaligned:
+            self.recording.discard(key)
+            actions.append((CAPTURE, (n, key)))
+            if self.arrived >= self.live:
+                actions += self._complete_unaligned()
+            return actions
         if self.arrived >= self.live:
             return actions + self._complete()
         self._block(key)
         self.blocked.add(key)
         return actions
+
+    def switch(self, checkpoint_id: int) -> list:
+        """The alignment timeout of ``checkpoint_id`` passed: take it unaligned
+        (now if it is aligning here, else from its first barrier on)."""
+        n = checkpoint_id
+        if n < self.latest or (n == self.latest and self.current != n):
+            return []                      # done (or given up) here already
+        if self.current == n:
+            return [] if self.unaligned else self._go_unaligned()
+        self.switched.add(n)
+        self.switched = {i for i in self.switched if i >= self.latest}
+        return []
+
+    def _go_unaligned(self) -> list:
+        self.unaligned = True
+        self.recording = set(self.live - self.arrived)
+        for key in self.blocked:           # what they hold came after the barrier
+            self._resume(key)
+        self.blocked = set()
+        return [(SNAPSHOT_UNALIGNED, (self.current, frozenset(self.recording)))]
 
     def on_cancel(self, key: Key, checkpoint_id: int) -> list:
         n = checkpoint_id
@@ -90,9 +142,14 @@ class BarrierAligner:
         self.arrived.discard(key)
         if key in self.blocked:
             self.blocked.discard(key)
+        actions = []
+        if self.unaligned and key in self.recording:
+            # what it delivered up to its end was recorded: that is all of it
+            self.recording.discard(key)
+            actions.append((CAPTURE, (self.current, key)))
         if self.current is not None and self.arrived >= self.live:
-            return self._complete()
-        return []
+            return actions + (self._complete_unaligned() if self.unaligned else self._complete())
+        return actions
 
     def abort(self, checkpoint_id: int) -> list:
         """The coordinator gave up ``checkpoint_id`` (timeout, a failure)."""
@@ -114,10 +171,21 @@ class BarrierAligner:
         self._resume_all()
         return [(SNAPSHOT, n)]
 
+    def _complete_unaligned(self) -> list:
+        n = self.current
+        self.alignment_ns[n] = self._clock() - self.started_ns
+        self.current = None
+        self.unaligned = False
+        self.recording = set()
+        self.arrived = set()
+        return [(INFLIGHT_DONE, n)]
+
     def _abort(self) -> list:
         n = self.current
         self.current = None
         self.aborted.add(n)
+        self.unaligned = False
+        self.recording = set()
         self._resume_all()
         return [(ABORT, n)]
 

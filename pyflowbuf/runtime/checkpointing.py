@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,7 @@ from pyflowbuf.runtime.metrics import publish_checkpoint
 log = logging.getLogger("pyflowbuf.checkpoint")
 
 MODES = ("exactly_once", "at_least_once")
+ALIGNMENTS = ("aligned", "unaligned")
 DEFAULT_CHECKPOINT_DIR = "checkpoints"
 
 
@@ -49,6 +51,18 @@ class CheckpointConfig:
     restart_attempts: int = 0
     mode: str = "exactly_once"
     allow_pickle: bool = False
+    alignment: str = "aligned"            # checkpoint_mode
+    alignment_timeout: float | None = None
+
+    @property
+    def starts_unaligned(self) -> bool:
+        """Barriers overtake from the start (unaligned, no timeout or 0)."""
+        return self.alignment == "unaligned" and not self.alignment_timeout
+
+    @property
+    def switchable(self) -> bool:
+        """Checkpoints start aligned and turn unaligned after the timeout."""
+        return self.alignment == "unaligned" and bool(self.alignment_timeout)
 
     @classmethod
     def from_env(cls, env) -> "CheckpointConfig | None":
@@ -58,7 +72,8 @@ class CheckpointConfig:
         return cls(interval=interval, directory=os.fspath(env.checkpoint_dir or DEFAULT_CHECKPOINT_DIR),
                    timeout=env.checkpoint_timeout, retained=env.checkpoints_retained,
                    restart_attempts=env.restart_attempts, mode=env.checkpointing_mode,
-                   allow_pickle=env.allow_pickle)
+                   allow_pickle=env.allow_pickle, alignment=getattr(env, "checkpoint_mode", "aligned"),
+                   alignment_timeout=getattr(env, "alignment_timeout", None))
 
 
 @dataclass
@@ -70,6 +85,8 @@ class _Pending:
     handles: dict = field(default_factory=dict)       # task key -> TaskStateHandle
     alignment_ms: dict = field(default_factory=dict)  # task key -> ms spent aligning
     commits: list = field(default_factory=list)       # sink commit actions the checkpoint covers
+    alignment: str = "aligned"    # aligned | unaligned | switched (by the alignment timeout)
+    timer: Any = None
 
 
 class CheckpointCoordinator:
@@ -138,11 +155,32 @@ class CheckpointCoordinator:
             n = self._next_id
             self._next_id += 1
             p = self.pending[n] = _Pending(n, time.time(), time.monotonic_ns(), set(self.task_keys))
+            if self.config.starts_unaligned:
+                p.alignment = "unaligned"
+            elif self.config.switchable:
+                p.timer = threading.Timer(self.config.alignment_timeout, self._switch, (n,))
+                p.timer.daemon = True
             finished = dict(self.finished)
         for key, (state, commits) in finished.items():
             self._write_final(p, key, state, commits)
         execution.trigger_sources(n)
+        if p.timer is not None:
+            p.timer.start()
         return n
+
+    def _switch(self, checkpoint_id) -> None:
+        """The alignment timeout passed with checkpoint n still pending: every
+        subtask takes it unaligned from here on (Flink's aligned checkpoint
+        timeout)."""
+        with self._lock:
+            p = self.pending.get(checkpoint_id)
+            execution = self.execution
+            if p is None or execution is None:
+                return
+            p.alignment = "switched"
+        log.info("pyflowbuf: checkpoint %d switched to unaligned after %.3g s of alignment",
+                 checkpoint_id, self.config.alignment_timeout)
+        execution.switch_to_unaligned(checkpoint_id)
 
     def _write_final(self, p: _Pending, key, state, commits) -> None:
         try:
@@ -173,6 +211,8 @@ class CheckpointCoordinator:
             if set(p.handles) < p.expected:
                 return
             del self.pending[checkpoint_id]
+        if p.timer is not None:
+            p.timer.cancel()
         self._complete(p)
 
     def decline(self, task_key, checkpoint_id, reason) -> None:
@@ -197,7 +237,7 @@ class CheckpointCoordinator:
             meta = self.storage.complete(
                 p.checkpoint_id, list(p.handles.values()), trigger_time=p.trigger_time, duration=duration,
                 properties={"job": self.job_name, "alignment_ms": p.alignment_ms, "mode": self.config.mode,
-                            "commits": p.commits})
+                            "alignment": p.alignment, "commits": p.commits})
         except Exception as exc:
             log.warning("pyflowbuf: completing checkpoint %d failed: %s", p.checkpoint_id, exc)
             self._record(p, "failed", duration, reason=str(exc))
@@ -209,7 +249,9 @@ class CheckpointCoordinator:
         run_commits(p.commits)
         with self._lock:
             self.completed += 1
-        self._record(p, "completed", duration, state_bytes=meta.state_bytes, size=meta.size)
+        self._record(p, "completed", duration, state_bytes=meta.state_bytes, size=meta.size,
+                     inflight_bytes=meta.inflight_bytes,
+                     task_inflight_bytes={k: h.inflight_bytes for k, h in meta.tasks.items() if h.inflight_bytes})
         execution = self.execution
         if execution is not None:
             execution.notify_complete(p.checkpoint_id)
@@ -220,6 +262,8 @@ class CheckpointCoordinator:
             execution = self.execution
         if p is None:
             return
+        if p.timer is not None:
+            p.timer.cancel()
         log.info("pyflowbuf: checkpoint %d %s: %s", checkpoint_id, status, reason)
         try:
             self.storage.abort(checkpoint_id)
@@ -244,7 +288,7 @@ class CheckpointCoordinator:
 
     def _record(self, p: _Pending, status, duration, **extra) -> None:
         entry = {"id": p.checkpoint_id, "status": status, "trigger_time": p.trigger_time,
-                 "duration_s": round(duration, 6),
+                 "duration_s": round(duration, 6), "alignment": p.alignment,
                  "alignment_ms": dict(p.alignment_ms), "acknowledged": len(p.handles),
                  "tasks": len(p.expected), **extra}
         with self._lock:
@@ -277,9 +321,66 @@ def run_commits(commits) -> None:
 
 # ---------------------------------------------------------------- a subtask's side
 
+_ITEM_HEADER = struct.Struct("<HHIq")     # type, flags, width (event kind), aux
+
+
+def encode_inflight(items) -> list:
+    """In-flight items ``(type, width, flags, aux, payload)`` as the views the
+    storage writes: a 16-byte header, then the payload (empty for an event).
+    Payloads are written as they are, with no copy on the way."""
+    views = []
+    for dtype, width, flags, aux, payload in items:
+        views.append(memoryview(_ITEM_HEADER.pack(dtype, flags, width, aux)))
+        views.append(memoryview(payload if payload is not None else b""))
+    return views
+
+
+def decode_inflight(views) -> list:
+    """``encode_inflight`` read back: the items, payloads as bytes."""
+    if len(views) % 2:
+        raise CheckpointStateError("in-flight data: a header without its payload")
+    items = []
+    for i in range(0, len(views), 2):
+        dtype, flags, width, aux = _ITEM_HEADER.unpack(bytes(views[i]))
+        payload = bytes(views[i + 1])
+        items.append((dtype, width, flags, aux, payload if dtype != _EVENT_TYPE else None))
+    return items
+
+
+_EVENT_TYPE = 2     # FB_DATA_EVENT
+
+
+class _InflightCheckpoint:
+    """One checkpoint of a subtask whose write waits for in-flight data: its
+    input channels' (until barrier n arrived on each) and, for outputs sent to
+    other processes, what barrier n overtook in the network sender."""
+
+    def __init__(self, checkpoint_id, state, commits, alignment, inputs_open, outputs):
+        self.checkpoint_id = checkpoint_id
+        self.state = state
+        self.commits = commits
+        self.alignment = alignment
+        self.channels: dict[str, list] = {}
+        self.inputs_open = inputs_open
+        self.waiting_outputs = set(outputs)
+        self.alignment_ms = 0.0
+
+    def add(self, name, items):
+        if items:
+            self.channels.setdefault(name, []).extend(items)
+
+    @property
+    def ready(self):
+        return not self.inputs_open and not self.waiting_outputs
+
+
 class TaskCheckpointing:
     """What a subtask does for checkpoints: snapshot its chain, write it in the
-    background, acknowledge; barrier alignment lives in ``aligner``."""
+    background, acknowledge; barrier alignment lives in ``aligner``.
+
+    A checkpoint that may hold in-flight data (unaligned, or aligned with an
+    alignment timeout and outputs read by another process) is written once
+    that data is complete: see ``_InflightCheckpoint``."""
 
     def __init__(self, task, coordinator: CheckpointCoordinator, writer: ThreadPoolExecutor):
         self.task = task
@@ -288,6 +389,75 @@ class TaskCheckpointing:
         self.key = task_key(task.vertex, task.index)
         self.aligner = None
         self.snapshotted = 0      # the last checkpoint id this task snapshotted
+        self._lock = threading.Lock()
+        self._inflight: dict[int, _InflightCheckpoint] = {}
+        # outputs read by another process: (output index, subpartition) names
+        self.remote_outputs = [f"out/{o}/{s}" for o, out in enumerate(task.outputs)
+                               for s, remote in enumerate(getattr(out, "remote", ())) if remote]
+        for o, out in enumerate(task.outputs):
+            out.overtaken_listener = lambda n, sub, items, o=o: self.output_overtaken(n, f"out/{o}/{sub}", items)
+
+    def snapshot_unaligned(self, checkpoint_id: int, inputs: dict, alignment: str) -> None:
+        """Snapshot now for a checkpoint whose in-flight data comes later:
+        ``inputs`` maps each input channel still to deliver barrier n to what
+        the reader held of it (a record cut by the snapshot), in order."""
+        self.snapshotted = max(self.snapshotted, checkpoint_id)
+        try:
+            state, commits = self.snapshot(checkpoint_id)
+        except Exception as exc:
+            self.coordinator.decline(self.key, checkpoint_id, f"snapshot failed: {exc!r}")
+            raise
+        state["input_kinds"] = self.task.input_kind_names()
+        state["output_kinds"] = [out.kind_name for out in self.task.outputs]
+        p = _InflightCheckpoint(checkpoint_id, state, commits, alignment, self.task.input is not None,
+                                self.remote_outputs)
+        for name, items in inputs.items():
+            p.add(name, items)
+        with self._lock:
+            self._inflight[checkpoint_id] = p
+        self._submit_if_ready(p)
+
+    def input_captured(self, checkpoint_id: int, name: str, items) -> None:
+        with self._lock:
+            p = self._inflight.get(checkpoint_id)
+            if p is not None:
+                p.add(name, items)
+
+    def inputs_done(self, checkpoint_id: int, alignment_ns: int) -> None:
+        with self._lock:
+            p = self._inflight.get(checkpoint_id)
+            if p is None:
+                return
+            p.inputs_open = False
+            p.alignment_ms = alignment_ns / 1e6
+        self._submit_if_ready(p)
+
+    def output_overtaken(self, checkpoint_id: int, name: str, items) -> None:
+        """From a network sender thread: what barrier n overtook in subpartition
+        ``name`` (None: an aligned barrier passed, nothing overtaken)."""
+        with self._lock:
+            p = self._inflight.get(checkpoint_id)
+            if p is None or name not in p.waiting_outputs:
+                return
+            p.waiting_outputs.discard(name)
+            p.add(name, items)
+        self._submit_if_ready(p)
+
+    def drop(self, checkpoint_id: int) -> None:
+        with self._lock:
+            self._inflight.pop(checkpoint_id, None)
+
+    def _submit_if_ready(self, p: _InflightCheckpoint) -> None:
+        with self._lock:
+            if not p.ready or self._inflight.get(p.checkpoint_id) is not p:
+                return
+            del self._inflight[p.checkpoint_id]
+            # older ones can no longer complete (one checkpoint at a time)
+            for n in [n for n in self._inflight if n < p.checkpoint_id]:
+                del self._inflight[n]
+        inflight = {name: encode_inflight(items) for name, items in p.channels.items()}
+        self.writer.submit(self._write, p.checkpoint_id, p.state, p.commits, p.alignment_ms,
+                           inflight, "unaligned" if p.alignment == "unaligned" or inflight else "aligned")
 
     def snapshot(self, checkpoint_id: int) -> tuple[dict, list]:
         """Copy the chain's state now (in the task's thread): source position,
@@ -304,6 +474,16 @@ class TaskCheckpointing:
         return state, commits
 
     def snapshot_and_write(self, checkpoint_id: int, alignment_ns: int = 0) -> None:
+        if self.remote_outputs and self.coordinator.config.switchable:
+            # the timeout may still convert barrier n in a network sender: what
+            # it overtakes there belongs to this snapshot, so wait for word
+            self.snapshot_unaligned(checkpoint_id, {}, "aligned")
+            with self._lock:
+                p = self._inflight.get(checkpoint_id)
+                if p is not None:
+                    p.alignment_ms = alignment_ns / 1e6
+            self.inputs_done(checkpoint_id, alignment_ns)
+            return
         self.snapshotted = max(self.snapshotted, checkpoint_id)
         try:
             state, commits = self.snapshot(checkpoint_id)
@@ -312,10 +492,10 @@ class TaskCheckpointing:
             raise
         self.writer.submit(self._write, checkpoint_id, state, commits, alignment_ns / 1e6)
 
-    def _write(self, checkpoint_id, state, commits, alignment_ms):
+    def _write(self, checkpoint_id, state, commits, alignment_ms, inflight=None, alignment="aligned"):
         storage = self.coordinator.storage
         try:
-            handle = storage.write_task_state(checkpoint_id, self.key, state)
+            handle = storage.write_task_state(checkpoint_id, self.key, state, inflight, alignment=alignment)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator
             # a checkpoint aborted meanwhile (a failure, a restart) is no news
             level = logging.DEBUG if isinstance(exc, CheckpointStateError) else logging.WARNING
@@ -364,9 +544,20 @@ def new_writer() -> ThreadPoolExecutor:
 
 def read_states(storage, meta, keys=None) -> dict[str, Any]:
     """The task states of a complete checkpoint, by task key: every task's, or
-    those of ``keys`` (the tasks of one worker process)."""
-    return {key: storage.read_task_state(meta.checkpoint_id, key, metadata=meta).state
-            for key in meta.tasks if keys is None or key in keys}
+    those of ``keys`` (the tasks of one worker process). A task's in-flight
+    data (unaligned checkpoints) comes with its state, under "inflight":
+    channel name -> items to replay."""
+    out = {}
+    for key in meta.tasks:
+        if keys is not None and key not in keys:
+            continue
+        snap = storage.read_task_state(meta.checkpoint_id, key, metadata=meta)
+        state = snap.state
+        if snap.inflight:
+            state = dict(state)
+            state["inflight"] = {name: decode_inflight(views) for name, views in snap.inflight.items()}
+        out[key] = state
+    return out
 
 
 def graph_task_keys(vertices) -> set:

@@ -278,6 +278,8 @@ def _worker_main(env, me, workers, secret, conn):
                         job.notify_complete(*args)
                     elif what == "abort":
                         job.abort_checkpoint(*args)
+                    elif what == "unaligned":
+                        job.switch_to_unaligned(*args)
             except (EOFError, OSError):
                 job.cancel()   # the driver is gone
         threading.Thread(target=listen, name="pyflowbuf: worker control", daemon=True).start()
@@ -621,6 +623,9 @@ class ClusterExecution(Execution):
 
     def abort_checkpoint(self, checkpoint_id):
         self._broadcast(("abort", checkpoint_id))
+
+    def switch_to_unaligned(self, checkpoint_id):
+        self._broadcast(("unaligned", checkpoint_id))
 
     def checkpoints(self) -> list:
         return [] if self.coordinator is None else self.coordinator.checkpoints()

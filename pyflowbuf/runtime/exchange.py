@@ -11,7 +11,8 @@ import time
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf._core.channel import USER_EVENT
+from pyflowbuf._core.channel import BARRIER, BARRIER_UNALIGNED, USER_EVENT
+from pyflowbuf._core.memory import Buffer
 from pyflowbuf._core.serde import DEFAULT_ZERO_COPY_MIN, RecordReader, RecordWriter
 from pyflowbuf.serializers import CoreSerializer, get_serializer, infer_kind, record_type_error
 
@@ -21,6 +22,10 @@ from pyflowbuf.serializers import CoreSerializer, get_serializer, infer_kind, re
 # process decode with the right serializer. The kind's name (<= 8 ASCII bytes)
 # travels in the event's int64 payload.
 EVT_KIND = USER_EVENT + 1
+# Event carrying a watermark (event time, pyflowbuf.runtime.watermarks): the
+# int64 payload holds the bits of a float64 of seconds, +/-inf included; one
+# NaN pattern marks the channel idle.
+EVT_WATERMARK = USER_EVENT + 2
 _NEVER = (1 << 32) - 1  # a zero_copy_min no record reaches: always copies
 
 
@@ -80,6 +85,15 @@ class OutputSide:
         # the operator (or source) whose records this side writes, for error
         # messages; the task may set it, the job failure names it either way
         self.producer = None
+        # unaligned checkpoints: which subpartitions another process reads (set
+        # by the job), where each aligned barrier went into each queue (so the
+        # alignment timeout can send an overtaking copy that stops there), and
+        # who hears what a network sender's overtaking barrier passed
+        self.remote = [False] * len(queues)
+        self.barrier_marks: dict = {}
+        self.overtaken_listener = None
+        for sub, q in enumerate(queues):
+            q.overtaken_sink = lambda n, items, sub=sub: self._overtaken(n, sub, items)
 
     def _open_writer(self, first):
         kind = self.kind.resolve_from(first)
@@ -148,15 +162,63 @@ class OutputSide:
         if self.writer is not None:
             self.writer.flush()
 
-    def broadcast_event(self, kind: int, aux: int = 0) -> None:
+    def broadcast_event(self, kind: int, aux: int = 0, flags: int = 0, priority: bool = False) -> None:
         """Send an event (a checkpoint barrier, a cancel marker) to every
         consumer, after the records written before it: partly filled buffers
-        ship first, so the event keeps its place in every subpartition."""
+        ship first, so the event keeps its place in every subpartition. A
+        priority event (an unaligned barrier) overtakes what is queued: those
+        buffers, shipped just before, are what it overtook."""
         if self.writer is not None:
-            self.writer.broadcast_event(kind, aux)
+            self.writer.flush()
+        if kind == BARRIER and not priority:
+            marks = self.barrier_marks
+            marks[aux] = [q.push_position for q in self.queues]
+            if len(marks) > 4:
+                del marks[min(marks)]
+        if self.writer is not None:
+            self.writer.broadcast_event(kind, aux, flags, priority)
             return
         for q in self.queues:      # nothing written yet: no buffer to ship first
-            q.push_event(kind, aux)
+            q.push_event(kind, aux, flags, priority)
+
+    def convert_barrier(self, checkpoint_id: int) -> None:
+        """The alignment timeout passed: send an overtaking copy of aligned
+        barrier n, which overtakes only what was queued before the original
+        (a consumer past the original ignores it)."""
+        marks = self.barrier_marks.pop(checkpoint_id, None)
+        if marks is None:
+            return
+        for q, mark in zip(self.queues, marks):
+            q.push_event(BARRIER, checkpoint_id, BARRIER_UNALIGNED, True, mark)
+
+    def _overtaken(self, checkpoint_id, sub, items):
+        listener = self.overtaken_listener
+        if listener is not None:
+            listener(checkpoint_id, sub, items)
+
+    @property
+    def kind_name(self):
+        """The inferred record kind's name (a consumer restored from in-flight
+        data must learn it before that data), or None when the graph fixed it."""
+        if self.kind.fixed or self.kind.value is None or self.kind.is_rows:
+            return None
+        return self.kind.value.name
+
+    def replay(self, sub: int, items, kind_name=None) -> None:
+        """Re-send in-flight output recorded by an unaligned checkpoint to
+        subpartition ``sub``, before any new record: through this side's pool,
+        so it waits for buffers like any output (backpressure holds)."""
+        q = self.queues[sub]
+        if kind_name is not None:
+            q.push_event(EVT_KIND, kind_code(kind_name))
+        for dtype, width, flags, aux, payload in items:
+            if payload is None:
+                q.push_event(width, aux, flags)
+                continue
+            buf = self.pool.request_blocking()
+            buf.write(payload)
+            buf.set_meta(len(payload), "fixed" if dtype == 1 else "records", width, flags, aux)
+            q.push_buffer(buf)
 
     def end_input(self):
         if self.writer is None:
@@ -205,6 +267,7 @@ class InputSide:
         self.decode = None
         self.dtype = None
         self._event = None
+        self.fixed_kind = kind.fixed
         if kind.fixed:
             self._configure(kind.value)
 
@@ -232,8 +295,10 @@ class InputSide:
             self.decode = kind.decode_batch
             if kind.zero_copy_min != self.reader.zero_copy_min:
                 # nothing has been decoded yet, so a fresh reader loses nothing
+                old = self.reader
                 self.reader = RecordReader(self.gate, kind=kind.core_kind, zero_copy_min=kind.zero_copy_min,
-                                           max_record_size=self.reader.max_record_size)
+                                           max_record_size=old.max_record_size)
+                self.reader.take_over(old)
                 return
         self.reader.set_kind(kind.core_kind)
 
@@ -256,6 +321,15 @@ class InputSide:
                 return []
             self._configure(get_serializer(kind_name(event[2])))
             timeout = 0
+
+    @property
+    def kind_name(self):
+        """The record kind learnt from the producers (None if not yet, or
+        fixed by the graph, or rows): restored in-flight input needs it first."""
+        k = self.kind
+        if k is None or isinstance(k, np.dtype) or self.fixed_kind:
+            return None
+        return k.name
 
     def take_event(self):
         """The event that ended the last read, as (channel, kind, aux, flags)."""

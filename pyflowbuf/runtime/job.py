@@ -13,6 +13,7 @@ from pyflowbuf import errors
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool, Notifier
 from pyflowbuf.runtime import checkpointing as ckpt
+from pyflowbuf.runtime import debloat
 from pyflowbuf.runtime.exchange import EdgeKind, InputSide, MultiInput, OutputSide
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
 from pyflowbuf.runtime.sources import rate_limiter
@@ -210,6 +211,7 @@ class JobExecution(Execution):
         self._queues = []  # every BufferQueue, to give back what is left in them
         inputs = {}      # (vertex id, subtask) -> {input index: InputSide}
         notifiers = {}   # (vertex id, subtask) -> the one Notifier all its gates wake
+        self.notifiers = notifiers
         outputs = {}     # (vertex id, subtask) -> [OutputSide]
         here = self._here
         for k, e in enumerate(self.edges):
@@ -234,9 +236,16 @@ class JobExecution(Execution):
                     continue
                 mine = [queues[i, j] for (a, j) in needed if a == i]
                 lo, hi = self._output_pool_size(len(mine))
-                pools[i] = pool = net.create_pool(lo, hi)
-                outputs.setdefault((up.id, i), []).append(
-                    OutputSide(pool, mine, e.partitioner, e.key_fn, kind, env.max_record_size))
+                # Unaligned checkpoints: a task waits for an output buffer
+                # between batches, where it can take an overtaking barrier, so
+                # a freed buffer must wake it (the one Notifier of its inputs).
+                waker = None
+                if self._gate_output:
+                    waker = notifiers.setdefault((up.id, i), Notifier())
+                pools[i] = pool = net.create_pool(lo, hi, waker)
+                side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, env.max_record_size)
+                side.remote = [id(q) in self._exported for q in mine]
+                outputs.setdefault((up.id, i), []).append(side)
             for j in range(down.parallelism):
                 if not here(down, j):
                     continue
@@ -282,9 +291,18 @@ class JobExecution(Execution):
                 else:
                     # one input: the task reads its InputSide directly, nothing in between
                     input_side = sides.get(0)
-                self.tasks.append(Subtask(self, v, i, ops, outputs.get((v.id, i), []),
-                                          source=source, input_side=input_side,
-                                          rate_limiter=limiter))
+                task = Subtask(self, v, i, ops, outputs.get((v.id, i), []),
+                               source=source, input_side=input_side, rate_limiter=limiter)
+                if self._gate_output:
+                    task.notifier = notifiers.get((v.id, i))
+                self.tasks.append(task)
+
+    @property
+    def _gate_output(self) -> bool:
+        """Whether tasks wait for output buffers between batches (unaligned
+        checkpoints: see Subtask._wait_for_output)."""
+        env = self.env
+        return env.checkpoint_interval is not None and getattr(env, "checkpoint_mode", "aligned") == "unaligned"
 
     def _remote_failed(self, exc):
         """A remote channel or export failed (peer died, protocol error, the
@@ -322,6 +340,7 @@ class JobExecution(Execution):
                 t.start()
                 started.append(t)
             self.sampler.start()
+            self._debloat_timer = debloat.start_timer(self)
             if self.coordinator is not None and self.remote is None:
                 self.coordinator.start()
             self._watcher = threading.Thread(target=self._watch, name="pyflowbuf: job watcher", daemon=True)
@@ -331,6 +350,7 @@ class JobExecution(Execution):
             self.cancel()
             for t in started:
                 t.join(CANCEL_GRACE_S)
+            debloat.stop_timer(self)
             self._release_buffers()
             self.sampler.stop()
             self._done.set()
@@ -344,7 +364,8 @@ class JobExecution(Execution):
             if not self._should_restart():
                 break
             try:
-                self._restart()
+                with debloat.paused(self):      # no page release while segments are counted
+                    self._restart()
             except BaseException as exc:  # noqa: BLE001 - the restart itself failed: the job fails
                 tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
                 self.failure = ("job", "recovery", exc, tb)
@@ -355,6 +376,7 @@ class JobExecution(Execution):
                 break
         self.ended = time.monotonic()
         try:
+            debloat.stop_timer(self)
             self._release_buffers()
             if self.coordinator is not None:
                 if self.failure is None and not self.cancelled and self.remote is None:
@@ -501,6 +523,10 @@ class JobExecution(Execution):
     def abort_checkpoint(self, checkpoint_id):
         for t in self.tasks:
             t.post(lambda t=t: t.abort_checkpoint(checkpoint_id))
+
+    def switch_to_unaligned(self, checkpoint_id):
+        for t in self.tasks:
+            t.post(lambda t=t: t.switch_to_unaligned(checkpoint_id))
 
     def checkpoints(self) -> list:
         return [] if self.coordinator is None else self.coordinator.checkpoints()

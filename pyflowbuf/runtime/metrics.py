@@ -17,12 +17,23 @@ def backpressure_level(ratio: float) -> str:
     return "HIGH"
 
 
+def _debloat_figures(m: dict, gates) -> dict:
+    """Buffer debloating (when on): per input gate, and the task's totals."""
+    if gates:
+        m["debloat"] = gates
+        m["debloat_buffer_size"] = min(g["buffer_size"] for g in gates)
+        m["debloat_time_to_consume_s"] = max(g["time_to_consume_s"] for g in gates)
+        m["debloat_inflight_bytes"] = sum(g["inflight_bytes"] for g in gates)
+        m["debloat_segments_held"] = sum(g["segments_held"] for g in gates)
+    return m
+
+
 def _rates(prev: dict, cur: dict, dt_ns: int) -> dict:
     dt_ns = max(dt_ns, 1)
     idle = min(1.0, (cur["idle_ns"] - prev["idle_ns"]) / dt_ns)
     bp = min(1.0 - idle, (cur["backpressure_ns"] - prev["backpressure_ns"]) / dt_ns)
     per_s = 1e9 / dt_ns
-    return {
+    return _debloat_figures({
         "busy_ms_per_s": round(1000 * max(0.0, 1.0 - idle - bp), 1),
         "idle_ms_per_s": round(1000 * idle, 1),
         "backpressured_ms_per_s": round(1000 * bp, 1),
@@ -41,7 +52,7 @@ def _rates(prev: dict, cur: dict, dt_ns: int) -> dict:
         "in_pool_usage": round(cur["in_pool_usage"], 3),
         "out_pool_usage": round(cur["out_pool_usage"], 3),
         "level": backpressure_level(bp),
-    }
+    }, cur.get("debloat"))
 
 
 _ZERO = {"idle_ns": 0, "backpressure_ns": 0, "records_in": 0, "records_out": 0,
@@ -134,6 +145,9 @@ class MetricsSampler(threading.Thread):
             m["vertex"] = t.vertex.name
             m["subtask"] = t.index
             m["state"] = t.state
+            extra = getattr(t, "operator_metrics", None)     # event time: late records
+            if extra is not None:
+                m.update(extra())
             snap[t.task_name] = m
         self._older = (self._prev, self._prev_t)
         self._prev, self._prev_t = counters, now

@@ -16,16 +16,30 @@ import time
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf._core.channel import BARRIER, CANCEL_BARRIER
-from pyflowbuf.runtime.alignment import SNAPSHOT, BarrierAligner
+from pyflowbuf._core.channel import BARRIER, BARRIER_UNALIGNED, CANCEL_BARRIER
+from pyflowbuf.runtime.alignment import (CAPTURE, INFLIGHT_DONE, SNAPSHOT, SNAPSHOT_UNALIGNED,
+                                         BarrierAligner)
 from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error
-from pyflowbuf.runtime.exchange import MultiInput
+from pyflowbuf.runtime.exchange import EVT_WATERMARK, MultiInput
 from pyflowbuf.runtime.pull import PullPolicy
+from pyflowbuf.runtime import watermarks as _wm
+from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK
 from pyflowbuf.runtime.sources import payload_nbytes
 
 
 def _no_op(key):
     pass
+
+
+def _parse_channel(name):
+    """'in/<input>/<channel>' or 'out/<output>/<subpartition>'."""
+    where, a, b = name.split("/")
+    return where, int(a), int(b)
+
+
+def _channel_order(name):
+    where, a, b = _parse_channel(name)
+    return where, a, b
 
 
 class _SourceCheck:
@@ -91,11 +105,60 @@ class Subtask(threading.Thread):
         self._source_misfit = None if source is None or not operators else _SourceCheck(vertex.head)
 
     # ---- mailbox ----
+    notifier = None         # set when tasks wait for output buffers (unaligned checkpoints)
+    bp_wait_ns = 0
+
     def post(self, mail) -> None:
         """Run ``mail()`` in this task's thread between batches."""
         self.mailbox.append(mail)
         if self.input is not None:
             self.input.notifier.notify()
+        elif self.notifier is not None:
+            self.notifier.notify()
+
+    def _output_blocked(self) -> bool:
+        """Unaligned checkpoints: whether an output has no buffer to give now.
+        The task then waits here, between batches, instead of inside a write,
+        so mails (a checkpoint trigger) and overtaking barriers get through
+        under backpressure, as Flink's mailbox does."""
+        if self.notifier is None:
+            return False
+        for out in self.outputs:
+            if not out.pool.available:
+                return True
+        return False
+
+    def _wait_for_output(self) -> None:
+        """Park until an output buffer is free, a mail comes, or an overtaking
+        barrier arrives (each wakes the task's Notifier), then take those
+        barriers. After a while without a buffer, ship the partly filled ones:
+        the consumer may be waiting for exactly those."""
+        notifier = self.notifier
+        token = notifier.prepare()
+        if self.mailbox or not self._output_blocked() or self._take_priority_events():
+            notifier.cancel()
+            return
+        t0 = time.monotonic_ns()
+        woke = notifier.wait(token, 0.05)
+        self.bp_wait_ns += time.monotonic_ns() - t0
+        if not woke and self._output_blocked():
+            for out in self.outputs:
+                out.flush()
+        self._take_priority_events()
+
+    def _take_priority_events(self) -> bool:
+        sides = getattr(self, "_sides", None)
+        if not sides:
+            return False
+        took = False
+        for i, side in enumerate(sides):
+            if side.reader is None or side.has_event:
+                continue
+            ev = side.reader.poll_priority()
+            if ev is not None:
+                took = True
+                self._on_event(ev, i)
+        return took
 
     def _drain_mailbox(self):
         mb = self.mailbox
@@ -114,9 +177,12 @@ class Subtask(threading.Thread):
                     op.restore_state(state)
             for op in self.operators:
                 self.current_operator = op.name
+                op.task = self      # event-time operators post mails and emit through it
                 op.open(self.index, self.vertex.parallelism)
             if self.checkpointing is not None:
                 self._arm_alignment()
+            if restore is not None and restore.get("inflight"):
+                self._replay_inflight(restore)
             finished_before = restore is not None and restore["finished"]
             if finished_before:
                 # it had ended before the checkpoint: nothing more comes from it
@@ -195,6 +261,13 @@ class Subtask(threading.Thread):
         while not job.cancelled:
             if self.mailbox:
                 self._drain_mailbox()
+            if self.notifier is not None and self._output_blocked():
+                self._wait_for_output()
+                # under backpressure pull what one buffer holds, so a trigger
+                # waits for at most one buffer's worth of writing
+                if policy.bytes_per_record:
+                    policy.size = max(1, min(policy.size, int(job.env.segment_size // policy.bytes_per_record)))
+                continue
             self.current_operator = self.vertex.head.name
             if policy.slow:
                 # the source may block for a while: ship what is buffered first
@@ -234,6 +307,9 @@ class Subtask(threading.Thread):
         while not job.cancelled:
             if self.mailbox:
                 self._drain_mailbox()
+            if self.notifier is not None and self._output_blocked():
+                self._wait_for_output()
+                continue
             # An event that ended the idle read below is still pending: reading
             # again would go past it (and a second event would replace it, so
             # a barrier got lost and its alignment hung until end of input).
@@ -277,6 +353,9 @@ class Subtask(threading.Thread):
         while not job.cancelled:
             if self.mailbox:
                 self._drain_mailbox()
+            if self.notifier is not None and self._output_blocked():
+                self._wait_for_output()
+                continue
             index, batch = inp.read(max_batch, 0)
             if self.aligner is not None:
                 self._check_channel_ends()
@@ -310,17 +389,30 @@ class Subtask(threading.Thread):
         kind = event[1]
         if (kind == BARRIER or kind == CANCEL_BARRIER) and self.aligner is not None:
             self._check_channel_ends()
-            key = (input_index, event[0])
+            key = self._event_key = (input_index, event[0])
             if kind == BARRIER:
-                self._carry_out(self.aligner.on_barrier(key, event[2]))
+                unaligned = bool(event[3] & BARRIER_UNALIGNED)
+                if unaligned:
+                    # how many queued items it overtook (the reader stopped
+                    # right at it, so the queue's head is where it was)
+                    side = self._sides[input_index]
+                    self._overtook = side.gate.channels[event[0]].overtaken(side.reader.event_mark)
+                self._carry_out(self.aligner.on_barrier(key, event[2], unaligned))
+                self._overtook = 0
             else:
                 self._carry_out(self.aligner.on_cancel(key, event[2]))
+            return
+        if kind == EVT_WATERMARK:
+            self._on_watermark_event(event, input_index)
             return
         handler = self.job.event_handler
         if handler is not None:
             handler(self, event, input_index)
 
     def _finish(self):
+        if self._event_time_job():
+            # end of input: every window fires, every event-time timer too
+            self._watermark_through(END_OF_TIME, 0)
         tail: list = []
         for op in self.operators:
             self.current_operator = op.name
@@ -367,28 +459,129 @@ class Subtask(threading.Thread):
                 self._ended.add(key)
                 self._carry_out(al.on_channel_finished(key))
 
+    _overtook = 0
+    _event_key = None
+
     def _carry_out(self, actions):
-        for action, n in actions:
+        for action, arg in actions:
             if action == SNAPSHOT:
+                n = arg
                 al_ns = self.aligner.alignment_ns.get(n, 0) if self.aligner is not None else 0
                 self.checkpointing.snapshot_and_write(n, al_ns)
                 self.last_checkpoint, self.last_alignment_ms = n, al_ns / 1e6
                 self._broadcast(BARRIER, n)
+            elif action == SNAPSHOT_UNALIGNED:
+                n, keys = arg
+                self._snapshot_unaligned(n, keys)
+            elif action == CAPTURE:
+                n, key = arg
+                side, ch = self._sides[key[0]], key[1]
+                items = side.reader.stop_recording(ch) if side.reader is not None else []
+                k = self._overtook if key == self._barrier_key else 0
+                if k > 0:
+                    items = items + side.gate.channels[ch].copy_front(k)
+                self.checkpointing.input_captured(n, f"in/{key[0]}/{ch}", items)
+            elif action == INFLIGHT_DONE:
+                n = arg
+                al_ns = self.aligner.alignment_ns.get(n, 0)
+                self.checkpointing.inputs_done(n, al_ns)
+                self.last_checkpoint, self.last_alignment_ms = n, al_ns / 1e6
             else:   # ABORT: downstream tasks stop aligning it too
+                n = arg
+                self._stop_recording()
+                self.checkpointing.drop(n)
                 self._broadcast(CANCEL_BARRIER, n)
 
-    def _broadcast(self, kind, aux):
+    @property
+    def _barrier_key(self):
+        return self._event_key
+
+    def _snapshot_unaligned(self, n, keys):
+        """Snapshot now and forward barrier n ahead of the queued output; the
+        channels in ``keys`` (barrier n not there yet) are recorded from now
+        on, starting with what the readers hold of them."""
+        inputs = {}
+        for key in keys:
+            side, ch = self._sides[key[0]], key[1]
+            prefix = side.reader.unread_prefix(ch)
+            inputs[f"in/{key[0]}/{ch}"] = [prefix] if prefix is not None else []
+            side.reader.start_recording(ch)
+        self.checkpointing.snapshot_unaligned(n, inputs, "unaligned")
+        self._broadcast(BARRIER, n, BARRIER_UNALIGNED, True)
+
+    def _stop_recording(self):
+        for side in getattr(self, "_sides", ()):
+            r = side.reader
+            if r is not None:
+                for ch in range(side.num_channels):
+                    if r.is_recording(ch):
+                        r.stop_recording(ch)
+
+    def _broadcast(self, kind, aux, flags=0, priority=False):
         for out in self.outputs:
-            out.broadcast_event(kind, aux)
+            out.broadcast_event(kind, aux, flags, priority)
 
     def trigger_checkpoint(self, checkpoint_id: int) -> None:
         """Mail to a source subtask: snapshot, then barrier n on every output,
-        in order with the records written before it."""
+        in order with the records written before it (unaligned: ahead of
+        what is queued, which the checkpoint then holds as in-flight data)."""
         if self.checkpointing is None or self.finished_ns or self.job.cancelled:
             return
-        self.checkpointing.snapshot_and_write(checkpoint_id)
+        if self.checkpointing.coordinator.config.starts_unaligned:
+            self.checkpointing.snapshot_unaligned(checkpoint_id, {}, "unaligned")
+            self._broadcast(BARRIER, checkpoint_id, BARRIER_UNALIGNED, True)
+        else:
+            self.checkpointing.snapshot_and_write(checkpoint_id)
+            self._broadcast(BARRIER, checkpoint_id)
         self.last_checkpoint, self.last_alignment_ms = checkpoint_id, 0.0
-        self._broadcast(BARRIER, checkpoint_id)
+
+    def switch_to_unaligned(self, checkpoint_id: int) -> None:
+        """Mail: the alignment timeout of checkpoint n passed. Aligning it
+        here: snapshot now, unaligned. Barrier n already sent: an overtaking
+        copy follows it."""
+        if self.checkpointing is None or self.finished_ns or self.job.cancelled:
+            return
+        if self.aligner is not None:
+            self._carry_out(self.aligner.switch(checkpoint_id))
+        for out in self.outputs:
+            out.convert_barrier(checkpoint_id)
+
+    def input_kind_names(self) -> list:
+        return [side.kind_name for side in getattr(self, "_sides", ())]
+
+    def _replay_inflight(self, restore):
+        """After a restore from an unaligned checkpoint: in-flight input is read
+        again before anything new (per channel, in order), in-flight output is
+        sent again before any new record."""
+        inflight = restore["inflight"]
+        in_kinds = restore.get("input_kinds") or []
+        out_kinds = restore.get("output_kinds") or []
+        sides = getattr(self, "_sides", None)
+        if sides is None:
+            inp = self.input
+            sides = [] if inp is None else (inp.sides if isinstance(inp, MultiInput) else [inp])
+        replays = {}
+        for name in sorted(inflight, key=_channel_order):
+            where, a, b = _parse_channel(name)
+            items = inflight[name]
+            if where == "in":
+                if a >= len(sides) or b >= sides[a].num_channels:
+                    raise errors.ConfigurationError(
+                        f"in-flight data for input channel {name} does not fit this job: restoring "
+                        "an unaligned checkpoint into another parallelism is not supported")
+                replays.setdefault(a, []).extend((b, item) for item in items)
+            else:
+                if a >= len(self.outputs) or b >= len(self.outputs[a].queues):
+                    raise errors.ConfigurationError(
+                        f"in-flight data for output {name} does not fit this job: restoring "
+                        "an unaligned checkpoint into another parallelism is not supported")
+                self.outputs[a].replay(b, items, out_kinds[a] if a < len(out_kinds) else None)
+        for a, pairs in replays.items():
+            side = sides[a]
+            kind = in_kinds[a] if a < len(in_kinds) else None
+            if kind is not None and side.kind is None:
+                side._configure(get_serializer(kind))
+            side.reader.replay(pairs)
 
     def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
         """Mail: checkpoint n is complete (its sink commits were carried out)."""
@@ -425,7 +618,7 @@ class Subtask(threading.Thread):
             idle += time.monotonic_ns() - self.finished_ns
         return {
             "idle_ns": idle,
-            "backpressure_ns": sum(o.backpressure_ns for o in self.outputs),
+            "backpressure_ns": sum(o.backpressure_ns for o in self.outputs) + self.bp_wait_ns,
             "records_in": self.records_in,
             "records_out": sum(o.records for o in self.outputs),
             "bytes_in": inp.bytes_in if inp is not None else 0,
@@ -436,4 +629,112 @@ class Subtask(threading.Thread):
             "checkpoint_alignment_ms": self.last_alignment_ms,
             "in_pool_usage": inp.in_pool_usage if inp is not None else 0.0,
             "out_pool_usage": max((o.pool.usage for o in self.outputs), default=0.0),
+            # buffer debloating, per input gate (None when it is off)
+            "debloat": getattr(self, "debloat_gates", None),
         }
+
+    def debloat_tick(self, gates) -> None:
+        """Mail (buffer debloating): measure each input gate over the last
+        period, announce new buffer sizes upstream, keep the figures for
+        ``counters``. ``gates``: this task's GateDebloats (runtime/debloat.py)."""
+        for g in gates:
+            g.tick()
+        self.debloat_gates = [g.snapshot for g in gates]
+
+    # ---- event time (pyflowbuf.runtime.watermarks) ----
+    _valve = None
+    _wm_out = NO_WATERMARK      # the last watermark this task sent downstream
+    _idle_out = False
+
+    def _event_time_job(self) -> bool:
+        """Whether any operator of the job keeps event time: only then does a
+        task send watermarks (and +inf at its end)."""
+        job = self.job
+        flag = getattr(job, "_event_time", None)
+        if flag is None:
+            flag = job._event_time = any(getattr(n, "event_time", False) for n in job.env.nodes)
+        return flag
+
+    def _on_watermark_event(self, event, input_index):
+        """A watermark (or idle marker) from one input channel: the valve
+        combines the channels, and a rise goes through the chain."""
+        valve = self._valve
+        inp = self.input
+        sides = inp.sides if isinstance(inp, MultiInput) else [inp]
+        if valve is None:
+            valve = self._valve = _wm.WatermarkValve(
+                (i, ch) for i, side in enumerate(sides) for ch in range(side.num_channels))
+        # channels that ended count as +inf (a task restored as finished sends none)
+        for key, w in valve.channel_wm.items():
+            if w != END_OF_TIME and sides[key[0]].channel_finished(key[1]):
+                valve.on_channel_finished(key)
+        key = (input_index, event[0])
+        wm = _wm.decode(event[2])
+        risen = valve.on_idle(key) if wm is None else valve.on_watermark(key, wm)
+        if valve.idle:
+            if not self._idle_out:
+                self._idle_out = True
+                self._broadcast(EVT_WATERMARK, _wm.IDLE_AUX)
+            return
+        if risen is not None:
+            self._watermark_through(risen, 0, force=self._idle_out)
+        elif self._idle_out:
+            self._watermark_through(valve.current, 0, force=True)
+
+    def _watermark_through(self, wm, start, force=False):
+        """Watermark ``wm`` through the operators from index ``start`` on: each
+        event-time operator fires what it completes (its records go through
+        the rest of the chain) and may hold the watermark back; then what is
+        left goes to the outputs, the watermark after the records."""
+        ops = self.operators
+        batch: list = []
+        for k in range(start, len(ops)):
+            op = ops[k]
+            self.current_operator = op.name
+            if batch:
+                batch = op.process_batch(batch)
+            if wm is not None:
+                handler = getattr(op, "on_watermark", None)
+                if handler is not None:
+                    more, wm = handler(wm)
+                    if more:
+                        batch = batch + more if batch else more
+        if batch:
+            for out in self.outputs:
+                out.emit(batch)
+        if wm is not None and (wm > self._wm_out or force):
+            self._wm_out = max(wm, self._wm_out)
+            self._idle_out = False
+            self._broadcast(EVT_WATERMARK, _wm.encode(self._wm_out))
+
+    def emit_watermark_after(self, op, wm, force=False):
+        """Operator ``op`` of this chain made watermark ``wm`` (an assigner)."""
+        self._watermark_through(wm, self.operators.index(op) + 1, force=force)
+
+    def emit_idle_after(self, op):
+        """Operator ``op`` (an assigner) saw no records for its idle timeout."""
+        if not self._idle_out:
+            self._idle_out = True
+            self._broadcast(EVT_WATERMARK, _wm.IDLE_AUX)
+
+    def emit_after(self, op, records):
+        """Records an operator made outside of a batch (a processing-time
+        timer): through the operators after it, then to the outputs."""
+        ops = self.operators
+        for nxt in ops[ops.index(op) + 1:]:
+            self.current_operator = nxt.name
+            records = nxt.process_batch(records)
+            if not records:
+                return
+        for out in self.outputs:
+            out.emit(records)
+
+    def operator_metrics(self) -> dict:
+        """Counters of the chain's operators (late records of windows), summed."""
+        out: dict = {}
+        for op in self.operators:
+            m = getattr(op, "metrics", None)
+            if m is not None:
+                for k, v in m().items():
+                    out[k] = out.get(k, 0) + v
+        return out

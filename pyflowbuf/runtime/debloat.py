@@ -1,0 +1,423 @@
+"""Buffer debloating: in-flight data sized by time, not bytes, and memory
+given back.
+
+Every ``debloat_period`` a consumer task measures each of its input gates
+(on its mailbox, between batches) and a ``BufferDebloater`` turns the
+measurement into a buffer size, the way Flink's BufferDebloater does:
+
+- throughput = bytes the gate delivered / time the gate was not empty;
+- buffers in use = the buffers queued over the gate's channels (at least 1);
+- desired total = throughput * target;
+- size = EMA (alpha = 2 / (samples + 1)) of desired / buffers, the sample
+  capped at twice the last value, clamped to [min_buffer_size, segment size];
+- the size is announced upstream only when it moved by at least the
+  threshold from the last announced one, or reached a bound.
+
+A local channel's announcement lands in its BufferQueue (the producer's
+RecordWriter caps each new buffer at it); a remote one travels as
+NewBufferSize and the producer's network server sets the same field.
+
+Beyond Flink, memory is given back: the consumer also tells each local
+channel how many bytes it wants in flight (its share of the desired total),
+and a per-process ``DebloatTimer`` lowers each output pool's floating
+maximum to the segments those bytes need (a remote consumer's share is
+estimated from its announced size). Segments above the cap go back to the
+NetworkBufferPool as they are recycled, where other pools can have them, and
+the arena hands the kernel the pages of free segments past the largest
+announced size (``NetworkBufferPool.release_memory``), so resident memory
+shrinks. A pool's minimum is never touched, and since the desired total
+follows the measured throughput with no smoothing, the cap rises again in
+the period after throughput does.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+import time
+from dataclasses import dataclass
+
+from pyflowbuf.errors import ConfigurationError
+
+DEFAULT_TARGET = 1.0
+DEFAULT_PERIOD = 0.2
+DEFAULT_SAMPLES = 20
+DEFAULT_THRESHOLD = 0.25
+DEFAULT_MIN_BUFFER_SIZE = 256
+
+# Free segments' pages are handed back again every this many periods while
+# buffers are debloated: segments that were in use (full) at the last pass
+# have come back to the free list since.
+RELEASE_EVERY = 5
+# A debloat mail not run after this many periods: the timer measures the
+# task's gates itself.
+STALE_PERIODS = 2
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def check_settings(env) -> None:
+    """Validate the Environment's debloat settings (ConfigurationError names
+    the parameter)."""
+    if not isinstance(env.debloat, bool):
+        raise ConfigurationError(f"debloat must be True or False, got {env.debloat!r}")
+    for name in ("debloat_target", "debloat_period"):
+        v = getattr(env, name)
+        if not _real(v) or not 0 < v < math.inf:
+            raise ConfigurationError(f"{name} must be a number of seconds > 0, got {v!r}")
+    s = env.debloat_samples
+    if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1:
+        raise ConfigurationError(f"debloat_samples must be an int >= 1, got {s!r}")
+    t = env.debloat_threshold
+    if not _real(t) or not 0 <= t <= 1:
+        raise ConfigurationError(f"debloat_threshold must be a fraction in [0, 1] (0.25 = 25 %), got {t!r}")
+    m = env.min_buffer_size
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+        raise ConfigurationError(f"min_buffer_size must be an int >= 1 (bytes), got {m!r}")
+    if isinstance(env.segment_size, numbers.Integral) and m > env.segment_size:
+        raise ConfigurationError(
+            f"min_buffer_size ({m}) must be <= segment_size ({env.segment_size}): a buffer is at most one segment")
+
+
+@dataclass(frozen=True)
+class DebloatConfig:
+    target: float = DEFAULT_TARGET
+    period: float = DEFAULT_PERIOD
+    samples: int = DEFAULT_SAMPLES
+    threshold: float = DEFAULT_THRESHOLD
+    min_size: int = DEFAULT_MIN_BUFFER_SIZE
+    max_size: int = 32 * 1024
+
+    @property
+    def alpha(self) -> float:
+        return 2.0 / (self.samples + 1)
+
+    @classmethod
+    def from_env(cls, env) -> "DebloatConfig":
+        return cls(float(env.debloat_target), float(env.debloat_period), int(env.debloat_samples),
+                   float(env.debloat_threshold), int(env.min_buffer_size), int(env.segment_size))
+
+
+class BufferDebloater:
+    """The per-gate controller: plain arithmetic, no threads, no I/O.
+
+    ``update`` takes one period's measurement and returns the size to
+    announce upstream, or None when the change is below the threshold."""
+
+    def __init__(self, config: DebloatConfig, initial_size: int | None = None):
+        self.config = config
+        start = config.max_size if initial_size is None else initial_size
+        self._ema = float(min(max(start, config.min_size), config.max_size))
+        self.size = round(self._ema)          # the last computed size
+        self.announced = self.size            # the last size told upstream
+        self.throughput = 0.0                 # bytes/s over the last period's busy time
+        self.buffers_in_use = 1
+        self.desired_bytes = 0.0
+        self.time_to_consume = 0.0            # s: size * buffers in use / throughput
+
+    def update(self, delivered_bytes: int, busy_seconds: float, buffers_in_use: int):
+        if delivered_bytes < 0 or busy_seconds < 0 or buffers_in_use < 0:
+            raise ValueError(f"negative measurement: {delivered_bytes} B, {busy_seconds} s, {buffers_in_use} buffers")
+        c = self.config
+        if busy_seconds > 0:
+            self.throughput = delivered_bytes / busy_seconds
+        elif delivered_bytes == 0:
+            # idle the whole period: nothing is known about its throughput,
+            # and shrinking on it would starve the first records of a burst
+            return None
+        # else (data with no busy time measured): keep the last throughput
+        buffers = max(1, buffers_in_use)
+        self.buffers_in_use = buffers
+        self.desired_bytes = self.throughput * c.target
+        sample = min(self.desired_bytes / buffers, 2.0 * self._ema)
+        self._ema += c.alpha * (sample - self._ema)
+        self._ema = min(max(self._ema, float(c.min_size)), float(c.max_size))
+        self.size = size = round(self._ema)
+        self.time_to_consume = size * buffers / self.throughput if self.throughput > 0 else 0.0
+        last = self.announced
+        if size == last:
+            return None
+        at_bound = size <= c.min_size or size >= c.max_size
+        if not at_bound and abs(size - last) < c.threshold * last:
+            return None
+        self.announced = size
+        return size
+
+
+def output_pool_cap(lo: int, hi: int, nsub: int, segment_size: int, channels) -> int:
+    """The max an output pool configured (``lo``, ``hi``) should have now.
+
+    ``channels``: (announced buffer size, desired bytes) per subpartition
+    queue, 0 meaning unknown. The floating part (hi - lo) shrinks to the
+    segments the consumers' desired in-flight bytes fill; a channel whose
+    consumer sent only a size (a remote one) counts its share of the
+    floating segments scaled by size / segment size. Never below the
+    minimum, nor below one segment per subpartition plus one floating
+    segment (the writer keeps one buffer per subpartition and must not wait
+    for its own consumers to pipeline)."""
+    floating = hi - lo
+    if floating <= 0:
+        return hi
+    channels = list(channels)
+    n = max(1, len(channels))
+    need = 0.0
+    for size, desired in channels:
+        if desired:
+            need += desired
+        elif size:
+            need += floating * min(size, segment_size) / n
+        else:
+            need += floating * segment_size / n
+    cap = min(floating, max(1, math.ceil(need / segment_size)))
+    return min(hi, max(lo + cap, nsub + 1))
+
+
+class GateDebloat:
+    """One input gate's debloater, fed by the consuming task's mailbox."""
+
+    def __init__(self, side, config: DebloatConfig, multi=None, index: int = 0):
+        self.side = side
+        self.gate = side.gate
+        self.multi = multi                       # a MultiInput's shared wait counts as idle too
+        self.index = index
+        self.debloater = BufferDebloater(config)
+        self.queues = list(self.gate.channels)
+        remote = {id(ch.queue): ch for ch in getattr(side, "remote_channels", ())}
+        self.remote = [remote.get(id(q)) for q in self.queues]
+        self._records, self._bytes = self._counts()
+        self._idle = self._idle_now()
+        self._t = time.monotonic_ns()
+        self.inflight_bytes = 0
+        self.announcements = 0
+        self.snapshot = self._snap()
+
+    def _counts(self):
+        r = self.side.reader
+        if r is None:                      # released at the end
+            return self._records, self._bytes
+        return r.records_in, r.bytes_in
+
+    def _idle_now(self) -> int:
+        return self.side.idle_ns + (self.multi._wait_ns if self.multi is not None else 0)
+
+    def tick(self):
+        """Measure the period since the last tick, update the size, announce
+        it (and the desired bytes) to the channels. Runs in the task thread."""
+        now = time.monotonic_ns()
+        gate = self.gate
+        per_bytes = gate.queued_bytes_per_channel()
+        inflight = sum(per_bytes)
+        records, nbytes = self._counts()
+        if records < self._records or nbytes < self._bytes:
+            self._records = self._bytes = 0          # the side replaced its reader
+        # Delivered bytes counted by records taken, at the bytes a record
+        # costs in buffers: a slow consumer takes a whole buffer at once and
+        # then nothing for many periods, which would read as no throughput.
+        per_record = nbytes / records if records else 0.0
+        delivered = int((records - self._records) * per_record) if records else nbytes - self._bytes
+        idle = self._idle_now()
+        busy_ns = max(0, (now - self._t) - (idle - self._idle))
+        self._records, self._bytes, self._idle, self._t = records, nbytes, idle, now
+        buffers = sum(gate.queued_per_channel())
+        d = self.debloater
+        size = d.update(delivered, busy_ns / 1e9, buffers)
+        self.inflight_bytes = inflight
+        share = int(d.desired_bytes / max(1, len(self.queues)))
+        for q, remote in zip(self.queues, self.remote):
+            if remote is None:
+                q.desired_bytes = max(1, share)
+            if size is not None:
+                q.buffer_size = size      # a remote channel's queue: read by the release of pages
+                if remote is not None and remote.active:
+                    try:
+                        remote.announce_buffer_size(size)
+                    except Exception:     # a channel that failed reports through its own path
+                        pass
+        if size is not None:
+            self.announcements += 1
+        self.snapshot = self._snap()
+
+    def _snap(self) -> dict:
+        d = self.debloater
+        pools = getattr(self.side, "producer_pools", ())
+        return {
+            "gate": self.index,
+            "buffer_size": d.announced,
+            "time_to_consume_s": round(d.time_to_consume, 4),
+            "inflight_bytes": self.inflight_bytes,
+            # local channels: the producers' pools; remote ones: the buffers received
+            "segments_held": sum(p.in_use for p in pools) if pools else self.gate.queued_buffers,
+            "throughput_bytes_per_s": round(d.throughput, 1),
+            "buffers_in_use": d.buffers_in_use,
+        }
+
+
+def gates_of(task, config: DebloatConfig) -> list:
+    """GateDebloats for every input gate of ``task`` (none for a source)."""
+    from pyflowbuf.runtime.exchange import MultiInput
+
+    inp = task.input
+    if inp is None:
+        return []
+    if isinstance(inp, MultiInput):
+        return [GateDebloat(s, config, inp, i) for i, s in enumerate(inp.sides)]
+    return [GateDebloat(inp, config)]
+
+
+class DebloatTimer(threading.Thread):
+    """One per process and job: every period, posts a debloat mail to each
+    task with an input (never a second one before the first ran), caps the
+    output pools and gives free segments' pages back. It sleeps on an Event
+    between periods."""
+
+    def __init__(self, job, config: DebloatConfig):
+        super().__init__(name="pyflowbuf: debloat", daemon=True)
+        self.job = job
+        self.config = config
+        self._stop_event = threading.Event()
+        self._gates: dict = {}        # id(task) -> (task, [GateDebloat], pending flag list)
+        self._pools: dict = {}        # id(pool) -> (pool, lo, hi)
+        self._keep = None             # the keep_bytes of the last page release
+        self._since_release = 0
+        self.released_bytes = 0
+        self.ticks = 0
+        self.lock = threading.Lock()  # held by a tick; the job takes it to count segments
+
+    def stop(self):
+        self._stop_event.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join()
+
+    def run(self):
+        while not self._stop_event.wait(self.config.period):
+            try:
+                with self.lock:
+                    self.tick()
+            except Exception:   # the job may be tearing down under it; debloating is advisory
+                if self._stop_event.is_set():
+                    break
+
+    def tick(self):
+        self.ticks += 1
+        job = self.job
+        tasks = list(job.tasks)
+        live = set()
+        for t in tasks:
+            if t.input is None:
+                continue
+            live.add(id(t))
+            entry = self._gates.get(id(t))
+            if entry is None:
+                entry = self._gates[id(t)] = (t, gates_of(t, self.config), [0], threading.Lock())
+            task, gates, pending, lock = entry
+            if task.finished_ns or job.cancelled:
+                continue
+            if pending[0]:
+                pending[0] += 1
+                if pending[0] > STALE_PERIODS and lock.acquire(blocking=False):
+                    # The task is stuck in one batch (blocked on a full
+                    # output, or a slow user function) and cannot run its
+                    # mailbox: measure its gates from here; a tick only
+                    # reads counters and queue lengths and sets sizes.
+                    try:
+                        task.debloat_tick(gates)
+                    finally:
+                        lock.release()
+                continue
+            pending[0] = 1
+
+            def mail(task=task, gates=gates, pending=pending, lock=lock):
+                pending[0] = 0
+                if lock.acquire(blocking=False):
+                    try:
+                        task.debloat_tick(gates)
+                    finally:
+                        lock.release()
+            task.post(mail)
+        for k in [k for k in self._gates if k not in live]:
+            del self._gates[k]
+        capped = self._cap_pools(tasks)
+        self._release_pages(capped)
+
+    def _cap_pools(self, tasks) -> bool:
+        """Set every output pool's max from its queues; True if one went down."""
+        lowered = False
+        seen = set()
+        for t in tasks:
+            for out in t.outputs:
+                pool = out.pool
+                seen.add(id(pool))
+                entry = self._pools.get(id(pool))
+                if entry is None:
+                    entry = self._pools[id(pool)] = (pool, pool.min_size, pool.max_size)
+                _, lo, hi = entry
+                if pool.destroyed:
+                    continue
+                cap = output_pool_cap(lo, hi, len(out.queues), pool.segment_size,
+                                      [(q.buffer_size, q.desired_bytes) for q in out.queues])
+                cur = pool.max_size
+                if cap != cur:
+                    try:
+                        pool.set_size(max_size=cap)
+                    except Exception:     # destroyed meanwhile (the job ended)
+                        continue
+                    lowered = lowered or cap < cur
+        for k in [k for k in self._pools if k not in seen]:
+            del self._pools[k]
+        return lowered
+
+    def _release_pages(self, capped: bool) -> None:
+        net = getattr(self.job, "network_pool", None)
+        if net is None:
+            return
+        seg = net.segment_size
+        # The smallest debloated size: a free segment's next writer may need
+        # more, and takes the pages back by touching them (page faults, once
+        # per segment per pass), a bounded cost; holding every page for the
+        # one fast channel of a process would give nothing back.
+        keep = min((q.buffer_size for q in getattr(self.job, "_queues", ()) if q.buffer_size), default=seg)
+        if keep >= seg:
+            self._keep = None
+            return
+        self._since_release += 1
+        # at once when the sizes fell a lot (or caps went down after a while),
+        # else every few periods: a pass visits every free segment
+        due = self._keep is None or 2 * keep <= self._keep or self._since_release >= RELEASE_EVERY
+        if due or (capped and self._since_release >= 2):
+            self.released_bytes += net.release_memory(keep)
+            self._keep = keep
+            self._since_release = 0
+
+
+def start_timer(job):
+    """Start the job's DebloatTimer when its Environment turned debloating on."""
+    if not getattr(job.env, "debloat", False):
+        return None
+    timer = DebloatTimer(job, DebloatConfig.from_env(job.env))
+    timer.start()
+    return timer
+
+
+def stop_timer(job) -> None:
+    timer = getattr(job, "_debloat_timer", None)
+    if timer is not None:
+        timer.stop()
+
+
+class paused:
+    """``with paused(job):`` no tick runs inside (a restart counts segments)."""
+
+    def __init__(self, job):
+        self.timer = getattr(job, "_debloat_timer", None)
+
+    def __enter__(self):
+        if self.timer is not None:
+            self.timer.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        if self.timer is not None:
+            self.timer.lock.release()
+        return False

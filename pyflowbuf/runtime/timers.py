@@ -1,0 +1,437 @@
+"""Timers: keyed event-time and processing-time timers, and the keyed
+``process`` operator with a context that registers them.
+
+A timer is (key, time). Timers are deduplicated (registering the same key and
+time twice gives one firing), fire in time order (ties in registration
+order), run in the task's thread, and go into checkpoints. Event-time timers
+fire when the watermark reaches their time; processing-time timers when the
+wall clock (``time.time()``) does: one shared thread per process
+(``ProcessingTimeService``) sleeps until the earliest deadline and posts a
+mail to the task, which fires the timers between batches.
+"""
+from __future__ import annotations
+
+import heapq
+import inspect
+import itertools
+import math
+import os
+import threading
+import time
+from typing import Any, Callable
+
+from pyflowbuf import errors
+from pyflowbuf.runtime.operators import Operator, _copy_key_dicts
+from pyflowbuf.runtime.watermarks import NO_WATERMARK, to_seconds
+
+
+class ProcessingTimeService(threading.Thread):
+    """Calls callbacks at wall-clock deadlines from one thread. Callbacks must
+    be quick (they post mails); the thread parks on a condition between
+    deadlines, never spinning."""
+
+    def __init__(self):
+        super().__init__(name="pyflowbuf: processing time", daemon=True)
+        self._cv = threading.Condition()
+        self._heap: list = []
+        self._seq = itertools.count()
+
+    def schedule(self, deadline: float, callback: Callable[[], Any]) -> list:
+        """Run ``callback()`` at ``deadline`` (time.time() seconds); returns a
+        handle for ``cancel``."""
+        entry = [deadline, next(self._seq), callback]
+        with self._cv:
+            heapq.heappush(self._heap, entry)
+            if self._heap[0] is entry:
+                self._cv.notify()
+        return entry
+
+    @staticmethod
+    def cancel(handle) -> None:
+        handle[2] = None        # dropped when its time comes
+
+    def run(self):
+        heap, cv = self._heap, self._cv
+        while True:
+            with cv:
+                while True:
+                    if heap:
+                        wait = heap[0][0] - time.time()
+                        if wait <= 0:
+                            break
+                        cv.wait(wait)
+                    else:
+                        cv.wait()
+                entry = heapq.heappop(heap)
+            cb = entry[2]
+            if cb is not None:
+                try:
+                    cb()
+                except Exception:       # a callback only posts a mail; the task reports its own errors
+                    pass
+
+
+_service: ProcessingTimeService | None = None
+_service_pid = None
+_service_lock = threading.Lock()
+
+
+def processing_time_service() -> ProcessingTimeService:
+    """This process's service (a forked worker starts its own)."""
+    global _service, _service_pid
+    with _service_lock:
+        if _service is None or _service_pid != os.getpid():
+            _service = ProcessingTimeService()
+            _service_pid = os.getpid()
+            _service.start()
+        return _service
+
+
+class TimerQueue:
+    """Timers of one time domain: a heap of distinct times, and per time the
+    keys in registration order (a dict: deduplicated, ordered)."""
+
+    def __init__(self):
+        self._heap: list = []
+        self._at: dict = {}
+
+    def register(self, key, t: float) -> bool:
+        """Add timer (key, t); False if it was already there."""
+        keys = self._at.get(t)
+        if keys is None:
+            self._at[t] = {key: None}
+            heapq.heappush(self._heap, t)
+            return True
+        if key in keys:
+            return False
+        keys[key] = None
+        return True
+
+    def delete(self, key, t: float) -> None:
+        keys = self._at.get(t)
+        if keys is not None:
+            keys.pop(key, None)
+
+    def pop_due(self, limit: float):
+        """The earliest timer with time <= ``limit`` as (key, t), removed; None if none."""
+        heap, at = self._heap, self._at
+        while heap and heap[0] <= limit:
+            t = heap[0]
+            keys = at[t]
+            if keys:
+                key = next(iter(keys))
+                del keys[key]
+                return key, t
+            heapq.heappop(heap)
+            del at[t]
+        return None
+
+    def peek_time(self) -> float | None:
+        heap, at = self._heap, self._at
+        while heap and not at[heap[0]]:
+            del at[heapq.heappop(heap)]
+        return heap[0] if heap else None
+
+    def __len__(self):
+        return sum(len(k) for k in self._at.values())
+
+    def snapshot(self) -> list:
+        """[(t, [keys in order])] in time order."""
+        return [(t, list(self._at[t])) for t in sorted(self._at) if self._at[t]]
+
+    @classmethod
+    def restored(cls, snap) -> "TimerQueue":
+        q = cls()
+        for t, keys in snap or ():
+            for k in keys:
+                q.register(k, t)
+        return q
+
+
+class TimerService:
+    """Event-time and processing-time timers of one operator instance, and
+    the operator's watermark (never decreasing)."""
+
+    def __init__(self):
+        self.watermark = NO_WATERMARK
+        self.event = TimerQueue()
+        self.processing = TimerQueue()
+
+    def advance(self, watermark: float) -> bool:
+        if watermark > self.watermark:
+            self.watermark = watermark
+            return True
+        return False
+
+    def snapshot(self) -> dict:
+        return {"watermark": self.watermark, "event": self.event.snapshot(),
+                "processing": self.processing.snapshot()}
+
+    def restore(self, snap) -> None:
+        if not snap:
+            return
+        self.watermark = snap["watermark"]
+        self.event = TimerQueue.restored(snap["event"])
+        self.processing = TimerQueue.restored(snap["processing"])
+
+
+def _seconds(t, what) -> float:
+    t = to_seconds(t)
+    if math.isnan(t):
+        raise errors.ConfigurationError(f"{what}: a timer's time must be a number, got nan")
+    return t
+
+
+class Context:
+    """What ``process`` functions and timers see, besides key, record and state.
+
+    timestamp
+        The record's event time (None when the stream has no timestamps), or
+        in ``on_timer`` the timer's time.
+    watermark
+        The operator's current watermark (-inf before the first).
+    key
+        The current key.
+    time_domain
+        In ``on_timer``: "event_time" or "processing_time".
+    """
+
+    __slots__ = ("_op", "key", "timestamp", "time_domain")
+
+    def __init__(self, op):
+        self._op = op
+        self.key = None
+        self.timestamp = None
+        self.time_domain = None
+
+    @property
+    def watermark(self) -> float:
+        return self._op.timers.watermark
+
+    def current_processing_time(self) -> float:
+        return time.time()
+
+    def register_event_time_timer(self, t) -> None:
+        """Call ``on_timer(key, t, state, ctx)`` once the watermark reaches ``t``."""
+        self._op._register_event(self.key, _seconds(t, "register_event_time_timer"))
+
+    def register_processing_time_timer(self, t) -> None:
+        """Call ``on_timer(key, t, state, ctx)`` once ``time.time()`` reaches ``t``."""
+        self._op._register_processing(self.key, _seconds(t, "register_processing_time_timer"))
+
+    def delete_event_time_timer(self, t) -> None:
+        self._op.timers.event.delete(self.key, to_seconds(t))
+
+    def delete_processing_time_timer(self, t) -> None:
+        self._op.timers.processing.delete(self.key, to_seconds(t))
+
+
+class KeyedProcessFunction:
+    """A keyed process function as a class (Flink's KeyedProcessFunction):
+    override ``process_element``, and ``on_timer`` / ``on_end`` when used.
+    Each returns an iterable of output records, or None."""
+
+    def open(self, subtask: int, parallelism: int) -> None:
+        pass
+
+    def process_element(self, key, record, state: dict, ctx: Context):
+        raise NotImplementedError
+
+    def on_timer(self, key, timestamp: float, state: dict, ctx: Context):
+        return None
+
+    def on_end(self, key, state: dict, ctx: Context):
+        return None
+
+
+def takes_context(fn: Callable, base: int) -> bool:
+    """Whether ``fn`` takes one more positional argument than ``base`` (the
+    context), or any number of them."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):     # a builtin without a signature
+        return False
+    n = 0
+    for p in params:
+        if p.kind == p.VAR_POSITIONAL:
+            return True
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            n += 1
+    return n > base
+
+
+class TimerOperator(Operator):
+    """Shared by operators that keep timers: the timer service, the task
+    hooks that fire them, and emitting what they make outside of a batch."""
+
+    event_time = True
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.timers = TimerService()
+        self.task = None
+        self._proc_handle = None
+        self._proc_deadline = math.inf
+
+    def open(self, subtask, parallelism):
+        super().open(subtask, parallelism)
+        self._schedule_processing()
+
+    def _register_event(self, key, t):
+        self.timers.event.register(key, t)
+
+    def _register_processing(self, key, t):
+        if self.timers.processing.register(key, t) and t < self._proc_deadline:
+            self._schedule_processing()
+
+    def _schedule_processing(self):
+        t = self.timers.processing.peek_time()
+        task = self.task
+        if t is None or task is None or t >= self._proc_deadline:
+            return
+        svc = processing_time_service()
+        if self._proc_handle is not None:
+            svc.cancel(self._proc_handle)
+        self._proc_deadline = t
+        self._proc_handle = svc.schedule(t, lambda: task.post(self._processing_mail))
+
+    def _processing_mail(self):
+        """In the task thread: fire the processing-time timers that are due."""
+        self._proc_handle = None
+        self._proc_deadline = math.inf
+        out = self.fire_processing(time.time())
+        if out:
+            self.task.emit_after(self, out)
+        self._schedule_processing()
+
+    def on_watermark(self, watermark):
+        if not self.timers.advance(watermark):
+            return [], None
+        return self.fire_event(watermark), watermark
+
+    # subclasses: fire_event(watermark) -> records, fire_processing(now) -> records
+
+    def finish(self):
+        if self._proc_handle is not None:
+            processing_time_service().cancel(self._proc_handle)
+            self._proc_handle = None
+        return []
+
+
+class KeyedProcessOperator(TimerOperator):
+    """``key_by(...).process(fn, on_timer=..., on_end=...)`` with a context:
+    ``fn(key, record, state, ctx)``, ``on_timer(key, t, state, ctx)``, and
+    at end of input (after the +inf watermark fired every event-time timer)
+    ``on_end(key, state, ctx)`` for every key with state. ``state`` is the
+    per-key dict, shared by all three and going into checkpoints with the
+    timers."""
+
+    def __init__(self, name, key_fn, ts_fn, fn, on_timer=None, on_end=None, with_ctx=True):
+        super().__init__(name)
+        self.key_fn = key_fn
+        self.ts_fn = ts_fn
+        if isinstance(fn, KeyedProcessFunction):
+            self.user = fn
+            fn, on_timer, on_end = fn.process_element, fn.on_timer, fn.on_end
+            with_ctx = True
+        else:
+            self.user = None
+        self.fn = fn if with_ctx else (lambda k, x, st, ctx, _f=fn: _f(k, x, st))
+        self.on_timer_fn = on_timer
+        self.on_end_fn = on_end
+        self.state: dict = {}
+        self.ctx = Context(self)
+
+    def open(self, subtask, parallelism):
+        super().open(subtask, parallelism)
+        if self.user is not None:
+            self.user.open(subtask, parallelism)
+
+    def _key_state(self, k):
+        st = self.state.get(k)
+        if st is None:
+            st = self.state[k] = {}
+        return st
+
+    def process_batch(self, batch):
+        key_fn, ts_fn, fn, add = self.key_fn, self.ts_fn, self.fn, self._extend
+        state, ctx = self.state, self.ctx
+        ctx.time_domain = None
+        out: list = []
+        for x in batch:
+            k = key_fn(x)
+            st = state.get(k)
+            if st is None:
+                st = state[k] = {}
+            ctx.key = k
+            if ts_fn is not None:
+                t = ts_fn(x)
+                ctx.timestamp = t if type(t) is float else to_seconds(t)
+            add(out, fn(k, x, st, ctx))
+        return self._checked(out)
+
+    def _fire(self, queue, limit, domain):
+        if self.on_timer_fn is None:
+            if len(queue):
+                raise errors.ConfigurationError(
+                    f"operator {self.name!r} registered a timer but has no on_timer: pass "
+                    "process(fn, on_timer=...) or a KeyedProcessFunction with on_timer")
+            return []
+        out: list = []
+        ctx, on_timer = self.ctx, self.on_timer_fn
+        ctx.time_domain = domain
+        while True:
+            due = queue.pop_due(limit)
+            if due is None:
+                break
+            k, t = due
+            ctx.key, ctx.timestamp = k, t
+            self._extend(out, on_timer(k, t, self._key_state(k), ctx))
+        ctx.time_domain = None
+        return self._checked(out)
+
+    def fire_event(self, watermark):
+        return self._fire(self.timers.event, watermark, "event_time")
+
+    def fire_processing(self, now):
+        return self._fire(self.timers.processing, now, "processing_time")
+
+    def finish(self):
+        super().finish()
+        if self.on_end_fn is None:
+            return []
+        out: list = []
+        ctx = self.ctx
+        ctx.timestamp, ctx.time_domain = None, None
+        for k in list(self.state):
+            ctx.key = k
+            self._extend(out, self.on_end_fn(k, self.state[k], ctx))
+        return self._checked(out)
+
+    def snapshot_state(self):
+        return {"state": _copy_key_dicts(self.state), "timers": self.timers.snapshot()}
+
+    def restore_state(self, state):
+        if state:
+            self.state = _copy_key_dicts(state["state"])
+            self.timers.restore(state["timers"])
+
+
+
+class KeyedCoProcessOperator(KeyedProcessOperator):
+    """``connect(...).process(fn1, fn2, on_timer=..., on_end=...)`` on two keyed
+    streams, with a context: ``fn_i(key, record, state, ctx)``; the timers
+    and the per-key state are shared by both inputs, and the watermark is
+    the minimum of the two inputs'."""
+
+    def __init__(self, name, key_fns, ts_fns, fns, on_timer=None, on_end=None, with_ctx=(True, True)):
+        super().__init__(name, key_fns[0], ts_fns[0], fns[0], on_timer, on_end, with_ctx[0])
+        second = fns[1] if with_ctx[1] else (lambda k, x, st, ctx, _f=fns[1]: _f(k, x, st))
+        self.inputs = ((key_fns[0], ts_fns[0], self.fn), (key_fns[1], ts_fns[1], second))
+
+    def process_batch(self, batch):
+        raise TypeError(f"operator {self.name!r} has two inputs: it takes batches with their input index")
+
+    def process_input(self, batch, input_index):
+        self.key_fn, self.ts_fn, self.fn = self.inputs[input_index]
+        return KeyedProcessOperator.process_batch(self, batch)
