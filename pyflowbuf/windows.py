@@ -23,6 +23,7 @@ then ``aggregate({"out": ("column", "sum"), ...})``): see ``ArrowWindowOperator`
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -441,18 +442,21 @@ def _append(x, acc):
     return acc
 
 
+_IMMUTABLE = (int, float, str, bytes, bool, type(None), tuple, frozenset)
+
+
 def _copy_acc(acc):
-    """Accumulators the task keeps changing while a snapshot is written: a
-    process window's list is copied; other accumulators are replaced on each
-    add (reduce, and the AggregateFunctions that return a new value) or, when
-    mutable, copied one level."""
-    if isinstance(acc, list):
+    """An accumulator for a snapshot, which the task goes on changing while
+    the snapshot is written: plain values as they are, a process window's
+    list of records one level deep (records are not changed in place), any
+    other object (an AggregateFunction's accumulator may be changed in place
+    by ``add``) deeply."""
+    t = type(acc)
+    if t in _IMMUTABLE:
+        return acc
+    if t is list:
         return list(acc)
-    if isinstance(acc, dict):
-        return dict(acc)
-    if isinstance(acc, set):
-        return set(acc)
-    return acc
+    return copy.deepcopy(acc)
 
 
 class TagSelect(Operator):
@@ -553,14 +557,29 @@ class WindowedStream:
         assigner, lateness, ts = self.assigner, self.lateness, self.ts
         if assigner.merging:
             raise errors.ConfigurationError("the vectorized window path takes Tumbling or Sliding windows")
+        env = self.keyed.env
         p = 1 if parallelism is None else parallelism
-        if p != 1:
+        # batches are not split by key: with one subtask it sees every row; with
+        # more, each aggregates the batches it gets and one subtask combines
+        # their partial results per window once its watermark (the minimum of
+        # theirs) passes the window's end, when every partial result is in
+        plain = Stream(env, self.keyed.node)
+        if p == 1:
+            node = plain._then(name, lambda: ArrowWindowOperator(name, column_key, ts, assigner, aggs, lateness),
+                               1, "arrow")
+            node.event_time = True
+            return Stream(env, node)
+        if lateness:
             raise errors.ConfigurationError(
-                "the vectorized window path runs with parallelism 1 (its input is not split by key)")
-        node = self.keyed._with("rebalance")._then(
-            name, lambda: ArrowWindowOperator(name, column_key, ts, assigner, aggs, lateness), 1, "arrow")
+                "the vectorized window path takes allowed_lateness only with parallelism 1: its partial "
+                "results are combined once per window")
+        part = plain._then(f"{name}.partial", lambda: ArrowWindowOperator(
+            f"{name}.partial", column_key, ts, assigner, aggs, 0.0, mode="partial"), p, "arrow")
+        part.event_time = True
+        node = Stream(env, part)._then(name, lambda: ArrowWindowOperator(
+            name, column_key, ts, assigner, aggs, 0.0, mode="final"), 1, "arrow")
         node.event_time = True
-        return Stream(self.keyed.env, node)
+        return Stream(env, node)
 
 
 class WindowResult(Stream):
@@ -633,10 +652,15 @@ class ArrowWindowOperator(TimerOperator):
     aggregates, sorted by window and key.
 
     Records arriving within the allowed lateness update their window, which
-    is emitted again at the next watermark."""
+    is emitted again at the next watermark.
 
-    def __init__(self, name, key_column, ts_column, assigner, aggs, lateness):
+    ``mode``: "full" (the above), "partial" (emits the partial aggregates of
+    its own rows per window, for a "final" one to combine) or "final" (its
+    input is those partial aggregates)."""
+
+    def __init__(self, name, key_column, ts_column, assigner, aggs, lateness, mode="full"):
         super().__init__(name)
+        self.mode = mode
         self.key = key_column
         self.ts = ts_column
         self.assigner = assigner
@@ -670,6 +694,13 @@ class ArrowWindowOperator(TimerOperator):
     def process_batch(self, batch):
         from pyflowbuf.runtime.watermarks import seconds_column
         pa, pc = self.pa, self.pc
+        if self.mode == "final":
+            # partial results, grouped already; they come before the watermark
+            # that passes their window, so none is late
+            self.parts.extend(self._table(b) for b in batch)
+            if len(self.parts) >= 64:
+                self._combine()
+            return []
         wm, lateness = self.timers.watermark, self.lateness
         a = self.assigner
         for b in batch:
@@ -756,6 +787,8 @@ class ArrowWindowOperator(TimerOperator):
         self.state = st.filter(pc.greater(pc.add(end, self.lateness), wm))
         if due.num_rows == 0:
             return []
+        if self.mode == "partial":
+            return due.combine_chunks().to_batches()
         due = due.sort_by([("window_start", "ascending"), (self.key, "ascending")])
         cols = {self.key: due.column(self.key), "window_start": due.column("window_start"),
                 "window_end": due.column("window_end")}

@@ -184,7 +184,9 @@ def test_pool_cap_follows_desired_bytes_at_once():
 @given(st.integers(1, 4096), st.lists(st.integers(0, 3 * SEG), min_size=1, max_size=40))
 def test_records_larger_than_the_buffer_size_go_through(size, lengths):
     net = NetworkBufferPool(64)
-    pool = net.create_pool(2, 4)
+    # one thread writes and reads: a record of up to 3 segments, written while
+    # up to 2 buffers wait queued and one is being filled, needs room for 6
+    pool = net.create_pool(2, 8)
     q = BufferQueue(net)
     q.buffer_size = size
     gate = InputGate([q])
@@ -194,7 +196,7 @@ def test_records_larger_than_the_buffer_size_go_through(size, lengths):
     got = []
     for rec in recs:
         w.write(rec)
-        while q.backlog >= 2:          # the pool holds 4: keep reading so the writer never waits long
+        while q.backlog >= 2:          # keep reading so the writer never waits long
             got += [bytes(x) for x in r.read_batch(100, timeout=0)]
     w.end_input()
     while not r.finished:

@@ -342,18 +342,20 @@ def _arrow_batches(records, per_batch):
 
 
 @pytest.mark.parametrize("kind,size,slide", [("tumbling", 1.0, None), ("sliding", 2.0, 0.5)])
-def test_arrow_windows_match_reference(kind, size, slide):
+@pytest.mark.parametrize("parallelism", [1, 3])
+def test_arrow_windows_match_reference(kind, size, slide, parallelism):
     pa = pytest.importorskip("pyarrow")
     rnd = random.Random(11)
     records = random_stream(rnd, 600, keys=5, disorder=3)
     want, _ = reference(records, kind=kind, size=size, slide=slide, ooo=1.0)
     batches = _arrow_batches(records, 37)
-    env = fb.Environment()
+    env = fb.Environment(parallelism=parallelism)
     out = (env.from_iterable(batches, kind="arrow")
-              .assign_timestamps("ts", out_of_orderness=1.0)
+              .assign_timestamps("ts", out_of_orderness=1.0, parallelism=1)
               .key_by("key")
               .window(assigner_for(kind, size, slide))
-              .aggregate({"n": ("key", "count"), "lo": ("ts", "min"), "hi": ("ts", "max")})
+              .aggregate({"n": ("key", "count"), "lo": ("ts", "min"), "hi": ("ts", "max")},
+                         parallelism=parallelism)
               .collect())
     env.execute(timeout=60)
     rows = pa.Table.from_batches(out.result).to_pylist() if out.result else []
@@ -386,4 +388,4 @@ def test_arrow_spec_checked():
     with pytest.raises(errors.ConfigurationError, match="median"):
         s.aggregate({"m": ("x", "median")})
     with pytest.raises(errors.ConfigurationError, match="parallelism 1"):
-        s.aggregate({"n": ("key", "count")}, parallelism=2)
+        s.allowed_lateness(1).aggregate({"n": ("key", "count")}, parallelism=2)

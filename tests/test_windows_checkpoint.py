@@ -49,8 +49,11 @@ def stream(seed, n, *, very_late=0.0):
     return out
 
 
+# Sources are rate limited so that a job runs for about half a second: long
+# enough for checkpoints to complete before the injected failure on a busy machine.
+
 def windowed(env, records, assigner, *, fail=None, where="before", exact=False, lateness=0.0):
-    s = env.from_iterable(records, rate_limit=10_000)
+    s = env.from_iterable(records, rate_limit=5_000)
     if fail is not None and where == "before":
         s = s.map(fail, parallelism=1)      # chained to the source: the record order stays fixed
     w = (s.assign_timestamps(lambda r: r[1], out_of_orderness=0.05, watermark_interval=0 if exact else 0.2,
@@ -81,7 +84,7 @@ def test_restore_in_the_middle_of_open_windows(tmp_path, assigner, where):
     records = stream(1, 3000)
     want, want_late, _ = run(tmp_path, records, assigner)
     # before the windows: at a record; after them: at a window result (~6 per 0.25 s)
-    fail = FailOnce(1800 if where == "before" else 150)
+    fail = FailOnce(1000 if where == "before" else 100)
     got, got_late, env = run(tmp_path, records, assigner, fail=fail, where=where)
     assert fail.fired and env.last_execution.restarts == 1
     assert env.last_execution.restored_from is not None, "no checkpoint before the failure"
@@ -95,7 +98,7 @@ def test_restore_with_late_records_is_exact(tmp_path):
     the assigner's watermark and the windows' come back from the checkpoint."""
     records = stream(2, 2500, very_late=0.03)
     want, want_late, _ = run(tmp_path, records, Tumbling(0.2), exact=True, lateness=0.5)
-    fail = FailOnce(1600)
+    fail = FailOnce(1000)
     got, got_late, env = run(tmp_path, records, Tumbling(0.2), fail=fail, exact=True, lateness=0.5)
     assert fail.fired and env.last_execution.restored_from is not None
     assert got == want
@@ -104,8 +107,8 @@ def test_restore_with_late_records_is_exact(tmp_path):
 
 def test_timers_and_interval_join_state_survive_a_restore(tmp_path):
     def job(env, fail):
-        a = env.from_iterable([(i % 5, i * 0.01) for i in range(2000)], rate_limit=10_000)
-        b = env.from_iterable([(i % 5, i * 0.01 + 0.005) for i in range(2000)], rate_limit=10_000)
+        a = env.from_iterable([(i % 5, i * 0.01) for i in range(2000)], rate_limit=4_000)
+        b = env.from_iterable([(i % 5, i * 0.01 + 0.005) for i in range(2000)], rate_limit=4_000)
         if fail is not None:
             a = a.map(fail)
         a = a.assign_timestamps(lambda r: r[1], out_of_orderness=0.0)
@@ -124,7 +127,7 @@ def test_timers_and_interval_join_state_survive_a_restore(tmp_path):
     env = fb.Environment(parallelism=2)
     j0, t0 = job(env, None)
     env.execute(timeout=120)
-    fail = FailOnce(1500)
+    fail = FailOnce(800)
     env = fb.Environment(parallelism=2, checkpoint_interval=0.02, checkpoint_dir=tmp_path / "c",
                          restart_attempts=2)
     fail.env = env
@@ -144,7 +147,7 @@ def test_arrow_window_state_in_a_checkpoint(tmp_path):
                for i in range(0, len(records), 20)]
 
     def job(env, fail):
-        s = env.from_iterable(batches, kind="arrow", rate_limit=1500)
+        s = env.from_iterable(batches, kind="arrow", rate_limit=400)
         if fail is not None:
             s = s.map(fail, kind="arrow")
         return (s.assign_timestamps("ts", out_of_orderness=0.05)
@@ -153,7 +156,7 @@ def test_arrow_window_state_in_a_checkpoint(tmp_path):
     env = fb.Environment()
     want = job(env, None)
     env.execute(timeout=120)
-    fail = FailOnce(120)
+    fail = FailOnce(60)
     env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=tmp_path / "a", restart_attempts=2)
     fail.env = env
     got = job(env, fail)

@@ -23,7 +23,19 @@ and back up to 60 %, its backpressured time goes HIGH while the consumer is
 slowed, the output pool never holds more than its 2 buffers, and every record
 produced is consumed.
 
-    python -m pyflowbuf.experiments.backpressure [--quick] [--out DIR]
+Two switches add what the later issues are about:
+
+* ``--debloat``: buffer debloating on, with Flink's default buffers (32 KiB
+  segments) and a target of ``--debloat-target`` seconds (0.005: at millions
+  of records/s, Flink's 1 s is far more than any buffer holds); the plot gains
+  the consumer gate's debloated buffer size and its in-flight bytes.
+* ``--checkpoints``: the schedule runs twice, with a checkpoint every interval,
+  aligned and then unaligned, with Flink's default buffers (32 KiB segments);
+  the plot gains both runs' checkpoint durations: aligned ones grow while the
+  consumer is slowed (the barrier waits behind every queued buffer),
+  unaligned ones do not.
+
+    python -m pyflowbuf.experiments.backpressure [--quick] [--out DIR] [--debloat] [--checkpoints]
 """
 from __future__ import annotations
 
@@ -63,7 +75,7 @@ CSV_FIELDS = (
     "producer_busy_ms_per_s", "producer_idle_ms_per_s", "producer_backpressured_ms_per_s",
     "producer_level", "consumer_busy_ms_per_s", "consumer_idle_ms_per_s",
     "consumer_backpressured_ms_per_s", "consumer_level", "out_pool_in_use",
-    "out_pool_in_use_max", "network_pool_in_use_max",
+    "out_pool_in_use_max", "network_pool_in_use_max", "debloat_buffer_size", "inflight_bytes",
 )
 
 
@@ -114,12 +126,41 @@ def _find_task(job, vertex_name):
 
 def run_experiment(out_dir, quick: bool = False, phase_seconds: float | None = None, *,
                    interval: float | None = None, calibration_seconds: float | None = None,
-                   phases=PHASES, plot: bool = True, verbose: bool = False) -> dict:
+                   phases=PHASES, plot: bool = True, verbose: bool = False, debloat: bool = False,
+                   checkpoints: bool = False, debloat_target: float = 0.005,
+                   _checkpoint_mode: str | None = None) -> dict:
     """Run the experiment; write ``backpressure.csv`` and ``backpressure.png``
     into ``out_dir``. Returns ``{"csv", "png", "phases": [per-phase summary],
     "max_rate", "records_produced", "records_consumed", memory figures,
     "samples"}``; per-phase figures are means over the phase's samples after
-    the first (the transition interval)."""
+    the first (the transition interval). ``debloat``: buffer debloating on,
+    its buffer size and in-flight bytes sampled. ``checkpoints``: run twice
+    (aligned, unaligned checkpoints every interval, default buffers); the
+    result gains ``"checkpoints": {mode: [(t_s, duration_s), ...]}``."""
+    if checkpoints:
+        runs = {}
+        for mode in ("aligned", "unaligned"):
+            if verbose:
+                print(f"--- {mode} checkpoints ---", file=sys.stderr)
+            runs[mode] = run_experiment(os.path.join(out_dir, mode), quick, phase_seconds, interval=interval,
+                                        calibration_seconds=calibration_seconds, phases=phases, plot=False,
+                                        verbose=verbose, debloat=debloat, debloat_target=debloat_target,
+                                        _checkpoint_mode=mode)
+        result = runs["unaligned"]
+        result["checkpoints"] = {m: r["checkpoint_durations"] for m, r in runs.items()}
+        result["aligned_run"] = {k: v for k, v in runs["aligned"].items() if k != "samples"}
+        if plot:
+            iv = result["interval"]
+            result["png"] = _plot(result["samples"], [(n, float(p), float(c)) for n, p, c in phases],
+                                  max(1, round(result["phase_seconds"] / iv)), iv, result,
+                                  os.path.join(out_dir, "backpressure.png"))
+        return result
+    return _run_once(out_dir, quick, phase_seconds, interval, calibration_seconds, phases, plot, verbose,
+                     debloat, debloat_target, _checkpoint_mode)
+
+
+def _run_once(out_dir, quick, phase_seconds, interval, calibration_seconds, phases, plot, verbose, debloat,
+              debloat_target, checkpoint_mode):
     timing = dict(QUICK if quick else FULL)
     if phase_seconds is not None:
         timing["phase_seconds"] = float(phase_seconds)
@@ -169,8 +210,21 @@ def run_experiment(out_dir, quick: bool = False, phase_seconds: float | None = N
         consumed["n"] += k
         c_pacer(k)
 
-    env = Environment(segment_size=SEGMENT_SIZE, output_buffers=(BUFFERS, BUFFERS), chaining=False,
-                      metrics_interval=iv, name="backpressure-experiment")
+    if checkpoint_mode is None and not debloat:
+        buffers = dict(segment_size=SEGMENT_SIZE, output_buffers=(BUFFERS, BUFFERS))
+    elif checkpoint_mode is None:
+        # Flink's default buffers, and a target small enough for these rates
+        # (millions of records/s fill 1 s of in-flight data far beyond them)
+        buffers = dict(segment_size=32 * 1024, debloat_target=debloat_target)
+    else:
+        import tempfile
+        # Flink's defaults: what an aligned barrier waits behind is what they hold
+        buffers = dict(segment_size=32 * 1024, checkpoint_interval=iv, checkpoint_mode=checkpoint_mode,
+                       checkpoint_dir=tempfile.mkdtemp(prefix="pyflowbuf-experiment-"))
+        if debloat:
+            buffers["debloat_target"] = debloat_target
+    env = Environment(chaining=False, metrics_interval=iv, name="backpressure-experiment", debloat=debloat,
+                      **buffers)
     env.from_generator(producer, kind="int64", name="producer").sink(consumer, batched=True, name="consumer")
 
     job = env.execute_async()
@@ -187,6 +241,7 @@ def run_experiment(out_dir, quick: bool = False, phase_seconds: float | None = N
             schedule += [ph] * per_phase
         t0 = time.monotonic()
         t_phase1 = t0 + calib_ticks * iv
+        t_wall0 = time.time() + calib_ticks * iv       # checkpoints carry wall-clock trigger times
         prev = {"p": prod_task.counters(), "c": cons_task.counters()}
         prev_ns = time.monotonic_ns()
         watch.take_interval()
@@ -231,6 +286,7 @@ def run_experiment(out_dir, quick: bool = False, phase_seconds: float | None = N
                 "consumer_level": cm["level"],
                 "out_pool_in_use": pool.in_use,
                 "out_pool_in_use_max": pool_max, "network_pool_in_use_max": net_max,
+                **_debloat_sample(cons_task),
             })
         # end the job: the producer returns, the consumer drains at full speed
         c_speed.set(1.0)
@@ -277,7 +333,11 @@ def run_experiment(out_dir, quick: bool = False, phase_seconds: float | None = N
         "network_pool_segments": job.network_pool.total_segments,
         "max_network_pool_in_use": watch.net_max,
         "memory_polls": watch.polls,
-        "segment_size": SEGMENT_SIZE,
+        "segment_size": env.segment_size,
+        "debloat": debloat,
+        "checkpoint_mode": checkpoint_mode,
+        "checkpoint_durations": [(round(c["trigger_time"] - t_wall0, 3), c["duration_s"])
+                                 for c in env.checkpoints() if c["status"] == "completed"],
         "interval": iv,
         "phase_seconds": per_phase * iv,
         "calibration_seconds": calib_ticks * iv,
@@ -286,6 +346,15 @@ def run_experiment(out_dir, quick: bool = False, phase_seconds: float | None = N
     if plot:
         result["png"] = _plot(rows, phases, per_phase, iv, result, os.path.join(out_dir, "backpressure.png"))
     return result
+
+
+def _debloat_sample(task) -> dict:
+    """The consumer gate's debloated buffer size and in-flight bytes (None
+    when debloating is off)."""
+    gates = getattr(task, "debloat_gates", None) or []
+    if not gates:
+        return {"debloat_buffer_size": None, "inflight_bytes": None}
+    return {"debloat_buffer_size": gates[0].get("buffer_size"), "inflight_bytes": gates[0].get("inflight_bytes")}
 
 
 def _calibrate(rows, p_pacer, c_pacer, verbose):
@@ -336,8 +405,14 @@ def _plot(rows, phases, per_phase, iv, result, path):
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 6.4), dpi=110, sharex=True,
-                                  gridspec_kw={"height_ratios": (3, 1.3)})
+    extra = []
+    if any(r.get("debloat_buffer_size") is not None for r in rows):
+        extra.append("debloat")
+    if result.get("checkpoints"):
+        extra.append("checkpoints")
+    fig, axes = plt.subplots(2 + len(extra), 1, figsize=(10, 6.4 + 2.2 * len(extra)), dpi=110, sharex=True,
+                             gridspec_kw={"height_ratios": (3, 1.3) + (1.5,) * len(extra)})
+    ax, ax2 = axes[0], axes[1]
     t = [r["t_s"] - iv / 2 for r in rows]      # a sample covers the interval before it
     # the producer drawn wide underneath: where the two agree both stay visible
     ax.plot(t, [r["producer_pct"] for r in rows], "-", lw=5, alpha=0.55, color="#e6b800", label="producer")
@@ -347,14 +422,14 @@ def _plot(rows, phases, per_phase, iv, result, path):
     ax2.plot(t, [r["consumer_busy_ms_per_s"] for r in rows], "--", color="#2e9e44", label="consumer busy")
     span = per_phase * iv
     cal = result["calibration_seconds"]
-    for a in (ax, ax2):
+    for a in axes:
         a.axvspan(-cal, 0, color="0.85", lw=0)
     top = max([115.0] + [1.08 * max(r["producer_pct"], r["consumer_pct"]) for r in rows])
     ax.text(-cal / 2, top - 2, "calibration", ha="center", va="top", fontsize=8)
     for i, (name, p_set, c_set) in enumerate(phases):
         x0 = i * span
         if i % 2:
-            for a in (ax, ax2):
+            for a in axes:
                 a.axvspan(x0, x0 + span, color="0.94", lw=0)
         ax.text(x0 + span / 2, top - 2, f"P {p_set:.0f}% / C {c_set:.0f}%", ha="center", va="top", fontsize=8)
     ax.axhline(100, color="0.6", lw=0.7, ls=":")
@@ -362,7 +437,9 @@ def _plot(rows, phases, per_phase, iv, result, path):
     ax.set_xlim(-cal, len(phases) * span)
     ax.set_ylabel("throughput, % of maximum")
     mp = result["max_rate"]
-    ax.set_title(f"Backpressure: {BUFFERS} buffers of {SEGMENT_SIZE} B, local exchange; "
+    what = (f"{BUFFERS} buffers of {SEGMENT_SIZE} B" if not (result.get("checkpoints") or result.get("debloat"))
+            else "default buffers of 32 KiB")
+    ax.set_title(f"Backpressure: {what}, local exchange; "
                  f"max {mp['producer'] / 1e6:.2f}M (producer) / {mp['consumer'] / 1e6:.2f}M (consumer) "
                  f"records/s", fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
@@ -372,9 +449,35 @@ def _plot(rows, phases, per_phase, iv, result, path):
         ax2.text(len(phases) * span, y, f" {lab}", va="center", fontsize=7, color="0.4")
     ax2.set_ylim(0, 1050)
     ax2.set_ylabel("ms per second")
-    ax2.set_xlabel("time (s)")
     ax2.legend(loc="lower right", fontsize=7, ncol=2)
     ax2.grid(alpha=0.3)
+    k = 2
+    if "debloat" in extra:
+        a = axes[k]
+        k += 1
+        pts = [(x, r) for x, r in zip(t, rows) if r.get("debloat_buffer_size") is not None]
+        a.plot([x for x, _ in pts], [r["debloat_buffer_size"] / 1024 for _, r in pts], "-", color="#7a3db8",
+               label="debloated buffer size (KiB)")
+        a.set_ylabel("KiB")
+        b = a.twinx()
+        b.plot([x for x, _ in pts], [(r["inflight_bytes"] or 0) / 1024 for _, r in pts], "--", color="#d9534f",
+               label="in-flight (KiB)")
+        b.set_ylabel("in flight, KiB")
+        a.legend(loc="upper left", fontsize=7)
+        b.legend(loc="upper right", fontsize=7)
+        a.grid(alpha=0.3)
+    if "checkpoints" in extra:
+        a = axes[k]
+        colors = {"aligned": "#1f77b4", "unaligned": "#ff7f0e"}
+        for mode, points in result["checkpoints"].items():
+            if points:
+                a.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=3, color=colors.get(mode),
+                       label=f"{mode} checkpoint duration")
+        a.set_yscale("log")
+        a.set_ylabel("seconds")
+        a.legend(loc="upper left", fontsize=7)
+        a.grid(alpha=0.3)
+    axes[-1].set_xlabel("time (s)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -397,6 +500,11 @@ def format_summary(result: dict) -> str:
     lines.append(f"output pool in use: max {result['max_out_pool_in_use']} of {result['out_pool_max_size']}; "
                  f"NetworkBufferPool in use: max {result['max_network_pool_in_use']} of "
                  f"{result['network_pool_segments']} segments ({result['memory_polls']} polls)")
+    for mode, points in (result.get("checkpoints") or {}).items():
+        d = [p[1] for p in points]
+        if d:
+            lines.append(f"{mode} checkpoints: {len(d)} completed, median {statistics.median(d):.3f} s, "
+                         f"max {max(d):.3f} s")
     lines.append(f"csv: {result['csv']}")
     if result.get("png"):
         lines.append(f"png: {result['png']}")
@@ -411,11 +519,19 @@ def main(argv=None) -> int:
     ap.add_argument("--phase-seconds", type=float, default=None, help="length of each phase")
     ap.add_argument("--interval", type=float, default=None, help="seconds between throughput samples")
     ap.add_argument("--calibration-seconds", type=float, default=None)
+    ap.add_argument("--debloat", action="store_true",
+                    help="buffer debloating on; plot its buffer size and in-flight bytes")
+    ap.add_argument("--debloat-target", type=float, default=0.005,
+                    help="with --debloat: seconds of in-flight data to aim at (default 0.005: these rates "
+                         "fill Flink's 1 s far beyond the buffers)")
+    ap.add_argument("--checkpoints", action="store_true",
+                    help="run aligned and unaligned checkpoints (default buffers) and plot their durations")
     args = ap.parse_args(argv)
     try:
         result = run_experiment(args.out, quick=args.quick, phase_seconds=args.phase_seconds,
                                 interval=args.interval, calibration_seconds=args.calibration_seconds,
-                                verbose=True)
+                                verbose=True, debloat=args.debloat, checkpoints=args.checkpoints,
+                                debloat_target=args.debloat_target)
     except ValueError as exc:
         ap.error(str(exc))
     print(format_summary(result))

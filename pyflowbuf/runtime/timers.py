@@ -76,6 +76,18 @@ _service_pid = None
 _service_lock = threading.Lock()
 
 
+def _after_fork_in_child():
+    # the thread did not survive the fork, and the lock may have been held by
+    # another thread of the parent at that moment
+    global _service, _service_lock
+    _service = None
+    _service_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def processing_time_service() -> ProcessingTimeService:
     """This process's service (a forked worker starts its own)."""
     global _service, _service_pid
