@@ -267,17 +267,27 @@ class LiveView:
         table.add_column("task", no_wrap=True, overflow="ellipsis", max_width=32)
         table.add_column("state", no_wrap=True)
         table.add_column("level", no_wrap=True)
-        for h in ("busy", "idle", "backpr.", "in\nrec/s", "out\nrec/s", "in\npool", "out\npool"):
+        debloat = any(m.get("debloat_buffer_size") is not None for m in snapshot.values())
+        heads = ("busy", "idle", "backpr.", "in\nrec/s", "out\nrec/s", "in\npool", "out\npool")
+        if debloat:     # buffer debloating: the size announced upstream, the data in flight
+            heads += ("buffer", "in\nflight", "to\nconsume")
+        for h in heads:
             table.add_column(h, justify="right", no_wrap=True)
         for name, m in snapshot.items():
             level = _level_of(m)
-            table.add_row(
+            cells = [
                 name, str(m.get("state", "")), Text(level, style=f"bold {LEVEL_STYLES[level]}"),
                 _ms(m, "busy_ms_per_s"), _ms(m, "idle_ms_per_s"),
                 Text(_ms(m, "backpressured_ms_per_s"), style=LEVEL_STYLES[level]),
                 _si(m.get("records_in_per_s", 0)), _si(m.get("records_out_per_s", 0)),
                 f"{100 * m.get('in_pool_usage', 0):.0f}%", f"{100 * m.get('out_pool_usage', 0):.0f}%",
-            )
+            ]
+            if debloat:
+                size = m.get("debloat_buffer_size")
+                cells += ["" if size is None else f"{_si(size)}B",
+                          "" if size is None else f"{_si(m.get('debloat_inflight_bytes') or 0)}B",
+                          "" if size is None else f"{m.get('debloat_time_to_consume_s') or 0:.2f} s"]
+            table.add_row(*cells)
         return table
 
     def checkpoint(self, entry: dict) -> None:

@@ -41,12 +41,15 @@ from __future__ import annotations
 
 import ast
 import struct
+import threading
 from typing import Any
 
 import numpy as np
 
 from pyflowbuf import errors as _errors
 from pyflowbuf.serializers import Serializer, register_serializer
+
+_LITERAL_LOCK = threading.Lock()
 
 try:  # pyarrow and pandas are optional dependencies of pyflowbuf
     import pyarrow as pa
@@ -346,7 +349,12 @@ class NumpySerializer(Serializer):
         dt = self._dtype_cache.get(key)
         if dt is None:
             try:
-                dt = np.lib.format.descr_to_dtype(ast.literal_eval(key.decode()))
+                # one parse at a time: CPython 3.11's compiler state is not
+                # safe from several threads (SystemError "AST constructor
+                # recursion depth mismatch" under parallel decoders)
+                with _LITERAL_LOCK:
+                    literal = ast.literal_eval(key.decode())
+                dt = np.lib.format.descr_to_dtype(literal)
             except (ValueError, SyntaxError, TypeError, UnicodeDecodeError) as exc:
                 raise _errors.CorruptRecordError(f"numpy record has a bad dtype description {key[:80]!r}") from exc
             self._dtype_cache[key] = dt

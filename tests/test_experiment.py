@@ -42,11 +42,15 @@ def test_outputs_written(result):
 
 
 def test_producer_follows_consumer_after_one_interval(result):
+    # within an interval the producer can be ahead by what the pool holds (2
+    # buffers of int64 records): that much of a difference is no lag, and on a
+    # busy machine a stalled interval makes both rates small
+    slack = bp.BUFFERS * bp.SEGMENT_SIZE / 12 / result["interval"]
     for name, _, _ in bp.PHASES:
         for r in _phase_rows(result, name)[1:]:        # after the transition interval
             c = r["consumer_records_per_s"]
             assert c > 0
-            assert abs(r["producer_records_per_s"] - c) <= 0.10 * c, (name, r)
+            assert abs(r["producer_records_per_s"] - c) <= max(0.10 * c, slack), (name, r)
 
 
 def test_slowing_the_consumer_slows_the_producer(result):

@@ -275,3 +275,20 @@ def test_ended_tasks_show_no_time_figures():
     assert value != value                                   # NaN
     assert exp.registry.get_sample_value("pyflowbuf_task_running", labels) == 0.0
     assert exp.registry.get_sample_value("pyflowbuf_task_records_in_per_s", labels) == 5.9e5
+
+
+def test_live_view_shows_debloat_columns_when_debloating():
+    snap = {k: dict(v) for k, v in SNAP.items()}
+    snap["sink (1/1)"].update(debloat_buffer_size=2048, debloat_inflight_bytes=65536,
+                              debloat_time_to_consume_s=0.95)
+    buf = io.StringIO()
+    view = monitoring.LiveView("j", console=Console(file=buf, force_terminal=False, width=200))
+    view(snap)
+    view.close()
+    out = buf.getvalue()
+    assert "buffer" in out and "2.05kB" in out and "65.54kB" in out and "0.95 s" in out
+    buf = io.StringIO()
+    view = monitoring.LiveView("j", console=Console(file=buf, force_terminal=False, width=200))
+    view(SNAP)                                       # debloating off: no such columns
+    view.close()
+    assert "buffer" not in buf.getvalue()

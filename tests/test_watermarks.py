@@ -274,18 +274,29 @@ def test_watermark_never_passes_a_record_within_bounds(workers):
 
 def test_watermark_is_min_over_inputs():
     """A fast and a slow stream connected: timers fire by the slower one's time."""
-    env = fb.Environment(parallelism=1)
-    fast = env.from_iterable([("a", float(t)) for t in range(100)]).assign_timestamps(
+    env = fb.Environment(parallelism=1, buffer_timeout=0.01)
+    fast_done = threading.Event()
+
+    def slow_records():
+        # ends only after the last fast record was processed: an input that
+        # ended counts as +inf and would no longer hold the watermark back
+        for t in range(100):
+            yield ("slow", float(t) / 10)
+        fast_done.wait(30)
+
+    fast = env.from_iterable([("fast", float(t)) for t in range(100)]).assign_timestamps(
         lambda r: r[1], watermark_interval=0)
-    slow = env.from_iterable([("a", float(t) / 10) for t in range(100)]).assign_timestamps(
-        lambda r: r[1], watermark_interval=0)
+    slow = env.from_generator(slow_records).assign_timestamps(lambda r: r[1], watermark_interval=0)
     seen = []
 
     def f(k, x, st, ctx):
         seen.append(ctx.watermark)
+        if x == ("fast", 99.0):
+            fast_done.set()
 
-    fast.key_by(lambda r: r[0]).connect(slow.key_by(lambda r: r[0])).process(f, f).sink(lambda x: None)
+    fast.key_by(lambda r: 0).connect(slow.key_by(lambda r: 0)).process(f, f).sink(lambda x: None)
     env.execute(timeout=60)
+    assert fast_done.is_set()
     # the slow stream never gets past 9.9, so neither does the task's watermark before the end
     assert max(seen) <= 9.9
     assert seen == sorted(seen)

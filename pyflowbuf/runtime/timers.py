@@ -30,17 +30,25 @@ class ProcessingTimeService(threading.Thread):
     be quick (they post mails); the thread parks on a condition between
     deadlines, never spinning."""
 
+    # with nothing scheduled for this long the thread ends (a later schedule
+    # starts a new one): no thread outlives the jobs that needed it
+    IDLE_EXIT_S = 0.5
+
     def __init__(self):
         super().__init__(name="pyflowbuf: processing time", daemon=True)
         self._cv = threading.Condition()
         self._heap: list = []
         self._seq = itertools.count()
+        self.stopped = False
 
-    def schedule(self, deadline: float, callback: Callable[[], Any]) -> list:
+    def schedule(self, deadline: float, callback: Callable[[], Any]) -> list | None:
         """Run ``callback()`` at ``deadline`` (time.time() seconds); returns a
-        handle for ``cancel``."""
+        handle for ``cancel``, or None when this service has ended (use
+        ``processing_time_service()``, which starts a new one)."""
         entry = [deadline, next(self._seq), callback]
         with self._cv:
+            if self.stopped:
+                return None
             heapq.heappush(self._heap, entry)
             if self._heap[0] is entry:
                 self._cv.notify()
@@ -60,8 +68,9 @@ class ProcessingTimeService(threading.Thread):
                         if wait <= 0:
                             break
                         cv.wait(wait)
-                    else:
-                        cv.wait()
+                    elif not cv.wait(self.IDLE_EXIT_S) and not heap:
+                        self.stopped = True
+                        return
                 entry = heapq.heappop(heap)
             cb = entry[2]
             if cb is not None:
@@ -92,11 +101,20 @@ def processing_time_service() -> ProcessingTimeService:
     """This process's service (a forked worker starts its own)."""
     global _service, _service_pid
     with _service_lock:
-        if _service is None or _service_pid != os.getpid():
+        if _service is None or _service_pid != os.getpid() or _service.stopped:
             _service = ProcessingTimeService()
             _service_pid = os.getpid()
             _service.start()
         return _service
+
+
+def schedule(deadline: float, callback: Callable[[], Any]) -> list:
+    """``callback()`` at ``deadline`` on this process's processing-time thread
+    (started, or started again after it ended idle, as needed)."""
+    while True:
+        handle = processing_time_service().schedule(deadline, callback)
+        if handle is not None:
+            return handle
 
 
 class TimerQueue:
@@ -301,11 +319,10 @@ class TimerOperator(Operator):
         task = self.task
         if t is None or task is None or t >= self._proc_deadline:
             return
-        svc = processing_time_service()
         if self._proc_handle is not None:
-            svc.cancel(self._proc_handle)
+            ProcessingTimeService.cancel(self._proc_handle)
         self._proc_deadline = t
-        self._proc_handle = svc.schedule(t, lambda: task.post(self._processing_mail))
+        self._proc_handle = schedule(t, lambda: task.post(self._processing_mail))
 
     def _processing_mail(self):
         """In the task thread: fire the processing-time timers that are due."""
@@ -325,7 +342,7 @@ class TimerOperator(Operator):
 
     def finish(self):
         if self._proc_handle is not None:
-            processing_time_service().cancel(self._proc_handle)
+            ProcessingTimeService.cancel(self._proc_handle)
             self._proc_handle = None
         return []
 

@@ -251,13 +251,13 @@ class TimestampsAssigner(Operator):
             self.task.emit_watermark_after(self, self.emitted, force=force)
 
     def _schedule_tick(self):
-        from pyflowbuf.runtime.timers import processing_time_service
+        from pyflowbuf.runtime.timers import schedule
 
         period = self.interval if self.interval > 0 else 0.2
         if self.idle_timeout is not None:
             period = min(period, max(self.idle_timeout / 2, 0.01))
         task = self.task
-        self._timer = processing_time_service().schedule(time.time() + period, lambda: task.post(self._tick))
+        self._timer = schedule(time.time() + period, lambda: task.post(self._tick))
 
     def _tick(self):
         if self._closed:
