@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import pyflowbuf as fb
 from pyflowbuf import errors
 from pyflowbuf.checkpoint import CheckpointStorage
-from test_checkpoints import N_KEYS, FailOnce, KillWorkerOnce, check_exactly_once
+from test_checkpoints import FailOnce, KillWorkerOnce, check_exactly_once, random_job
 
 RESTORES = collections.Counter()
 N = 6000
@@ -45,25 +45,9 @@ def modes():
 def slow_job(env, n, stages, parallelism, fail, fail_stage, out_dir):
     """random_job of test_checkpoints with a slow stage before the keyed
     count: its input queues stay full, so barriers overtake data."""
-    s = env.from_sequence(0, n, parallelism=1)
-    for i, how in enumerate(stages):
-        fn = fail if i == fail_stage else (lambda x: x)
-        if how == "rebalance":
-            s = s.rebalance()
-        elif how == "key_by":
-            s = s.key_by(lambda x: x % 5)
-        elif how == "union":
-            evens = s.filter(lambda x: x % 2 == 0, name=f"evens{i}")
-            odds = s.filter(lambda x: x % 2 == 1, name=f"odds{i}")
-            s = evens.union(odds, parallelism=parallelism, name=f"union{i}")
-        s = s.map(fn, parallelism=parallelism, name=f"stage{i}", kind="int64")
-    s = s.rebalance().map(slow_every(25, 0.0005), parallelism=parallelism, name="slow", kind="int64")
-    counts = (s.map(lambda x: (x % N_KEYS, x), kind="struct")
-               .key_by(lambda kv: kv[0])
-               .reduce(lambda a, b: (a[0], a[1] + b[1]), parallelism=parallelism, name="count"))
-    handle = counts.collect(parallelism=1)
-    counts.map(lambda kv: f"{kv[0]},{kv[1]}", kind="str").write_text(str(out_dir), parallelism=1)
-    return handle
+    return random_job(env, n, stages, parallelism, fail, fail_stage, out_dir, None,
+                      before_count=lambda s: s.rebalance().map(slow_every(25, 0.0005), parallelism=parallelism,
+                                                               name="slow", kind="int64"))
 
 
 def restored_inflight_bytes(env, directory):

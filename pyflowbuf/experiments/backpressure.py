@@ -26,7 +26,7 @@ produced is consumed.
 Two switches add what the later issues are about:
 
 * ``--debloat``: buffer debloating on, with Flink's default buffers (32 KiB
-  segments) and a target of ``--debloat-target`` seconds (0.005: at millions
+  segments) and a target of ``--debloat-target`` seconds (0.0005: at millions
   of records/s, Flink's 1 s is far more than any buffer holds); the plot gains
   the consumer gate's debloated buffer size and its in-flight bytes.
 * ``--checkpoints``: the schedule runs twice, with a checkpoint every interval,
@@ -127,7 +127,7 @@ def _find_task(job, vertex_name):
 def run_experiment(out_dir, quick: bool = False, phase_seconds: float | None = None, *,
                    interval: float | None = None, calibration_seconds: float | None = None,
                    phases=PHASES, plot: bool = True, verbose: bool = False, debloat: bool = False,
-                   checkpoints: bool = False, debloat_target: float = 0.005,
+                   checkpoints: bool = False, debloat_target: float = 0.0005,
                    _checkpoint_mode: str | None = None) -> dict:
     """Run the experiment; write ``backpressure.csv`` and ``backpressure.png``
     into ``out_dir``. Returns ``{"csv", "png", "phases": [per-phase summary],
@@ -521,8 +521,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration-seconds", type=float, default=None)
     ap.add_argument("--debloat", action="store_true",
                     help="buffer debloating on; plot its buffer size and in-flight bytes")
-    ap.add_argument("--debloat-target", type=float, default=0.005,
-                    help="with --debloat: seconds of in-flight data to aim at (default 0.005: these rates "
+    ap.add_argument("--debloat-target", type=float, default=0.0005,
+                    help="with --debloat: seconds of in-flight data to aim at (default 0.0005: these rates "
                          "fill Flink's 1 s far beyond the buffers)")
     ap.add_argument("--checkpoints", action="store_true",
                     help="run aligned and unaligned checkpoints (default buffers) and plot their durations")

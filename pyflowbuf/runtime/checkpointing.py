@@ -401,12 +401,7 @@ class TaskCheckpointing:
         """Snapshot now for a checkpoint whose in-flight data comes later:
         ``inputs`` maps each input channel still to deliver barrier n to what
         the reader held of it (a record cut by the snapshot), in order."""
-        self.snapshotted = max(self.snapshotted, checkpoint_id)
-        try:
-            state, commits = self.snapshot(checkpoint_id)
-        except Exception as exc:
-            self.coordinator.decline(self.key, checkpoint_id, f"snapshot failed: {exc!r}")
-            raise
+        state, commits = self._snapshot_or_decline(checkpoint_id)
         state["input_kinds"] = self.task.input_kind_names()
         state["output_kinds"] = [out.kind_name for out in self.task.outputs]
         p = _InflightCheckpoint(checkpoint_id, state, commits, alignment, self.task.input is not None,
@@ -484,13 +479,16 @@ class TaskCheckpointing:
                     p.alignment_ms = alignment_ns / 1e6
             self.inputs_done(checkpoint_id, alignment_ns)
             return
+        state, commits = self._snapshot_or_decline(checkpoint_id)
+        self.writer.submit(self._write, checkpoint_id, state, commits, alignment_ns / 1e6)
+
+    def _snapshot_or_decline(self, checkpoint_id: int):
         self.snapshotted = max(self.snapshotted, checkpoint_id)
         try:
-            state, commits = self.snapshot(checkpoint_id)
+            return self.snapshot(checkpoint_id)
         except Exception as exc:
             self.coordinator.decline(self.key, checkpoint_id, f"snapshot failed: {exc!r}")
             raise
-        self.writer.submit(self._write, checkpoint_id, state, commits, alignment_ns / 1e6)
 
     def _write(self, checkpoint_id, state, commits, alignment_ms, inflight=None, alignment="aligned"):
         storage = self.coordinator.storage
