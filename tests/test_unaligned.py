@@ -203,3 +203,13 @@ def test_restoring_inflight_data_into_another_parallelism_is_refused(tmp_path):
     backpressured_job(env2)
     with pytest.raises(errors.ConfigurationError, match="parallelism"):
         env2.execute(30, restore_from="latest")
+
+
+def test_the_main_jobs_windows_step(tmp_path):
+    """The main job's event-time step: windows over Parquet with unaligned
+    checkpoints and a failure in the middle of open windows, exactly once."""
+    from pyflowbuf.demo import windows_demo
+
+    r = windows_demo(tmp_path, 5_000)
+    assert r["exactly_once"] and r["restarts"] == 1 and r["windows"] > 0
+    assert r["checkpoint_modes"] in ([], ["unaligned"])
