@@ -37,11 +37,6 @@ def _parse_channel(name):
     return where, int(a), int(b)
 
 
-def _channel_order(name):
-    where, a, b = _parse_channel(name)
-    return where, a, b
-
-
 class _SourceCheck:
     """Checks the records of a source whose first operator is chained."""
 
@@ -477,7 +472,7 @@ class Subtask(threading.Thread):
                 n, key = arg
                 side, ch = self._sides[key[0]], key[1]
                 items = side.reader.stop_recording(ch) if side.reader is not None else []
-                k = self._overtook if key == self._barrier_key else 0
+                k = self._overtook if key == self._event_key else 0
                 if k > 0:
                     items = items + side.gate.channels[ch].copy_front(k)
                 self.checkpointing.input_captured(n, f"in/{key[0]}/{ch}", items)
@@ -491,10 +486,6 @@ class Subtask(threading.Thread):
                 self._stop_recording()
                 self.checkpointing.drop(n)
                 self._broadcast(CANCEL_BARRIER, n)
-
-    @property
-    def _barrier_key(self):
-        return self._event_key
 
     def _snapshot_unaligned(self, n, keys):
         """Snapshot now and forward barrier n ahead of the queued output; the
@@ -561,7 +552,7 @@ class Subtask(threading.Thread):
             inp = self.input
             sides = [] if inp is None else (inp.sides if isinstance(inp, MultiInput) else [inp])
         replays = {}
-        for name in sorted(inflight, key=_channel_order):
+        for name in sorted(inflight, key=_parse_channel):
             where, a, b = _parse_channel(name)
             items = inflight[name]
             if where == "in":
