@@ -69,6 +69,18 @@ class Environment:
         (unpickling runs code the sender chose; only for trusted workers).
     bind_host : interface the workers' exchange listens on (loopback by default).
     credit_based : False uses the pre-credit mode (TCP window only), to compare.
+    checkpoint_interval, checkpoint_dir, checkpoint_timeout, checkpoints_retained,
+    restart_attempts, checkpointing_mode : checkpoints (off while the interval
+        is None) and recovery; see the README's "Checkpoints and recovery".
+    checkpoint_mode : "aligned" (default: barriers wait behind queued data) or
+        "unaligned" (barriers overtake it and the checkpoint stores it; needs
+        exactly-once).
+    alignment_timeout : with "unaligned", start each checkpoint aligned and
+        switch it to unaligned after this many seconds (Flink's aligned
+        checkpoint timeout); None or 0: unaligned from the start.
+    debloat, debloat_target, debloat_period, debloat_samples, debloat_threshold,
+    min_buffer_size : buffer debloating (off by default): in-flight data sized
+        by time, and pool memory given back; see "Buffer debloating".
 
     An Environment executes its graph once, as Flink's does: ``execute()``,
     ``execute_async()`` or ``execute_iter()``, one of them, one time. Build a
