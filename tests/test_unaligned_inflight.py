@@ -35,18 +35,18 @@ ops = st.lists(st.one_of(
 ), max_size=40)
 
 
-def replay(items):
+def replay(items, kind="bytes"):
     """What a restored reader hands out from ``items`` of one channel."""
     net = NetworkBufferPool(4, SEG)
-    reader = RecordReader(InputGate([BufferQueue(net)]), kind="bytes")
+    reader = RecordReader(InputGate([BufferQueue(net)]), kind=kind)
     reader.replay([(0, item) for item in items])
     out = []
     while True:
-        batch = reader.read_batch(64, timeout=0)
+        batch = reader.read_batch(4096, timeout=0)
         if not batch:
             assert reader.take_event() is None
             return out
-        out.extend(bytes(r) for r in batch)
+        out.extend(bytes(r) if kind == "bytes" else r for r in batch)
 
 
 @given(ops=ops)
@@ -170,19 +170,7 @@ def test_over_tcp_a_barrier_overtakes_a_channel_with_zero_credit():
         assert k == received
         (n, at_sender), = overtaken
         assert n == 7 and len(at_sender) == sq.backlog >= 8
-        assert replay_int64(rq.copy_front(k) + at_sender) == records
+        assert replay(rq.copy_front(k) + at_sender, kind="int64") == records
     finally:
         manager.close()
         server.close()
-
-
-def replay_int64(items):
-    net = NetworkBufferPool(4, SEG)
-    reader = RecordReader(InputGate([BufferQueue(net)]), kind="int64")
-    reader.replay([(0, item) for item in items])
-    out = []
-    while True:
-        batch = reader.read_batch(4096, timeout=0)
-        if not batch:
-            return out
-        out.extend(batch)
