@@ -5,14 +5,15 @@ several inputs reads them through a MultiInput: one InputSide per input."""
 from __future__ import annotations
 
 import copy
+import functools
 import threading
+import weakref
 import time
 
 import numpy as np
 
 from pyflowbuf import errors
 from pyflowbuf._core.channel import BARRIER, BARRIER_UNALIGNED, USER_EVENT
-from pyflowbuf._core.memory import Buffer
 from pyflowbuf._core.serde import DEFAULT_ZERO_COPY_MIN, RecordReader, RecordWriter
 from pyflowbuf.serializers import CoreSerializer, get_serializer, infer_kind, record_type_error
 
@@ -92,8 +93,9 @@ class OutputSide:
         self.remote = [False] * len(queues)
         self.barrier_marks: dict = {}
         self.overtaken_listener = None
+        me = weakref.ref(self)     # no cycle through the queues: they outlive nothing
         for sub, q in enumerate(queues):
-            q.overtaken_sink = lambda n, items, sub=sub: self._overtaken(n, sub, items)
+            q.overtaken_sink = functools.partial(_overtaken, me, sub)
 
     def _open_writer(self, first):
         kind = self.kind.resolve_from(first)
@@ -191,11 +193,6 @@ class OutputSide:
         for q, mark in zip(self.queues, marks):
             q.push_event(BARRIER, checkpoint_id, BARRIER_UNALIGNED, True, mark)
 
-    def _overtaken(self, checkpoint_id, sub, items):
-        listener = self.overtaken_listener
-        if listener is not None:
-            listener(checkpoint_id, sub, items)
-
     @property
     def kind_name(self):
         """The inferred record kind's name (a consumer restored from in-flight
@@ -243,6 +240,15 @@ class OutputSide:
     @property
     def bytes(self):
         return 0 if self.writer is None else self.writer.bytes_out
+
+
+def _overtaken(side_ref, sub, checkpoint_id, items):
+    """A network sender's word on barrier ``checkpoint_id`` in subpartition
+    ``sub`` of an OutputSide (see ``OutputSide.overtaken_listener``)."""
+    side = side_ref()
+    listener = None if side is None else side.overtaken_listener
+    if listener is not None:
+        listener(checkpoint_id, sub, items)
 
 
 class InputSide:
