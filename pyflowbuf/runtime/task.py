@@ -70,6 +70,9 @@ class Subtask(threading.Thread):
         self.outputs = outputs
         self.source = source
         self.input = input_side
+        # the InputSide of each input, by input index (one for a plain input)
+        self._sides = ([] if input_side is None else
+                       list(input_side.sides) if isinstance(input_side, MultiInput) else [input_side])
         self.rate_limiter = rate_limiter
         self.mailbox: collections.deque = collections.deque()
         self.current_operator = vertex.head.name
@@ -142,9 +145,7 @@ class Subtask(threading.Thread):
         self._take_priority_events()
 
     def _take_priority_events(self) -> bool:
-        sides = getattr(self, "_sides", None)
-        if not sides:
-            return False
+        sides = self._sides
         took = False
         for i, side in enumerate(sides):
             if side.reader is None or side.has_event:
@@ -292,13 +293,17 @@ class Subtask(threading.Thread):
             policy.observe(len(batch), pulled_ns, written - bytes_before)
             bytes_before = written
 
+    def _loop_settings(self):
+        """Start the buffer-timeout clock of an input loop; (flush per record,
+        records per read, seconds of an idle read)."""
+        env = self.job.env
+        self._timeout_ns = int(env.buffer_timeout * 1e9)
+        self._next_flush = time.monotonic_ns() + self._timeout_ns
+        return env.buffer_timeout == 0, env.max_batch, max(env.buffer_timeout, 0.05)
+
     def _run_input(self):
         job, inp = self.job, self.input
-        self._timeout_ns = int(job.env.buffer_timeout * 1e9)
-        self._next_flush = time.monotonic_ns() + self._timeout_ns
-        per_record = job.env.buffer_timeout == 0
-        max_batch = job.env.max_batch
-        idle_wait = max(job.env.buffer_timeout, 0.05)
+        per_record, max_batch, idle_wait = self._loop_settings()
         while not job.cancelled:
             if self.mailbox:
                 self._drain_mailbox()
@@ -340,11 +345,7 @@ class Subtask(threading.Thread):
         each event tagged with its input index. A separate loop, so that a
         task with one input pays nothing for the index."""
         job, inp = self.job, self.input
-        self._timeout_ns = int(job.env.buffer_timeout * 1e9)
-        self._next_flush = time.monotonic_ns() + self._timeout_ns
-        per_record = job.env.buffer_timeout == 0
-        max_batch = job.env.max_batch
-        idle_wait = max(job.env.buffer_timeout, 0.05)
+        per_record, max_batch, idle_wait = self._loop_settings()
         while not job.cancelled:
             if self.mailbox:
                 self._drain_mailbox()
@@ -428,10 +429,9 @@ class Subtask(threading.Thread):
     def _arm_alignment(self):
         """The barrier aligner over this task's input channels, keyed
         (input index, channel). At-least-once counts barriers and never blocks."""
-        inp = self.input
-        if inp is None:
+        sides = self._sides
+        if not sides:
             return
-        sides = inp.sides if isinstance(inp, MultiInput) else [inp]
         keys = [(i, ch) for i, side in enumerate(sides) for ch in range(side.num_channels)]
         if self.checkpointing.coordinator.config.mode == "at_least_once":
             block = resume = _no_op
@@ -441,7 +441,6 @@ class Subtask(threading.Thread):
 
             def resume(key):
                 sides[key[0]].resume(key[1])
-        self._sides = sides
         self._ended = set()
         self.aligner = BarrierAligner(keys, block, resume)
 
@@ -501,7 +500,7 @@ class Subtask(threading.Thread):
         self._broadcast(BARRIER, n, BARRIER_UNALIGNED, True)
 
     def _stop_recording(self):
-        for side in getattr(self, "_sides", ()):
+        for side in self._sides:
             r = side.reader
             if r is not None:
                 for ch in range(side.num_channels):
@@ -538,7 +537,7 @@ class Subtask(threading.Thread):
             out.convert_barrier(checkpoint_id)
 
     def input_kind_names(self) -> list:
-        return [side.kind_name for side in getattr(self, "_sides", ())]
+        return [side.kind_name for side in self._sides]
 
     def _replay_inflight(self, restore):
         """After a restore from an unaligned checkpoint: in-flight input is read
@@ -547,10 +546,7 @@ class Subtask(threading.Thread):
         inflight = restore["inflight"]
         in_kinds = restore.get("input_kinds") or []
         out_kinds = restore.get("output_kinds") or []
-        sides = getattr(self, "_sides", None)
-        if sides is None:
-            inp = self.input
-            sides = [] if inp is None else (inp.sides if isinstance(inp, MultiInput) else [inp])
+        sides = self._sides
         replays = {}
         for name in sorted(inflight, key=_parse_channel):
             where, a, b = _parse_channel(name)
@@ -650,8 +646,7 @@ class Subtask(threading.Thread):
         """A watermark (or idle marker) from one input channel: the valve
         combines the channels, and a rise goes through the chain."""
         valve = self._valve
-        inp = self.input
-        sides = inp.sides if isinstance(inp, MultiInput) else [inp]
+        sides = self._sides
         if valve is None:
             valve = self._valve = _wm.WatermarkValve(
                 (i, ch) for i, side in enumerate(sides) for ch in range(side.num_channels))
