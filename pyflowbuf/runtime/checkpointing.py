@@ -32,6 +32,7 @@ from typing import Any
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import CheckpointStateError, UnsupportedStateError
 from pyflowbuf.runtime.metrics import publish_checkpoint
+from pyflowbuf.runtime.outputs import check_commits
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 
@@ -112,6 +113,7 @@ class CheckpointCoordinator:
         self._thread = None
         self.completed = 0
         self.listeners: list = []      # metrics listeners with a checkpoint(entry) hook
+        self.outputs: list = []        # the FileOutputs of the job's part-file sinks (run_commits)
 
     # ---- lifecycle ----
     def attach(self, execution, task_keys, finished=None) -> None:
@@ -246,7 +248,7 @@ class CheckpointCoordinator:
             except Exception:
                 pass
             return
-        run_commits(p.commits)
+        run_commits(p.commits, self.outputs)
         with self._lock:
             self.completed += 1
         self._record(p, "completed", duration, state_bytes=meta.state_bytes, size=meta.size,
@@ -284,7 +286,7 @@ class CheckpointCoordinator:
         self.stop()
         with self._lock:
             commits = [c for _, cs in self.finished.values() for c in cs]
-        run_commits(commits)
+        run_commits(commits, self.outputs)
 
     def _record(self, p: _Pending, status, duration, **extra) -> None:
         entry = {"id": p.checkpoint_id, "status": status, "trigger_time": p.trigger_time,
@@ -304,19 +306,17 @@ class CheckpointCoordinator:
 
 # ---------------------------------------------------------------- sink commits
 
-def run_commits(commits) -> None:
+def run_commits(commits, outputs) -> None:
     """Carry out sink commit actions; each is idempotent, so a commit repeated
-    after a failure (the notification may have been lost) changes nothing."""
-    for action in commits:
-        kind = action[0]
-        if kind == "rename":
-            _, src, dst = action
-            if os.path.exists(src):
-                os.replace(src, dst)
-            elif not os.path.exists(dst):
-                log.warning("pyflowbuf: committed file %s is missing (and %s too)", dst, src)
-        else:
-            raise errors.FlowBufError(f"unknown sink commit action {kind!r}")
+    after a failure (the notification may have been lost) changes nothing.
+    ``outputs``: the FileOutputs of the job's sinks; an action none of them
+    can produce (read back from a crafted ``_metadata``) refuses them all."""
+    check_commits(commits, outputs)
+    for _, src, dst in commits:
+        if os.path.exists(src):
+            os.replace(src, dst)
+        elif not os.path.exists(dst):
+            log.warning("pyflowbuf: committed file %s is missing (and %s too)", dst, src)
 
 
 # ---------------------------------------------------------------- a subtask's side
