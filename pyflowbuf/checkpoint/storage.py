@@ -1355,6 +1355,10 @@ class CheckpointStorage:
                 ids.append(int(m.group(1)))
         return sorted(set(ids))
 
+    def checkpoint_ids(self) -> list[int]:
+        """The ids of every ``chk-<id>`` directory, complete or not, ascending."""
+        return self._ids()
+
     def _read_metadata(self, cid: int) -> CheckpointMetadata:
         directory = self.checkpoint_path(cid)
         path = f"{directory}/{METADATA_FILE}"

@@ -575,6 +575,10 @@ class ClusterExecution(Execution):
             self.restored_from = None
             return None
         ckpt.check_graph(meta, self._task_keys, self.coordinator.storage.url)
+        # the sources' identities, here before any worker starts
+        sources = {ckpt.task_key(v, i): (v.head.name, v.head.source())
+                   for v in self.vertices if v.head.source is not None for i in range(v.parallelism)}
+        ckpt.check_sources(meta, ckpt.read_states(self.coordinator.storage, meta, set(sources)), sources)
         # what that checkpoint covered is committed (its notification may have been lost)
         ckpt.run_commits(meta.properties.get("commits", []), sink_outputs.graph_outputs(self.env.nodes))
         self.restored_from = meta.checkpoint_id
@@ -609,7 +613,7 @@ class ClusterExecution(Execution):
             self._conns = {}
         self._procs = []
         self._finished_workers = set()
-        meta = coordinator.storage.latest(verify=False)
+        meta = ckpt.latest_checkpoint(coordinator.storage, verify=False)
         restore_id = self._restore_point(meta)
         with self._lock:
             if self._user_cancelled:

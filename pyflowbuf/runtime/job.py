@@ -455,6 +455,8 @@ class JobExecution(Execution):
             ckpt.check_graph(meta, ckpt.graph_task_keys(self.vertices), storage.url)
             mine = {ckpt.task_key(t.vertex, t.index) for t in self.tasks}
             states = ckpt.read_states(storage, meta, mine)
+            ckpt.check_sources(meta, states, {ckpt.task_key(t.vertex, t.index): (t.vertex.head.name, t.source)
+                                              for t in self.tasks if t.source is not None})
             if self.remote is None:
                 # What that checkpoint covered is committed (its notification
                 # may have been lost). With workers the driver does it, once:
@@ -505,7 +507,7 @@ class JobExecution(Execution):
         if old.available_segments != old.total_segments:
             raise errors.FlowBufError(
                 f"{old.total_segments - old.available_segments} segment(s) were not returned by the failed attempt")
-        meta = self.coordinator.storage.latest(verify=False)
+        meta = ckpt.latest_checkpoint(self.coordinator.storage, verify=False)
         with self._lock:
             self.failure = None
             self.cancelled = False
