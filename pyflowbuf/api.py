@@ -365,7 +365,11 @@ class Environment:
         ``restore_from`` (checkpointing on): start from a checkpoint of an
         earlier run of the same job in ``checkpoint_dir``: ``"latest"`` (the
         newest complete one, or a fresh start when there is none), a
-        checkpoint id, or a ``chk-<id>`` directory."""
+        checkpoint id, or a ``chk-<id>`` directory. When complete checkpoints
+        exist and none is intact, ``CorruptCheckpointError``: a fresh start
+        over their committed output is ``restore_from=None`` with the file
+        sinks' ``mode="overwrite"``. A source whose input differs from what
+        the checkpoint recorded is ``IncompatibleCheckpointError``."""
         job_name, timeout = _execute_args(job_name, timeout)
         if any(n.is_iterator for n in self.nodes):
             raise ConfigurationError("this job has a to_iterator() sink: run it with execute_iter()")
