@@ -542,8 +542,9 @@ def parquet_settings(schema, compression):
 
 class ParquetFileSink(_PartFileSink):
     """``write_parquet``: records become the rows of Parquet files,
-    ``part-<subtask>-<seq>.parquet`` in the directory ``path``. Rows are buffered up to ``row_group_size`` so that readers get
-    row groups of a useful size rather than one per batch.
+    ``part-<subtask>-<seq>.parquet`` in the directory ``path``. Rows are
+    buffered up to ``row_group_size`` so that readers get row groups of a
+    useful size rather than one per batch.
 
     The schema is ``schema`` or the first batch's; it goes into checkpoints,
     so a restored subtask writes the schema its committed files have."""
