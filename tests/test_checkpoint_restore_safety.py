@@ -273,6 +273,27 @@ def test_a_read_text_position_is_never_applied_to_another_file(tmp_path, change)
     assert "read_text" in second.stderr
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="workers need fork")
+def test_with_workers_the_driver_refuses_another_input_before_any_worker_starts(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(_lines("a", 6000))
+    b.write_text(_lines("b", 6000))
+
+    def job(src):
+        env = fb.Environment(workers=2, checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk")
+        env.read_text(src, rate_limit=20_000).map(str.upper, kind="str", parallelism=2).write_text(tmp_path / "out")
+        return env
+
+    job(a).execute(120)
+    assert CheckpointStorage(str(tmp_path / "chk")).latest() is not None
+    committed = sorted(read_parts(tmp_path / "out"))
+    with pytest.raises(checkpoint.IncompatibleCheckpointError, match="b.txt"):
+        job(b).execute(120, restore_from="latest")
+    assert sorted(read_parts(tmp_path / "out")) == committed
+    job(a).execute(120, restore_from="latest")      # its own input: restored
+    assert sorted(read_parts(tmp_path / "out")) == committed
+
+
 def test_read_text_identity_accepts_its_own_file_and_refuses_others(tmp_path):
     a = tmp_path / "a.txt"
     a.write_text(_lines("a", 5000))

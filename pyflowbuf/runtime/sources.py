@@ -202,7 +202,7 @@ class TextFileSource(Source):
     # after the position is fine (a log that grew while the job was down);
     # another file, or one rewritten before the position, is refused.
     def identity(self):
-        fd = self._fh.fileno() if self._fh is not None else None
+        fd = self._fh.fileno() if self._fh is not None and not self._fh.closed else None
         return {"kind": "read_text", "path": os.path.abspath(self.path), "encoding": self.encoding,
                 "offset": self.offset, **_prefix_fingerprint(fd, self.path, self.offset)}
 
