@@ -365,7 +365,11 @@ class Environment:
         ``restore_from`` (checkpointing on): start from a checkpoint of an
         earlier run of the same job in ``checkpoint_dir``: ``"latest"`` (the
         newest complete one, or a fresh start when there is none), a
-        checkpoint id, or a ``chk-<id>`` directory."""
+        checkpoint id, or a ``chk-<id>`` directory. When complete checkpoints
+        exist and none is intact, ``CorruptCheckpointError``: a fresh start
+        over their committed output is ``restore_from=None`` with the file
+        sinks' ``mode="overwrite"``. A source whose input differs from what
+        the checkpoint recorded is ``IncompatibleCheckpointError``."""
         job_name, timeout = _execute_args(job_name, timeout)
         if any(n.is_iterator for n in self.nodes):
             raise ConfigurationError("this job has a to_iterator() sink: run it with execute_iter()")
@@ -632,21 +636,37 @@ class Stream:
 
         self._then(name, lambda: PrintSink(name, prefix), parallelism, None, sink=True)
 
-    def write_text(self, path, *, parallelism: int | None = None, name: str = "write_text") -> None:
-        """One line per record (``str(record)``); with parallelism p > 1 the files are path.0 .. path.p-1.
+    def write_text(self, path, *, parallelism: int | None = None, name: str = "write_text",
+                   mode: str = "error") -> None:
+        """One line per record (``str(record)``) in the directory ``path``:
+        ``part-<subtask>-<seq>.txt`` files (one per subtask without
+        checkpoints; read them back with ``read_text`` on each, or
+        ``sorted(glob.glob(f"{path}/part-*"))``).
 
-        With checkpointing on, ``path`` is a directory of part files
-        (``part-<subtask>-<seq>``), each committed by an atomic rename when a
-        checkpoint covering it completes, or when the job ends: exactly once
-        across failures (files whose names start with ``.`` are not committed)."""
+        Each part is written under a hidden name (``.part-...inprogress``)
+        and renamed into place when committed: when the job ends, or with
+        checkpointing on when a checkpoint covering it completes: exactly
+        once across failures. ``mode``: ``"error"`` (default) refuses a
+        directory that already holds output (other than the parts of the
+        checkpoint being restored), ``"overwrite"`` removes it first,
+        ``"append"`` adds new parts beside it (``OutputExistsError``)."""
+        from pyflowbuf.runtime.outputs import FileOutput, check_mode
+
+        path = _output_path(path, name)
+        output = FileOutput(path, ".txt", check_mode(mode, f"write_text {name!r}"), f"write_text {name!r}",
+                            legacy_suffixes=("",))
         env = self.env
-        self._then(name, lambda: ops.TextFileSink(name, path, transactional=env.checkpoint_interval is not None),
-                   parallelism, None, sink=True)
+        node = self._then(name, lambda: ops.TextFileSink(name, path, output=output,
+                                                         transactional=env.checkpoint_interval is not None),
+                          parallelism, None, sink=True)
+        output.parallelism = node.parallelism
+        node.file_output = output
 
     def write_parquet(self, path, *, parallelism: int | None = None, name: str = "write_parquet",
-                      schema=None, row_group_size: int | None = None, compression="snappy") -> None:
-        """Parquet files in the directory ``path``, one ``part-<subtask>.parquet``
-        per subtask (pyarrow, the ``arrow`` extra).
+                      schema=None, row_group_size: int | None = None, compression="snappy",
+                      mode: str = "error") -> None:
+        """Parquet files in the directory ``path``: ``part-<subtask>-<seq>.parquet``
+        (pyarrow, the ``arrow`` extra), one per subtask without checkpoints.
 
         Records may be Arrow RecordBatches/Tables, pandas DataFrames, NumPy
         rows, dicts (a key per column), tuples (columns ``f0``, ``f1``.. or
@@ -657,18 +677,25 @@ class Stream:
         may be all None, or for one schema across subtasks. Rows are buffered
         into row groups of ``row_group_size`` rows (default 131072).
 
-        With checkpointing on, the files are ``part-<subtask>-<seq>.parquet``,
-        each committed by an atomic rename when a checkpoint covering it
-        completes, or when the job ends: exactly once across failures (files
-        whose names start with ``.`` are not committed, and readers skip them)."""
+        Parts are committed as ``write_text``'s are (hidden until committed;
+        with checkpointing on, exactly once across failures; readers skip
+        names starting with ``.``), and ``mode`` works the same way."""
+        from pyflowbuf.runtime.outputs import FileOutput, check_mode
+
         if row_group_size is not None:
             _positive_int("row_group_size", row_group_size)
+        path = _output_path(path, name)
+        output = FileOutput(path, ".parquet", check_mode(mode, f"write_parquet {name!r}"),
+                            f"write_parquet {name!r}")
         schema = ops.parquet_settings(schema, compression)
         env = self.env
-        self._then(name, lambda: ops.ParquetFileSink(name, path, schema=schema, row_group_size=row_group_size,
-                                                     compression=compression,
-                                                     transactional=env.checkpoint_interval is not None),
-                   parallelism, None, sink=True)
+        node = self._then(name, lambda: ops.ParquetFileSink(name, path, schema=schema,
+                                                            row_group_size=row_group_size,
+                                                            compression=compression, output=output,
+                                                            transactional=env.checkpoint_interval is not None),
+                          parallelism, None, sink=True)
+        output.parallelism = node.parallelism
+        node.file_output = output
 
     def to_iterator(self, *, name: str = "iterator", zero_copy: bool = False) -> "IteratorSink":
         """A sink read by ``Environment.execute_iter`` in the caller's thread.
@@ -881,6 +908,12 @@ def _number(v) -> bool:
 def _positive_int(name, v):
     if not _int(v) or v < 1:
         raise ConfigurationError(f"{name} must be a positive int, got {v!r}")
+
+
+def _output_path(path, name):
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigurationError(f"{name!r}: path must be a directory path, got {path!r}")
+    return os.fspath(path)
 
 
 def _parallelism(env, parallelism) -> int:

@@ -40,7 +40,7 @@ from typing import Any
 
 from pyflowbuf import errors
 from pyflowbuf.runtime.operators import Operator
-from pyflowbuf.runtime.sources import Source
+from pyflowbuf.runtime.sources import Source, file_fingerprint, incompatible
 
 MODES = ("records", "tuples", "arrow", "pandas")
 DEFAULT_BATCH_ROWS = 65536
@@ -213,6 +213,34 @@ class _FileSource(Source):
     def _check_position(self, f, unit):
         pass
 
+    # The files (path, size, CRC-32 of their first and last 64 KiB) and the
+    # settings that decide what a position means: a restore into other
+    # files, changed files or other settings is refused. Files a source
+    # reads are taken as finished: one that grew counts as changed.
+    def identity(self):
+        return self.plan.identity()
+
+    def check_identity(self, recorded, position):
+        mine = self.identity()
+        if recorded == mine:
+            return
+        if not isinstance(recorded, dict) or recorded.get("kind") != mine["kind"]:
+            raise incompatible(self, f"the checkpoint's source was not a {mine['kind']} ({recorded!r})")
+        old, new = recorded.get("files") or [], mine["files"]
+        for i in range(max(len(old), len(new))):
+            a = old[i] if i < len(old) else None
+            b = new[i] if i < len(new) else None
+            if a != b:
+                if a is None or b is None or a[0] != b[0]:
+                    raise incompatible(self, f"file {i} of the listing was {a[0] if a else 'absent'} when the "
+                                             f"checkpoint was taken and is {b[0] if b else 'absent'} now")
+                raise incompatible(self, f"{b[0]} changed since the checkpoint (size {a[1]} -> {b[1]} bytes, "
+                                         "or other contents)")
+        for key in sorted(set(recorded) | set(mine)):
+            if recorded.get(key) != mine.get(key):
+                raise incompatible(self, f"{key} was {recorded.get(key)!r} when the checkpoint was taken, "
+                                         f"it is {mine.get(key)!r} now")
+
     # ---- reading ----
     def next_batch(self, max_records):
         per_row = self.as_ in ("records", "tuples")
@@ -305,6 +333,13 @@ class ParquetPlan:
                     "(or pick common columns with columns=)")
             self.row_groups.append([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         self.columns = columns
+        self._identity = None
+
+    def identity(self) -> dict:
+        if self._identity is None:
+            self._identity = {"kind": "read_parquet", "files": [file_fingerprint(f) for f in self.files],
+                              "columns": self.columns, "row_groups": self.row_groups}
+        return self._identity
 
 
 def _close(pf):
@@ -456,6 +491,16 @@ class CsvPlan:
         else:
             self.out_schema = self.schema
         self.columns = columns
+        self._identity = None
+
+    def identity(self) -> dict:
+        if self._identity is None:
+            po = self.parse_options
+            self._identity = {"kind": "read_csv", "files": [file_fingerprint(f) for f in self.files],
+                              "columns": self.columns, "names": self.names, "header": self.header,
+                              "block_size": self.block_size, "delimiter": po.delimiter,
+                              "quote_char": po.quote_char}
+        return self._identity
 
     def _infer(self, pa, pacsv, sample, overrides, path):
         read = pacsv.ReadOptions(column_names=self.names, autogenerate_column_names=self.names is None,

@@ -100,6 +100,12 @@ class ConfigurationError(FlowBufError, ValueError):
     invalid; the message names the parameter. Raised before anything starts."""
 
 
+class OutputExistsError(ConfigurationError, FileExistsError):
+    """A file sink's output directory already holds output this run did not
+    ask to replace or extend (``mode="error"``, the default): pass
+    ``mode="overwrite"`` or ``mode="append"``, or choose another path."""
+
+
 class AlreadyExecutedError(FlowBufError, RuntimeError):
     """An Environment executes its graph once (as Flink's does): a second
     ``execute()``, ``execute_async()`` or ``execute_iter()`` needs a new

@@ -43,7 +43,7 @@ def test_plain_records_one_file_per_subtask(tmp_path):
     env.from_sequence(0, 5000).write_parquet(tmp_path / "ints")
     env.from_iterable([f"s{i}" for i in range(50)]).write_parquet(tmp_path / "strs", parallelism=1)
     env.execute(30)
-    assert sorted(os.listdir(tmp_path / "ints")) == ["part-00000.parquet", "part-00001.parquet"]
+    assert sorted(os.listdir(tmp_path / "ints")) == ["part-00000-000000.parquet", "part-00001-000000.parquet"]
     table = pq.read_table(tmp_path / "ints")
     assert table.schema.names == ["value"] and table.schema.field("value").type == pa.int64()
     assert sorted(table.column("value").to_pylist()) == list(range(5000))
@@ -112,8 +112,8 @@ def test_small_batches_make_full_row_groups(tmp_path):
     env.from_sequence(0, 1000).write_parquet(tmp_path / "big")
     env.from_sequence(0, 1000).write_parquet(tmp_path / "small", row_group_size=100)
     env.execute(30)
-    assert pq.ParquetFile(tmp_path / "big" / "part-00000.parquet").metadata.num_row_groups == 1
-    small = pq.ParquetFile(tmp_path / "small" / "part-00000.parquet").metadata
+    assert pq.ParquetFile(tmp_path / "big" / "part-00000-000000.parquet").metadata.num_row_groups == 1
+    small = pq.ParquetFile(tmp_path / "small" / "part-00000-000000.parquet").metadata
     assert [small.row_group(i).num_rows for i in range(small.num_row_groups)] == [100] * 10
 
 
@@ -246,6 +246,6 @@ def test_a_part_of_empty_batches_still_commits_a_file(tmp_path):
     sink = ParquetFileSink("out", tmp_path, transactional=True)
     sink.open(0, 1)
     sink.process_batch([pa.record_batch({"x": pa.array([], pa.int64())})])
-    run_commits(sink.prepare_commit(-1))
+    run_commits(sink.prepare_commit(-1), [sink.output])
     assert os.listdir(tmp_path) == ["part-00000-000000.parquet"]
     assert pq.read_table(tmp_path).schema.names == ["x"]

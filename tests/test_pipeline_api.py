@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import pickle
 import threading
 import time
@@ -272,16 +273,19 @@ def test_read_text_write_text_round_trip(tmp_path, chaining, p):
     lines = [f"line {i} – ünïcödé ✓ {'x' * (i % 50)}" for i in range(5000)] + ["", "  spaced  "]
     src = tmp_path / "in.txt"
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    out = tmp_path / "out.txt"
+    out = tmp_path / "out"
     env = fb.Environment(parallelism=p, chaining=chaining)
     env.read_text(src).map(lambda s: s[::-1], parallelism=p).write_text(out)
     run(env)
+    # one layout whatever the parallelism: a part file per subtask
+    assert sorted(os.listdir(out)) == [f"part-{i:05d}-000000.txt" for i in range(p)]
     if p == 1:
-        assert out.read_text(encoding="utf-8").split("\n")[:-1] == [s[::-1] for s in lines]
+        assert (out / "part-00000-000000.txt").read_text(encoding="utf-8").split("\n")[:-1] == \
+            [s[::-1] for s in lines]
     else:
         got = []
-        for i in range(p):
-            got += (tmp_path / f"out.txt.{i}").read_text(encoding="utf-8").split("\n")[:-1]
+        for name in sorted(os.listdir(out)):
+            got += (out / name).read_text(encoding="utf-8").split("\n")[:-1]
         assert sorted(got) == sorted(s[::-1] for s in lines)
 
 

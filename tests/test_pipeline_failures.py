@@ -5,6 +5,7 @@ traceback. Cancelling from the caller ends the same way."""
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 
@@ -176,13 +177,20 @@ def test_failure_in_open_or_finish_of_an_operator():
     assert_stopped_and_clean(env, before)
 
 
+class Unprintable:
+    def __str__(self):
+        raise LookupError("no text for this record")
+
+
 def test_failure_in_write_text(tmp_path):
     before = thread_ids()
     env = fb.Environment(chaining=False)
-    env.from_collection(["ok"] * 10).write_text(tmp_path / "no" / "such" / "dir.txt", name="writer")
+    env.from_collection([Unprintable()] * 10, kind="pickle").write_text(tmp_path / "out", name="writer")
     with pytest.raises(JobFailedError, match="'writer'") as info:
         env.execute(30)
-    assert isinstance(info.value.__cause__, FileNotFoundError)
+    assert isinstance(info.value.__cause__, LookupError)
+    # the failed part stays hidden: nothing reads as output
+    assert [n for n in os.listdir(tmp_path / "out") if not n.startswith(".")] == []
     assert_stopped_and_clean(env, before)
 
 

@@ -9,11 +9,13 @@ from pyflowbuf.checkpoint.storage import (
     CheckpointStateError,
     CheckpointStorage,
     CorruptCheckpointError,
+    IncompatibleCheckpointError,
     PickleNotAllowedError,
     TaskSnapshot,
     TaskStateHandle,
     TaskStateNotFoundError,
     TaskStateWriter,
+    UnsafeCommitError,
     UnsupportedStateError,
     decode_value,
     dumps,
@@ -23,7 +25,9 @@ from pyflowbuf.checkpoint.storage import (
 
 __all__ = [
     "ALIGNMENTS", "CheckpointError", "CheckpointInfo", "CheckpointMetadata", "CheckpointNotFoundError",
-    "CheckpointStateError", "CheckpointStorage", "CorruptCheckpointError", "PickleNotAllowedError",
-    "TaskSnapshot", "TaskStateHandle", "TaskStateNotFoundError", "TaskStateWriter", "UnsupportedStateError",
+    "CheckpointStateError", "CheckpointStorage", "CorruptCheckpointError", "IncompatibleCheckpointError",
+    "PickleNotAllowedError",
+    "TaskSnapshot", "TaskStateHandle", "TaskStateNotFoundError", "TaskStateWriter", "UnsafeCommitError",
+    "UnsupportedStateError",
     "decode_value", "dumps", "encode_value", "loads",
 ]

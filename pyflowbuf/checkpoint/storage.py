@@ -129,7 +129,7 @@ import numpy as np
 from numpy.lib import format as _npformat
 
 from pyflowbuf._version import __version__
-from pyflowbuf.errors import FlowBufError
+from pyflowbuf.errors import ConfigurationError, FlowBufError
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 
@@ -155,6 +155,26 @@ class CorruptCheckpointError(CheckpointError, ValueError):
         self.reason = reason
         self.checkpoint_id = checkpoint_id
         self.path = path
+
+
+class UnsafeCommitError(CorruptCheckpointError):
+    """A sink commit a restore would carry out is not one this job's sinks can
+    produce (a rename out of or into another directory, of a file that is not
+    a pending part file): refused before any file moves. ``action`` is it."""
+
+    def __init__(self, reason, *, action=None, checkpoint_id=None, path=None):
+        super().__init__(reason, checkpoint_id=checkpoint_id, path=path)
+        self.action = action
+
+
+class IncompatibleCheckpointError(CheckpointError, ConfigurationError):
+    """The checkpoint was taken of other input: a source's recorded identity
+    (its kind, paths, settings, the fingerprint of what it had read) does not
+    match the source being restored. ``source`` names it."""
+
+    def __init__(self, message, *, source=None):
+        super().__init__(message)
+        self.source = source
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -1334,6 +1354,10 @@ class CheckpointStorage:
             if m:
                 ids.append(int(m.group(1)))
         return sorted(set(ids))
+
+    def checkpoint_ids(self) -> list[int]:
+        """The ids of every ``chk-<id>`` directory, complete or not, ascending."""
+        return self._ids()
 
     def _read_metadata(self, cid: int) -> CheckpointMetadata:
         directory = self.checkpoint_path(cid)

@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyflowbuf import errors
-from pyflowbuf.checkpoint.storage import CheckpointStateError, UnsupportedStateError
+from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpointError, IncompatibleCheckpointError,
+                                          UnsupportedStateError)
 from pyflowbuf.runtime.metrics import publish_checkpoint
+from pyflowbuf.runtime.outputs import check_commits
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 
@@ -101,8 +103,9 @@ class CheckpointCoordinator:
         self.storage = storage
         self.job_name = job_name
         self._lock = threading.Lock()
-        latest = storage.latest(verify=False)
-        self._next_id = (latest.checkpoint_id if latest is not None else 0) + 1
+        # after every directory there, damaged or abandoned ones too: a new
+        # checkpoint never lands in a directory an old one left behind
+        self._next_id = max(storage.checkpoint_ids(), default=0) + 1
         self.pending: dict[int, _Pending] = {}
         self.history: list[dict] = []
         self.finished: dict[str, tuple] = {}       # task key -> (state, commits)
@@ -112,6 +115,7 @@ class CheckpointCoordinator:
         self._thread = None
         self.completed = 0
         self.listeners: list = []      # metrics listeners with a checkpoint(entry) hook
+        self.outputs: list = []        # the FileOutputs of the job's part-file sinks (run_commits)
 
     # ---- lifecycle ----
     def attach(self, execution, task_keys, finished=None) -> None:
@@ -246,7 +250,7 @@ class CheckpointCoordinator:
             except Exception:
                 pass
             return
-        run_commits(p.commits)
+        run_commits(p.commits, self.outputs)
         with self._lock:
             self.completed += 1
         self._record(p, "completed", duration, state_bytes=meta.state_bytes, size=meta.size,
@@ -284,7 +288,7 @@ class CheckpointCoordinator:
         self.stop()
         with self._lock:
             commits = [c for _, cs in self.finished.values() for c in cs]
-        run_commits(commits)
+        run_commits(commits, self.outputs)
 
     def _record(self, p: _Pending, status, duration, **extra) -> None:
         entry = {"id": p.checkpoint_id, "status": status, "trigger_time": p.trigger_time,
@@ -304,19 +308,17 @@ class CheckpointCoordinator:
 
 # ---------------------------------------------------------------- sink commits
 
-def run_commits(commits) -> None:
+def run_commits(commits, outputs) -> None:
     """Carry out sink commit actions; each is idempotent, so a commit repeated
-    after a failure (the notification may have been lost) changes nothing."""
-    for action in commits:
-        kind = action[0]
-        if kind == "rename":
-            _, src, dst = action
-            if os.path.exists(src):
-                os.replace(src, dst)
-            elif not os.path.exists(dst):
-                log.warning("pyflowbuf: committed file %s is missing (and %s too)", dst, src)
-        else:
-            raise errors.FlowBufError(f"unknown sink commit action {kind!r}")
+    after a failure (the notification may have been lost) changes nothing.
+    ``outputs``: the FileOutputs of the job's sinks; an action none of them
+    can produce (read back from a crafted ``_metadata``) refuses them all."""
+    check_commits(commits, outputs)
+    for _, src, dst in commits:
+        if os.path.exists(src):
+            os.replace(src, dst)
+        elif not os.path.exists(dst):
+            log.warning("pyflowbuf: committed file %s is missing (and %s too)", dst, src)
 
 
 # ---------------------------------------------------------------- a subtask's side
@@ -466,6 +468,8 @@ class TaskCheckpointing:
         state = {"vertex": t.vertex.name, "subtask": t.index, "finished": False,
                  "source": None if t.source is None else t.source.position(),
                  "operators": states}
+        if t.source is not None:
+            state["source_identity"] = t.source.identity()
         return state, commits
 
     def snapshot_and_write(self, checkpoint_id: int, alignment_ns: int = 0) -> None:
@@ -526,7 +530,7 @@ def restore_plan(storage, restore_from, *, verify: bool = True):
     if restore_from is None:
         return None
     if restore_from == "latest":
-        return storage.latest(verify=verify)
+        return latest_checkpoint(storage, verify=verify)
     if isinstance(restore_from, int) and not isinstance(restore_from, bool):
         return storage.load_metadata(restore_from, verify=verify)
     name = os.path.basename(os.fspath(restore_from).rstrip("/"))
@@ -534,6 +538,27 @@ def restore_plan(storage, restore_from, *, verify: bool = True):
         return storage.load_metadata(int(name[4:]), verify=verify)
     raise errors.ConfigurationError(
         f"restore_from must be 'latest', a checkpoint id or a chk-<id> directory, got {restore_from!r}")
+
+
+def latest_checkpoint(storage, *, verify: bool = True):
+    """The newest intact complete checkpoint; None when there is none at all
+    (a first run, or one that never completed a checkpoint). When complete
+    checkpoints exist and every one is damaged: CorruptCheckpointError.
+    Starting from scratch then would write again what they committed, so
+    it must be asked for (``restore_from=None`` and the sinks' ``mode``)."""
+    meta = storage.latest(verify=verify)
+    if meta is not None:
+        return meta
+    broken = [info for info in storage.scan(verify=verify) if info.status == "CORRUPT"]
+    if not broken:
+        return None
+    what = "; ".join(f"chk-{info.checkpoint_id}: {info.error.reason}" for info in broken)
+    raise CorruptCheckpointError(
+        f"no intact checkpoint in {storage.url}, {len(broken)} damaged ({what}). Restoring none of them and "
+        "starting from scratch would write again the output they committed: repair or restore them, or "
+        "start from scratch on purpose with execute(restore_from=None) and mode='overwrite' on the file "
+        "sinks (or another checkpoint_dir and output path)",
+        checkpoint_id=broken[-1].checkpoint_id, path=broken[-1].path)
 
 
 def new_writer() -> ThreadPoolExecutor:
@@ -570,6 +595,22 @@ def check_graph(meta, keys, url) -> None:
             f"checkpoint {meta.checkpoint_id} in {url} was taken of another job graph (tasks "
             f"{sorted(meta.tasks)}, this job has {sorted(keys)}); restoring into a different graph "
             "or parallelism is not supported")
+
+
+def check_sources(meta, states, sources) -> None:
+    """Refuse to restore a source from the position of other input: each
+    source (``sources``: task key -> (name, Source), not yet opened) checks
+    the identity its checkpointed state recorded. States from before
+    identities were recorded are restored as they are."""
+    for key, (name, source) in sources.items():
+        state = states.get(key)
+        if state is None or "source_identity" not in state:
+            continue
+        try:
+            source.check_identity(state["source_identity"], state.get("source"))
+        except IncompatibleCheckpointError as exc:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {meta.checkpoint_id}: source {name!r} ({key}): {exc}", source=name) from None
 
 
 def check_rewindable(config: CheckpointConfig, name, source) -> None:

@@ -36,6 +36,7 @@ import warnings
 from pyflowbuf import errors
 from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
 from pyflowbuf.runtime import checkpointing as ckpt
+from pyflowbuf.runtime import outputs as sink_outputs
 from pyflowbuf.runtime.operators import CollectSink
 from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution, check_output_pools
 from pyflowbuf.runtime.metrics import MetricsRelay, close_listeners, make_listeners
@@ -369,6 +370,9 @@ class ClusterExecution(Execution):
         self.started = time.monotonic()
         try:
             restore_id = self._start_checkpointing() if self.checkpoint_config is not None else None
+            # before the fork: the workers' sinks inherit what it decided
+            sink_outputs.prepare_outputs(self.env.nodes, restoring=restore_id is not None,
+                                    checkpoint_dir=self.env.checkpoint_dir)
             self._start_workers(self._ctx, restore_id)
         except BaseException:
             close_listeners(self.sampler.listeners)
@@ -563,6 +567,7 @@ class ClusterExecution(Execution):
         storage = CheckpointStorage(config.directory, retained=config.retained, allow_pickle=config.allow_pickle)
         self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)
         self.coordinator.listeners = self.sampler.listeners
+        self.coordinator.outputs = sink_outputs.graph_outputs(self.env.nodes)
         return self._restore_point(ckpt.restore_plan(storage, self.restore_from))
 
     def _restore_point(self, meta):
@@ -570,8 +575,12 @@ class ClusterExecution(Execution):
             self.restored_from = None
             return None
         ckpt.check_graph(meta, self._task_keys, self.coordinator.storage.url)
+        # the sources' identities, here before any worker starts
+        sources = {ckpt.task_key(v, i): (v.head.name, v.head.source())
+                   for v in self.vertices if v.head.source is not None for i in range(v.parallelism)}
+        ckpt.check_sources(meta, ckpt.read_states(self.coordinator.storage, meta, set(sources)), sources)
         # what that checkpoint covered is committed (its notification may have been lost)
-        ckpt.run_commits(meta.properties.get("commits", []))
+        ckpt.run_commits(meta.properties.get("commits", []), sink_outputs.graph_outputs(self.env.nodes))
         self.restored_from = meta.checkpoint_id
         return meta.checkpoint_id
 
@@ -604,7 +613,7 @@ class ClusterExecution(Execution):
             self._conns = {}
         self._procs = []
         self._finished_workers = set()
-        meta = coordinator.storage.latest(verify=False)
+        meta = ckpt.latest_checkpoint(coordinator.storage, verify=False)
         restore_id = self._restore_point(meta)
         with self._lock:
             if self._user_cancelled:

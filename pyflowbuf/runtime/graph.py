@@ -34,6 +34,7 @@ class Node:
     rate_limit: Any = None
     collect_parts: dict | None = None                # a collect() sink's results, by subtask
     user_sink: bool = False                          # sink(fn): its effects stay in the process running it
+    file_output: Any = None                          # write_text/write_parquet: its outputs.FileOutput
     consumers: list = field(default_factory=list)
 
     # The single-input view most of the code needs; a node with several inputs

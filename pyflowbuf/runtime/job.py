@@ -14,6 +14,7 @@ from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool, Notifier
 from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.runtime import debloat
+from pyflowbuf.runtime import outputs as sink_outputs
 from pyflowbuf.runtime.exchange import EdgeKind, InputSide, MultiInput, OutputSide
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
 from pyflowbuf.runtime.sources import rate_limiter
@@ -327,6 +328,10 @@ class JobExecution(Execution):
             self._build()
             if self.checkpoint_config is not None:
                 self._start_checkpointing(listeners)
+            if self.remote is None:
+                # a worker process is forked after the driver did this
+                sink_outputs.prepare_outputs(self.env.nodes, restoring=self.restored_from is not None,
+                                        checkpoint_dir=self.env.checkpoint_dir)
             self.sampler = MetricsSampler(self, self.env.metrics_interval, listeners)
         except BaseException:
             close_listeners(listeners)
@@ -433,6 +438,7 @@ class JobExecution(Execution):
                                         allow_pickle=config.allow_pickle)
             self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)
             self.coordinator.listeners = listeners
+            self.coordinator.outputs = sink_outputs.graph_outputs(self.env.nodes)
         # else: a worker process, given a proxy of the driver's coordinator
         self._snapshot_writer = ckpt.new_writer()
         # a worker is told the id of a checkpoint the driver has already checked
@@ -449,11 +455,13 @@ class JobExecution(Execution):
             ckpt.check_graph(meta, ckpt.graph_task_keys(self.vertices), storage.url)
             mine = {ckpt.task_key(t.vertex, t.index) for t in self.tasks}
             states = ckpt.read_states(storage, meta, mine)
+            ckpt.check_sources(meta, states, {ckpt.task_key(t.vertex, t.index): (t.vertex.head.name, t.source)
+                                              for t in self.tasks if t.source is not None})
             if self.remote is None:
                 # What that checkpoint covered is committed (its notification
                 # may have been lost). With workers the driver does it, once:
                 # two processes renaming the same files would race.
-                ckpt.run_commits(meta.properties.get("commits", []))
+                ckpt.run_commits(meta.properties.get("commits", []), sink_outputs.graph_outputs(self.env.nodes))
             self.restored_from = meta.checkpoint_id
         for t in self.tasks:
             t.checkpointing = ckpt.TaskCheckpointing(t, coordinator, self._snapshot_writer)
@@ -499,7 +507,7 @@ class JobExecution(Execution):
         if old.available_segments != old.total_segments:
             raise errors.FlowBufError(
                 f"{old.total_segments - old.available_segments} segment(s) were not returned by the failed attempt")
-        meta = self.coordinator.storage.latest(verify=False)
+        meta = ckpt.latest_checkpoint(self.coordinator.storage, verify=False)
         with self._lock:
             self.failure = None
             self.cancelled = False

@@ -397,40 +397,46 @@ class FunctionSink(Operator):
 
 
 class _PartFileSink(Operator):
-    """A file sink. Without checkpoints: one file per subtask (``_plain_path``).
-    With checkpoints: ``path`` is a directory of part files
-    ``part-<subtask>-<seq><suffix>``, each written under a hidden name and
-    renamed into place only when a checkpoint covering it completes (or the
-    job ends): Flink's two-phase commit, so readers never see records a
-    recovery will write again. Subclasses write the file (``_open_file``,
-    ``_write``, ``_close_file``, ``_has_file``)."""
+    """A file sink: ``path`` is a directory of part files
+    ``part-<subtask>-<seq><suffix>`` (``pyflowbuf.runtime.outputs``), each
+    written under a hidden name and renamed into place when committed.
+    Without checkpoints a subtask writes one part, committed when it ends.
+    With checkpoints a part is committed only when a checkpoint covering it
+    completes (or the job ends): Flink's two-phase commit, so readers never
+    see records a recovery will write again. Subclasses write the file
+    (``_open_file``, ``_write``, ``_close_file``, ``_has_file``)."""
 
     kind = "sink"
     suffix = ""
 
-    def __init__(self, name, path, transactional=False):
+    def __init__(self, name, path, transactional=False, output=None):
         super().__init__(name)
-        self.path = path
+        from pyflowbuf.runtime.outputs import FileOutput
+
+        self.output = output if output is not None else FileOutput(path, self.suffix, what=name)
+        self.path = self.output.path
+        self.dir = self.output.path
         self.transactional = transactional
-        self.seq = 0
+        self.seq = None
         self.uncommitted: list = []     # (checkpoint id, action) until a checkpoint covering it completes
 
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
-        if not self.transactional:
-            self._open_file(self._plain_path())
-            return
-        self.dir = os.fspath(self.path)
         os.makedirs(self.dir, exist_ok=True)
-        # what an earlier attempt left uncommitted will be written again
-        prefix = f".part-{subtask:05d}-"
+        restored = self.seq is not None
+        if not restored:
+            self.seq = self.output.seq_start
+        # what an earlier attempt left uncommitted will be written again, and
+        # so will the parts it committed after the checkpoint restored now
         for name in os.listdir(self.dir):
-            if name.startswith(prefix):
+            p = self.output.parse(name)
+            if p is not None and p[0] == subtask and (p[2] or (restored and p[1] >= self.seq)):
                 os.remove(os.path.join(self.dir, name))
+        if not self.transactional:
+            self._open_file(self._part(True))
 
     def _part(self, hidden: bool) -> str:
-        name = f"part-{self.subtask:05d}-{self.seq:06d}{self.suffix}"
-        return os.path.join(self.dir, f".{name}.inprogress" if hidden else name)
+        return self.output.part_path(self.subtask, self.seq, hidden)
 
     def process_batch(self, batch):
         if not self._has_file():
@@ -464,20 +470,20 @@ class _PartFileSink(Operator):
     def finish(self):
         if not self.transactional and self._has_file():
             self._close_file()
+            os.replace(self._part(True), self._part(False))
         return []
 
 
 class TextFileSink(_PartFileSink):
-    """``write_text``: one line per record. Without checkpoints one file,
-    ``path`` (``path.i`` for subtask i of p > 1)."""
+    """``write_text``: one line per record (``str(record)``), in
+    ``part-<subtask>-<seq>.txt`` files."""
 
-    def __init__(self, name, path, encoding="utf-8", transactional=False):
-        super().__init__(name, path, transactional)
+    suffix = ".txt"
+
+    def __init__(self, name, path, encoding="utf-8", transactional=False, output=None):
+        super().__init__(name, path, transactional, output)
         self.encoding = encoding
         self.fh = None
-
-    def _plain_path(self):
-        return str(self.path) if self.parallelism == 1 else f"{self.path}.{self.subtask}"
 
     def _has_file(self):
         return self.fh is not None
@@ -535,10 +541,10 @@ def parquet_settings(schema, compression):
 
 
 class ParquetFileSink(_PartFileSink):
-    """``write_parquet``: records become the rows of Parquet files. Without
-    checkpoints ``path`` is a directory with ``part-<subtask>.parquet`` per
-    subtask. Rows are buffered up to ``row_group_size`` so that readers get
-    row groups of a useful size rather than one per batch.
+    """``write_parquet``: records become the rows of Parquet files,
+    ``part-<subtask>-<seq>.parquet`` in the directory ``path``. Rows are
+    buffered up to ``row_group_size`` so that readers get row groups of a
+    useful size rather than one per batch.
 
     The schema is ``schema`` or the first batch's; it goes into checkpoints,
     so a restored subtask writes the schema its committed files have."""
@@ -546,8 +552,8 @@ class ParquetFileSink(_PartFileSink):
     suffix = ".parquet"
 
     def __init__(self, name, path, schema=None, row_group_size=None, compression="snappy",
-                 transactional=False):
-        super().__init__(name, path, transactional)
+                 transactional=False, output=None):
+        super().__init__(name, path, transactional, output)
         self.schema = schema
         self.row_group_size = row_group_size or _ROW_GROUP_ROWS
         self.compression = compression
@@ -559,10 +565,6 @@ class ParquetFileSink(_PartFileSink):
     def open(self, subtask, parallelism):
         self.pa, self.pq = import_pyarrow()
         super().open(subtask, parallelism)
-
-    def _plain_path(self):
-        os.makedirs(self.path, exist_ok=True)
-        return os.path.join(self.path, f"part-{self.subtask:05d}.parquet")
 
     def _has_file(self):
         return self.file is not None

@@ -34,6 +34,19 @@ class Source:
     def seek(self, position: Any) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot rewind")
 
+    # What the source reads, recorded with every checkpoint (plain data, or
+    # None: nothing to tell); a restore first asks the new source whether a
+    # recorded identity and position are its own (``check_identity`` raises
+    # IncompatibleCheckpointError naming what differs), so a position is
+    # never applied to other input.
+    def identity(self) -> Any:
+        return None
+
+    def check_identity(self, recorded: Any, position: Any) -> None:
+        mine = self.identity()
+        if mine is not None and recorded != mine:
+            raise incompatible(self, f"the checkpoint's source was {recorded!r}, this one is {mine!r}")
+
     def close(self) -> None:
         pass
 
@@ -117,6 +130,9 @@ class SequenceSource(Source):
     def seek(self, position):
         self.next_value = position
 
+    def identity(self):
+        return {"kind": "sequence", "start": self.start, "stop": self.stop, "step": self.step}
+
 
 class ArraySource(Source):
     """NumPy arrays of fixed-width rows (a rows stream)."""
@@ -181,9 +197,73 @@ class TextFileSource(Source):
         if self._fh is not None:
             self._fh.seek(position)
 
+    # A fingerprint of what was read, cheap enough for every checkpoint: the
+    # first and the last FINGERPRINT_BYTES before the position. Data appended
+    # after the position is fine (a log that grew while the job was down);
+    # another file, or one rewritten before the position, is refused.
+    def identity(self):
+        fd = self._fh.fileno() if self._fh is not None and not self._fh.closed else None
+        return {"kind": "read_text", "path": os.path.abspath(self.path), "encoding": self.encoding,
+                "offset": self.offset, **_prefix_fingerprint(fd, self.path, self.offset)}
+
+    def check_identity(self, recorded, position):
+        if not isinstance(recorded, dict) or recorded.get("kind") != "read_text":
+            raise incompatible(self, f"the checkpoint's source was not a read_text ({recorded!r})")
+        path = os.path.abspath(self.path)
+        if recorded.get("path") != path:
+            raise incompatible(self, f"the checkpoint read {recorded.get('path')}, this source reads {path}: "
+                                     "its position would be applied to another file")
+        if recorded.get("encoding") != self.encoding:
+            raise incompatible(self, f"the checkpoint decoded {path} as {recorded.get('encoding')!r}, "
+                                     f"this source as {self.encoding!r}")
+        offset = recorded.get("offset")
+        size = os.path.getsize(path)
+        if not isinstance(offset, int) or size < offset:
+            raise incompatible(self, f"{path} has {size} bytes, and the checkpoint had read {offset}: "
+                                     "the file was replaced or truncated")
+        now = _prefix_fingerprint(None, path, offset)
+        for part in ("head", "tail"):
+            if recorded.get(part) != now[part]:
+                raise incompatible(self, f"{path}: the bytes the checkpoint had read (up to byte {offset}) "
+                                         "differ now: the file was replaced or rewritten")
+
     def close(self):
         if self._fh is not None:
             self._fh.close()
+
+
+FINGERPRINT_BYTES = 64 * 1024
+
+
+def _prefix_fingerprint(fd, path, end) -> dict:
+    """CRC-32 of the first and of the last FINGERPRINT_BYTES of ``path[:end]``."""
+    import zlib
+
+    own = fd is None
+    if own:
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        n = min(end, FINGERPRINT_BYTES)
+        head = os.pread(fd, n, 0)
+        tail = os.pread(fd, n, end - n)
+    finally:
+        if own:
+            os.close(fd)
+    return {"head": zlib.crc32(head), "tail": zlib.crc32(tail)}
+
+
+def file_fingerprint(path) -> list:
+    """[absolute path, size, CRC-32 of the first and of the last FINGERPRINT_BYTES]."""
+    size = os.path.getsize(path)
+    fp = _prefix_fingerprint(None, path, size)
+    return [os.path.abspath(path), size, fp["head"], fp["tail"]]
+
+
+def incompatible(source, why):
+    from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
+
+    name = getattr(source, "what", None) or type(source).__name__
+    return IncompatibleCheckpointError(f"cannot restore {name}: {why}", source=name)
 
 
 class RateLimiter:

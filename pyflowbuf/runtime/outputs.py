@@ -1,0 +1,189 @@
+"""The output directory of a part-file sink (``write_text``, ``write_parquet``):
+its one layout, what a run may find in it (``mode``), and which sink commits
+a checkpoint may carry out.
+
+Layout, whatever the settings: ``path`` is a directory of
+``part-<subtask:05d>-<seq:06d><suffix>`` files. A part is written under the
+hidden name ``.part-<subtask>-<seq><suffix>.inprogress`` and renamed to its
+final name when it is committed: at the end of the job, or with checkpoints
+when a checkpoint covering it completes. Readers (``read_parquet``,
+``read_csv``, Spark, pyarrow) skip names starting with ``.`` or ``_``.
+
+Modes, checked by the driver once before anything runs (Spark's save modes):
+
+* ``"error"`` (default): the directory must hold no output (no name that does
+  not start with ``.`` or ``_``), except, when the job restores a checkpoint,
+  the part files of this sink's own subtasks;
+* ``"overwrite"``: what the directory holds is removed first (on a restore:
+  all but this sink's own part files);
+* ``"append"``: what is there stays; this run's parts are numbered after the
+  highest sequence number found, so no name can collide.
+
+A sink commit is a rename of one pending part into its final name. Commits
+come back from ``_metadata`` on a restore, so before any of them runs each is
+checked against the sinks of the job's current graph (``check_commits``): a
+file that is not a pending part of one of those directories is never moved.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from pyflowbuf import errors
+from pyflowbuf.checkpoint.storage import UnsafeCommitError
+
+MODES = ("error", "overwrite", "append")
+
+_PART = r"part-(\d{5})-(\d{6})"
+
+
+def check_mode(mode, what: str) -> str:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise errors.ConfigurationError(f"{what}: mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def _visible(name: str) -> bool:
+    return not name.startswith((".", "_"))
+
+
+class FileOutput:
+    """The directory of one part-file sink, shared by its subtasks (and, forked,
+    by worker processes): the driver's ``prepare`` sets ``seq_start``."""
+
+    def __init__(self, path, suffix: str, mode: str = "error", what: str = "sink", legacy_suffixes=()):
+        self.path = os.path.abspath(os.fspath(path))
+        self.suffix = suffix
+        self.mode = mode
+        self.what = what
+        self.parallelism = None       # the sink's, set when it is declared
+        self.seq_start = 0            # the first part number of a fresh run (append: after what is there)
+        suffixes = "|".join(re.escape(s) for s in (suffix, *legacy_suffixes))
+        self._final = re.compile(rf"{_PART}(?:{suffixes})\Z")
+        self._pending = re.compile(rf"\.{_PART}(?:{suffixes})\.inprogress\Z")
+
+    def part_path(self, subtask: int, seq: int, pending: bool) -> str:
+        name = f"part-{subtask:05d}-{seq:06d}{self.suffix}"
+        return os.path.join(self.path, f".{name}.inprogress" if pending else name)
+
+    def parse(self, name: str):
+        """(subtask, seq, pending) of a part file name of this sink, else None."""
+        for pattern, pending in ((self._final, False), (self._pending, True)):
+            m = pattern.match(name)
+            if m:
+                return int(m.group(1)), int(m.group(2)), pending
+        return None
+
+    def _own(self, name: str) -> bool:
+        p = self.parse(name)
+        return p is not None and (self.parallelism is None or p[0] < self.parallelism)
+
+    # ---- before the job runs (the driver, once) ----
+    def prepare(self, *, restoring: bool, checkpoint_dir=None) -> None:
+        """Apply ``mode`` to the directory; ``restoring``: the job starts from a
+        checkpoint, so this sink's own part files are expected there."""
+        path = self.path
+        if os.path.lexists(path) and not os.path.isdir(path):
+            if self.mode != "overwrite":
+                raise errors.OutputExistsError(
+                    f"{self.what}: {path} exists and is not a directory; the sink writes a directory of part "
+                    "files: remove it, choose another path, or pass mode='overwrite'")
+            os.remove(path)
+        os.makedirs(path, exist_ok=True)
+        names = sorted(os.listdir(path))
+        foreign = [n for n in names if not (restoring and self._own(n))]
+        if self.mode == "error":
+            shown = [n for n in foreign if _visible(n)]
+            if shown:
+                more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
+                why = ("that this job's checkpoint did not write" if restoring else
+                       "and the job does not restore a checkpoint that wrote it")
+                raise errors.OutputExistsError(
+                    f"{self.what}: the output directory {path} is not empty ({', '.join(shown[:3])}{more}) "
+                    f"{why}: pass mode='overwrite' to replace its contents, mode='append' to add to them, "
+                    "or choose another path")
+        elif self.mode == "overwrite":
+            if checkpoint_dir is not None and _inside(os.fspath(checkpoint_dir), path):
+                raise errors.ConfigurationError(
+                    f"{self.what}: mode='overwrite' would remove the checkpoint_dir {checkpoint_dir}, which is "
+                    f"inside the output directory {path}: put them apart")
+            for n in foreign:
+                p = os.path.join(path, n)
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p)
+                else:
+                    os.remove(p)
+        else:   # append: after every part number already there
+            seqs = [p[1] for p in map(self.parse, names) if p is not None]
+            self.seq_start = max(seqs) + 1 if seqs else 0
+
+
+def _inside(inner: str, outer: str) -> bool:
+    if "://" in inner:
+        return False
+    inner, outer = os.path.realpath(inner), os.path.realpath(outer)
+    return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
+
+
+def graph_outputs(nodes) -> list:
+    return [n.file_output for n in nodes if getattr(n, "file_output", None) is not None]
+
+
+def prepare_outputs(nodes, *, restoring: bool, checkpoint_dir=None) -> None:
+    """The driver's step before a job runs: every part-file sink's ``mode``."""
+    for out in graph_outputs(nodes):
+        out.prepare(restoring=restoring, checkpoint_dir=checkpoint_dir)
+
+
+# ---------------------------------------------------------------- commits
+
+def check_commits(commits, outputs) -> None:
+    """Refuse, before any file moves, a commit action that the sinks
+    ``outputs`` (FileOutput) cannot have produced: a rename whose source is
+    not a pending part file of a subtask of one of their directories, whose
+    target is not that part's final name in the same directory, with a ``..``
+    in it, or whose source is a link."""
+    dirs = {}
+    for out in outputs:
+        dirs.setdefault(os.path.realpath(out.path), []).append(out)
+    for action in commits:
+        why = _refusal(action, dirs)
+        if why is not None:
+            raise UnsafeCommitError(
+                f"refusing sink commit {action!r}: {why}; only the renames of this job's part-file sinks "
+                f"run (directories: {sorted(dirs) or 'none'})", action=action)
+
+
+def _refusal(action, dirs):
+    if not isinstance(action, (list, tuple)) or not action:
+        return "not a commit action"
+    if action[0] != "rename":
+        return f"unknown action {action[0]!r}"
+    if len(action) != 3 or not all(isinstance(p, str) and p for p in action[1:]):
+        return "a rename takes two paths"
+    _, src, dst = action
+    for p in (src, dst):
+        if ".." in re.split(r"[/\\]", p):
+            return f"{p!r} holds '..'"
+    src_dir, src_name = os.path.split(src)
+    dst_dir, dst_name = os.path.split(dst)
+    here = os.path.realpath(src_dir)
+    outs = dirs.get(here)
+    if outs is None:
+        return f"{src_dir!r} is not the directory of a sink of this job"
+    if os.path.realpath(dst_dir) != here:
+        return "the target is not in the source's directory"
+    for out in outs:
+        p = out.parse(src_name)
+        if p is None or not p[2]:
+            continue
+        sub, seq, _ = p
+        if out.parallelism is not None and sub >= out.parallelism:
+            continue
+        if out.parse(dst_name) != (sub, seq, False) or dst_name != src_name[1:-len(".inprogress")]:
+            return f"{dst_name!r} is not the final name of {src_name!r}"
+        if os.path.islink(src) or os.path.islink(dst):
+            return "a part file is a link"
+        return None
+    return f"{src_name!r} is not a pending part file of a sink subtask"

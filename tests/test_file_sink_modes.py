@@ -1,0 +1,138 @@
+"""write_text / write_parquet into a directory that already holds output:
+``mode="error"`` (default) refuses it before anything runs, ``"overwrite"``
+replaces it, ``"append"`` adds parts whose names cannot collide. One layout
+whatever the settings: ``path/part-<subtask>-<seq><suffix>``."""
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pyflowbuf as fb
+from pipeline_helpers import read_parts
+from pyflowbuf import errors
+
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+def parquet_rows(path):
+    return sorted(r["value"] for r in pq.read_table(str(path)).to_pylist())
+
+
+def write(sink, out, values, p, mode=None, **env_kw):
+    env = fb.Environment(parallelism=p, **env_kw)
+    kw = {} if mode is None else {"mode": mode}
+    s = env.from_iterable(list(values), kind="int64").rebalance()
+    if sink == "parquet":
+        s.write_parquet(out, parallelism=p, **kw)
+    else:
+        s.write_text(out, parallelism=p, **kw)
+    env.execute(60)
+    return env
+
+
+def read(sink, out):
+    return parquet_rows(out) if sink == "parquet" else sorted(int(x) for x in read_parts(out))
+
+
+@pytest.mark.parametrize("sink", ["parquet", "text"])
+def test_a_rerun_with_other_parallelism_into_the_same_directory(tmp_path, sink):
+    out = tmp_path / "out"
+    write(sink, out, range(10), 3)
+    assert read(sink, out) == list(range(10))
+    before = sorted(os.listdir(out))
+    # default: refused before anything runs, nothing touched
+    with pytest.raises(errors.OutputExistsError, match="mode='overwrite'") as info:
+        write(sink, out, range(100, 106), 1)
+    assert isinstance(info.value, FileExistsError) and isinstance(info.value, errors.ConfigurationError)
+    assert sorted(os.listdir(out)) == before
+    # overwrite: exactly the new rows
+    write(sink, out, range(100, 106), 1, mode="overwrite")
+    assert read(sink, out) == list(range(100, 106))
+    # append: both runs' rows, and no part name reused
+    names = set(os.listdir(out))
+    write(sink, out, range(200, 210), 3, mode="append")
+    assert read(sink, out) == list(range(100, 106)) + list(range(200, 210))
+    assert names < set(os.listdir(out))
+
+
+@pytest.mark.parametrize("sink", ["parquet", "text"])
+@pytest.mark.parametrize("checkpoints", [False, True])
+def test_one_layout_whatever_the_settings(tmp_path, sink, checkpoints):
+    out = tmp_path / "out"
+    kw = dict(checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk") if checkpoints else {}
+    for p in (1, 2):
+        write(sink, out, range(50), p, mode="overwrite", **kw)
+        names = os.listdir(out)
+        suffix = ".parquet" if sink == "parquet" else ".txt"
+        assert names and all(n.startswith("part-") and n.endswith(suffix) and n.count("-") == 2 for n in names)
+        assert {n.split("-")[1] for n in names} == {f"{i:05d}" for i in range(p)}
+        assert read(sink, out) == list(range(50))
+
+
+def test_hidden_leftovers_do_not_count_as_output(tmp_path):
+    out = tmp_path / "out"
+    os.makedirs(out)
+    (out / ".part-00000-000000.txt.inprogress").write_text("a crashed run's\n")
+    (out / "_SUCCESS").write_text("")
+    write("text", out, range(5), 1)
+    assert read("text", out) == list(range(5))
+
+
+def test_a_path_that_is_a_file(tmp_path):
+    out = tmp_path / "out.txt"
+    out.write_text("old layout\n")
+    with pytest.raises(errors.OutputExistsError, match="not a directory"):
+        write("text", out, range(5), 1)
+    with pytest.raises(errors.OutputExistsError, match="not a directory"):
+        write("text", out, range(5), 1, mode="append")
+    write("text", out, range(5), 2, mode="overwrite")
+    assert read("text", out) == list(range(5))
+
+
+def test_overwrite_never_removes_the_checkpoint_dir(tmp_path):
+    out = tmp_path / "out"
+    os.makedirs(out)
+    (out / "old").write_text("x")
+    with pytest.raises(errors.ConfigurationError, match="checkpoint_dir"):
+        write("text", out, range(5), 1, mode="overwrite", checkpoint_interval=0.05,
+              checkpoint_dir=out / "chk")
+    assert (out / "old").exists()
+
+
+def test_mode_is_checked_when_the_sink_is_declared(tmp_path):
+    env = fb.Environment()
+    s = env.from_sequence(0, 10)
+    for bad in ("ignore", None, 1, "Overwrite"):
+        with pytest.raises(errors.ConfigurationError, match="mode"):
+            s.write_text(tmp_path / "t", mode=bad)
+        with pytest.raises(errors.ConfigurationError, match="mode"):
+            s.write_parquet(tmp_path / "p", mode=bad)
+    assert [n.name for n in env.nodes] == ["sequence"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="workers need fork")
+def test_modes_with_worker_processes(tmp_path):
+    out = tmp_path / "out"
+    write("parquet", out, range(20), 2, workers=2)
+    with pytest.raises(errors.OutputExistsError):
+        write("parquet", out, range(5), 2, workers=2)
+    write("parquet", out, range(100, 104), 2, mode="append", workers=2)
+    assert parquet_rows(out) == list(range(20)) + list(range(100, 104))
+
+
+@settings(max_examples=15, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(1, 3), st.integers(0, 30)), min_size=1, max_size=4))
+def test_appends_keep_every_run_exactly_once(tmp_path_factory, runs):
+    """Differential: the directory after any sequence of appends (any
+    parallelism, empty runs too) reads back as the union of what was written."""
+    out = tmp_path_factory.mktemp("append") / "out"
+    want = collections.Counter()
+    for i, (p, n) in enumerate(runs):
+        values = range(i * 1000, i * 1000 + n)
+        write("text", out, values, p, mode="append")
+        want.update(values)
+    assert collections.Counter(int(x) for x in read_parts(out)) == want
