@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import os
@@ -216,6 +217,11 @@ class Environment:
     # ---- sources ----
     def _add(self, **kw) -> Node:
         node = Node(id=len(self.nodes), **kw)
+        for inp in node.inputs:
+            # a window result split by late(): its results come from the selector
+            split = getattr(inp.node, "split_into", None)
+            if split is not None:
+                inp.node = split
         self._check_node_kind(node)
         for inp in node.inputs:
             inp.node.consumers.append(node)
@@ -416,6 +422,7 @@ class Environment:
         if restore_from is not None and self.checkpoint_interval is None:
             raise ConfigurationError("restore_from needs checkpointing: set checkpoint_interval (and checkpoint_dir)")
         self._check_settings()
+        self._check_graph()
         for node in self.nodes:
             self._check_node_kind(node)
         with self._claim_lock:
@@ -438,6 +445,22 @@ class Environment:
         job.previous_name = name
         job.restore_from = restore_from
         return job
+
+    def _check_graph(self) -> None:
+        """A job that could do nothing visible is refused: with nothing
+        declared, or without a sink, it would run (perhaps for a long time)
+        and every record would vanish without a word."""
+        if not self.nodes:
+            raise ConfigurationError(
+                "this Environment has nothing to run: declare a source (from_collection, read_text, ..), "
+                "the operators and a sink (collect(), print(), write_text(), sink(fn), to_iterator()) "
+                "before execute()")
+        if not any(n.is_sink for n in self.nodes):
+            ends = [n.name for n in self.nodes if not n.consumers]
+            raise ConfigurationError(
+                f"this job has no sink: the records of {', '.join(repr(e) for e in ends)} would go nowhere; "
+                "end the stream with collect(), print(), write_text(), write_parquet(), sink(fn) or "
+                "to_iterator()")
 
     def _unclaim(self, job):
         """A job that could not start ran nothing: the graph is still unused."""
@@ -714,10 +737,13 @@ class KeyedStream(Stream):
         is_class = isinstance(fn, KeyedProcessFunction)
         if not is_class:
             _callable(fn, "process")
+            _check_arity(fn, f"process {name!r}", "fn(key, record, state) or fn(key, record, state, ctx)", 3, 4)
         if on_timer is not None:
             _callable(on_timer, "process on_timer")
+            _check_arity(on_timer, f"process {name!r} on_timer", "on_timer(key, t, state, ctx)", 4)
         if on_end is not None:
             _callable(on_end, "process on_end")
+            _check_arity(on_end, f"process {name!r} on_end", "on_end(key, state, ctx)", 3)
         kind = _check_kind(kind, f"process {name!r}")
         key_fn = self._key_fn
         with_ctx = is_class or takes_context(fn, 3)
@@ -796,6 +822,16 @@ class ConnectedStreams:
                 "be shared: key_by both streams, or neither for one state dict per subtask")
         from pyflowbuf.runtime.timers import KeyedCoProcessOperator, takes_context
 
+        for i, f in ((1, fn1), (2, fn2)):
+            if first_keyed:
+                _check_arity(f, f"process {name!r} (fn{i})",
+                             f"fn{i}(key, record, state) or fn{i}(key, record, state, ctx)", 3, 4)
+            else:
+                _check_arity(f, f"process {name!r} (fn{i})", f"fn{i}(record, state)", 2)
+        if on_timer is not None:
+            _check_arity(on_timer, f"process {name!r} on_timer", "on_timer(key, t, state, ctx)", 4)
+        if on_end is not None:
+            _check_arity(on_end, f"process {name!r} on_end", "on_end(key, state, ctx)", 3)
         ctx = (takes_context(fn1, 3 if first_keyed else 2), takes_context(fn2, 3 if first_keyed else 2))
         if first_keyed and (any(ctx) or on_timer is not None or on_end is not None):
             k1, k2 = self.first._key_fn, self.second._key_fn
@@ -996,3 +1032,23 @@ def _execute_args(job_name, timeout):
 def _callable(fn, what):
     if not callable(fn):
         raise TypeError(f"{what} takes a function, got {type(fn).__name__}")
+
+
+def _check_arity(fn, what, call, *counts):
+    """Refuse, where the operator is declared, a function that cannot take the
+    positional arguments its operator will pass (``counts``: the accepted
+    numbers; ``call`` shows them); otherwise its first record fails the job.
+    A callable without a signature (some builtins) is left to that call."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    for n in counts:
+        try:
+            sig.bind(*range(n))
+            return
+        except TypeError:
+            pass
+    label = getattr(fn, "__qualname__", None) or type(fn).__name__
+    raise ConfigurationError(f"{what}: the function is called as {call}, but {label}{sig} cannot take "
+                             f"{' or '.join(map(str, counts))} positional arguments")
