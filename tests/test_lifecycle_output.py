@@ -47,3 +47,48 @@ def test_prometheus_port_is_none_without_an_exporter():
     env = fb.Environment()
     env.from_collection([1]).collect()
     assert env.execute(timeout=30).prometheus_port is None
+
+
+# ---- execute_iter closed early ----
+
+def _pyflowbuf_threads():
+    return [t.name for t in threading.enumerate() if t.name.lower().startswith("pyflowbuf")]
+
+
+def _wait_until(pred, timeout):
+    deadline = time.monotonic() + timeout
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pred()
+
+
+@pytest.mark.parametrize("workers", [None, pytest.param(2, marks=needs_fork)])
+@pytest.mark.parametrize("how", ["break", "close"])
+def test_closing_execute_iter_early_leaves_no_process_or_thread(workers, how):
+    psutil = pytest.importorskip("psutil")
+    me = psutil.Process()
+    children_before = {c.pid for c in me.children()}
+    threads_before = set(_pyflowbuf_threads())
+    env = fb.Environment(workers=workers, parallelism=2)
+    sink = env.from_sequence(0, None).map(lambda x: x * 2, kind="int64").to_iterator()
+    gen = env.execute_iter(sink)
+    got = []
+    for x in gen:
+        got.append(x)
+        if len(got) == 500:
+            workers_pids = [c.pid for c in me.children() if c.pid not in children_before]
+            break
+    if how == "close":
+        gen.close()
+    else:
+        del gen     # the generator dropped after a break: closed by the interpreter
+    assert len(got) == 500
+    # the workers are reaped (no zombie) and every pyflowbuf thread has ended
+    new_children = lambda: [c for c in me.children() if c.pid not in children_before]  # noqa: E731
+    assert _wait_until(lambda: not new_children(), 15), [(c.pid, c.status()) for c in new_children()]
+    assert _wait_until(lambda: set(_pyflowbuf_threads()) <= threads_before, 15), _pyflowbuf_threads()
+    assert env.last_execution.done
+    assert len(workers_pids) == (workers or 0)
+    for pid in workers_pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)     # reaped already: not even a zombie is left

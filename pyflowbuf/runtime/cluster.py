@@ -641,6 +641,9 @@ class ClusterExecution(Execution):
         self._kill()
         for c in self._conns:
             c.close()
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None and self._done.is_set() and monitor is not threading.current_thread():
+            monitor.join(CANCEL_GRACE_S)    # it has set _done: only its last lines are left
         for node in self.env.nodes:
             if node.collect_parts is not None and node.id in self._results:
                 node.collect_parts.clear()
@@ -667,14 +670,20 @@ class ClusterExecution(Execution):
 
     def iterate(self, sink_node):
         self.start()
+        ended = False
         try:
             yield from self.local.iterate(sink_node)
+            ended = True
         except errors.CancelledError:
             if self.failure is None:
                 raise
+            ended = True        # a worker failed: join() below raises its error
         finally:
-            if not self._done.is_set():
-                self.cancel()
+            if not ended:
+                # the caller closed the generator (a break) or an error left
+                # it: cancel, then reap every worker and close the local
+                # exchange, as join() would; nothing outlives the generator
+                self._stop_now()
         self.join()
 
     # ---- inspection ----
