@@ -647,8 +647,11 @@ class Stream:
         """Each record on stdout as ``str(record)``, as PyFlink's print():
         after ``"<subtask>> "`` (from 1) when the sink has several subtasks,
         ``"<prefix>> "`` / ``"<prefix>:<subtask>> "`` with a prefix. With
-        ``workers=`` a worker prints to the stdout it inherited. Not
-        transactional: after a restore, records since the checkpoint print again."""
+        ``workers=`` what the workers print (here, or with ``print()`` in an
+        operator's function) is carried to the caller's ``sys.stdout``, so a
+        notebook or ``redirect_stdout`` sees it, whole lines in order per
+        worker, all of it before ``execute()`` returns. Not transactional:
+        after a restore, records since the checkpoint print again."""
         if prefix is not None and not isinstance(prefix, str):
             raise ConfigurationError(f"print: prefix must be a str or None, got {prefix!r}")
         from pyflowbuf.connectors import PrintSink

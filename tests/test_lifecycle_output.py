@@ -92,3 +92,52 @@ def test_closing_execute_iter_early_leaves_no_process_or_thread(workers, how):
     for pid in workers_pids:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)     # reaped already: not even a zombie is left
+
+
+# ---- print() under workers= ----
+
+@needs_fork
+def test_worker_prints_reach_a_redirected_stdout_complete_and_in_order():
+    """As in a notebook: the caller's sys.stdout is an object, not the fd the
+    workers inherited. print() sinks and print() calls in operators reach it,
+    every line before execute() returns, in order per subtask."""
+    n = 3000
+
+    def shout(x):
+        if x % 1000 == 0:
+            print(f"seen {x}")
+        return x
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        env = fb.Environment(workers=2, parallelism=2, max_batch=64)
+        env.from_sequence(0, n, parallelism=2).map(shout, kind="int64").print("n")
+        env.execute(timeout=60)
+    lines = buf.getvalue().splitlines()
+    for sub in (1, 2):
+        mine = [int(ln.split("> ")[1]) for ln in lines if ln.startswith(f"n:{sub}> ")]
+        assert mine == sorted(mine), "a subtask's lines came out of order"
+    got = sorted(int(ln.split("> ")[1]) for ln in lines if ln.startswith("n:"))
+    assert got == list(range(n))
+    assert sorted(ln for ln in lines if ln.startswith("seen")) == ["seen 0", "seen 1000", "seen 2000"]
+    assert all(ln.startswith(("n:", "seen ")) for ln in lines), [ln for ln in lines
+                                                                if not ln.startswith(("n:", "seen "))][:5]
+
+
+@needs_fork
+def test_a_slow_stdout_holds_the_workers_back_and_loses_nothing():
+    """The relay is bounded: a stdout that takes its time slows the printing
+    workers down (pipe backpressure) and every line still arrives."""
+
+    class Slow(io.StringIO):
+        def write(self, s):
+            time.sleep(len(s) * 1e-6)     # ~1 s for the whole output
+            return super().write(s)
+
+    buf = Slow()
+    with contextlib.redirect_stdout(buf):
+        env = fb.Environment(workers=2, parallelism=2)
+        env.from_sequence(0, 20_000, parallelism=2).map(lambda x: "x" * 50 + str(x), kind="str").print()
+        env.execute(timeout=120)
+    lines = buf.getvalue().splitlines()
+    assert sorted(int(ln.split("> ")[1][50:]) for ln in lines) == list(range(20_000))

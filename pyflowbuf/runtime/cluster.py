@@ -131,6 +131,95 @@ def _caller_stacklevel() -> int:
     return level
 
 
+class OutputRelay(threading.Thread):
+    """Carries what the workers print to the caller's ``sys.stdout``.
+
+    A forked worker's ``sys.stdout`` is a copy of the caller's, which in a
+    notebook or under ``redirect_stdout`` is an object whose output the
+    worker's copy never delivers. Each worker gets a pipe as its
+    ``sys.stdout`` instead; this thread reads the pipes and writes whole
+    lines to the ``sys.stdout`` the caller has at that moment. Bounded: a
+    pipe holds what the kernel allows and a worker that prints faster than
+    the caller's stdout takes it waits in its write; per worker the lines
+    keep their order. It ends when every worker's end of its pipe is closed
+    (the workers exited), so all they printed is out before join() returns."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, fds):
+        super().__init__(name="pyflowbuf: worker output", daemon=True)
+        self._fds = list(fds)
+        self._stop_event = threading.Event()
+
+    def run(self):
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        partial = {}
+        try:
+            for fd in self._fds:
+                sel.register(fd, selectors.EVENT_READ)
+                partial[fd] = b""
+            while partial and not self._stop_event.is_set():
+                for key, _ in sel.select(0.2):
+                    fd = key.fd
+                    try:
+                        data = os.read(fd, self.CHUNK)
+                    except OSError:
+                        data = b""
+                    if not data:            # the worker (and whatever it forked) closed its end
+                        sel.unregister(fd)
+                        self._write(partial.pop(fd))
+                        continue
+                    data = partial[fd] + data
+                    cut = data.rfind(b"\n") + 1
+                    if cut == 0 and len(data) < self.CHUNK:
+                        partial[fd] = data  # part of a line: wait for its end
+                        continue
+                    if cut == 0:
+                        cut = len(data)     # a line longer than a chunk goes out in parts
+                    partial[fd] = data[cut:]
+                    self._write(data[:cut])
+            for rest in partial.values():
+                self._write(rest)
+        finally:
+            sel.close()
+            for fd in self._fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    @staticmethod
+    def _write(data):
+        out = sys.stdout
+        if not data or out is None:
+            return
+        try:
+            out.write(data.decode("utf-8", "replace"))
+            out.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stdout must not break the job
+            pass
+
+    def close(self, timeout):
+        """Wait for the workers' output; a process they forked that still
+        holds a pipe open is not waited for beyond ``timeout``."""
+        self.join(timeout)
+        self._stop_event.set()
+        self.join()
+
+
+def _print_to_pipe(fd, others):
+    """In a worker: ``sys.stdout`` becomes its pipe to the OutputRelay;
+    the pipe ends meant for the other workers are closed here."""
+    for other in others:
+        try:
+            os.close(other)
+        except OSError:
+            pass
+    sys.stdout = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+
+
 def _die_with_parent():
     if sys.platform.startswith("linux"):
         try:
@@ -241,9 +330,11 @@ class WorkerCoordinator:
         self._post(("finished", task_key, state, list(commits), snapshotted), True)
 
 
-def _worker_main(env, me, workers, secret, conn):
+def _worker_main(env, me, workers, secret, conn, output=None):
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    if output is not None:
+        _print_to_pipe(*output)
     remote = None
     send = _Sender(conn)
     try:
@@ -310,6 +401,10 @@ def _worker_main(env, me, workers, secret, conn):
         try:
             conn.close()
         finally:
+            try:
+                sys.stdout.flush()      # os._exit skips it: what was printed must reach the relay
+            except Exception:  # noqa: BLE001
+                pass
             os._exit(0)
 
 
@@ -329,6 +424,7 @@ class ClusterExecution(Execution):
         self._done = threading.Event()
         self._procs: list = []
         self._conns: dict = {}
+        self._outputs: list = []             # an OutputRelay per set of workers started
         self._summaries: dict = {}
         self._results: dict = {}
         self._collect_base: dict = {}        # (node id, subtask) -> index of the first record held
@@ -383,15 +479,26 @@ class ClusterExecution(Execution):
 
     def _start_workers(self, ctx, restore_id=None):
         addresses = {}
+        pipes = []
         try:
+            pipes = [os.pipe() for _ in range(self.workers)]
+            every_end = [fd for pair in pipes for fd in pair]
             for w in range(self.workers):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, args=(self.env, w, self.workers, self.secret, child),
+                out = pipes[w][1]
+                proc = ctx.Process(target=_worker_main, args=(self.env, w, self.workers, self.secret, child,
+                                                              (out, [fd for fd in every_end if fd != out])),
                                    name=f"pyflowbuf-worker-{w}", daemon=True)
                 proc.start()
                 child.close()
                 self._procs.append(proc)
                 self._conns[parent] = w
+            for _, write_end in pipes:
+                os.close(write_end)     # each worker holds its own; EOF once it exits
+            relay = OutputRelay(r for r, _ in pipes)
+            pipes = []                  # the relay closes the read ends
+            relay.start()
+            self._outputs.append(relay)
             deadline = time.monotonic() + START_TIMEOUT_S
             for c, w in self._conns.items():
                 if not c.poll(max(0.0, deadline - time.monotonic())):
@@ -415,6 +522,13 @@ class ClusterExecution(Execution):
             self._kill()
             for c in self._conns:
                 c.close()
+            for pair in pipes:
+                for fd in pair:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            self._close_outputs()
             if self.local is not None:
                 self.local.remote.close()
             raise
@@ -637,10 +751,16 @@ class ClusterExecution(Execution):
                 p.kill()
                 p.join(5)
 
+    def _close_outputs(self):
+        relays, self._outputs = self._outputs, []
+        for relay in relays:
+            relay.close(5.0)
+
     def _close(self):
         self._kill()
         for c in self._conns:
             c.close()
+        self._close_outputs()       # every worker has exited: its output is all in the pipe
         monitor = getattr(self, "_monitor", None)
         if monitor is not None and self._done.is_set() and monitor is not threading.current_thread():
             monitor.join(CANCEL_GRACE_S)    # it has set _done: only its last lines are left
