@@ -54,7 +54,7 @@ class Environment:
         (``execute("name")`` sets it too).
     metrics_log, prometheus_port, live_view : where metric samples go: JSON
         lines appended to a file, Prometheus gauges on 127.0.0.1 (0: a free
-        port), a live table in the terminal. With workers they are served by
+        port, which the job's ``prometheus_port`` gives), a live table in the terminal. With workers they are served by
         the calling process.
     workers : run subtasks in this many worker processes (subtask i of each
         operator on worker i % workers), connected by the TCP exchange with
