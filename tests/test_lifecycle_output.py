@@ -141,3 +141,15 @@ def test_a_slow_stdout_holds_the_workers_back_and_loses_nothing():
         env.execute(timeout=120)
     lines = buf.getvalue().splitlines()
     assert sorted(int(ln.split("> ")[1][50:]) for ln in lines) == list(range(20_000))
+
+
+@needs_fork
+def test_worker_output_keeps_long_lines_and_characters_cut_by_a_chunk_whole():
+    line = "é€" * 50_000         # 250 KB of UTF-8, longer than the relay's chunk, no newline inside
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        env = fb.Environment(workers=2, parallelism=2)
+        env.from_collection([line, "short"], kind="str").rebalance().print()
+        env.execute(timeout=60)
+    got = sorted(ln.split("> ", 1)[1] for ln in buf.getvalue().splitlines())
+    assert got == sorted([line, "short"])

@@ -139,12 +139,14 @@ class OutputRelay(threading.Thread):
     worker's copy never delivers. Each worker gets a pipe as its
     ``sys.stdout`` instead; this thread reads the pipes and writes whole
     lines to the ``sys.stdout`` the caller has at that moment. Bounded: a
-    pipe holds what the kernel allows and a worker that prints faster than
-    the caller's stdout takes it waits in its write; per worker the lines
-    keep their order. It ends when every worker's end of its pipe is closed
+    pipe holds what the kernel allows, a worker that prints faster than
+    the caller's stdout takes it waits in its write, and the relay holds at
+    most ``MAX_LINE`` bytes of an unfinished line per worker; per worker the
+    lines keep their order. It ends when every worker's end of its pipe is closed
     (the workers exited), so all they printed is out before join() returns."""
 
-    CHUNK = 1 << 16
+    CHUNK = 1 << 16         # bytes read at a time
+    MAX_LINE = 1 << 20      # a longer line goes out in parts (other workers' lines may come between)
 
     def __init__(self, fds):
         super().__init__(name="pyflowbuf: worker output", daemon=True)
@@ -152,10 +154,13 @@ class OutputRelay(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self):
+        import codecs
         import selectors
 
         sel = selectors.DefaultSelector()
         partial = {}
+        # per pipe: a character cut by a chunk boundary is completed by the next
+        decoders = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in self._fds}
         try:
             for fd in self._fds:
                 sel.register(fd, selectors.EVENT_READ)
@@ -169,19 +174,19 @@ class OutputRelay(threading.Thread):
                         data = b""
                     if not data:            # the worker (and whatever it forked) closed its end
                         sel.unregister(fd)
-                        self._write(partial.pop(fd))
+                        self._write(decoders[fd].decode(partial.pop(fd), final=True))
                         continue
                     data = partial[fd] + data
                     cut = data.rfind(b"\n") + 1
-                    if cut == 0 and len(data) < self.CHUNK:
+                    if cut == 0 and len(data) < self.MAX_LINE:
                         partial[fd] = data  # part of a line: wait for its end
                         continue
                     if cut == 0:
-                        cut = len(data)     # a line longer than a chunk goes out in parts
+                        cut = len(data)
                     partial[fd] = data[cut:]
-                    self._write(data[:cut])
-            for rest in partial.values():
-                self._write(rest)
+                    self._write(decoders[fd].decode(data[:cut]))
+            for fd, rest in partial.items():
+                self._write(decoders[fd].decode(rest, final=True))
         finally:
             sel.close()
             for fd in self._fds:
@@ -191,12 +196,12 @@ class OutputRelay(threading.Thread):
                     pass
 
     @staticmethod
-    def _write(data):
+    def _write(text):
         out = sys.stdout
-        if not data or out is None:
+        if not text or out is None:
             return
         try:
-            out.write(data.decode("utf-8", "replace"))
+            out.write(text)
             out.flush()
         except Exception:  # noqa: BLE001 - a closed or broken stdout must not break the job
             pass
