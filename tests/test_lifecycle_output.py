@@ -12,7 +12,6 @@ import urllib.request
 import pytest
 
 import pyflowbuf as fb
-from pyflowbuf import errors
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="workers= forks")
 
