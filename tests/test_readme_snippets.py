@@ -1,4 +1,5 @@
-"""Every ```python block of README.md (and of docs/*.md) runs as written.
+"""Every ```python block of README.md, pyflowbuf/spark/README.md and
+docs/*.md runs as written.
 
 Each block runs alone in a fresh interpreter, in a temporary directory that
 holds the files the README's examples read (words.txt, lines.parquet,
@@ -23,7 +24,8 @@ TIMEOUT_S = 240
 
 
 def _blocks():
-    files = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    files = ([os.path.join(ROOT, "README.md"), os.path.join(ROOT, "pyflowbuf", "spark", "README.md")]
+             + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))))
     out = []
     for path in files:
         with open(path, encoding="utf-8") as f:
