@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import os
@@ -53,7 +54,7 @@ class Environment:
         (``execute("name")`` sets it too).
     metrics_log, prometheus_port, live_view : where metric samples go: JSON
         lines appended to a file, Prometheus gauges on 127.0.0.1 (0: a free
-        port), a live table in the terminal. With workers they are served by
+        port, which the job's ``prometheus_port`` gives), a live table in the terminal. With workers they are served by
         the calling process.
     workers : run subtasks in this many worker processes (subtask i of each
         operator on worker i % workers), connected by the TCP exchange with
@@ -216,6 +217,11 @@ class Environment:
     # ---- sources ----
     def _add(self, **kw) -> Node:
         node = Node(id=len(self.nodes), **kw)
+        for inp in node.inputs:
+            # a window result split by late(): its results come from the selector
+            split = getattr(inp.node, "split_into", None)
+            if split is not None:
+                inp.node = split
         self._check_node_kind(node)
         for inp in node.inputs:
             inp.node.consumers.append(node)
@@ -420,6 +426,7 @@ class Environment:
         if restore_from is not None and self.checkpoint_interval is None:
             raise ConfigurationError("restore_from needs checkpointing: set checkpoint_interval (and checkpoint_dir)")
         self._check_settings()
+        self._check_graph()
         for node in self.nodes:
             self._check_node_kind(node)
         with self._claim_lock:
@@ -442,6 +449,22 @@ class Environment:
         job.previous_name = name
         job.restore_from = restore_from
         return job
+
+    def _check_graph(self) -> None:
+        """A job that could do nothing visible is refused: with nothing
+        declared, or without a sink, it would run (perhaps for a long time)
+        and every record would vanish without a word."""
+        if not self.nodes:
+            raise ConfigurationError(
+                "this Environment has nothing to run: declare a source (from_collection, read_text, ..), "
+                "the operators and a sink (collect(), print(), write_text(), sink(fn), to_iterator()) "
+                "before execute()")
+        if not any(n.is_sink for n in self.nodes):
+            ends = [n.name for n in self.nodes if not n.consumers]
+            raise ConfigurationError(
+                f"this job has no sink: the records of {', '.join(repr(e) for e in ends)} would go nowhere; "
+                "end the stream with collect(), print(), write_text(), write_parquet(), sink(fn) or "
+                "to_iterator()")
 
     def _unclaim(self, job):
         """A job that could not start ran nothing: the graph is still unused."""
@@ -628,8 +651,11 @@ class Stream:
         """Each record on stdout as ``str(record)``, as PyFlink's print():
         after ``"<subtask>> "`` (from 1) when the sink has several subtasks,
         ``"<prefix>> "`` / ``"<prefix>:<subtask>> "`` with a prefix. With
-        ``workers=`` a worker prints to the stdout it inherited. Not
-        transactional: after a restore, records since the checkpoint print again."""
+        ``workers=`` what the workers print (here, or with ``print()`` in an
+        operator's function) is carried to the caller's ``sys.stdout``, so a
+        notebook or ``redirect_stdout`` sees it, whole lines in order per
+        worker, all of it before ``execute()`` returns. Not transactional:
+        after a restore, records since the checkpoint print again."""
         if prefix is not None and not isinstance(prefix, str):
             raise ConfigurationError(f"print: prefix must be a str or None, got {prefix!r}")
         from pyflowbuf.connectors import PrintSink
@@ -741,10 +767,13 @@ class KeyedStream(Stream):
         is_class = isinstance(fn, KeyedProcessFunction)
         if not is_class:
             _callable(fn, "process")
+            _check_arity(fn, f"process {name!r}", "fn(key, record, state) or fn(key, record, state, ctx)", 3, 4)
         if on_timer is not None:
             _callable(on_timer, "process on_timer")
+            _check_arity(on_timer, f"process {name!r} on_timer", "on_timer(key, t, state, ctx)", 4)
         if on_end is not None:
             _callable(on_end, "process on_end")
+            _check_arity(on_end, f"process {name!r} on_end", "on_end(key, state, ctx)", 3)
         kind = _check_kind(kind, f"process {name!r}")
         key_fn = self._key_fn
         with_ctx = is_class or takes_context(fn, 3)
@@ -823,6 +852,16 @@ class ConnectedStreams:
                 "be shared: key_by both streams, or neither for one state dict per subtask")
         from pyflowbuf.runtime.timers import KeyedCoProcessOperator, takes_context
 
+        for i, f in ((1, fn1), (2, fn2)):
+            if first_keyed:
+                _check_arity(f, f"process {name!r} (fn{i})",
+                             f"fn{i}(key, record, state) or fn{i}(key, record, state, ctx)", 3, 4)
+            else:
+                _check_arity(f, f"process {name!r} (fn{i})", f"fn{i}(record, state)", 2)
+        if on_timer is not None:
+            _check_arity(on_timer, f"process {name!r} on_timer", "on_timer(key, t, state, ctx)", 4)
+        if on_end is not None:
+            _check_arity(on_end, f"process {name!r} on_end", "on_end(key, state, ctx)", 3)
         ctx = (takes_context(fn1, 3 if first_keyed else 2), takes_context(fn2, 3 if first_keyed else 2))
         if first_keyed and (any(ctx) or on_timer is not None or on_end is not None):
             k1, k2 = self.first._key_fn, self.second._key_fn
@@ -1029,3 +1068,23 @@ def _execute_args(job_name, timeout):
 def _callable(fn, what):
     if not callable(fn):
         raise TypeError(f"{what} takes a function, got {type(fn).__name__}")
+
+
+def _check_arity(fn, what, call, *counts):
+    """Refuse, where the operator is declared, a function that cannot take the
+    positional arguments its operator will pass (``counts``: the accepted
+    numbers; ``call`` shows them); otherwise its first record fails the job.
+    A callable without a signature (some builtins) is left to that call."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    for n in counts:
+        try:
+            sig.bind(*range(n))
+            return
+        except TypeError:
+            pass
+    label = getattr(fn, "__qualname__", None) or type(fn).__name__
+    raise ConfigurationError(f"{what}: the function is called as {call}, but {label}{sig} cannot take "
+                             f"{' or '.join(map(str, counts))} positional arguments")

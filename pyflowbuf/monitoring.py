@@ -16,11 +16,14 @@ Flink's levels: OK when backpressured <= 10 % of the time, LOW <= 50 %, HIGH abo
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
 from pyflowbuf import errors
 from pyflowbuf.runtime.metrics import backpressure_level
+
+log = logging.getLogger("pyflowbuf.monitoring")
 
 __all__ = ["PrometheusExporter", "LiveView", "snapshot_table", "LEVEL_CODES", "LEVEL_STYLES"]
 
@@ -142,6 +145,9 @@ class PrometheusExporter:
                 self.port = self._server.server_address[1]
             else:  # pragma: no cover - old prometheus-client
                 self.port = port
+            # with port=0 this line (and the job's prometheus_port) is the
+            # only way to learn where to scrape
+            log.info("pyflowbuf: job %r: Prometheus metrics on %s", job_name, self.url)
 
     @property
     def url(self) -> str | None:

@@ -143,23 +143,54 @@ class Count(AggregateFunction):
         return a + b
 
 
-class Sum(AggregateFunction):
-    """The sum of ``fn(record)`` over the window."""
+def _identity(x):
+    return x
 
-    def __init__(self, fn: Callable = lambda x: x):
+
+class Sum(AggregateFunction):
+    """The sum of ``fn(record)`` over the window (of the records themselves
+    without ``fn``: a stream of numbers)."""
+
+    def __init__(self, fn: Callable = _identity):
+        _callable(fn, "Sum")
         self.fn = fn
 
     def create_accumulator(self):
         return 0
 
     def add(self, value, acc):
-        return acc + self.fn(value)
+        try:
+            return acc + self.fn(value)
+        except TypeError:
+            if self.fn is not _identity:
+                raise
+            # the first such record, where a declaration could not know the
+            # stream's kind (aggregate() refuses the kinds it does know)
+            raise errors.RecordTypeError(
+                f"Sum() adds up the records themselves, and this record is a {type(value).__name__} "
+                f"({value!r:.80}): give Sum a function that picks the number, e.g. Sum(lambda r: r[1])"
+            ) from None
 
     def merge(self, a, b):
         return a + b
 
 
-def _check_aggregate(agg, merging):
+# kinds whose records are never numbers: Sum() of the records cannot work
+_NOT_NUMBERS = ("struct", "str", "bytes", "arrow", "pandas")
+
+
+def _check_aggregate(agg, merging, kind=None):
+    if isinstance(agg, type):
+        raise TypeError(f"aggregate takes an AggregateFunction instance: {agg.__name__}() (with parentheses), "
+                        f"not the class {agg.__name__}")
+    if isinstance(agg, Sum) and agg.fn is _identity and kind is not None:
+        from pyflowbuf.api import _kind_identity
+
+        name = _kind_identity(kind)
+        if name in _NOT_NUMBERS or (hasattr(name, "names") and name.names):
+            raise errors.ConfigurationError(
+                f"aggregate(Sum()) adds up the records themselves, and this stream's records are {name} "
+                "(not numbers): give Sum a function that picks the number, e.g. Sum(lambda r: r[1])")
     for m in ("create_accumulator", "add", "get_result"):
         if not callable(getattr(agg, m, None)):
             raise TypeError(f"aggregate takes an AggregateFunction (create_accumulator, add, get_result, "
@@ -497,6 +528,12 @@ class WindowedStream:
         self.lateness = 0.0
         self.ts = _stream_timestamps(keyed, "window()")
 
+    def late(self, *args, **kwargs):
+        """Late records come from the window's result, once it has a function."""
+        raise errors.ConfigurationError(
+            "late() is called on the result of the window, once reduce, aggregate or process gave it "
+            "its function: res = ...window(...).aggregate(...); late = res.late()")
+
     def allowed_lateness(self, seconds) -> "WindowedStream":
         """Keep each window's state ``seconds`` past its end: records arriving
         in that time fire it again with the updated result."""
@@ -536,7 +573,7 @@ class WindowedStream:
         function)}`` computed with pyarrow (see ``ArrowWindowOperator``)."""
         if isinstance(agg, dict):
             return self._arrow_node(agg, parallelism, name)
-        _check_aggregate(agg, self.assigner.merging)
+        _check_aggregate(agg, self.assigner.merging, self.keyed.node.kind)
         if window_function is not None:
             _callable(window_function, "window_function")
         return self._node(AGGREGATE, agg, window_function, parallelism, name, kind)
@@ -596,26 +633,53 @@ class WindowResult(Stream):
     def late(self, *, name: str = "late") -> Stream:
         """The records that came too late for every window they belong to
         (past the watermark plus the allowed lateness), instead of being
-        dropped. Call it before using this stream."""
+        dropped. It may be called before or after the results are used
+        (``res.collect(); late = res.late()``): what reads the results
+        keeps reading them."""
         if self._late is not None:
             return self._late
         wnode = self._window_node
-        if wnode.consumers:
-            raise errors.ConfigurationError(
-                "late() splits the window's output: call it before anything reads the results")
+        env, p = self.env, wnode.parallelism
+        readers = list(wnode.consumers)
+        wnode.consumers.clear()
         self._holder["tagged"] = True
         # the window's output now carries (tag, record), a forward hop each
         # (always within one process) to the two selectors that split it
         wnode.kind = "pickle"
-        env, p = self.env, wnode.parallelism
         rname = wnode.name
         main = Stream(env, wnode)._then(f"{rname}.results", lambda: TagSelect(f"{rname}.results", 0),
                                          p, self._result_kind)
         late = Stream(env, wnode)._then(name, lambda: TagSelect(name, 1), p, None)
         late.timestamps = self._ts
+        # Operators declared on the results before this call read the
+        # selector of the results now, as does anything declared later on a
+        # stream taken from them (Environment._add follows split_into).
+        for reader in readers:
+            for inp in reader.inputs:
+                if inp.node is wnode:
+                    inp.node = main
+                    main.consumers.append(reader)
+        wnode.split_into = main
+        # the plan reads the nodes in declaration order, upstream first
+        nodes = env.nodes
+        for n in (main, late):
+            nodes.remove(n)
+        at = nodes.index(wnode) + 1
+        nodes[at:at] = [main, late]
         self.node = main
         self._late = Stream(env, late)
         return self._late
+
+    def collect(self, **kw):
+        handle = super().collect(**kw)
+        handle.late = _late_after_collect
+        return handle
+
+
+def _late_after_collect(*args, **kwargs):
+    raise errors.ConfigurationError(
+        "late() is a method of the window's result stream, not of the handle collect() returns: "
+        "res = ....aggregate(...); counts = res.collect(); late = res.late().collect()")
 
 
 # ---- the vectorized path: Arrow/pandas batches, pyarrow compute ----

@@ -173,7 +173,8 @@ def test_failure_in_open_or_finish_of_an_operator():
         return x
 
     env.from_sequence(0, 1000).map(lambda x: x, name="keyed_map").key_by(key).map(lambda x: x).collect()
-    expect_failure(env, "keyed_map", text="injected failure in key_by")
+    # the key function runs in keyed_map's task, but the failure is key_by's
+    expect_failure(env, "key_by (into 'map')", text="injected failure in key_by")
     assert_stopped_and_clean(env, before)
 
 

@@ -113,7 +113,7 @@ def assigner_for(kind, size, slide):
 
 
 def run_job(records, *, kind, size, slide=None, ooo=0.0, lateness=0.0, parallelism=1, workers=None,
-            how="process", exact=True, with_late=True):
+            how="process", exact=True, with_late=True, late_first=True):
     env = fb.Environment(parallelism=parallelism, workers=workers, max_batch=1 if exact else 1024)
     w = (env.from_iterable(records)
             .assign_timestamps(lambda r: r[1], out_of_orderness=ooo, watermark_interval=0 if exact else 0.2,
@@ -128,8 +128,10 @@ def run_job(records, *, kind, size, slide=None, ooo=0.0, lateness=0.0, paralleli
     else:
         res = w.reduce(lambda a, b: (a[0], a[1], a[2] + b[2]),
                        window_function=lambda k, win, r: (k, win.start, win.end, sorted(r[2])))
-    late = res.late() if with_late else None
+    late = res.late() if with_late and late_first else None
     out = res.collect()
+    if with_late and not late_first:
+        late = res.late()       # after the results are used: they keep their reader
     late_out = late.collect() if late is not None else None
     env.execute(timeout=120)
     return out.result, (late_out.result if late_out is not None else None), env
@@ -305,10 +307,10 @@ def test_configuration_errors():
         s.window(Session(1)).aggregate(_NoMerge())
     with pytest.raises(TypeError, match="AggregateFunction"):
         s.window(Tumbling(1)).aggregate(object())
-    res = s.window(Tumbling(1)).aggregate(Count())
-    res.collect()
-    with pytest.raises(errors.ConfigurationError, match="before"):
-        res.late()
+    with pytest.raises(errors.ConfigurationError, match="result of the window"):
+        s.window(Tumbling(1)).late()
+    with pytest.raises(errors.ConfigurationError, match="not of the handle collect"):
+        s.window(Tumbling(1)).aggregate(Count()).collect().late()
     with pytest.raises(errors.ConfigurationError, match="no timestamps"):
         env.from_iterable([("a", 1)]).key_by(lambda r: r[0]).window(Tumbling(1))
 

@@ -132,6 +132,100 @@ def _caller_stacklevel() -> int:
     return level
 
 
+class OutputRelay(threading.Thread):
+    """Carries what the workers print to the caller's ``sys.stdout``.
+
+    A forked worker's ``sys.stdout`` is a copy of the caller's, which in a
+    notebook or under ``redirect_stdout`` is an object whose output the
+    worker's copy never delivers. Each worker gets a pipe as its
+    ``sys.stdout`` instead; this thread reads the pipes and writes whole
+    lines to the ``sys.stdout`` the caller has at that moment. Bounded: a
+    pipe holds what the kernel allows, a worker that prints faster than
+    the caller's stdout takes it waits in its write, and the relay holds at
+    most ``MAX_LINE`` bytes of an unfinished line per worker; per worker the
+    lines keep their order. It ends when every worker's end of its pipe is closed
+    (the workers exited), so all they printed is out before join() returns."""
+
+    CHUNK = 1 << 16         # bytes read at a time
+    MAX_LINE = 1 << 20      # a longer line goes out in parts (other workers' lines may come between)
+
+    def __init__(self, fds):
+        super().__init__(name="pyflowbuf: worker output", daemon=True)
+        self._fds = list(fds)
+        self._stop_event = threading.Event()
+
+    def run(self):
+        import codecs
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        partial = {}
+        # per pipe: a character cut by a chunk boundary is completed by the next
+        decoders = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in self._fds}
+        try:
+            for fd in self._fds:
+                sel.register(fd, selectors.EVENT_READ)
+                partial[fd] = b""
+            while partial and not self._stop_event.is_set():
+                for key, _ in sel.select(0.2):
+                    fd = key.fd
+                    try:
+                        data = os.read(fd, self.CHUNK)
+                    except OSError:
+                        data = b""
+                    if not data:            # the worker (and whatever it forked) closed its end
+                        sel.unregister(fd)
+                        self._write(decoders[fd].decode(partial.pop(fd), final=True))
+                        continue
+                    data = partial[fd] + data
+                    cut = data.rfind(b"\n") + 1
+                    if cut == 0 and len(data) < self.MAX_LINE:
+                        partial[fd] = data  # part of a line: wait for its end
+                        continue
+                    if cut == 0:
+                        cut = len(data)
+                    partial[fd] = data[cut:]
+                    self._write(decoders[fd].decode(data[:cut]))
+            for fd, rest in partial.items():
+                self._write(decoders[fd].decode(rest, final=True))
+        finally:
+            sel.close()
+            for fd in self._fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    @staticmethod
+    def _write(text):
+        out = sys.stdout
+        if not text or out is None:
+            return
+        try:
+            out.write(text)
+            out.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stdout must not break the job
+            pass
+
+    def close(self, timeout):
+        """Wait for the workers' output; a process they forked that still
+        holds a pipe open is not waited for beyond ``timeout``."""
+        self.join(timeout)
+        self._stop_event.set()
+        self.join()
+
+
+def _print_to_pipe(fd, others):
+    """In a worker: ``sys.stdout`` becomes its pipe to the OutputRelay;
+    the pipe ends meant for the other workers are closed here."""
+    for other in others:
+        try:
+            os.close(other)
+        except OSError:
+            pass
+    sys.stdout = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+
+
 def _die_with_parent():
     if sys.platform.startswith("linux"):
         try:
@@ -242,9 +336,11 @@ class WorkerCoordinator:
         self._post(("finished", task_key, state, list(commits), snapshotted), True)
 
 
-def _worker_main(env, me, workers, secret, conn):
+def _worker_main(env, me, workers, secret, conn, output=None):
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    if output is not None:
+        _print_to_pipe(*output)
     remote = None
     send = _Sender(conn)
     try:
@@ -311,6 +407,10 @@ def _worker_main(env, me, workers, secret, conn):
         try:
             conn.close()
         finally:
+            try:
+                sys.stdout.flush()      # os._exit skips it: what was printed must reach the relay
+            except Exception:  # noqa: BLE001
+                pass
             os._exit(0)
 
 
@@ -330,6 +430,7 @@ class ClusterExecution(Execution):
         self._done = threading.Event()
         self._procs: list = []
         self._conns: dict = {}
+        self._outputs: list = []             # an OutputRelay per set of workers started
         self._summaries: dict = {}
         self._results: dict = {}
         self._collect_base: dict = {}        # (node id, subtask) -> index of the first record held
@@ -387,15 +488,26 @@ class ClusterExecution(Execution):
 
     def _start_workers(self, ctx, restore_id=None):
         addresses = {}
+        pipes = []
         try:
+            pipes = [os.pipe() for _ in range(self.workers)]
+            every_end = [fd for pair in pipes for fd in pair]
             for w in range(self.workers):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, args=(self.env, w, self.workers, self.secret, child),
+                out = pipes[w][1]
+                proc = ctx.Process(target=_worker_main, args=(self.env, w, self.workers, self.secret, child,
+                                                              (out, [fd for fd in every_end if fd != out])),
                                    name=f"pyflowbuf-worker-{w}", daemon=True)
                 proc.start()
                 child.close()
                 self._procs.append(proc)
                 self._conns[parent] = w
+            for _, write_end in pipes:
+                os.close(write_end)     # each worker holds its own; EOF once it exits
+            relay = OutputRelay(r for r, _ in pipes)
+            pipes = []                  # the relay closes the read ends
+            relay.start()
+            self._outputs.append(relay)
             deadline = time.monotonic() + START_TIMEOUT_S
             for c, w in self._conns.items():
                 if not c.poll(max(0.0, deadline - time.monotonic())):
@@ -419,6 +531,13 @@ class ClusterExecution(Execution):
             self._kill()
             for c in self._conns:
                 c.close()
+            for pair in pipes:
+                for fd in pair:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            self._close_outputs()
             if self.local is not None:
                 self.local.remote.close()
             raise
@@ -646,10 +765,19 @@ class ClusterExecution(Execution):
                 p.kill()
                 p.join(5)
 
+    def _close_outputs(self):
+        relays, self._outputs = self._outputs, []
+        for relay in relays:
+            relay.close(5.0)
+
     def _close(self):
         self._kill()
         for c in self._conns:
             c.close()
+        self._close_outputs()       # every worker has exited: its output is all in the pipe
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None and self._done.is_set() and monitor is not threading.current_thread():
+            monitor.join(CANCEL_GRACE_S)    # it has set _done: only its last lines are left
         for node in self.env.nodes:
             if node.collect_parts is not None and node.id in self._results:
                 node.collect_parts.clear()
@@ -676,14 +804,20 @@ class ClusterExecution(Execution):
 
     def iterate(self, sink_node):
         self.start()
+        ended = False
         try:
             yield from self.local.iterate(sink_node)
+            ended = True
         except errors.CancelledError:
             if self.failure is None:
                 raise
+            ended = True        # a worker failed: join() below raises its error
         finally:
-            if not self._done.is_set():
-                self.cancel()
+            if not ended:
+                # the caller closed the generator (a break) or an error left
+                # it: cancel, then reap every worker and close the local
+                # exchange, as join() would; nothing outlives the generator
+                self._stop_now()
         self.join()
 
     # ---- inspection ----

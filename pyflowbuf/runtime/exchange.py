@@ -86,6 +86,7 @@ class OutputSide:
         # the operator (or source) whose records this side writes, for error
         # messages; the task may set it, the job failure names it either way
         self.producer = None
+        self.consumer = None        # the operator a key_by feeds, to blame a bad key on it
         # unaligned checkpoints: which subpartitions another process reads (set
         # by the job), where each aligned barrier went into each queue (so the
         # alignment timeout can send an overtaking copy that stops there), and
@@ -123,7 +124,10 @@ class OutputSide:
             # keys come from the records as the user's function sees them,
             # before a serializer turns them into bytes
             key_fn = self.key_fn
-            keys = [key_fn(x) for x in batch]
+            try:
+                keys = [key_fn(x) for x in batch]
+            except Exception as exc:
+                raise self._key_by_failed(exc)
         if type(ser) is not CoreSerializer:
             batch = ser.encode_batch(batch)
         try:
@@ -135,6 +139,8 @@ class OutputSide:
                 w.write_batch_keyed(batch, keys)
             else:
                 w.write_batch_broadcast(batch)
+        except errors.KeyTypeError as exc:
+            raise self._key_by_failed(exc)
         except TypeError as exc:
             # The C writer type-checks as it writes and says which index
             # failed; show the record itself instead.
@@ -143,6 +149,12 @@ class OutputSide:
                 raise
             reason = str(exc.__cause__ or exc)
             raise record_type_error(ser, records[i], operator=self.producer, reason=reason) from exc
+
+    def _key_by_failed(self, exc):
+        """The key function ran here, in the producer's task, but the fault is
+        key_by's: the failure names it (``failed_operator``, read by the job)."""
+        exc.failed_operator = f"key_by (into {self.consumer!r})" if self.consumer else "key_by"
+        return exc
 
     def _emit_arrays(self, batch):
         w, n = self.writer, self.writer.num_channels

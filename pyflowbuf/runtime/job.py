@@ -155,6 +155,16 @@ class Execution:
     def done(self):
         return self._done.is_set()
 
+    @property
+    def prometheus_port(self) -> int | None:
+        """The port the Prometheus exporter serves on (the free one it took
+        for ``prometheus_port=0``), None when the job has none."""
+        sampler = getattr(self, "sampler", None)
+        for listener in (sampler.listeners if sampler is not None else ()):
+            if type(listener).__name__ == "PrometheusExporter":
+                return listener.port
+        return None
+
 
 class JobExecution(Execution):
     """One process's share of a job. Without ``placement`` every subtask runs
@@ -245,6 +255,7 @@ class JobExecution(Execution):
                     waker = notifiers.setdefault((up.id, i), Notifier())
                 pools[i] = pool = net.create_pool(lo, hi, waker)
                 side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, env.max_record_size)
+                side.consumer = down.head.name
                 side.remote = [id(q) in self._exported for q in mine]
                 outputs.setdefault((up.id, i), []).append(side)
             for j in range(down.parallelism):
@@ -544,7 +555,8 @@ class JobExecution(Execution):
             first = self.failure is None and not (self.cancelled and isinstance(exc, errors.CancelledError))
             if first:
                 tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-                self.failure = (task.task_name, task.current_operator, exc, tb)
+                op = getattr(exc, "failed_operator", None) or task.current_operator
+                self.failure = (task.task_name, op, exc, tb)
         # The frames of the traceback hold the batch that was in flight, and
         # its zero-copy records pin their segments: keep the text, drop locals.
         traceback.clear_frames(exc.__traceback__)

@@ -29,6 +29,11 @@ def local_session(app_name: str = "pyflowbuf", *, cores: int = 2, max_records_pe
     ``getOrCreate`` semantics: an active session is reused (its static
     settings are not changed; the runtime SQL settings given here are set)."""
     worker_python_env()
+    # A local master's traffic stays on loopback: without SPARK_LOCAL_IP the
+    # JVM looks for the host's address, warns when the hostname resolves to
+    # loopback and picks another interface. Read when the JVM starts, so a
+    # session already running keeps its address; a user's choice is kept.
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
     runtime = {
