@@ -55,7 +55,7 @@ cdef extern from "Python.h":
 DEFAULT_MAX_RECORD_SIZE = 64 * 1024 * 1024
 DEFAULT_ZERO_COPY_MIN = 4096
 KINDS = {"bytes": KIND_BYTES, "int64": KIND_INT64, "float64": KIND_FLOAT64,
-         "str": KIND_STR, "pickle": KIND_PICKLE, "struct": KIND_STRUCT}
+         "str": KIND_STR, "pickle": KIND_PICKLE, "struct": KIND_STRUCT, "number": KIND_NUMBER}
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 cdef object _NEED_MORE = object()
 cdef object _pickle_dumps = pickle.dumps
@@ -569,6 +569,8 @@ cdef inline int _fits(int kind, object rec) except -1:
         return t is bytes or (not isinstance(rec, str) and PyObject_CheckBuffer(rec))
     if kind == KIND_STRUCT:
         return _struct_fits(rec, 0)
+    if kind == KIND_NUMBER:
+        return t is int or t is float
     return 1
 
 
@@ -580,6 +582,45 @@ def first_misfit(list records, kind):
     cdef int k = _kind_code(kind)
     cdef Py_ssize_t i, n = PyList_GET_SIZE(records)
     if k == KIND_PICKLE:
+        return -1
+    for i in range(n):
+        if not _fits(k, <object>PyList_GET_ITEM(records, i)):
+            return i
+    return -1
+
+
+def conform_batch(list records, kind):
+    """``first_misfit``, and the records that fit but are not of the exact
+    type a reader of the stream returns (an int or a NumPy scalar in a
+    float64 stream, an ``np.int64`` in an int64 stream) replaced in
+    ``records`` by that type: a record handed to a chained operator is then
+    the value it would be after serialization, so chaining changes no value."""
+    cdef int k = _kind_code(kind)
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(records)
+    cdef int overflow = 0
+    cdef type t
+    if k == KIND_PICKLE:
+        return -1
+    if k == KIND_FLOAT64:
+        for i in range(n):
+            rec = <object>PyList_GET_ITEM(records, i)
+            if type(rec) is not float:
+                if not _fits(k, rec):
+                    return i
+                records[i] = PyFloat_FromDouble(PyFloat_AsDouble(rec))
+        return -1
+    if k == KIND_INT64:
+        for i in range(n):
+            rec = <object>PyList_GET_ITEM(records, i)
+            t = type(rec)
+            if t is int:
+                PyLong_AsLongLongAndOverflow(rec, &overflow)
+                if overflow:
+                    return i
+            elif not _fits(k, rec):
+                return i
+            else:
+                records[i] = PyLong_FromLongLong(PyLong_AsLongLong(rec))
         return -1
     for i in range(n):
         if not _fits(k, <object>PyList_GET_ITEM(records, i)):
@@ -802,6 +843,13 @@ cdef class RecordWriter:
             if n > self.max_record_size:
                 self._too_large(n)
             return self._write_raw(ch, p, <uint32_t>n)
+        if self.kind == KIND_NUMBER:
+            # the struct codec's int and float: exact types, any int size
+            if type(rec) is not int and type(rec) is not float:
+                raise TypeError(f"a number stream takes int and float records, got {type(rec).__name__}")
+            self.pack.len = 0
+            _pack(&self.pack, rec, 0)
+            return self._write_raw(ch, self.pack.p, <uint32_t>self.pack.len)
         if self.kind == KIND_STRUCT:
             self.pack.len = 0
             _pack(&self.pack, rec, 0)
@@ -1069,7 +1117,7 @@ cdef class RecordReader:
             return PyFloat_FromDouble(dv)
         if self.kind == KIND_STR:
             return PyUnicode_DecodeUTF8(p, n, "strict")
-        if self.kind == KIND_STRUCT:
+        if self.kind == KIND_STRUCT or self.kind == KIND_NUMBER:
             return _unpack_record(p, n)
         mv = PyMemoryView_FromMemory(<char *>p, n, 0x100)
         try:
