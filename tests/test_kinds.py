@@ -427,6 +427,16 @@ def test_halving_ints_widens_instead_of_failing(chaining):
     assert same(h.result, [0, 0.5, 1.0, 1.5])
 
 
+@needs_fork
+def test_a_number_stream_crosses_workers_with_exact_types():
+    env = fb.Environment(workers=2, parallelism=2)
+    h = (env.from_sequence(0, 200).map(lambda x: x if x % 3 else x / 2, name="mixed")
+            .rebalance().map(lambda x: x, name="after").collect())
+    env.execute(timeout=90)
+    want = [x if x % 3 else x / 2 for x in range(200)]
+    assert sorted(map(repr, h.result)) == sorted(map(repr, want))     # repr: 0.0 is not 0
+
+
 @CHAINING
 def test_a_declared_int64_stream_refuses_a_float_naming_the_operator(chaining):
     env = fb.Environment(chaining=chaining)
