@@ -295,9 +295,10 @@ class Environment:
         ``column_types`` (a pyarrow Schema or a dict of name to type) and, for
         the other columns, inferred from the first ``block_size`` bytes. An
         unquoted empty field is None, a quoted one ``""``. Each file's lines
-        are split over the ``parallelism`` subtasks by byte ranges; values
-        holding line breaks inside quotes are not supported. A row that does
-        not parse is ``connectors.FileFormatError`` naming the file and line."""
+        are split over the ``parallelism`` subtasks by byte ranges; a value
+        holding a line break inside quotes is refused at every parallelism. A
+        row that does not parse is ``connectors.FileFormatError`` naming the
+        file and line."""
         from pyflowbuf import connectors
 
         factory, kind = connectors.csv_source(
