@@ -238,6 +238,15 @@ class Environment:
         if kind is None and isinstance(iterable, (list, tuple, range)) and len(iterable):
             from pyflowbuf.serializers import infer_kind
             kind = infer_kind(iterable[0])
+            if kind == "number":
+                # all the records are known: plain ints (or floats) take the
+                # fixed-width kind, as from_sequence does
+                from pyflowbuf._core.serde import number_kind
+                if isinstance(iterable, range):
+                    fits = -(1 << 63) <= min(iterable[0], iterable[-1]) and max(iterable[0], iterable[-1]) < (1 << 63)
+                    kind = "int64" if fits else "number"
+                else:
+                    kind = number_kind(iterable if isinstance(iterable, list) else list(iterable))
         return self._source(name, lambda: srcs.IterableSource(iterable), kind, rate_limit)
 
     from_collection = from_iterable

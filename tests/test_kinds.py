@@ -427,6 +427,24 @@ def test_halving_ints_widens_instead_of_failing(chaining):
     assert same(h.result, [0, 0.5, 1.0, 1.5])
 
 
+@pytest.mark.parametrize("records, kind", [([1, 2], "int64"), (range(5), "int64"), ((1.5, 2.0), "float64"),
+                                           ([1, 0.5], "number"), ([0.5, 1], "number"), ([1, 2**64], "number"),
+                                           ([1, "x"], "number"), (range(2**64, 2**64 + 2), "number")])
+def test_a_collection_of_numbers_takes_its_kind_from_all_its_records(records, kind):
+    # every record of a list is known when the stream is declared: plain ints
+    # stay int64 (a union with from_sequence works), mixed ones are number
+    assert fb.Environment().from_collection(records).node.kind == kind
+
+
+@CHAINING
+def test_numpy_numbers_in_a_number_stream_come_back_as_int_and_float(chaining):
+    env = fb.Environment(chaining=chaining)
+    h = (env.from_collection([0, 1, 2, 3]).map(lambda x: x if x < 2 else np.float64(x) / 4 if x == 2 else np.int32(x),
+                                               name="mixed").map(lambda x: x, name="after").collect())
+    env.execute(timeout=30)
+    assert [(type(x), x) for x in h.result] == [(int, 0), (int, 1), (float, 0.5), (int, 3)]
+
+
 @needs_fork
 def test_a_number_stream_crosses_workers_with_exact_types():
     env = fb.Environment(workers=2, parallelism=2)
@@ -568,8 +586,13 @@ def test_operators_accept_what_the_writer_accepts():
     op.open(0, 1)
     out = op.process_batch([1, 2.5, 2**70])     # the first record says number
     assert out == [1, 2.5, 2**70] and [type(x) for x in out] == [int, float, int]
-    with pytest.raises(errors.RecordTypeError, match="number"):
-        op.process_batch([np.float32(0.5)])
+    # NumPy numbers, float subclasses and IntEnums are plainly ints or floats
+    out = op.process_batch([np.float64(0.25), np.float32(0.5), np.int64(7), _Color.RED])
+    assert out == [0.25, 0.5, 7, 1] and [type(x) for x in out] == [float, float, int, int]
+    import decimal
+    for odd in (True, np.bool_(True), decimal.Decimal("0.1"), "1"):
+        with pytest.raises(errors.RecordTypeError, match="number"):
+            op.process_batch([1, odd])
     op = ops.Map("anything", lambda x: x)
     op.open(0, 1)
     assert op.process_batch([None, 1, "x"]) == [None, 1, "x"]   # the first record says pickle

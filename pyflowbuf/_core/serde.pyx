@@ -570,8 +570,26 @@ cdef inline int _fits(int kind, object rec) except -1:
     if kind == KIND_STRUCT:
         return _struct_fits(rec, 0)
     if kind == KIND_NUMBER:
-        return t is int or t is float
+        return t is int or t is float or _as_number(rec) is not None
     return 1
+
+
+cdef object _as_number(object rec):
+    """``rec`` as the exact int or float a number stream carries, for the
+    other numbers that are plainly one of them (a float subclass such as
+    np.float64, an IntEnum, NumPy integer and float scalars); None for
+    anything else (bool, Decimal, Fraction, longdouble: no silent rounding)."""
+    if isinstance(rec, bool):
+        return None
+    if isinstance(rec, float):
+        return PyFloat_FromDouble(PyFloat_AsDouble(rec))
+    if isinstance(rec, int):
+        return int(rec)
+    if isinstance(rec, np.integer) and not isinstance(rec, np.timedelta64):
+        return int(rec)
+    if isinstance(rec, np.floating) and (<object>rec).dtype.itemsize <= 8:
+        return float(rec)
+    return None
 
 
 def first_misfit(list records, kind):
@@ -587,6 +605,30 @@ def first_misfit(list records, kind):
         if not _fits(k, <object>PyList_GET_ITEM(records, i)):
             return i
     return -1
+
+
+def number_kind(list records):
+    """The kind for a known list of records that a first int or float record
+    would make ``number``: ``int64`` when every record is an int that fits 64
+    bits, ``float64`` when every one is a float, ``number`` otherwise."""
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(records)
+    cdef int ints = 0, floats = 0, overflow = 0
+    cdef type t
+    for i in range(n):
+        rec = <object>PyList_GET_ITEM(records, i)
+        t = type(rec)
+        if t is int:
+            PyLong_AsLongLongAndOverflow(rec, &overflow)
+            if overflow:
+                return "number"
+            ints = 1
+        elif t is float:
+            floats = 1
+        else:
+            return "number"
+        if ints and floats:
+            return "number"
+    return "float64" if floats else "int64"
 
 
 def conform_batch(list records, kind):
@@ -621,6 +663,16 @@ def conform_batch(list records, kind):
                 return i
             else:
                 records[i] = PyLong_FromLongLong(PyLong_AsLongLong(rec))
+        return -1
+    if k == KIND_NUMBER:
+        for i in range(n):
+            rec = <object>PyList_GET_ITEM(records, i)
+            t = type(rec)
+            if t is not int and t is not float:
+                rec = _as_number(rec)
+                if rec is None:
+                    return i
+                records[i] = rec
         return -1
     for i in range(n):
         if not _fits(k, <object>PyList_GET_ITEM(records, i)):
@@ -846,7 +898,10 @@ cdef class RecordWriter:
         if self.kind == KIND_NUMBER:
             # the struct codec's int and float: exact types, any int size
             if type(rec) is not int and type(rec) is not float:
-                raise TypeError(f"a number stream takes int and float records, got {type(rec).__name__}")
+                num = _as_number(rec)
+                if num is None:
+                    raise TypeError(f"a number stream takes int and float records, got {type(rec).__name__}")
+                rec = num
             self.pack.len = 0
             _pack(&self.pack, rec, 0)
             return self._write_raw(ch, self.pack.p, <uint32_t>self.pack.len)
