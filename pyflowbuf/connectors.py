@@ -407,12 +407,14 @@ def parquet_source(path, *, columns=None, batch_size=DEFAULT_BATCH_ROWS, as_="re
 _NULL_VALUES = [""]
 
 
-def _quoted_line_break(data: bytes, quote) -> int:
+def _quoted_line_break(data: bytes, quote, delimiter: bytes) -> int:
     """The offset in ``data`` (whole lines) of the first line end that lies
-    inside a quoted value, or -1. Quote characters come in pairs on a line
-    ("" inside a value is one more pair), so the line ends where the count of
-    quotes so far is odd are inside quotes. One vectorized pass, and only for
-    blocks that hold a quote at all."""
+    inside a quoted value, or -1. Decided line by line, so the same lines are
+    refused however the file is split: a line with an even number of quote
+    characters closes what it opens (one vectorized pass finds the others,
+    and only for blocks that hold a quote at all); a line with an odd number
+    is read as the CSV parser does, since a quote inside an unquoted field
+    (12" screen) is a plain character."""
     if quote is None or data.find(quote) < 0:
         return -1
     import numpy as np
@@ -420,10 +422,36 @@ def _quoted_line_break(data: bytes, quote) -> int:
     a = np.frombuffer(data, np.uint8)
     parity = np.cumsum(a == quote[0], dtype=np.uint8) & 1       # mod 256 keeps the parity
     ends = np.flatnonzero(a == 10)
-    odd = ends[parity[ends] == 1]
-    if len(odd):
-        return int(odd[0])
-    return len(data) - 1 if parity[-1] else -1      # the last line has no newline and an open quote
+    if not len(ends) or ends[-1] != len(data) - 1:
+        ends = np.append(ends, len(data) - 1)                    # a last line without a newline
+    at_end = parity[ends]
+    odd_lines = np.flatnonzero(at_end ^ np.concatenate(([0], at_end[:-1])).astype(np.uint8))
+    for j in odd_lines:
+        first = 0 if j == 0 else int(ends[j - 1]) + 1
+        if _ends_inside_quotes(data[first:int(ends[j]) + 1], quote, delimiter):
+            return int(ends[j])
+    return -1
+
+
+def _ends_inside_quotes(line: bytes, quote: bytes, delimiter: bytes) -> bool:
+    """Whether a quoted value opened on ``line`` (a quote at the start of a
+    field) is still open at its end; "" inside a quoted value is a quote."""
+    q, d = quote[0], delimiter[0]
+    inside, field_start, i, n = False, True, 0, len(line)
+    while i < n:
+        c = line[i]
+        i += 1
+        if inside:
+            if c == q:
+                if i < n and line[i] == q:
+                    i += 1
+                else:
+                    inside = False
+        elif c == q and field_start:
+            inside, field_start = True, False
+        else:
+            field_start = c == d
+    return inside
 
 
 def _first_bad_utf8_line(data: bytes, first_line: int) -> int:
@@ -452,6 +480,7 @@ class CsvPlan:
         except (TypeError, ValueError) as exc:
             raise errors.ConfigurationError(f"{what}: delimiter/quote_char: {exc}") from None
         self.quote = quote_char.encode() if isinstance(quote_char, str) and quote_char else None
+        self.delimiter = delimiter.encode()
         # an empty file has no rows and no header; the first other one gives them
         first = next((f for f in self.files if os.path.getsize(f) > 0), None)
         if first is None:
@@ -693,12 +722,12 @@ class CsvFileSource(_FileSource):
         conv = pacsv.ConvertOptions(column_types=plan.schema, include_columns=plan.columns,
                                     strings_can_be_null=True, quoted_strings_can_be_null=False,
                                     null_values=_NULL_VALUES)
-        bad = _quoted_line_break(data, plan.quote)
+        bad = _quoted_line_break(data, plan.quote, plan.delimiter)
         if bad >= 0:
             line = self._line_number(fh, start + bad)
             raise FileFormatError(
                 f"{self.what}: {self.files[f]}, line {line} (byte {start + bad}): a line break inside a quoted "
-                "value, or a quote character that is not closed on its line. read_csv splits files at line "
+                "value (a quote that opens a field and is not closed on its line). read_csv splits files at line "
                 "ends (over its subtasks and in blocks), so it refuses such values rather than read them "
                 "differently at each parallelism: remove the line breaks from the values, or read the file "
                 "with pyarrow.csv / pandas")

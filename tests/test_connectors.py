@@ -632,3 +632,17 @@ def test_csv_gives_the_same_rows_at_every_parallelism_or_refuses(tmp_path_factor
     assert (outcomes[0] == "refused") == any("\n" in b for _, b in rows)
     if outcomes[0] != "refused":
         assert outcomes[0] == sorted(want, key=repr)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.tuples(st.integers(0, 9), st.text(alphabet='ab" x', max_size=6)), min_size=1, max_size=60))
+def test_csv_quotes_inside_unquoted_fields_are_plain_characters_at_every_parallelism(tmp_path_factory, rows):
+    # 12" screen: a quote that does not open a field is text, not a quoted line break
+    rows = [(a, "x" + b) for a, b in rows]
+    path = tmp_path_factory.mktemp("csv") / "rows.csv"
+    path.write_text("a,b\n" + "".join(f"{a},{b}\n" for a, b in rows))
+    want = sorted(({"a": a, "b": b} for a, b in rows), key=repr)
+    for p in (1, 2, 3):
+        got = _read(lambda env: env.read_csv(str(path), parallelism=p, block_size=1024,
+                                             column_types={"a": "int64", "b": "string"}))
+        assert sorted(got, key=repr) == want, p
