@@ -19,9 +19,10 @@ such values.
 (the struct codec's scalars): it is inferred when the first record is an int
 or a float, so a stream whose first records are ints may later carry floats
 (``0 if x == 0 else x / 2``) and every value comes back as it was emitted.
-``int64`` and ``float64`` are the fixed-width fast paths, taken when declared
-(and for NumPy scalars): a float64 stream turns ints into floats and an int64
-stream refuses floats, chained or not.
+``int64`` and ``float64`` are the fixed-width fast paths, taken when declared,
+for NumPy scalars, and for a collection known to hold only ints (only floats):
+a float64 stream turns ints into floats and an int64 stream refuses floats,
+chained or not.
 """
 from __future__ import annotations
 
