@@ -197,6 +197,17 @@ def test_struct_batch_codec():
     assert S.unpack_struct_batch([memoryview(b) for b in data]) == recs
 
 
+@given(st.lists(st.one_of(st.integers(-(2**70), 2**70), st.integers(-(2**300), 2**300),
+                          st.floats(allow_nan=True, allow_infinity=True)), max_size=60))
+def test_number_kind_round_trip_keeps_int_and_float_exactly(records):
+    # ints of any size and floats (NaN, -0.0 by their bits) through 256-byte buffers
+    nbp, q, w = _pipe("number", segments=256)
+    w.write_batch(records)
+    w.end_input()
+    got = list(RecordReader(q, kind="number"))
+    assert len(got) == len(records) and all(map(same, got, records))
+
+
 # ------------------------------------------------------------------ inference
 
 

@@ -859,9 +859,12 @@ cdef class RecordWriter:
         cdef Py_buffer view
         cdef Py_ssize_t n
         cdef const char *p
-        cdef char tmp[8]
+        cdef char tmp[16]
         cdef long long iv
         cdef double dv
+        cdef uint64_t bits
+        cdef int overflow = 0
+        cdef Packbuf head
         if self.kind == KIND_BYTES:
             if PyBytes_CheckExact(rec):
                 n = PyBytes_GET_SIZE(rec)
@@ -902,6 +905,19 @@ cdef class RecordWriter:
                 if num is None:
                     raise TypeError(f"a number stream takes int and float records, got {type(rec).__name__}")
                 rec = num
+            # the common cases encoded on the stack, as the fixed-width kinds are
+            if type(rec) is float:
+                dv = PyFloat_AS_DOUBLE(rec)
+                memcpy(&bits, &dv, 8)
+                tmp[0] = <char>S_FLOAT
+                fb_store_le64(tmp + 1, bits)
+                return self._write_raw(ch, tmp, 9)
+            iv = PyLong_AsLongLongAndOverflow(rec, &overflow)
+            if not overflow:
+                head.p = tmp
+                head.len = 0
+                _pb_head(&head, S_INT, (<uint64_t>iv << 1) ^ <uint64_t>(iv >> 63))
+                return self._write_raw(ch, tmp, <uint32_t>head.len)
             self.pack.len = 0
             _pack(&self.pack, rec, 0)
             return self._write_raw(ch, self.pack.p, <uint32_t>self.pack.len)
@@ -1153,6 +1169,7 @@ cdef class RecordReader:
     cdef object _make(self, ChanState *c, const char *p, uint32_t n):
         cdef Buffer buf
         cdef double dv
+        cdef uint64_t u
         if self.kind == KIND_BYTES:
             if n >= self.zero_copy_min and c.cur.pool is not NULL:
                 if c.cur_buf is NULL:
@@ -1172,7 +1189,13 @@ cdef class RecordReader:
             return PyFloat_FromDouble(dv)
         if self.kind == KIND_STR:
             return PyUnicode_DecodeUTF8(p, n, "strict")
-        if self.kind == KIND_STRUCT or self.kind == KIND_NUMBER:
+        if self.kind == KIND_NUMBER:
+            if n == 9 and <unsigned char>p[0] == S_FLOAT:
+                u = fb_load_le64(p + 1)
+                memcpy(&dv, &u, 8)
+                return PyFloat_FromDouble(dv)
+            return _unpack_record(p, n)
+        if self.kind == KIND_STRUCT:
             return _unpack_record(p, n)
         mv = PyMemoryView_FromMemory(<char *>p, n, 0x100)
         try:
