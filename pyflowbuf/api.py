@@ -561,8 +561,9 @@ class Stream:
                 f"assign_timestamps {name!r}: watermark_interval={watermark_interval!r} is in seconds; "
                 f"values this large are usually milliseconds: for {interval / 1000:g} s pass "
                 f"watermark_interval={interval / 1000:g}"), stacklevel=2)
-        node = self._then(name, lambda: TimestampsAssigner(name, fn, ooo, idle, interval, unit), parallelism,
-                          self.node.kind)
+        shared: dict = {}
+        node = self._then(name, lambda: TimestampsAssigner(name, fn, ooo, idle, interval, unit, shared),
+                          parallelism, self.node.kind)
         node.timestamps = fn
         node.event_time = True
         return Stream(self.env, node)

@@ -400,9 +400,15 @@ def test_milliseconds_with_unit_ms_fill_one_second_windows(chaining):
     assert got == [("a", 1_700_000_000.0, 10), ("a", 1_700_000_001.0, 10)]
 
 
-def test_milliseconds_read_as_seconds_warn_once_naming_the_operator():
+@pytest.mark.parametrize("parallelism", [1, 3])
+def test_milliseconds_read_as_seconds_warn_once_naming_the_operator(parallelism):
+    from pyflowbuf.windows import Count, Tumbling
+    env = fb.Environment(parallelism=parallelism)
+    (env.from_collection(MS_RECORDS * 3).rebalance()
+        .assign_timestamps(lambda r: r[1], name="stamps")
+        .key_by(lambda r: r[0]).window(Tumbling(1.0)).aggregate(Count()).collect())
     with pytest.warns(errors.UnitWarning, match="'stamps'.*unit='ms'") as rec:
-        _tumbling_counts(MS_RECORDS)
+        env.execute(timeout=30)
     assert len([w for w in rec if issubclass(w.category, errors.UnitWarning)]) == 1
 
 

@@ -196,10 +196,12 @@ class TimestampsAssigner(Operator):
     event_time = True
 
     def __init__(self, name, ts_fn, out_of_orderness: float, idle_timeout: float | None, interval: float,
-                 unit: str = "s"):
+                 unit: str = "s", shared: dict | None = None):
         super().__init__(name)
         self.unit = unit
         self._unit_checked = False
+        # what the operator's subtasks (in this process) share: which of them warned
+        self._shared = {} if shared is None else shared
         self.ts_fn = ts_fn
         self.column = ts_fn if isinstance(ts_fn, str) else None
         self.out_of_orderness = out_of_orderness
@@ -270,7 +272,8 @@ class TimestampsAssigner(Operator):
 
     def _check_unit(self, high):
         self._unit_checked = True
-        if self.unit == "s" and abs(high) > SECONDS_LOOK_LIKE_MS and high != END_OF_TIME:
+        if (self.unit == "s" and abs(high) > SECONDS_LOOK_LIKE_MS and high != END_OF_TIME
+                and self._shared.setdefault("unit_warning", self) is self):     # one subtask warns
             warnings.warn(errors.UnitWarning(
                 f"operator {self.name!r}: timestamps are read as seconds, and the first ones (up to "
                 f"{high:.6g}) look like milliseconds or finer since 1970: every record would get a window "
