@@ -864,7 +864,6 @@ cdef class RecordWriter:
         cdef double dv
         cdef uint64_t bits
         cdef int overflow = 0
-        cdef Packbuf head
         if self.kind == KIND_BYTES:
             if PyBytes_CheckExact(rec):
                 n = PyBytes_GET_SIZE(rec)
@@ -899,13 +898,13 @@ cdef class RecordWriter:
                 self._too_large(n)
             return self._write_raw(ch, p, <uint32_t>n)
         if self.kind == KIND_NUMBER:
-            # the struct codec's int and float: exact types, any int size
+            # an int that fits 64 bits as int64 writes it, a float and a larger
+            # int as the struct codec does: exact types, any int size
             if type(rec) is not int and type(rec) is not float:
                 num = _as_number(rec)
                 if num is None:
                     raise TypeError(f"a number stream takes int and float records, got {type(rec).__name__}")
                 rec = num
-            # the common cases encoded on the stack, as the fixed-width kinds are
             if type(rec) is float:
                 dv = PyFloat_AS_DOUBLE(rec)
                 memcpy(&bits, &dv, 8)
@@ -914,10 +913,9 @@ cdef class RecordWriter:
                 return self._write_raw(ch, tmp, 9)
             iv = PyLong_AsLongLongAndOverflow(rec, &overflow)
             if not overflow:
-                head.p = tmp
-                head.len = 0
-                _pb_head(&head, S_INT, (<uint64_t>iv << 1) ^ <uint64_t>(iv >> 63))
-                return self._write_raw(ch, tmp, <uint32_t>head.len)
+                # 8 bytes, as int64 writes it: a float is 9 and a larger int at least 11
+                fb_store_le64(tmp, <uint64_t>iv)
+                return self._write_raw(ch, tmp, 8)
             self.pack.len = 0
             _pack(&self.pack, rec, 0)
             return self._write_raw(ch, self.pack.p, <uint32_t>self.pack.len)
@@ -1190,6 +1188,8 @@ cdef class RecordReader:
         if self.kind == KIND_STR:
             return PyUnicode_DecodeUTF8(p, n, "strict")
         if self.kind == KIND_NUMBER:
+            if n == 8:
+                return PyLong_FromLongLong(<long long>fb_load_le64(p))
             if n == 9 and <unsigned char>p[0] == S_FLOAT:
                 u = fb_load_le64(p + 1)
                 memcpy(&dv, &u, 8)
