@@ -473,3 +473,19 @@ def test_settings_in_plausible_seconds_do_not_warn(recwarn):
     assert not [w for w in recwarn if issubclass(w.category, errors.UnitWarning)]
     with pytest.warns(errors.UnitWarning, match="watermark_interval"):
         env.from_collection([1]).assign_timestamps(lambda r: r, watermark_interval=200)
+
+
+@pytest.mark.parametrize("chaining", [True, False])
+def test_a_pandas_nat_timestamp_is_refused(chaining):
+    pd = pytest.importorskip("pandas")
+    recs = [("a", pd.Timestamp("2024-01-01")), ("a", pd.NaT)]
+    with pytest.raises(errors.JobFailedError) as info:
+        _tumbling_counts(recs, chaining)
+    assert isinstance(info.value.__cause__, errors.InvalidTimestampError)
+
+
+def test_to_seconds_of_no_time_is_nan_and_of_other_objects_a_record_type_error():
+    import numpy as np
+    assert math.isnan(wmk.to_seconds(np.datetime64("NaT")))
+    with pytest.raises(errors.RecordTypeError):
+        wmk.to_seconds(np.array([1.0, 2.0]))

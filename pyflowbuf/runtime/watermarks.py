@@ -62,14 +62,16 @@ def to_seconds(t) -> float:
         return t
     if isinstance(t, numbers.Real) and not isinstance(t, bool):
         return float(t)
-    if t != t:      # pd.NaT, np.datetime64("NaT"): no time, as NaN
-        return math.nan
     if isinstance(t, _dt.datetime):
+        if t != t:      # pd.NaT: no time, as NaN (refused by the assigner)
+            return math.nan
         if t.tzinfo is None:
             t = t.replace(tzinfo=_dt.timezone.utc)
         return t.timestamp()
     if type(t).__name__ == "datetime64":
         import numpy as np
+        if np.isnat(t):
+            return math.nan
         return float(t.astype("datetime64[us]").astype(np.int64)) / 1e6
     raise errors.RecordTypeError(
         f"a timestamp function returned {t!r} ({type(t).__name__}); event time is seconds as a float "
