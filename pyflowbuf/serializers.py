@@ -196,8 +196,22 @@ def misfit_finder(kind: Any) -> Callable[[list], int] | None:
             return None
         core = ser.core_kind
         return lambda records: conform_batch(records, core)
+    if ser.name == "numpy":
+        return _numpy_conform
     types = _batch_record_types(ser.name)
     return None if types is None else _first_not_of(types)
+
+
+def _numpy_conform(records: list) -> int:
+    """A numpy stream's check: NumPy scalars become the 0-d arrays its
+    serializer sends them as, so a chained operator sees what a reader gives."""
+    for i, r in enumerate(records):
+        if type(r) is not np.ndarray:
+            if isinstance(r, np.generic):
+                records[i] = np.asarray(r)
+            elif not isinstance(r, np.ndarray):
+                return i
+    return -1
 
 
 _SHORT = reprlib.Repr()

@@ -456,6 +456,15 @@ def test_numpy_numbers_in_a_number_stream_come_back_as_int_and_float(chaining):
     assert [(type(x), x) for x in h.result] == [(int, 0), (int, 1), (float, 0.5), (int, 3)]
 
 
+@CHAINING
+def test_numpy_scalars_in_a_declared_numpy_stream_are_0d_arrays_chained_or_not(chaining):
+    env = fb.Environment(chaining=chaining)
+    h = (env.from_collection([np.int64(3), np.float32(0.5)], kind="numpy").map(lambda x: x, kind="numpy")
+            .collect())
+    env.execute(timeout=30)
+    assert [(type(x), x.ndim, x.dtype) for x in h.result] == [(np.ndarray, 0, np.int64), (np.ndarray, 0, np.float32)]
+
+
 @needs_fork
 def test_a_number_stream_crosses_workers_with_exact_types():
     env = fb.Environment(workers=2, parallelism=2)
