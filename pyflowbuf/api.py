@@ -16,11 +16,12 @@ import math
 import numbers
 import os
 import threading
+import warnings
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError
+from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError, UnitWarning
 from pyflowbuf.runtime import operators as ops
 from pyflowbuf.runtime import sources as srcs
 from pyflowbuf.runtime.graph import Input, Node, plan
@@ -136,6 +137,7 @@ class Environment:
         self.debloat_threshold = debloat_threshold
         self.min_buffer_size = min_buffer_size
         self._check_settings()
+        _warn_milliseconds(self)
         self.buffer_timeout = float(buffer_timeout)
         self.nodes: list[Node] = []
         self.last_execution = None
@@ -242,6 +244,15 @@ class Environment:
         if kind is None and isinstance(iterable, (list, tuple, range)) and len(iterable):
             from pyflowbuf.serializers import infer_kind
             kind = infer_kind(iterable[0])
+            if kind == "number":
+                # all the records are known: plain ints (or floats) take the
+                # fixed-width kind, as from_sequence does
+                from pyflowbuf._core.serde import number_kind
+                if isinstance(iterable, range):
+                    fits = -(1 << 63) <= min(iterable[0], iterable[-1]) and max(iterable[0], iterable[-1]) < (1 << 63)
+                    kind = "int64" if fits else "number"
+                else:
+                    kind = number_kind(iterable if isinstance(iterable, list) else list(iterable))
         return self._source(name, lambda: srcs.IterableSource(iterable), kind, rate_limit)
 
     from_collection = from_iterable
@@ -299,9 +310,10 @@ class Environment:
         ``column_types`` (a pyarrow Schema or a dict of name to type) and, for
         the other columns, inferred from the first ``block_size`` bytes. An
         unquoted empty field is None, a quoted one ``""``. Each file's lines
-        are split over the ``parallelism`` subtasks by byte ranges; values
-        holding line breaks inside quotes are not supported. A row that does
-        not parse is ``connectors.FileFormatError`` naming the file and line."""
+        are split over the ``parallelism`` subtasks by byte ranges; a value
+        holding a line break inside quotes is refused at every parallelism. A
+        row that does not parse is ``connectors.FileFormatError`` naming the
+        file and line."""
         from pyflowbuf import connectors
 
         factory, kind = connectors.csv_source(
@@ -543,24 +555,42 @@ class Stream:
     # ---- event time ----
     def assign_timestamps(self, fn: Callable | str, out_of_orderness: float = 0.0,
                           idle_timeout: float | None = None, *, watermark_interval: float = 0.2,
-                          parallelism: int | None = None, name: str = "timestamps") -> "Stream":
+                          unit: str = "s", parallelism: int | None = None,
+                          name: str = "timestamps") -> "Stream":
         """Event time for this stream: ``fn(record)`` is a record's timestamp in
-        seconds (a float or int; a datetime is converted). Watermarks follow
+        seconds (a float or int; a datetime is converted), or in ``unit``
+        ("ms", "us", "ns" since 1970) when given; timestamps that look like
+        milliseconds while read as seconds warn once (``UnitWarning``), and a
+        NaN timestamp is an ``InvalidTimestampError``. Watermarks follow
         the records: the highest timestamp seen minus ``out_of_orderness``,
         sent every ``watermark_interval`` seconds (Flink's 200 ms; 0: after
         every batch). A subtask that gets no records for ``idle_timeout``
         seconds is marked idle, so it does not hold back the watermark of
         the tasks it feeds. On an Arrow/pandas stream ``fn`` may be a column
         name. See ``pyflowbuf.windows``."""
-        from pyflowbuf.runtime.watermarks import TimestampsAssigner, check_seconds
+        from pyflowbuf.runtime.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
 
         if not isinstance(fn, str):
             _callable(fn, "assign_timestamps")
+        if not isinstance(unit, str) or unit not in UNITS:
+            raise ConfigurationError(f"unit must be one of {', '.join(map(repr, UNITS))}, got {unit!r}")
+        if unit != "s":
+            if isinstance(fn, str):
+                raise ConfigurationError(
+                    f"unit={unit!r} applies to a timestamp function; the column {fn!r} is read as seconds, "
+                    "or as an Arrow timestamp column, whose type carries its unit (pa.timestamp('ms'))")
+            fn = in_unit(fn, unit)
         ooo = check_seconds("out_of_orderness", out_of_orderness)
         idle = check_seconds("idle_timeout", idle_timeout, optional=True, positive=True)
         interval = check_seconds("watermark_interval", watermark_interval)
-        node = self._then(name, lambda: TimestampsAssigner(name, fn, ooo, idle, interval), parallelism,
-                          self.node.kind)
+        if interval >= 60:
+            warnings.warn(UnitWarning(
+                f"assign_timestamps {name!r}: watermark_interval={watermark_interval!r} is in seconds; "
+                f"values this large are usually milliseconds: for {interval / 1000:g} s pass "
+                f"watermark_interval={interval / 1000:g}"), stacklevel=2)
+        shared: dict = {}
+        node = self._then(name, lambda: TimestampsAssigner(name, fn, ooo, idle, interval, unit, shared),
+                          parallelism, self.node.kind)
         node.timestamps = fn
         node.event_time = True
         return Stream(self.env, node)
@@ -938,6 +968,25 @@ def _key_by_column(stream, column):
 
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+# Settings in seconds, and the value from which each only makes sense as
+# milliseconds (Flink's unit for all of them): 1000 is "1 s" in Flink and
+# "17 minutes" here. A user who does mean that many seconds can filter
+# UnitWarning.
+_SECONDS_SETTINGS = {"checkpoint_interval": 1000, "checkpoint_timeout": 100_000, "buffer_timeout": 10,
+                     "alignment_timeout": 1000, "debloat_target": 100, "debloat_period": 60,
+                     "metrics_interval": 1000}
+
+
+def _warn_milliseconds(env) -> None:
+    for name, limit in _SECONDS_SETTINGS.items():
+        v = getattr(env, name)
+        if v is not None and v >= limit:
+            warnings.warn(UnitWarning(
+                f"{name}={v!r} is in seconds ({v / 60:.4g} minutes); values this large are usually "
+                f"milliseconds: for {v / 1000:g} s pass {name}={v / 1000:g}. (If you mean seconds, "
+                "filter pyflowbuf.errors.UnitWarning.)"), stacklevel=3)
 
 
 def _number(v) -> bool:

@@ -437,6 +437,66 @@ def parquet_source(path, *, columns=None, batch_size=DEFAULT_BATCH_ROWS, as_="re
 
 # ---------------------------------------------------------------- CSV
 
+# Only an unquoted empty field is None (pyarrow's default list also makes
+# "NA", "null", "N/A", "#N/A", "NaN"... None, in string columns too)
+_NULL_VALUES = [""]
+
+
+def _quoted_line_break(data: bytes, quote, delimiter: bytes) -> int:
+    """The offset in ``data`` (whole lines) of the first line end that lies
+    inside a quoted value, or -1. Decided line by line, so the same lines are
+    refused however the file is split: a line with an even number of quote
+    characters closes what it opens (one vectorized pass finds the others,
+    and only for blocks that hold a quote at all); a line with an odd number
+    is read as the CSV parser does, since a quote inside an unquoted field
+    (12" screen) is a plain character."""
+    if quote is None or data.find(quote) < 0:
+        return -1
+    import numpy as np
+
+    a = np.frombuffer(data, np.uint8)
+    parity = np.cumsum(a == quote[0], dtype=np.uint8) & 1       # mod 256 keeps the parity
+    ends = np.flatnonzero(a == 10)
+    if not len(ends) or ends[-1] != len(data) - 1:
+        ends = np.append(ends, len(data) - 1)                    # a last line without a newline
+    at_end = parity[ends]
+    odd_lines = np.flatnonzero(at_end ^ np.concatenate(([0], at_end[:-1])).astype(np.uint8))
+    for j in odd_lines:
+        first = 0 if j == 0 else int(ends[j - 1]) + 1
+        if _ends_inside_quotes(data[first:int(ends[j]) + 1], quote, delimiter):
+            return int(ends[j])
+    return -1
+
+
+def _ends_inside_quotes(line: bytes, quote: bytes, delimiter: bytes) -> bool:
+    """Whether a quoted value opened on ``line`` (a quote at the start of a
+    field) is still open at its end; "" inside a quoted value is a quote."""
+    q, d = quote[0], delimiter[0]
+    inside, field_start, i, n = False, True, 0, len(line)
+    while i < n:
+        c = line[i]
+        i += 1
+        if inside:
+            if c == q:
+                if i < n and line[i] == q:
+                    i += 1
+                else:
+                    inside = False
+        elif c == q and field_start:
+            inside, field_start = True, False
+        else:
+            field_start = c == d
+    return inside
+
+
+def _first_bad_utf8_line(data: bytes, first_line: int) -> int:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return first_line + data.count(b"\n", 0, exc.start)
+    return first_line
+
+
 class CsvPlan:
     """What a CSV source reads, fixed when the stream is declared: the files,
     the column names (the first file's header line, ``column_names``, or
@@ -454,6 +514,8 @@ class CsvPlan:
             self.parse_options = pacsv.ParseOptions(delimiter=delimiter, quote_char=quote_char)
         except (TypeError, ValueError) as exc:
             raise errors.ConfigurationError(f"{what}: delimiter/quote_char: {exc}") from None
+        self.quote = quote_char.encode() if isinstance(quote_char, str) and quote_char else None
+        self.delimiter = delimiter.encode()
         # an empty file has no rows and no header; the first other one gives them
         first = next((f for f in self.files if os.path.getsize(f) > 0), None)
         if first is None:
@@ -506,7 +568,7 @@ class CsvPlan:
         read = pacsv.ReadOptions(column_names=self.names, autogenerate_column_names=self.names is None,
                                  use_threads=False, block_size=max(len(sample) + 1, 1 << 16))
         conv = pacsv.ConvertOptions(column_types=overrides, strings_can_be_null=True,
-                                    quoted_strings_can_be_null=False)
+                                    quoted_strings_can_be_null=False, null_values=_NULL_VALUES)
         try:
             table = pacsv.read_csv(pa.BufferReader(sample), read_options=read,
                                    parse_options=self.parse_options, convert_options=conv)
@@ -516,6 +578,13 @@ class CsvPlan:
             raise FileFormatError(f"{self.what}: {path}: the first rows do not parse: {exc}") from None
         if self.names is None:
             self.names = table.column_names
+        binary = [f.name for f in table.schema if pa.types.is_binary(f.type) and f.name not in overrides]
+        if binary:
+            line = _first_bad_utf8_line(sample, 2 if self.header else 1)
+            raise FileFormatError(
+                f"{self.what}: {path}, line {line}: column {binary[0]!r} holds bytes that are not UTF-8 text: "
+                "read_csv reads UTF-8 files (convert the file), or pass column_types={"
+                f"{binary[0]!r}: 'binary'}} to get the raw bytes")
         unknown = [n for n in overrides if n not in self.names]
         if unknown:
             raise errors.ConfigurationError(
@@ -559,11 +628,21 @@ def _header(pacsv, head: bytes, path, parse_options, what):
     if not line.strip():
         raise FileFormatError(f"{what}: {path} has no header line (pass header=False for files without one)")
     try:
-        names = pacsv.read_csv(pa.BufferReader(line), parse_options=parse_options,
+        # a file that is only a header line may lack its final newline: no rows
+        names = pacsv.read_csv(pa.BufferReader(line if end >= 0 else line + b"\n"), parse_options=parse_options,
                                read_options=pacsv.ReadOptions(use_threads=False)).column_names
     except pa.ArrowInvalid as exc:
         raise FileFormatError(f"{what}: {path}: the header line does not parse: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise FileFormatError(f"{what}: {path}, line 1: the header line is not UTF-8 text ({exc.reason} at "
+                              f"byte {exc.start}){_not_csv_hint(head)}") from None
     return len(line), names
+
+
+def _not_csv_hint(head: bytes) -> str:
+    if head.startswith(b"PAR1"):
+        return "; the file is Parquet: read it with read_parquet"
+    return "; read_csv reads UTF-8 (or ASCII) files: convert the file to UTF-8"
 
 
 class CsvFileSource(_FileSource):
@@ -686,7 +765,17 @@ class CsvFileSource(_FileSource):
         read = pacsv.ReadOptions(column_names=plan.names, use_threads=False,
                                  block_size=max(len(data) + 1, 1 << 16))
         conv = pacsv.ConvertOptions(column_types=plan.schema, include_columns=plan.columns,
-                                    strings_can_be_null=True, quoted_strings_can_be_null=False)
+                                    strings_can_be_null=True, quoted_strings_can_be_null=False,
+                                    null_values=_NULL_VALUES)
+        bad = _quoted_line_break(data, plan.quote, plan.delimiter)
+        if bad >= 0:
+            line = self._line_number(fh, start + bad)
+            raise FileFormatError(
+                f"{self.what}: {self.files[f]}, line {line} (byte {start + bad}): a line break inside a quoted "
+                "value (a quote that opens a field and is not closed on its line). read_csv splits files at line "
+                "ends (over its subtasks and in blocks), so it refuses such values rather than read them "
+                "differently at each parallelism: remove the line breaks from the values, or read the file "
+                "with pyarrow.csv / pandas")
         try:
             table = pacsv.read_csv(pa.BufferReader(data), read_options=read, parse_options=plan.parse_options,
                                    convert_options=conv)

@@ -117,6 +117,17 @@ class PortUnavailableError(FlowBufError, OSError):
     be bound; ``errno`` is the operating system's."""
 
 
+class InvalidTimestampError(FlowBufError, ValueError):
+    """A record's event timestamp is NaN (or NaT/null): it belongs to no
+    window, so it is refused, naming the operator, rather than dropped."""
+
+
+class UnitWarning(UserWarning):
+    """A time value that only makes sense in another unit than the one it is
+    read in: timestamps that look like milliseconds since 1970 where seconds
+    are expected, ``checkpoint_interval=1000`` meant as milliseconds."""
+
+
 class WorkerSideEffectWarning(UserWarning):
     """A ``sink(fn)`` ran in a forked worker process (``workers=``): what the
     function did to the caller's objects (appending to a list, counting)

@@ -1,7 +1,8 @@
 """Serializers: how records of a typed stream become bytes in segments.
 
-The core (RecordWriter/RecordReader) encodes six kinds in C, a batch per
-call: ``bytes``, ``int64``, ``float64``, ``str``, ``struct`` and ``pickle``.
+The core (RecordWriter/RecordReader) encodes seven kinds in C, a batch per
+call: ``bytes``, ``int64``, ``float64``, ``number``, ``str``, ``struct`` and
+``pickle``.
 Other kinds (Arrow RecordBatches, pandas DataFrames, NumPy arrays) are
 Serializer objects that turn a batch of records into bytes-like objects for the
 ``bytes`` kind and back; the reader hands them zero-copy views when
@@ -13,6 +14,15 @@ record reads back as exactly the types it was written with, and decoding runs
 no code the sender chose, so unlike ``pickle`` it crosses processes without
 ``allow_pickle``. It is inferred for tuples, lists and dicts that hold only
 such values.
+
+``number`` carries Python ints (any size) and floats with their exact types
+(the struct codec's scalars): it is inferred when the first record is an int
+or a float, so a stream whose first records are ints may later carry floats
+(``0 if x == 0 else x / 2``) and every value comes back as it was emitted.
+``int64`` and ``float64`` are the fixed-width fast paths, taken when declared,
+for NumPy scalars, and for a collection known to hold only ints (only floats):
+a float64 stream turns ints into floats and an int64 stream refuses floats,
+chained or not.
 """
 from __future__ import annotations
 
@@ -22,11 +32,11 @@ from typing import Any, Callable
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf._core.serde import first_misfit, pack_struct, struct_fits
+from pyflowbuf._core.serde import conform_batch, pack_struct, struct_fits
 # the struct codec on its own, for struct records kept or sent outside a stream
 from pyflowbuf._core.serde import pack_struct_batch, unpack_struct, unpack_struct_batch  # noqa: F401
 
-CORE_KINDS = ("bytes", "int64", "float64", "str", "struct", "pickle")
+CORE_KINDS = ("bytes", "int64", "float64", "str", "struct", "pickle", "number")
 
 
 class Serializer:
@@ -101,26 +111,41 @@ def _load_optional() -> None:
 def infer_kind(value: Any) -> str:
     """The kind a stream of ``value``-like records should use."""
     t = type(value)
+    if t is int or t is float:
+        # not int64/float64: the first record cannot tell whether later ones
+        # are ints or floats, and number carries both exactly
+        return "number"
     if t is tuple or t is list or t is dict:
         # one walk of the first record, in C; a record the struct kind cannot
         # carry exactly (a set, a custom class, a namedtuple) stays pickle
         return "struct" if struct_fits(value) else "pickle"
-    if isinstance(value, bool):
-        return "pickle"
-    if isinstance(value, int):
-        return "int64" if -(1 << 63) <= value < (1 << 63) else "pickle"
-    if isinstance(value, float):
-        return "float64"
     if isinstance(value, str):
         return "str"
     if isinstance(value, (bytes, bytearray, memoryview)):
         return "bytes"
+    if isinstance(value, np.generic):
+        # NumPy scalars: integers and floats travel as int64/float64 and come
+        # back as Python int/float (chained too); the rest (np.bool_,
+        # datetime64, timedelta64, longdouble...) as pickle, exactly
+        if isinstance(value, np.integer) and not isinstance(value, np.timedelta64):
+            return "int64" if -(1 << 63) <= int(value) < (1 << 63) else "pickle"
+        if isinstance(value, np.floating) and value.dtype.itemsize <= 8:
+            return "float64"
+        return "pickle"
+    if isinstance(value, bool):
+        return "pickle"
+    if isinstance(value, int):          # int subclasses (IntEnum): as int
+        return "int64" if -(1 << 63) <= value < (1 << 63) else "pickle"
+    if isinstance(value, float):
+        return "float64"
     mod = t.__module__
     if mod.startswith("pyarrow"):
-        return "arrow"
+        return "arrow" if t.__name__ in ("RecordBatch", "Table") else "pickle"
     if mod.startswith("pandas"):
-        return "pandas"
-    if mod.startswith("numpy"):
+        # DataFrames and Series are batches; scalars (Timestamp, Timedelta,
+        # Period, NaT...) are single values, carried exactly by pickle
+        return "pandas" if t.__name__ in ("DataFrame", "Series") else "pickle"
+    if t is np.ndarray:
         return "numpy"
     return "pickle"
 
@@ -160,7 +185,9 @@ def misfit_finder(kind: Any) -> Callable[[list], int] | None:
     """``find(records)``: the index of the first record a stream of ``kind``
     cannot carry, -1 when all fit; None when every record fits (pickle). It
     accepts what the stream's writer accepts, so a record is refused the same
-    way whether it is serialized or handed to the next chained operator."""
+    way whether it is serialized or handed to the next chained operator; and
+    for the core kinds it turns records that fit into what a reader returns
+    (an int in a float64 stream becomes a float), so values agree too."""
     if isinstance(kind, np.dtype):
         return lambda records: next((i for i, a in enumerate(records) if np.asarray(a).dtype != kind), -1)
     ser = get_serializer(kind)
@@ -168,9 +195,23 @@ def misfit_finder(kind: Any) -> Callable[[list], int] | None:
         if ser.core_kind == "pickle":
             return None
         core = ser.core_kind
-        return lambda records: first_misfit(records, core)
+        return lambda records: conform_batch(records, core)
+    if ser.name == "numpy":
+        return _numpy_conform
     types = _batch_record_types(ser.name)
     return None if types is None else _first_not_of(types)
+
+
+def _numpy_conform(records: list) -> int:
+    """A numpy stream's check: NumPy scalars become the 0-d arrays its
+    serializer sends them as, so a chained operator sees what a reader gives."""
+    for i, r in enumerate(records):
+        if type(r) is not np.ndarray:
+            if isinstance(r, np.generic):
+                records[i] = np.asarray(r)
+            elif not isinstance(r, np.ndarray):
+                return i
+    return -1
 
 
 _SHORT = reprlib.Repr()

@@ -535,3 +535,114 @@ def test_connector_warnings_stay_quiet(tmp_path):
         h = env.read_parquet(tmp_path / "t.parquet").print()
         env.execute(60)
     assert h is None
+
+
+# ---- issue 18, item 3: byte-order marks, text that is not UTF-8, CSV nulls and quoted line breaks
+
+def _read(build, timeout=60):
+    env = fb.Environment()
+    h = build(env).collect()
+    env.execute(timeout=timeout)
+    return h.result
+
+
+def test_read_text_strips_a_utf8_byte_order_mark_like_read_csv(tmp_path):
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfhello\nworld\n")
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbfa,b\n1,x\n")
+    assert _read(lambda env: env.read_text(str(tmp_path / "bom.txt"))) == ["hello", "world"]
+    assert _read(lambda env: env.read_csv(str(tmp_path / "bom.csv"))) == [{"a": 1, "b": "x"}]
+
+
+def test_read_text_that_is_not_utf8_names_file_line_and_encoding(tmp_path):
+    path = tmp_path / "latin.txt"
+    path.write_bytes("ok\nstill ok\ncaf\xe9\n".encode("latin-1"))
+    env = fb.Environment()
+    env.read_text(str(path)).collect()
+    with pytest.raises(errors.JobFailedError) as info:
+        env.execute(timeout=30)
+    cause = info.value.__cause__
+    assert isinstance(cause, FileFormatError) and isinstance(cause, ValueError)
+    assert str(path) in str(cause) and "line 3" in str(cause) and "encoding=" in str(cause)
+    assert _read(lambda env: env.read_text(str(path), encoding="latin-1")) == ["ok", "still ok", "caf\xe9"]
+
+
+def test_a_parquet_file_read_as_text_or_csv_is_a_file_format_error(tmp_path):
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(pa.table({"a": list(range(50)), "b": ["x"] * 50}), path)
+    with pytest.raises(FileFormatError, match="read_parquet"):
+        fb.Environment().read_csv(path)
+    env = fb.Environment()
+    env.read_text(path).collect()
+    with pytest.raises(errors.JobFailedError) as info:
+        env.execute(timeout=30)
+    assert isinstance(info.value.__cause__, FileFormatError) and path in str(info.value.__cause__)
+
+
+def test_a_csv_column_that_is_not_utf8_is_refused_not_bytes(tmp_path):
+    path = tmp_path / "latin.csv"
+    path.write_bytes("a,b\n1,ok\n2,caf\xe9\n".encode("latin-1"))
+    with pytest.raises(FileFormatError, match=r"line 3.*'b'.*binary"):
+        fb.Environment().read_csv(str(path))
+    got = _read(lambda env: env.read_csv(str(path), column_types={"b": "binary"}))
+    assert got == [{"a": 1, "b": b"ok"}, {"a": 2, "b": b"caf\xe9"}]
+
+
+def test_csv_null_markers_are_text_only_the_unquoted_empty_field_is_none(tmp_path):
+    path = tmp_path / "na.csv"
+    path.write_text('a,s\n1,NA\n2,null\n3,N/A\n4,#N/A\n5,NaN\n6,\n7,""\n8,x\n')
+    got = _read(lambda env: env.read_csv(str(path)))
+    assert [r["s"] for r in got] == ["NA", "null", "N/A", "#N/A", "NaN", None, "", "x"]
+
+
+def test_a_header_only_csv_without_final_newline_has_no_rows(tmp_path):
+    path = tmp_path / "h.csv"
+    path.write_text("a,b")
+    assert _read(lambda env: env.read_csv(str(path))) == []
+
+
+_CELL = st.text(alphabet='ab,"\n x', max_size=6)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.tuples(st.integers(0, 9), _CELL), min_size=1, max_size=60))
+def test_csv_gives_the_same_rows_at_every_parallelism_or_refuses(tmp_path_factory, rows):
+    # a quoted line break gave 21 rows at parallelism 3 (a truncated value and a
+    # phantom row) and 20 at parallelism 1 and 2
+    import csv
+    import io
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["a", "b"])
+    w.writerows(rows)
+    path = tmp_path_factory.mktemp("csv") / "rows.csv"
+    path.write_text(buf.getvalue())
+    want = [{"a": a, "b": b if b != "" else None} for a, b in rows]
+    outcomes = []
+    for p in (1, 2, 3, 4):
+        try:
+            got = _read(lambda env: env.read_csv(str(path), parallelism=p, block_size=1024,
+                                                 column_types={"a": "int64", "b": "string"}))
+            outcomes.append(sorted(got, key=repr))
+        except (errors.JobFailedError, FileFormatError) as exc:
+            cause = exc.__cause__ if isinstance(exc, errors.JobFailedError) else exc
+            assert isinstance(cause, FileFormatError), repr(cause)
+            outcomes.append("refused")
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    # refused exactly when a value holds a line break; read right otherwise
+    assert (outcomes[0] == "refused") == any("\n" in b for _, b in rows)
+    if outcomes[0] != "refused":
+        assert outcomes[0] == sorted(want, key=repr)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.tuples(st.integers(0, 9), st.text(alphabet='ab" x', max_size=6)), min_size=1, max_size=60))
+def test_csv_quotes_inside_unquoted_fields_are_plain_characters_at_every_parallelism(tmp_path_factory, rows):
+    # 12" screen: a quote that does not open a field is text, not a quoted line break
+    rows = [(a, "x" + b) for a, b in rows]
+    path = tmp_path_factory.mktemp("csv") / "rows.csv"
+    path.write_text("a,b\n" + "".join(f"{a},{b}\n" for a, b in rows))
+    want = sorted(({"a": a, "b": b} for a, b in rows), key=repr)
+    for p in (1, 2, 3):
+        got = _read(lambda env: env.read_csv(str(path), parallelism=p, block_size=1024,
+                                             column_types={"a": "int64", "b": "string"}))
+        assert sorted(got, key=repr) == want, p

@@ -197,6 +197,17 @@ def test_struct_batch_codec():
     assert S.unpack_struct_batch([memoryview(b) for b in data]) == recs
 
 
+@given(st.lists(st.one_of(st.integers(-(2**70), 2**70), st.integers(-(2**300), 2**300),
+                          st.floats(allow_nan=True, allow_infinity=True)), max_size=60))
+def test_number_kind_round_trip_keeps_int_and_float_exactly(records):
+    # ints of any size and floats (NaN, -0.0 by their bits) through 256-byte buffers
+    nbp, q, w = _pipe("number", segments=256)
+    w.write_batch(records)
+    w.end_input()
+    got = list(RecordReader(q, kind="number"))
+    assert len(got) == len(records) and all(map(same, got, records))
+
+
 # ------------------------------------------------------------------ inference
 
 
@@ -204,8 +215,8 @@ def test_struct_batch_codec():
     (("w", 1), "struct"), ([1, 2.5, None], "struct"), ({"a": [1, (2, b"x")], 3: {}}, "struct"),
     ((), "struct"), ({(1, 2): True}, "struct"), ((2**100, "big"), "struct"),
     ((1, {2}), "pickle"), ({"a": _Point(1)}, "pickle"), (_Pair(1, 2), "pickle"), ({1, 2}, "pickle"),
-    (1, "int64"), (1.5, "float64"), ("s", "str"), (b"b", "bytes"), (None, "pickle"), (True, "pickle"),
-    (2**64, "pickle"), (_Point(1), "pickle"),
+    (1, "number"), (1.5, "number"), ("s", "str"), (b"b", "bytes"), (None, "pickle"), (True, "pickle"),
+    (2**64, "number"), (_Point(1), "pickle"),
 ])
 def test_infer_kind(value, kind):
     assert S.infer_kind(value) == kind
@@ -357,8 +368,149 @@ def test_process_returning_bytes_is_refused(chaining):
     assert isinstance(cause, errors.RecordTypeError) and "'proc'" in str(cause) and "bytes" in str(cause)
 
 
+# ---- issue 18, item 3: the shape of what flat_map/process return, and numbers
+
 @CHAINING
-@pytest.mark.parametrize("odd, odd_type", [("fifty", "str"), (None, "NoneType"), (2.5, "float")])
+@pytest.mark.parametrize("returned", [lambda k, x: (k, x), lambda k, x: {k: x}],
+                         ids=["tuple", "dict"])
+def test_process_returning_a_tuple_or_dict_is_refused_not_split(chaining, returned):
+    # (k, x) once came out as the separate records k and x: [0, 0, 1, 1, ...]
+    env = fb.Environment(chaining=chaining)
+    (env.from_sequence(0, 4).key_by(lambda x: x % 2)
+        .process(lambda k, x, s: returned(k, x), name="pairs").collect())
+    exc, cause = _failure(env)
+    assert isinstance(cause, errors.RecordTypeError), repr(cause)
+    assert "'pairs'" in str(cause) and "[" in str(cause) and "yield" in str(cause)
+
+
+@CHAINING
+def test_flat_map_returning_a_dict_is_refused_not_its_keys(chaining):
+    env = fb.Environment(chaining=chaining)
+    env.from_collection([{"a": 1}, {"b": 2}]).flat_map(lambda d: d, name="explode").collect()
+    exc, cause = _failure(env)
+    assert isinstance(cause, errors.RecordTypeError) and "'explode'" in str(cause) and "dict" in str(cause)
+
+
+@CHAINING
+def test_process_records_that_are_tuples_come_out_whole(chaining):
+    env = fb.Environment(chaining=chaining)
+    h1 = (env.from_sequence(0, 4).key_by(lambda x: x % 2)
+             .process(lambda k, x, s: [(k, x)], name="listed").collect())
+    h2 = (env.from_sequence(0, 4).flat_map(lambda x: ((x, i) for i in range(2)), name="gen").collect())
+    h3 = env.from_sequence(0, 4).flat_map(lambda x: iter({x}), name="it").collect()
+    env.execute(timeout=30)
+    assert sorted(h1.result) == [(0, 0), (0, 2), (1, 1), (1, 3)]
+    assert sorted(h2.result) == [(x, i) for x in range(4) for i in range(2)]
+    assert sorted(h3.result) == [0, 1, 2, 3]
+
+
+numbers = st.lists(st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=False)), min_size=1, max_size=30)
+
+
+def _run_numbers(records, chaining, kind=None, fn=lambda x: x):
+    env = fb.Environment(chaining=chaining, parallelism=1)
+    h = env.from_collection(records).map(fn, name="numbers", kind=kind).map(lambda x: x, name="after").collect()
+    env.execute(timeout=30)
+    return h.result
+
+
+@given(numbers)
+def test_ints_and_floats_come_back_exactly_chained_or_not(records):
+    # a float stream whose later records were ints gave [0.5, 1, 2] chained and
+    # [0.5, 1.0, 2.0] unchained; an int stream failed on its first float
+    for chaining in (True, False):
+        out = _run_numbers(records, chaining)
+        assert same(out, records), (chaining, out)
+
+
+@given(st.lists(st.one_of(st.integers(-(2**53), 2**53), st.floats(allow_nan=False)), min_size=1, max_size=30))
+def test_a_declared_float64_stream_gives_floats_chained_or_not(records):
+    want = [float(x) for x in records]
+    for chaining in (True, False):
+        assert same(_run_numbers(records, chaining, kind="float64"), want), chaining
+
+
+@CHAINING
+def test_halving_ints_widens_instead_of_failing(chaining):
+    env = fb.Environment(chaining=chaining)
+    h = env.from_collection([0, 1, 2, 3]).map(lambda x: 0 if x == 0 else x / 2).collect()
+    env.execute(timeout=30)
+    assert same(h.result, [0, 0.5, 1.0, 1.5])
+
+
+@pytest.mark.parametrize("records, kind", [([1, 2], "int64"), (range(5), "int64"), ((1.5, 2.0), "float64"),
+                                           ([1, 0.5], "number"), ([0.5, 1], "number"), ([1, 2**64], "number"),
+                                           ([1, "x"], "number"), (range(2**64, 2**64 + 2), "number")])
+def test_a_collection_of_numbers_takes_its_kind_from_all_its_records(records, kind):
+    # every record of a list is known when the stream is declared: plain ints
+    # stay int64 (a union with from_sequence works), mixed ones are number
+    assert fb.Environment().from_collection(records).node.kind == kind
+
+
+@CHAINING
+def test_numpy_numbers_in_a_number_stream_come_back_as_int_and_float(chaining):
+    env = fb.Environment(chaining=chaining)
+    h = (env.from_collection([0, 1, 2, 3]).map(lambda x: x if x < 2 else np.float64(x) / 4 if x == 2 else np.int32(x),
+                                               name="mixed").map(lambda x: x, name="after").collect())
+    env.execute(timeout=30)
+    assert [(type(x), x) for x in h.result] == [(int, 0), (int, 1), (float, 0.5), (int, 3)]
+
+
+@CHAINING
+def test_numpy_scalars_in_a_declared_numpy_stream_are_0d_arrays_chained_or_not(chaining):
+    env = fb.Environment(chaining=chaining)
+    h = (env.from_collection([np.int64(3), np.float32(0.5)], kind="numpy").map(lambda x: x, kind="numpy")
+            .collect())
+    env.execute(timeout=30)
+    assert [(type(x), x.ndim, x.dtype) for x in h.result] == [(np.ndarray, 0, np.int64), (np.ndarray, 0, np.float32)]
+
+
+@needs_fork
+def test_a_number_stream_crosses_workers_with_exact_types():
+    env = fb.Environment(workers=2, parallelism=2)
+    h = (env.from_sequence(0, 200).map(lambda x: x if x % 3 else x / 2, name="mixed")
+            .rebalance().map(lambda x: x, name="after").collect())
+    env.execute(timeout=90)
+    want = [x if x % 3 else x / 2 for x in range(200)]
+    assert sorted(map(repr, h.result)) == sorted(map(repr, want))     # repr: 0.0 is not 0
+
+
+@CHAINING
+def test_a_declared_int64_stream_refuses_a_float_naming_the_operator(chaining):
+    env = fb.Environment(chaining=chaining)
+    (env.from_collection([0, 1, 2]).map(lambda x: 0 if x == 0 else x / 2, name="halve", kind="int64")
+        .map(lambda x: x, name="after").collect())
+    exc, cause = _failure(env)
+    assert isinstance(cause, errors.RecordTypeError) and "'halve'" in str(cause) and "int64" in str(cause)
+
+
+def _scalar_cases():
+    import pandas as pd
+    return [
+        ([pd.Timestamp("2024-01-01"), pd.Timestamp("2024-01-02", tz="UTC")], None),
+        ([pd.Timedelta(1), pd.Timedelta("1s")], None),
+        ([np.datetime64("2024-01-01"), np.datetime64("2024-01-01T00:00:01")], None),
+        ([np.timedelta64(5, "s")], None),
+        ([np.bool_(True), np.bool_(False)], None),
+        ([np.int64(3), np.int32(-4), np.uint8(7)], lambda xs: [int(x) for x in xs]),
+        ([np.float64(2.5), np.float32(0.5), np.float16(1.5)], lambda xs: [float(x) for x in xs]),
+    ]
+
+
+@CHAINING
+@pytest.mark.parametrize("case", range(7))
+def test_numpy_and_pandas_scalars_round_trip_chained_or_not(chaining, case):
+    records, convert = _scalar_cases()[case]
+    env = fb.Environment(chaining=chaining, allow_pickle=True)
+    h = env.from_collection(records).map(lambda x: x, name="same").map(lambda x: x, name="after").collect()
+    env.execute(timeout=30)
+    want = convert(records) if convert else records
+    assert [type(x) for x in h.result] == [type(x) for x in want]
+    assert all(a == b for a, b in zip(h.result, want))
+
+
+@CHAINING
+@pytest.mark.parametrize("odd, odd_type", [("fifty", "str"), (None, "NoneType"), (True, "bool")])
 def test_mixed_records_fail_the_same_way_chained_or_not(chaining, odd, odd_type):
     env = fb.Environment(chaining=chaining)
     (env.from_collection(list(range(100)))
@@ -368,7 +520,7 @@ def test_mixed_records_fail_the_same_way_chained_or_not(chaining, odd, odd_type)
     exc, cause = _failure(env)
     assert isinstance(cause, errors.RecordTypeError), repr(cause)
     msg = str(cause)
-    assert "'mixer'" in msg and repr(odd) in msg and odd_type in msg and "int64" in msg
+    assert "'mixer'" in msg and repr(odd) in msg and odd_type in msg and "number" in msg
     assert "'mixer'" in str(exc)
 
 
@@ -401,7 +553,7 @@ def test_a_source_record_that_does_not_fit_shows_its_value():
     env.from_collection([1, 2, "three"], name="numbers").rebalance().collect()
     exc, cause = _failure(env)
     assert isinstance(cause, errors.RecordTypeError)
-    assert "'three'" in str(cause) and "int64" in str(cause) and "'numbers'" in str(exc)
+    assert "'three'" in str(cause) and "number" in str(cause) and "'numbers'" in str(exc)
 
 
 @CHAINING
@@ -435,14 +587,32 @@ def test_declared_output_kind_is_checked_on_chained_outputs():
 
 
 def test_operators_accept_what_the_writer_accepts():
+    # and hand on what a reader would return: the same values chained or not
     op = ops.Map("floats", lambda x: x)
+    op.out_kind = "float64"
     op.open(0, 1)
-    assert op.process_batch([1.5, 2, True, np.float32(0.5)]) == [1.5, 2, True, np.float32(0.5)]
+    out = op.process_batch([1.5, 2, True, np.float32(0.5)])
+    assert out == [1.5, 2.0, 1.0, 0.5] and {type(x) for x in out} == {float}
     op = ops.Map("ints", lambda x: x)
+    op.out_kind = "int64"
     op.open(0, 1)
-    assert op.process_batch([1, np.int64(2)]) == [1, np.int64(2)]
+    out = op.process_batch([1, np.int64(2)])
+    assert out == [1, 2] and {type(x) for x in out} == {int}
     with pytest.raises(errors.RecordTypeError, match="int64"):
         op.process_batch([2**64])
+    with pytest.raises(errors.RecordTypeError, match="int64"):
+        op.process_batch([2.5])
+    op = ops.Map("numbers", lambda x: x)
+    op.open(0, 1)
+    out = op.process_batch([1, 2.5, 2**70])     # the first record says number
+    assert out == [1, 2.5, 2**70] and [type(x) for x in out] == [int, float, int]
+    # NumPy numbers, float subclasses and IntEnums are plainly ints or floats
+    out = op.process_batch([np.float64(0.25), np.float32(0.5), np.int64(7), _Color.RED])
+    assert out == [0.25, 0.5, 7, 1] and [type(x) for x in out] == [float, float, int, int]
+    import decimal
+    for odd in (True, np.bool_(True), decimal.Decimal("0.1"), "1"):
+        with pytest.raises(errors.RecordTypeError, match="number"):
+            op.process_batch([1, odd])
     op = ops.Map("anything", lambda x: x)
     op.open(0, 1)
     assert op.process_batch([None, 1, "x"]) == [None, 1, "x"]   # the first record says pickle

@@ -374,3 +374,118 @@ def test_watermark_events_cross_tcp_with_inferred_kinds():
     for k, t in records:
         expect[(k, math.floor(t / 10) * 10.0)] = expect.get((k, math.floor(t / 10) * 10.0), 0) + 1
     assert sorted(out.result) == sorted((k, s, n) for (k, s), n in expect.items())
+
+
+# ---- issue 18, item 3: timestamp units, NaN timestamps, settings in seconds
+
+def _tumbling_counts(records, chaining=True, **ts_kw):
+    from pyflowbuf.windows import Count, Tumbling
+    env = fb.Environment(chaining=chaining)
+    out = (env.from_collection(records)
+              .assign_timestamps(lambda r: r[1], name="stamps", **ts_kw)
+              .key_by(lambda r: r[0])
+              .window(Tumbling(1.0))
+              .aggregate(Count(), window_function=lambda k, w, n: (k, w.start, n))
+              .collect())
+    env.execute(timeout=30)
+    return sorted(out.result)
+
+
+MS_RECORDS = [("a", 1_700_000_000_000 + 100 * i) for i in range(20)]     # 2 s of records, in ms
+
+
+@pytest.mark.parametrize("chaining", [True, False])
+def test_milliseconds_with_unit_ms_fill_one_second_windows(chaining):
+    got = _tumbling_counts(MS_RECORDS, chaining, unit="ms")
+    assert got == [("a", 1_700_000_000.0, 10), ("a", 1_700_000_001.0, 10)]
+
+
+@pytest.mark.parametrize("parallelism", [1, 3])
+def test_milliseconds_read_as_seconds_warn_once_naming_the_operator(parallelism):
+    from pyflowbuf.windows import Count, Tumbling
+    env = fb.Environment(parallelism=parallelism)
+    (env.from_collection(MS_RECORDS * 3).rebalance()
+        .assign_timestamps(lambda r: r[1], name="stamps")
+        .key_by(lambda r: r[0]).window(Tumbling(1.0)).aggregate(Count()).collect())
+    with pytest.warns(errors.UnitWarning, match="'stamps'.*unit='ms'") as rec:
+        env.execute(timeout=30)
+    assert len([w for w in rec if issubclass(w.category, errors.UnitWarning)]) == 1
+
+
+def test_seconds_do_not_warn(recwarn):
+    _tumbling_counts([("a", 1_700_000_000.0 + 0.1 * i) for i in range(20)])
+    assert not [w for w in recwarn if issubclass(w.category, errors.UnitWarning)]
+
+
+@pytest.mark.parametrize("unit, scale", [("us", 1e6), ("ns", 1e9)])
+def test_finer_units(unit, scale):
+    recs = [("a", int((1_700_000_000 + 0.1 * i) * scale)) for i in range(20)]
+    assert _tumbling_counts(recs, unit=unit) == [("a", 1_700_000_000.0, 10), ("a", 1_700_000_001.0, 10)]
+
+
+def test_a_bad_unit_is_refused_at_declaration():
+    env = fb.Environment()
+    with pytest.raises(errors.ConfigurationError, match="unit"):
+        env.from_collection([1]).assign_timestamps(lambda r: r, unit="minutes")
+    with pytest.raises(errors.ConfigurationError, match="column"):
+        env.from_collection([1]).assign_timestamps("ts", unit="ms")
+
+
+@pytest.mark.parametrize("chaining", [True, False])
+@pytest.mark.parametrize("bad", [math.nan, None], ids=["nan", "NaT"])
+def test_a_nan_timestamp_is_refused_not_dropped(chaining, bad):
+    import numpy as np
+    if bad is None:
+        bad = np.datetime64("NaT")
+        recs = [("a", np.datetime64("2024-01-01T00:00:01")), ("a", bad), ("a", np.datetime64("2024-01-01T00:00:02"))]
+    else:
+        recs = [("a", 1.0), ("a", bad), ("a", 2.0)]
+    with pytest.raises(errors.JobFailedError) as info:
+        _tumbling_counts(recs, chaining)
+    cause = info.value.__cause__
+    assert isinstance(cause, errors.InvalidTimestampError) and isinstance(cause, ValueError)
+    assert "'stamps'" in str(cause)
+
+
+def test_a_nan_timestamp_column_is_refused():
+    pa = pytest.importorskip("pyarrow")
+    env = fb.Environment()
+    batch = pa.RecordBatch.from_pydict({"k": ["a", "b"], "ts": [1.0, math.nan]})
+    env.from_collection([batch], kind="arrow").assign_timestamps("ts", name="stamps").collect()
+    with pytest.raises(errors.JobFailedError) as info:
+        env.execute(timeout=30)
+    assert isinstance(info.value.__cause__, errors.InvalidTimestampError)
+    assert "'stamps'" in str(info.value.__cause__) and "NaN" in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("setting, value", [("checkpoint_interval", 1000), ("buffer_timeout", 100),
+                                            ("checkpoint_timeout", 600_000), ("debloat_target", 1000),
+                                            ("metrics_interval", 5000)])
+def test_settings_that_look_like_milliseconds_warn(setting, value):
+    with pytest.warns(errors.UnitWarning, match=setting):
+        fb.Environment(**{setting: value})
+
+
+def test_settings_in_plausible_seconds_do_not_warn(recwarn):
+    fb.Environment(checkpoint_interval=30, buffer_timeout=0.1, checkpoint_timeout=600, debloat_target=1.0)
+    env = fb.Environment()
+    env.from_collection([1]).assign_timestamps(lambda r: r, watermark_interval=0.2)
+    assert not [w for w in recwarn if issubclass(w.category, errors.UnitWarning)]
+    with pytest.warns(errors.UnitWarning, match="watermark_interval"):
+        env.from_collection([1]).assign_timestamps(lambda r: r, watermark_interval=200)
+
+
+@pytest.mark.parametrize("chaining", [True, False])
+def test_a_pandas_nat_timestamp_is_refused(chaining):
+    pd = pytest.importorskip("pandas")
+    recs = [("a", pd.Timestamp("2024-01-01")), ("a", pd.NaT)]
+    with pytest.raises(errors.JobFailedError) as info:
+        _tumbling_counts(recs, chaining)
+    assert isinstance(info.value.__cause__, errors.InvalidTimestampError)
+
+
+def test_to_seconds_of_no_time_is_nan_and_of_other_objects_a_record_type_error():
+    import numpy as np
+    assert math.isnan(wmk.to_seconds(np.datetime64("NaT")))
+    with pytest.raises(errors.RecordTypeError):
+        wmk.to_seconds(np.array([1.0, 2.0]))

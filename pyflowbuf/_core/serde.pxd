@@ -13,6 +13,7 @@ cdef enum:
     KIND_STR = 3
     KIND_PICKLE = 4
     KIND_STRUCT = 5
+    KIND_NUMBER = 6
 
 
 cdef struct Packbuf:

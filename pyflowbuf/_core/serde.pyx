@@ -55,7 +55,7 @@ cdef extern from "Python.h":
 DEFAULT_MAX_RECORD_SIZE = 64 * 1024 * 1024
 DEFAULT_ZERO_COPY_MIN = 4096
 KINDS = {"bytes": KIND_BYTES, "int64": KIND_INT64, "float64": KIND_FLOAT64,
-         "str": KIND_STR, "pickle": KIND_PICKLE, "struct": KIND_STRUCT}
+         "str": KIND_STR, "pickle": KIND_PICKLE, "struct": KIND_STRUCT, "number": KIND_NUMBER}
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 cdef object _NEED_MORE = object()
 cdef object _pickle_dumps = pickle.dumps
@@ -569,7 +569,27 @@ cdef inline int _fits(int kind, object rec) except -1:
         return t is bytes or (not isinstance(rec, str) and PyObject_CheckBuffer(rec))
     if kind == KIND_STRUCT:
         return _struct_fits(rec, 0)
+    if kind == KIND_NUMBER:
+        return t is int or t is float or _as_number(rec) is not None
     return 1
+
+
+cdef object _as_number(object rec):
+    """``rec`` as the exact int or float a number stream carries, for the
+    other numbers that are plainly one of them (a float subclass such as
+    np.float64, an IntEnum, NumPy integer and float scalars); None for
+    anything else (bool, Decimal, Fraction, longdouble: no silent rounding)."""
+    if isinstance(rec, bool):
+        return None
+    if isinstance(rec, float):
+        return PyFloat_FromDouble(PyFloat_AsDouble(rec))
+    if isinstance(rec, int):
+        return int(rec)
+    if isinstance(rec, np.integer) and not isinstance(rec, np.timedelta64):
+        return int(rec)
+    if isinstance(rec, np.floating) and (<object>rec).dtype.itemsize <= 8:
+        return float(rec)
+    return None
 
 
 def first_misfit(list records, kind):
@@ -580,6 +600,79 @@ def first_misfit(list records, kind):
     cdef int k = _kind_code(kind)
     cdef Py_ssize_t i, n = PyList_GET_SIZE(records)
     if k == KIND_PICKLE:
+        return -1
+    for i in range(n):
+        if not _fits(k, <object>PyList_GET_ITEM(records, i)):
+            return i
+    return -1
+
+
+def number_kind(list records):
+    """The kind for a known list of records that a first int or float record
+    would make ``number``: ``int64`` when every record is an int that fits 64
+    bits, ``float64`` when every one is a float, ``number`` otherwise."""
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(records)
+    cdef int ints = 0, floats = 0, overflow = 0
+    cdef type t
+    for i in range(n):
+        rec = <object>PyList_GET_ITEM(records, i)
+        t = type(rec)
+        if t is int:
+            PyLong_AsLongLongAndOverflow(rec, &overflow)
+            if overflow:
+                return "number"
+            ints = 1
+        elif t is float:
+            floats = 1
+        else:
+            return "number"
+        if ints and floats:
+            return "number"
+    return "float64" if floats else "int64"
+
+
+def conform_batch(list records, kind):
+    """``first_misfit``, and the records that fit but are not of the exact
+    type a reader of the stream returns (an int or a NumPy scalar in a
+    float64 stream, an ``np.int64`` in an int64 stream) replaced in
+    ``records`` by that type: a record handed to a chained operator is then
+    the value it would be after serialization, so chaining changes no value."""
+    cdef int k = _kind_code(kind)
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(records)
+    cdef int overflow = 0
+    cdef type t
+    if k == KIND_PICKLE:
+        return -1
+    if k == KIND_FLOAT64:
+        for i in range(n):
+            rec = <object>PyList_GET_ITEM(records, i)
+            if type(rec) is not float:
+                if not _fits(k, rec):
+                    return i
+                records[i] = PyFloat_FromDouble(PyFloat_AsDouble(rec))
+        return -1
+    if k == KIND_INT64:
+        for i in range(n):
+            rec = <object>PyList_GET_ITEM(records, i)
+            t = type(rec)
+            if t is int:
+                PyLong_AsLongLongAndOverflow(rec, &overflow)
+                if overflow:
+                    return i
+            elif not _fits(k, rec):
+                return i
+            else:
+                records[i] = PyLong_FromLongLong(PyLong_AsLongLong(rec))
+        return -1
+    if k == KIND_NUMBER:
+        for i in range(n):
+            rec = <object>PyList_GET_ITEM(records, i)
+            t = type(rec)
+            if t is not int and t is not float:
+                rec = _as_number(rec)
+                if rec is None:
+                    return i
+                records[i] = rec
         return -1
     for i in range(n):
         if not _fits(k, <object>PyList_GET_ITEM(records, i)):
@@ -766,9 +859,11 @@ cdef class RecordWriter:
         cdef Py_buffer view
         cdef Py_ssize_t n
         cdef const char *p
-        cdef char tmp[8]
+        cdef char tmp[16]
         cdef long long iv
         cdef double dv
+        cdef uint64_t bits
+        cdef int overflow = 0
         if self.kind == KIND_BYTES:
             if PyBytes_CheckExact(rec):
                 n = PyBytes_GET_SIZE(rec)
@@ -802,6 +897,28 @@ cdef class RecordWriter:
             if n > self.max_record_size:
                 self._too_large(n)
             return self._write_raw(ch, p, <uint32_t>n)
+        if self.kind == KIND_NUMBER:
+            # an int that fits 64 bits as int64 writes it, a float and a larger
+            # int as the struct codec does: exact types, any int size
+            if type(rec) is not int and type(rec) is not float:
+                num = _as_number(rec)
+                if num is None:
+                    raise TypeError(f"a number stream takes int and float records, got {type(rec).__name__}")
+                rec = num
+            if type(rec) is float:
+                dv = PyFloat_AS_DOUBLE(rec)
+                memcpy(&bits, &dv, 8)
+                tmp[0] = <char>S_FLOAT
+                fb_store_le64(tmp + 1, bits)
+                return self._write_raw(ch, tmp, 9)
+            iv = PyLong_AsLongLongAndOverflow(rec, &overflow)
+            if not overflow:
+                # 8 bytes, as int64 writes it: a float is 9 and a larger int at least 11
+                fb_store_le64(tmp, <uint64_t>iv)
+                return self._write_raw(ch, tmp, 8)
+            self.pack.len = 0
+            _pack(&self.pack, rec, 0)
+            return self._write_raw(ch, self.pack.p, <uint32_t>self.pack.len)
         if self.kind == KIND_STRUCT:
             self.pack.len = 0
             _pack(&self.pack, rec, 0)
@@ -1050,6 +1167,7 @@ cdef class RecordReader:
     cdef object _make(self, ChanState *c, const char *p, uint32_t n):
         cdef Buffer buf
         cdef double dv
+        cdef uint64_t u
         if self.kind == KIND_BYTES:
             if n >= self.zero_copy_min and c.cur.pool is not NULL:
                 if c.cur_buf is NULL:
@@ -1069,6 +1187,14 @@ cdef class RecordReader:
             return PyFloat_FromDouble(dv)
         if self.kind == KIND_STR:
             return PyUnicode_DecodeUTF8(p, n, "strict")
+        if self.kind == KIND_NUMBER:
+            if n == 8:
+                return PyLong_FromLongLong(<long long>fb_load_le64(p))
+            if n == 9 and <unsigned char>p[0] == S_FLOAT:
+                u = fb_load_le64(p + 1)
+                memcpy(&dv, &u, 8)
+                return PyFloat_FromDouble(dv)
+            return _unpack_record(p, n)
         if self.kind == KIND_STRUCT:
             return _unpack_record(p, n)
         mv = PyMemoryView_FromMemory(<char *>p, n, 0x100)

@@ -12,7 +12,8 @@ the same way with chaining on or off, naming the operator and the value.
 from __future__ import annotations
 
 import os
-
+import types
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
@@ -21,7 +22,11 @@ from pyflowbuf import errors
 from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error, short_repr
 
 _ANY = object()       # a kind every record fits (pickle): nothing to check
-_NOT_RECORDS = (str, bytes, bytearray, memoryview)  # iterable, but never an iterable of records
+# Iterable, but never taken as the records a flat_map/process call emits:
+# text and bytes would be split into characters, a tuple is as likely one
+# record as several, and a dict (any Mapping) would give its keys.
+_NOT_RECORDS = (str, bytes, bytearray, memoryview, tuple, dict)
+_GENERATOR = types.GeneratorType
 
 
 class Operator:
@@ -110,10 +115,19 @@ class Operator:
         return self._find_misfit
 
     def _extend(self, out: list, res) -> None:
-        """Add what a process function returned (an iterable of records, or None) to ``out``."""
+        """Add what a process function returned (records, or None) to ``out``.
+
+        The rule, one type check per call: a list, a generator or another
+        iterable (iterator, set, deque...) holds the records; None is none; a
+        str, bytes, tuple or Mapping is refused, since it could be one record
+        as well as several and guessing would change records' shape."""
+        t = type(res)
+        if t is list or t is _GENERATOR:
+            out.extend(res)
+            return
         if res is None:
             return
-        if isinstance(res, _NOT_RECORDS):
+        if isinstance(res, _NOT_RECORDS) or isinstance(res, Mapping) or _is_dataframe(res):
             raise self._not_records(res)
         try:
             out.extend(res)
@@ -124,11 +138,21 @@ class Operator:
 
     def _not_records(self, value) -> errors.RecordTypeError:
         t = type(value).__name__
-        why = f"; a {t} would be split into its items" if isinstance(value, _NOT_RECORDS) else ""
+        if isinstance(value, (str, bytes, bytearray, memoryview)):
+            why = f"; a {t} would be split into its items"
+        elif isinstance(value, tuple):
+            why = (f"; a {t} is ambiguous (one record that is a tuple, or several records?), so it is "
+                   "never taken apart. One record: return [record] (e.g. [(k, v)]) or yield it; "
+                   "several: return a list or yield each")
+        elif isinstance(value, Mapping) or _is_dataframe(value):
+            why = (f"; iterating a {t} gives its keys/column labels, not records. One record: "
+                   "return [record] or yield it")
+        else:
+            why = ""
         return errors.RecordTypeError(
             f"operator {self.name!r}: its function returned {short_repr(value)} ({t}) where an "
-            f"iterable of records belongs{why}. Return a list of records (e.g. [value]), or use map() "
-            "for one record per input")
+            f"iterable of records belongs{why}. Return a list of records (e.g. [value]), yield them, or "
+            "use map() for one record per input")
 
 
 class Map(Operator):

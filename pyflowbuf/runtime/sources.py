@@ -158,6 +158,18 @@ class ArraySource(Source):
         self.inner.seek(position)
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _is_utf8(encoding: str) -> bool:
+    return encoding.lower().replace("_", "-") in ("utf-8", "utf8", "utf-8-sig")
+
+
+def _is_parquet(path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(4) == b"PAR1"
+
+
 class TextFileSource(Source):
     """Lines of a text file (without the newline). The byte offset of the next
     line is the position, so a checkpoint can rewind exactly."""
@@ -181,13 +193,31 @@ class TextFileSource(Source):
     def next_batch(self, max_records):
         lines = []
         fh = self._fh
+        encoding = self.encoding
+        start = self.offset
         for _ in range(max_records):
             raw = fh.readline()
             if not raw:
                 break
+            if self.offset == 0 and raw.startswith(_UTF8_BOM) and _is_utf8(encoding):
+                raw = raw[3:]           # a byte-order mark is not text (read_csv drops it too)
+                self.offset = 3
+            try:
+                lines.append(raw.rstrip(b"\r\n").decode(encoding))
+            except UnicodeDecodeError as exc:
+                raise self._not_text(exc, start, len(lines)) from None
             self.offset += len(raw)
-            lines.append(raw.rstrip(b"\r\n").decode(self.encoding))
         return lines or None
+
+    def _not_text(self, exc, batch_start, in_batch):
+        from pyflowbuf.connectors import FileFormatError
+
+        with open(self.path, "rb") as fh:
+            line = fh.read(batch_start).count(b"\n") + 1 + in_batch
+        return FileFormatError(
+            f"read_text: {self.path}, line {line}: not {self.encoding} text ({exc.reason} at byte {exc.start} "
+            f"of the line){' (the file is Parquet: read it with read_parquet)' if _is_parquet(self.path) else ''}"
+            f". Pass encoding= to read_text (e.g. encoding='latin-1')")
 
     def position(self):
         return self.offset

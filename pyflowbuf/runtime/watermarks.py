@@ -26,10 +26,12 @@ import math
 import numbers
 import struct
 import time
+import warnings
 from typing import Hashable, Iterable
 
 from pyflowbuf import errors
 from pyflowbuf.runtime.operators import Operator
+from pyflowbuf.serializers import short_repr
 
 NO_WATERMARK = -math.inf
 END_OF_TIME = math.inf
@@ -61,15 +63,39 @@ def to_seconds(t) -> float:
     if isinstance(t, numbers.Real) and not isinstance(t, bool):
         return float(t)
     if isinstance(t, _dt.datetime):
+        if t != t:      # pd.NaT: no time, as NaN (refused by the assigner)
+            return math.nan
         if t.tzinfo is None:
             t = t.replace(tzinfo=_dt.timezone.utc)
         return t.timestamp()
     if type(t).__name__ == "datetime64":
         import numpy as np
+        if np.isnat(t):
+            return math.nan
         return float(t.astype("datetime64[us]").astype(np.int64)) / 1e6
     raise errors.RecordTypeError(
         f"a timestamp function returned {t!r} ({type(t).__name__}); event time is seconds as a float "
         "or int, or a datetime")
+
+
+# seconds in one of each unit= of assign_timestamps
+UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9}
+# above this a timestamp in seconds is past the year 5000: almost surely
+# milliseconds (1.7e12 today), microseconds or nanoseconds since 1970
+SECONDS_LOOK_LIKE_MS = 1e11
+
+
+def in_unit(fn, unit: str):
+    """``fn`` giving seconds, for a timestamp function whose numbers are in
+    ``unit``; datetimes carry their own unit and are converted as they are."""
+    per_s = UNITS[unit]
+
+    def seconds(record):
+        t = fn(record)
+        if isinstance(t, numbers.Real) and not isinstance(t, bool):
+            return t / per_s
+        return t
+    return seconds
 
 
 def check_seconds(name: str, value, *, optional=False, positive=False) -> float | None:
@@ -171,8 +197,13 @@ class TimestampsAssigner(Operator):
 
     event_time = True
 
-    def __init__(self, name, ts_fn, out_of_orderness: float, idle_timeout: float | None, interval: float):
+    def __init__(self, name, ts_fn, out_of_orderness: float, idle_timeout: float | None, interval: float,
+                 unit: str = "s", shared: dict | None = None):
         super().__init__(name)
+        self.unit = unit
+        self._unit_checked = False
+        # what the operator's subtasks (in this process) share: which of them warned
+        self._shared = {} if shared is None else shared
         self.ts_fn = ts_fn
         self.column = ts_fn if isinstance(ts_fn, str) else None
         self.out_of_orderness = out_of_orderness
@@ -206,14 +237,22 @@ class TimestampsAssigner(Operator):
         if not batch:
             return batch
         if self.column is not None:
-            high = _batch_max(batch, self.column)
+            high = _batch_max(batch, self.column, self.name)
         else:
+            ts = list(map(self.ts_fn, batch))
             try:
-                high = max(map(self.ts_fn, batch))
-                if type(high) is not float:
-                    high = to_seconds(high)
-            except TypeError:
-                high = max(to_seconds(self.ts_fn(x)) for x in batch)
+                high = max(ts)
+                total = sum(ts)     # NaN when a timestamp is: one C loop, not a test per record
+            except TypeError:       # datetimes, or a mix
+                ts = [to_seconds(t) for t in ts]
+                high = max(ts)
+                total = sum(ts)
+            if total != total:
+                self._refuse_nan(batch, ts)
+            if type(high) is not float:
+                high = to_seconds(high)
+        if not self._unit_checked:
+            self._check_unit(high)
         if high > self.max_ts:
             self.max_ts = high
         self._last_record_ns = now = time.monotonic_ns()
@@ -224,6 +263,23 @@ class TimestampsAssigner(Operator):
                 self.interval == 0 or now - self._last_emit_ns >= self.interval * 1e9):
             self._post_emit()
         return batch
+
+    def _refuse_nan(self, batch, ts):
+        for x, t in zip(batch, ts):
+            if to_seconds(t) != to_seconds(t):
+                raise errors.InvalidTimestampError(
+                    f"operator {self.name!r}: the timestamp of record {short_repr(x)} is {t!r}: a record "
+                    "with no time belongs to no window and would be lost. Filter such records out "
+                    "before assign_timestamps, or give them a time")
+
+    def _check_unit(self, high):
+        self._unit_checked = True
+        if (self.unit == "s" and abs(high) > SECONDS_LOOK_LIKE_MS and high != END_OF_TIME
+                and self._shared.setdefault("unit_warning", self) is self):     # one subtask warns
+            warnings.warn(errors.UnitWarning(
+                f"operator {self.name!r}: timestamps are read as seconds, and the first ones (up to "
+                f"{high:.6g}) look like milliseconds or finer since 1970: every record would get a window "
+                "of its own. Pass unit='ms' (or 'us', 'ns') to assign_timestamps"), stacklevel=2)
 
     def on_watermark(self, watermark):
         if watermark == END_OF_TIME:
@@ -284,18 +340,18 @@ class TimestampsAssigner(Operator):
             self.max_ts = state["max_ts"]
 
 
-def _batch_max(batch, column) -> float:
+def _batch_max(batch, column, operator=None) -> float:
     """The highest timestamp in ``column`` of a list of Arrow RecordBatches/
     Tables or pandas DataFrames."""
     high = NO_WATERMARK
     for b in batch:
-        h = column_max_seconds(b, column)
+        h = column_max_seconds(b, column, operator)
         if h > high:
             high = h
     return high
 
 
-def column_max_seconds(b, column) -> float:
+def column_max_seconds(b, column, operator=None) -> float:
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -304,6 +360,11 @@ def column_max_seconds(b, column) -> float:
     if b.num_rows == 0:
         return NO_WATERMARK
     col = seconds_column(b.column(column))
+    if operator is not None and (col.null_count or pc.any(pc.is_nan(col)).as_py()):
+        raise errors.InvalidTimestampError(
+            f"operator {operator!r}: column {column!r} holds {col.null_count} null and "
+            f"{pc.sum(pc.cast(pc.is_nan(col), pa.int64())).as_py() or 0} NaN timestamps: rows with no "
+            "time belong to no window. Filter them out before assign_timestamps")
     return float(pc.max(col).as_py())
 
 
