@@ -19,6 +19,10 @@ import pyflowbuf as fb
 from pyflowbuf.runtime.pull import SLOW_PULL_NS, PullPolicy
 from pyflowbuf.runtime.sources import RateLimiter, payload_nbytes, rate_limiter
 
+# buffer_timeout=600 below means "no timed flush during the test" on purpose, so
+# the warning for values that look like milliseconds is expected there.
+pytestmark = pytest.mark.filterwarnings("ignore::pyflowbuf.errors.UnitWarning")
+
 N = 1_000_000
 SEG = 32 * 1024
 INT64_RECORD = 4 + 8        # length prefix + payload
