@@ -33,7 +33,8 @@ from pyflowbuf.includes.ring cimport *
 import os
 import time
 
-from pyflowbuf.errors import CancelledError, ConnectionLostError, InsufficientBuffersError, ProtocolError
+from pyflowbuf.errors import (CancelledError, ConnectionLostError, FlowBufError, InsufficientBuffersError,
+                              ProtocolError)
 
 DATA = 0
 EVENT = 1
@@ -46,6 +47,7 @@ cdef enum:
     RUN_IDLE = 3       # nothing happened within the timeout
     RUN_CLOSED = 4
     RUN_FRAME = 5      # a frame for Python is staged in the reader
+    RUN_BROKEN = 6     # (SendPump) the queue handed over something that is not a data buffer
 
 PYTHON = RUN_PYTHON
 DIRTY = RUN_DIRTY
@@ -368,10 +370,13 @@ cdef class SenderView:
             return 0
         return 2 if (prio or is_event) else 1
 
-    cdef void take(self, fb_bufdesc *d, bint prio, int32_t *seq, int32_t *backlog) noexcept nogil:
+    cdef int take(self, fb_bufdesc *d, bint prio, int32_t *seq, int32_t *backlog) noexcept nogil:
         """Pop the item ``next_item`` looked at (``prio``: from the priority
-        lane) and number it."""
-        self.queue.pop(d)
+        lane) and number it. Only from that lane: the producer may push an
+        overtaking barrier between the look and the pop, and the sender
+        must not take that event for the data buffer it decided to send."""
+        if self.queue.pop_lane(d, prio) != FB_OK:
+            return -1       # that lane is empty: nothing taken, nothing numbered
         seq[0] = self.seq
         self.seq = (self.seq + 1) & SEQ_MASK
         backlog[0] = <int32_t>self._backlog()
@@ -384,6 +389,7 @@ cdef class SenderView:
             self._used += 1
             self.buffers_sent += 1
             self.bytes_sent += d.size
+        return 0
 
     def poll(self):
         """``(DATA, buffer, seq, backlog, priority)``,
@@ -391,15 +397,39 @@ cdef class SenderView:
         ``(BACKLOG, None, -1, backlog, False)`` or None."""
         cdef bint prio
         cdef int what = self.next_item(&prio)
-        cdef fb_bufdesc d
-        cdef int32_t seq, backlog
         if what == 0:
             return None
+        return self._poll(what, prio)
+
+    def peek(self):
+        """``(what, priority)`` that ``poll`` would act on now, taking
+        nothing: what is 0 (nothing), 1 (a data buffer the send loop may
+        ship), 2 (an event or priority item, for Python) or 3 (a backlog
+        announcement is due). ``peek`` then ``take_peeked(what, priority)`` is
+        ``poll`` in the two steps the send loop makes, so tests can put a
+        producer's push between them."""
+        cdef bint prio
+        cdef int what = self.next_item(&prio)
+        return (what, bool(prio))
+
+    def take_peeked(self, int what, bint priority):
+        """Act on what ``peek`` returned, as ``poll`` does: take from the
+        lane ``priority`` names (None when there is nothing, or 0)."""
+        if what == 0:
+            return None
+        if not 1 <= what <= 3:
+            raise ValueError(f"what must be 0..3 (from peek()), got {what}")
+        return self._poll(what, priority)
+
+    cdef object _poll(self, int what, bint prio):
+        cdef fb_bufdesc d
+        cdef int32_t seq, backlog
         if what == 3:
             self._told_backlog = self._backlog()
             self.announcements += 1
             return (BACKLOG, None, -1, self._told_backlog, False)
-        self.take(&d, prio, &seq, &backlog)
+        if self.take(&d, prio, &seq, &backlog):
+            return None
         if d.type == FB_DATA_EVENT:
             return (EVENT, (d.width, d.aux, d.flags), seq, backlog, prio)
         return (DATA, Buffer.wrap(&d, self.queue.network_pool), seq, backlog, prio)
@@ -435,6 +465,7 @@ cdef class SendPump:
     cdef int last_credited
     cdef int _dirty
     cdef int _closed
+    cdef int _broken            # _gather took something that is not a data buffer
     cdef unsigned char hdr[MAX_BATCH][FB_NET_BUFFER_HEADER]
     cdef iovec iov[2 * MAX_BATCH]
     cdef fb_bufdesc sent[MAX_BATCH]
@@ -502,6 +533,10 @@ cdef class SendPump:
                 st.done()
         if rc < 0:
             raise _lost(-rc)
+        if rc == RUN_BROKEN:
+            raise FlowBufError(
+                "internal error: the network sender took an item without a segment pool for a data "
+                "buffer; the connection stops here instead of recycling it")
         return rc
 
     cdef bint _credit_starved(self) noexcept nogil:
@@ -531,7 +566,14 @@ cdef class SendPump:
                 what = (<SenderView>self.views.items[i]).next_item(&prio)
                 if what == 1:
                     d = &self.sent[n]
-                    (<SenderView>self.views.items[i]).take(d, False, &seq, &backlog)   # 1: main lane
+                    if (<SenderView>self.views.items[i]).take(d, False, &seq, &backlog):   # 1: main lane
+                        continue
+                    if d.pool is NULL or d.type == FB_DATA_EVENT:
+                        # Not a data buffer, though the main lane's head was
+                        # one a moment ago (only this thread pops it): the
+                        # books are broken. Stop with an error, not a crash.
+                        self._broken = 1
+                        return n
                     fb_buffer_header_put(self.hdr[n], (<SenderView>self.views.items[i]).rid,
                                          (<SenderView>self.views.items[i]).subpartition, seq, backlog,
                                          <unsigned char>d.type, <int32_t>d.size, d.width, d.flags)
@@ -636,6 +678,9 @@ cdef class SendPump:
                 return RUN_FRAME
             python = False
             n = self._gather(&python)
+            if self._broken and not n:
+                fb_event_cancel(ev)
+                return RUN_BROKEN
             if n:
                 fb_event_cancel(ev)
                 nbytes = 0
@@ -649,6 +694,8 @@ cdef class SendPump:
                 fb_pool_recycle_many(self.sent_pools, self.sent_segs, n)
                 if err:
                     return -err
+                if self._broken:
+                    return RUN_BROKEN
                 self.buffers_sent += n
                 self.bytes_sent += nbytes
                 continue
