@@ -165,6 +165,41 @@ def test_restart_attempts_with_workers_are_limited(tmp_path):
     assert not multiprocessing.active_children()
 
 
+def test_a_barrier_leaving_a_network_sender_after_the_job_stopped_is_declined_not_raised():
+    """A subtask's checkpoint waits for the network sender's word on what the
+    barrier overtook; the job stops (a failure, a restart) and shuts its
+    snapshot writer down; then the sender thread passes the barrier. That
+    raised RuntimeError (cannot schedule new futures after shutdown) in the
+    network thread; now the checkpoint is declined and nothing is written."""
+    from types import SimpleNamespace
+
+    from pyflowbuf.runtime import checkpointing as ckpt
+
+    declined = []
+    coordinator = SimpleNamespace(decline=lambda key, n, reason: declined.append((key, n, reason)),
+                                  config=SimpleNamespace(switchable=False))
+    out = SimpleNamespace(remote=(True,), kind_name=None, overtaken_listener=None)
+    task = SimpleNamespace(vertex=SimpleNamespace(id=3, name="v"), index=0, outputs=[out], input=None,
+                           operators=[], source=None, input_kind_names=lambda: [])
+    writer = ckpt.new_writer()
+    tc = ckpt.TaskCheckpointing(task, coordinator, writer)
+    tc.snapshot_unaligned(5, {}, "unaligned")      # waits for out/0/0's word
+    writer.shutdown(wait=True)
+    errs = []
+    t = threading.Thread(target=lambda: _catching(errs, out.overtaken_listener, 5, 0, []))
+    t.start()                                       # the sender thread, late
+    t.join(10)
+    assert errs == []
+    assert [(k, n) for k, n, _ in declined] == [("v3-0", 5)] and "stopped" in declined[0][2]
+
+
+def _catching(errs, fn, *args):
+    try:
+        fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - the test reports it
+        errs.append(exc)
+
+
 def test_cancel_of_a_checkpointed_job_with_workers_restarts_nothing(tmp_path):
     env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
                          restart_attempts=3, chaining=False)

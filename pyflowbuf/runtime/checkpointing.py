@@ -382,7 +382,7 @@ class TaskCheckpointing:
     alignment timeout and outputs read by another process) is written once
     that data is complete: see ``_InflightCheckpoint``."""
 
-    def __init__(self, task, coordinator: CheckpointCoordinator, writer: ThreadPoolExecutor):
+    def __init__(self, task, coordinator: CheckpointCoordinator, writer: "SnapshotWriter"):
         self.task = task
         self.coordinator = coordinator
         self.writer = writer
@@ -451,8 +451,9 @@ class TaskCheckpointing:
             for n in [n for n in self._inflight if n < p.checkpoint_id]:
                 del self._inflight[n]
         inflight = {name: encode_inflight(items) for name, items in p.channels.items()}
-        self.writer.submit(self._write, p.checkpoint_id, p.state, p.commits, p.alignment_ms,
-                           inflight, "unaligned" if p.alignment == "unaligned" or inflight else "aligned")
+        if not self.writer.submit(self._write, p.checkpoint_id, p.state, p.commits, p.alignment_ms,
+                                  inflight, "unaligned" if p.alignment == "unaligned" or inflight else "aligned"):
+            self._too_late(p.checkpoint_id)
 
     def snapshot(self, checkpoint_id: int) -> tuple[dict, list]:
         """Copy the chain's state now (in the task's thread): source position,
@@ -480,7 +481,15 @@ class TaskCheckpointing:
             self.inputs_done(checkpoint_id, alignment_ns)
             return
         state, commits = self._snapshot_or_decline(checkpoint_id)
-        self.writer.submit(self._write, checkpoint_id, state, commits, alignment_ns / 1e6)
+        if not self.writer.submit(self._write, checkpoint_id, state, commits, alignment_ns / 1e6):
+            self._too_late(checkpoint_id)
+
+    def _too_late(self, checkpoint_id: int) -> None:
+        """The job stopped its snapshot writer (its tasks ended) before this
+        checkpoint's data was complete: it cannot be written any more."""
+        log.debug("pyflowbuf: %s: checkpoint %d came after the job stopped writing snapshots",
+                  self.key, checkpoint_id)
+        self.coordinator.decline(self.key, checkpoint_id, "the job stopped before its snapshot was complete")
 
     def _snapshot_or_decline(self, checkpoint_id: int):
         self.snapshotted = max(self.snapshotted, checkpoint_id)
@@ -536,8 +545,34 @@ def restore_plan(storage, restore_from, *, verify: bool = True):
         f"restore_from must be 'latest', a checkpoint id or a chk-<id> directory, got {restore_from!r}")
 
 
-def new_writer() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="pyflowbuf: snapshot writer")
+class SnapshotWriter:
+    """Writes a job's snapshots in the background (two threads). Once shut
+    down it takes no more work and says so (``submit`` returns False)
+    instead of raising: a network sender thread may report what a barrier
+    overtook after the job's tasks have stopped (a failure, a restart, the
+    end of input while consumers still drain), and that word belongs to an
+    attempt that is over."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pyflowbuf: snapshot writer")
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn, *args) -> bool:
+        with self._lock:       # no submit slips in between the check and a shutdown
+            if self._closed:
+                return False
+            self._pool.submit(fn, *args)
+            return True
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=wait)
+
+
+def new_writer() -> SnapshotWriter:
+    return SnapshotWriter()
 
 
 def read_states(storage, meta, keys=None) -> dict[str, Any]:
