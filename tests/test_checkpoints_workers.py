@@ -165,6 +165,73 @@ def test_restart_attempts_with_workers_are_limited(tmp_path):
     assert not multiprocessing.active_children()
 
 
+def segfault_at(k):
+    def fn(x):
+        if x == k:
+            import ctypes
+            ctypes.string_at(0)     # a real SIGSEGV in the worker
+        return x
+    return fn
+
+
+def test_a_worker_killed_by_a_signal_is_reported_with_the_signal_and_its_stacks(tmp_path):
+    """A crashed worker was reported as "exited unexpectedly (exit code None)":
+    the pipe closes before the process is reaped. Now the driver waits for
+    the status, names the signal and adds the worker's faulthandler output."""
+    env = fb.Environment(workers=2, chaining=False)
+    counting_job(env, 4000, tmp_path / "out", fail=segfault_at(1000))
+    with pytest.raises(fb.errors.JobFailedError) as info:
+        env.execute(timeout=40)
+    msg = str(info.value)
+    assert "killed by SIGSEGV (exit code -11)" in msg, msg
+    assert "Segmentation fault" in msg and "in fn" in msg, msg      # faulthandler: the crashing frame
+    assert not multiprocessing.active_children()
+
+
+def test_messages_and_failures_of_an_earlier_attempt_are_ignored(tmp_path):
+    """Fencing: after a restart (attempt 1) a late word of attempt 0 (its
+    failure, its pipe closing) starts nothing; the same word of attempt 1 does."""
+    from pyflowbuf.runtime.cluster import ClusterExecution
+
+    env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
+                         restart_attempts=2, chaining=False)
+    counting_job(env, 100, tmp_path / "out")
+    ex = ClusterExecution(env)
+    ex.attempt = 1
+    late = ("failed", "worker 1", "remote exchange", "ConnectionLostError: connection lost: Broken pipe", "", True)
+    ex._handle(1, late, 0)
+    ex._fail("worker 0", "worker process", "worker 0 exited unexpectedly", "", secondary=False, attempt=0)
+    assert ex.failure is None and not ex.cancelled
+    ex._handle(1, late, 1)
+    assert ex.failure is not None and "Broken pipe" in ex.failure[2] and ex.cancelled
+
+
+def test_a_connection_of_another_attempt_is_refused():
+    """Workers of attempt n authenticate with the job's secret bound to n:
+    a client of another attempt cannot request (or receive) anything."""
+    from pyflowbuf.runtime.cluster import attempt_secret
+
+    secret = new_secret()
+    nbp = NetworkBufferPool(64, 4096)
+    with NetworkServer(attempt_secret(secret, 1), max_buffer_size=4096) as srv:
+        q = BufferQueue(nbp)
+        srv.export("p", 0, q, kind="bytes")
+        for attempt, ok in ((0, False), (1, True)):
+            mgr = ConnectionManager(attempt_secret(secret, attempt))
+            try:
+                excl, fl = mgr.create_input_pools(nbp, 1, 2, 2)
+                rq = BufferQueue(nbp)
+                if ok:
+                    ch = mgr.create_channel(srv.address, "p", 0, rq, excl[0], fl, kind="bytes")
+                    ch.cancel()
+                else:
+                    with pytest.raises(fb.errors.AuthenticationError):
+                        mgr.create_channel(srv.address, "p", 0, rq, excl[0], fl, kind="bytes")
+            finally:
+                mgr.close()
+    assert attempt_secret(secret, 0) != attempt_secret(secret, 1) != secret
+
+
 def test_a_barrier_leaving_a_network_sender_after_the_job_stopped_is_declined_not_raised():
     """A subtask's checkpoint waits for the network sender's word on what the
     barrier overtook; the job stops (a failure, a restart) and shuts its
