@@ -188,6 +188,20 @@ def test_a_worker_killed_by_a_signal_is_reported_with_the_signal_and_its_stacks(
     assert not multiprocessing.active_children()
 
 
+def test_a_worker_that_dies_before_the_job_starts_is_reported_with_its_signal(tmp_path, monkeypatch):
+    """A worker gone before "go" failed the start (or a restart) with a bare
+    EOFError or BrokenPipeError; now the error says which worker and how it died."""
+    from pyflowbuf.runtime import cluster
+
+    monkeypatch.setattr(cluster, "_worker_main", lambda *args: os.kill(os.getpid(), signal.SIGKILL))
+    env = fb.Environment(workers=2, chaining=False)
+    counting_job(env, 100, tmp_path / "out")
+    with pytest.raises(fb.errors.FlowBufError,
+                       match=r"worker 0 exited unexpectedly: killed by SIGKILL \(exit code -9\), before the job"):
+        env.execute(timeout=40)
+    assert not multiprocessing.active_children()
+
+
 def test_messages_and_failures_of_an_earlier_attempt_are_ignored(tmp_path):
     """Fencing: after a restart (attempt 1) a late word of attempt 0 (its
     failure, its pipe closing) starts nothing; the same word of attempt 1 does."""

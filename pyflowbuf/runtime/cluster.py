@@ -443,7 +443,10 @@ class ClusterExecution(Execution):
             for c, w in self._conns.items():
                 if not c.poll(max(0.0, deadline - time.monotonic())):
                     raise errors.FlowBufError(f"worker {w} did not start within {START_TIMEOUT_S} s")
-                _, msg = c.recv()
+                try:
+                    _, msg = c.recv()
+                except (EOFError, OSError):
+                    raise self._died_starting(w) from None
                 if msg[0] != "ready":
                     raise errors.JobFailedError(f"worker {w} failed to start: {msg[3]}\n{msg[4]}")
                 addresses[w] = msg[1]
@@ -453,8 +456,11 @@ class ClusterExecution(Execution):
                 self.local.remote.addresses = addresses
             self.ran = True
             with self._send_lock:
-                for c in self._conns:
-                    c.send((attempt, ("go", addresses, restore_id)))
+                for c, w in self._conns.items():
+                    try:
+                        c.send((attempt, ("go", addresses, restore_id)))
+                    except OSError:
+                        raise self._died_starting(w) from None
             if self.coordinator is not None:
                 self.coordinator.attach(self, self._task_keys)
         except BaseException:
@@ -517,6 +523,10 @@ class ClusterExecution(Execution):
                 except Exception as exc:  # noqa: BLE001 - a message the driver cannot act on fails the job
                     self._fail("driver", "checkpoint coordinator", f"{type(exc).__name__}: {exc}",
                                traceback.format_exc(), secondary=False, attempt=attempt)
+
+    def _died_starting(self, w):
+        text, tb = self._exit_report(w, self._procs[w], self._crash_logs[w])
+        return errors.FlowBufError(f"{text}, before the job started" + (f"\n{tb}" if tb else ""))
 
     def _exit_report(self, w, proc, crash_log):
         """Why worker ``w`` ended without saying goodbye: its exit status (a
