@@ -572,6 +572,8 @@ cdef class SendPump:
                         # Not a data buffer, though the main lane's head was
                         # one a moment ago (only this thread pops it): the
                         # books are broken. Stop with an error, not a crash.
+                        if d.pool is not NULL:
+                            fb_pool_recycle(d.pool, d.seg)
                         self._broken = 1
                         return n
                     fb_buffer_header_put(self.hdr[n], (<SenderView>self.views.items[i]).rid,
@@ -694,10 +696,10 @@ cdef class SendPump:
                 fb_pool_recycle_many(self.sent_pools, self.sent_segs, n)
                 if err:
                     return -err
-                if self._broken:
-                    return RUN_BROKEN
                 self.buffers_sent += n
                 self.bytes_sent += nbytes
+                if self._broken:
+                    return RUN_BROKEN
                 continue
             if python:
                 fb_event_cancel(ev)
