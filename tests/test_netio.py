@@ -378,6 +378,31 @@ def test_receive_pump_delivers_into_reserved_segments_and_announces_credit(nbp, 
     assert nbp.available_segments == nbp.total_segments
 
 
+def test_receive_pump_reads_on_when_credit_can_no_longer_be_sent(nbp, pair):
+    """A producer that finished closes its end; AddCredit of ours it had not
+    read makes that a reset, and our next AddCredit fails (EPIPE), while its
+    last buffers and end-of-partition are still in our socket. The loop
+    dropped the buffer it had just received and raised ConnectionLostError:
+    the channel failed though complete, which cost the job a restart at its
+    end (the "second restart after a worker kill", issue 18)."""
+    a, b = pair
+    cr, q, pump, reader, excl, fl = _receiver(nbp, a, exclusive=2, floating=0)
+    b.sendall(_data_frame(0, b"a" * 100) + F.encode_close())
+    assert pump.run(reader) == netio.PYTHON
+    reader.read_control(*reader.read_header())
+    q.pop_buffer().recycle()                       # credit is due with the next buffer
+    a.shutdown(socket.SHUT_WR)                     # our sends fail from here on, reads do not
+    b.sendall(_data_frame(1, b"b" * 100) + _data_frame(2, b"c" * 100)
+              + F.encode_event(RID, 0, 3, 0, END_OF_PARTITION, 0, 0, False))
+    assert pump.run(reader) == netio.PYTHON        # stops at the event, nothing raised
+    assert pump.send_error != 0 and cr.bytes_received == 300
+    assert [bytes(q.pop_buffer())[:1] for _ in range(2)] == [b"b", b"c"]
+    length, msg_id = reader.read_header()
+    assert msg_id == F.BUFFER_RESPONSE             # the end-of-partition, for Python
+    cr.release()
+    excl.destroy()
+
+
 @pytest.mark.parametrize("case", ["unknown", "gap", "no_credit", "event", "priority", "fixed_width0", "oversized"])
 def test_receive_pump_hands_odd_frames_to_python_untouched(nbp, pair, case):
     a, b = pair

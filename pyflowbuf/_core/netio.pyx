@@ -1113,6 +1113,7 @@ cdef class ReceivePump:
     cdef readonly uint64_t consumer_wakes     # batched wakes of consumers
     cdef readonly uint64_t recycle_credit_frames   # AddCredit sent while waiting for the socket
     cdef unsigned char credit_frame[FB_NET_ADD_CREDIT_SIZE]
+    cdef readonly int send_error             # errno of the first AddCredit that could not be sent, or 0
 
     def __cinit__(self, Wire wire not None, Notifier wake not None, int64_t max_buffer_size,
                   Notifier recycles=None):
@@ -1206,15 +1207,35 @@ cdef class ReceivePump:
                     return n
         return fb_recv2(self.fd, a, alen, b, blen, 0)
 
+    cdef bint _send_credit(self, int64_t credit, const unsigned char *rid) noexcept nogil:
+        """AddCredit for one channel. A send that fails (the producer closed
+        its end, maybe unread credit making it a reset) ends credit on this
+        connection, but not reading: what the producer sent before is still
+        in the socket, up to the end-of-partition of channels it finished.
+        The stream's end then says which channels are complete."""
+        cdef iovec v
+        cdef int rc
+        if self.send_error:
+            return False
+        fb_add_credit_put(self.credit_frame, <int32_t>credit, rid)
+        v.iov_base = self.credit_frame
+        v.iov_len = FB_NET_ADD_CREDIT_SIZE
+        rc = self.wire.sendv(&v, 1)
+        if rc:
+            self.send_error = rc
+            return False
+        return True
+
     cdef int _serve_hungry(self) noexcept nogil:
         """Credit for channels whose sender may run dry: 1 if any still may
-        (it waits on recycles), 0 if none, or -errno when sending failed."""
-        cdef int i, rc
+        (it waits on recycles), 0 if none (or no credit can be sent any more)."""
+        cdef int i
         cdef int any_hungry = 0
         cdef int64_t credit
         cdef bint hungry
-        cdef iovec v
         cdef ReceiverCredit_ptr c
+        if self.send_error:
+            return 0
         for i in range(self.chans.n):
             c = self.chans.items[i]
             pthread_mutex_lock(&(<ReceiverCredit>c).mu)
@@ -1224,12 +1245,8 @@ cdef class ReceivePump:
                 continue
             credit = (<ReceiverCredit>c)._service(&hungry)
             if credit:
-                fb_add_credit_put(self.credit_frame, <int32_t>credit, (<ReceiverCredit>c).rid)
-                v.iov_base = self.credit_frame
-                v.iov_len = FB_NET_ADD_CREDIT_SIZE
-                rc = self.wire.sendv(&v, 1)
-                if rc:
-                    return -rc
+                if not self._send_credit(credit, (<ReceiverCredit>c).rid):
+                    return 0
                 self.recycle_credit_frames += 1
             if hungry:
                 any_hungry = 1
@@ -1324,7 +1341,6 @@ cdef class ReceivePump:
         cdef int rc
         cdef bint hungry
         cdef fb_bufdesc d
-        cdef iovec v
         if <uint32_t>h.seq != c.expected_seq or <uint64_t>h.size > c.arena.segment_size:
             return RX_PYTHON
         pthread_mutex_lock(&c.mu)
@@ -1364,15 +1380,8 @@ cdef class ReceivePump:
         # it, and the sender should not wait for that turn to end.
         credit = c._service(&hungry)
         if credit:
-            fb_add_credit_put(self.credit_frame, <int32_t>credit, c.rid)
-            v.iov_base = self.credit_frame
-            v.iov_len = FB_NET_ADD_CREDIT_SIZE
-            rc = self.wire.sendv(&v, 1)
-            if rc:
-                fb_pool_recycle(pool, seg)
-                self.err_a = rc
-                return RX_LOST
-            self.credit_frames += 1
+            if self._send_credit(credit, c.rid):   # (a failed one keeps the buffer: it arrived whole)
+                self.credit_frames += 1
         elif hungry:
             if self.rfd >= 0:
                 self.hungry = True      # _recv serves it from now on
