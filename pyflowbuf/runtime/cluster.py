@@ -371,6 +371,8 @@ class ClusterExecution(Execution):
         # Fencing: every message between driver and workers and every
         # connection between workers carries its attempt; what belongs to an
         # earlier attempt is ignored (messages) or refused (connections).
+        # The coordinator fences its own calls (triggers, completions) the
+        # same way: see CheckpointCoordinator.attach.
         self.attempt = 0
         self._summaries: dict = {}
         self._results: dict = {}
