@@ -202,6 +202,25 @@ def test_a_worker_that_dies_before_the_job_starts_is_reported_with_its_signal(tm
     assert not multiprocessing.active_children()
 
 
+def test_a_peer_lost_while_a_worker_starts_is_not_the_reason_of_the_failure(tmp_path, monkeypatch):
+    """Worker 1 cannot reach worker 0 while it starts (worker 0 is dying):
+    that ConnectionLostError follows worker 0's death and must not stand for
+    the job's failure (or a restart's reason) in its place."""
+    from pyflowbuf.runtime import cluster
+
+    def start(self):
+        if self.me == 0:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise fb.errors.ConnectionLostError("the peer closed the connection")
+
+    monkeypatch.setattr(cluster.JobExecution, "start", start)
+    env = fb.Environment(workers=2, chaining=False)
+    counting_job(env, 100, tmp_path / "out")
+    with pytest.raises(fb.errors.JobFailedError, match=r"worker 0 exited unexpectedly: killed by SIGKILL"):
+        env.execute(timeout=40)
+
+
 def test_messages_and_failures_of_an_earlier_attempt_are_ignored(tmp_path):
     """Fencing: after a restart (attempt 1) a late word of attempt 0 (its
     failure, its pipe closing) starts nothing; the same word of attempt 1 does."""

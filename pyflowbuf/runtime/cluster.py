@@ -338,8 +338,9 @@ def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None):
             send(("done", shipper.increments(), job.summary(), job.metrics()))
     except BaseException as exc:  # noqa: BLE001 - report everything to the driver
         try:
+            # (a peer lost while connecting is secondary: the peer's own death says why)
             send(("failed", f"worker {me}", "worker", f"{type(exc).__name__}: {exc}",
-                  traceback.format_exc(), False))
+                  traceback.format_exc(), _secondary(exc, "worker")))
         except Exception:
             pass
     finally:
