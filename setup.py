@@ -83,7 +83,7 @@ def extensions():
     else:
         cflags += ["-O3"]
     if SANITIZE:
-        cflags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+        cflags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
         ldflags += ["-fsanitize=address,undefined"]
     if sys.platform.startswith("linux"):
         ldflags += ["-pthread"]

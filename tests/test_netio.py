@@ -181,6 +181,90 @@ def test_send_pump_raises_when_the_socket_fails(nbp, pair):
     assert pool.in_use == 0    # the buffer that could not go out is recycled, not leaked
 
 
+def test_sender_takes_the_data_buffer_it_looked_at_when_a_barrier_overtakes_meanwhile(nbp):
+    """The send loop looks at the head (a data buffer, priority lane empty),
+    then pops it; an unaligned barrier pushed to the priority lane between
+    the two must not be taken in the data buffer's place. It was: the pop
+    preferred the priority lane, so the loop gathered the barrier (no pool,
+    its mark as segment index) as a data buffer and recycled it to pool NULL,
+    the restarted worker's SIGSEGV in fb_pool_recycle_quiet (issue 18)."""
+    pool = nbp.create_pool(2, 2)
+    q = BufferQueue(nbp)
+    v = SenderView(q, RID, 0, initial_credit=2)
+    _fill(pool, q, 7)
+    assert v.peek() == (1, False)                  # a data buffer the loop may ship
+    mark = q.push_position
+    q.push_event(BARRIER, 3, 1, True, mark)        # the producer, between look and pop
+    what, item, seq, _, prio = v.take_peeked(1, False)
+    assert what == DATA and not prio and seq == 0 and bytes(item)[0] == 7
+    item.recycle()
+    assert pool.in_use == 0                        # it went back to its own pool
+    what, item, seq, _, prio = v.poll()            # the barrier follows, still overtaking
+    assert what == EVENT and item == (BARRIER, 3, 1) and prio and seq == 1
+    assert v.credit == 1 and v.poll() is None
+
+
+def test_send_pump_ships_a_buffer_while_barriers_overtake_it(nbp, pair):
+    """The GIL-free send loop while a producer thread keeps pushing data and
+    overtaking barriers: every data buffer leaves as data, every barrier
+    through Python, every segment returns to its pool. (A check under
+    concurrency; the window of the race above is a few instructions wide,
+    so the deterministic reproduction is the test above.)"""
+    a, b = pair
+    pool, q, v, gate, pump = _sender(nbp, a, 1 << 20, pool_size=8)
+    stop = threading.Event()
+    counts = {"data": 0, "events": 0}
+
+    def produce():
+        while not stop.is_set() and counts["data"] < 3000:
+            buf = pool.request_blocking(5.0)
+            buf.set_meta(8)
+            q.push_buffer(buf)
+            counts["data"] += 1
+            if counts["data"] % 3 == 0:
+                q.push_event(BARRIER, counts["data"], 1, True)
+                counts["events"] += 1
+
+    def drain():
+        b.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                if not b.recv(1 << 16):
+                    return
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (produce, drain)]
+    for t in threads:
+        t.start()
+    sent_events = 0
+    while threads[0].is_alive() or len(q):
+        rc = pump.run(0.05)
+        if rc == netio.PYTHON:
+            while (out := v.poll()) is not None:
+                if out[0] == DATA:
+                    out[1].recycle()
+                else:
+                    sent_events += 1
+    stop.set()
+    for t in threads:
+        t.join(5)
+    assert counts["data"] == 3000 and sent_events == counts["events"]
+    assert v.buffers_sent == 3000 and pool.in_use == 0
+    del gate
+
+
+def test_a_buffer_marked_as_an_event_is_not_enqueued_as_data(nbp):
+    pool = nbp.create_pool(1, 1)
+    q = BufferQueue(nbp)
+    b = pool.request()
+    b.set_meta(0, "event")
+    with pytest.raises(ValueError, match="event type"):
+        q.push_buffer(b)
+    b.recycle()
+    assert len(q) == 0 and pool.in_use == 0
+
+
 # ---------------------------------------------------------------- SendPump reading credit
 
 def test_send_pump_applies_add_credit_and_returns_at_anything_else(nbp, pair):
@@ -292,6 +376,31 @@ def test_receive_pump_delivers_into_reserved_segments_and_announces_credit(nbp, 
     cr.release()
     excl.destroy()
     assert nbp.available_segments == nbp.total_segments
+
+
+def test_receive_pump_reads_on_when_credit_can_no_longer_be_sent(nbp, pair):
+    """A producer that finished closes its end; AddCredit of ours it had not
+    read makes that a reset, and our next AddCredit fails (EPIPE), while its
+    last buffers and end-of-partition are still in our socket. The loop
+    dropped the buffer it had just received and raised ConnectionLostError:
+    the channel failed though complete, which cost the job a restart at its
+    end (the "second restart after a worker kill", issue 18)."""
+    a, b = pair
+    cr, q, pump, reader, excl, fl = _receiver(nbp, a, exclusive=2, floating=0)
+    b.sendall(_data_frame(0, b"a" * 100) + F.encode_close())
+    assert pump.run(reader) == netio.PYTHON
+    reader.read_control(*reader.read_header())
+    q.pop_buffer().recycle()                       # credit is due with the next buffer
+    a.shutdown(socket.SHUT_WR)                     # our sends fail from here on, reads do not
+    b.sendall(_data_frame(1, b"b" * 100) + _data_frame(2, b"c" * 100)
+              + F.encode_event(RID, 0, 3, 0, END_OF_PARTITION, 0, 0, False))
+    assert pump.run(reader) == netio.PYTHON        # stops at the event, nothing raised
+    assert pump.send_error != 0 and cr.bytes_received == 300
+    assert [bytes(q.pop_buffer())[:1] for _ in range(2)] == [b"b", b"c"]
+    length, msg_id = reader.read_header()
+    assert msg_id == F.BUFFER_RESPONSE             # the end-of-partition, for Python
+    cr.release()
+    excl.destroy()
 
 
 @pytest.mark.parametrize("case", ["unknown", "gap", "no_credit", "event", "priority", "fixed_width0", "oversized"])

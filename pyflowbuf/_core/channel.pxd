@@ -36,6 +36,7 @@ cdef class BufferQueue:
     cdef int push_quiet(self, const fb_bufdesc *d, bint priority) except -1 nogil
     cdef void wake_consumer(self) noexcept nogil
     cdef int pop(self, fb_bufdesc *d) noexcept nogil
+    cdef int pop_lane(self, fb_bufdesc *d, bint priority) noexcept nogil
     cdef fb_bufdesc *peek(self, bint *priority) noexcept nogil
     cdef int attach(self, Notifier consumer) except -1
 

@@ -107,6 +107,17 @@ cdef class BufferQueue:
             return FB_OK
         return FB_E_UNAVAILABLE
 
+    cdef int pop_lane(self, fb_bufdesc *d, bint priority) noexcept nogil:
+        """Pop from one lane only: the one ``peek`` named. ``pop`` prefers
+        the priority lane, and the producer may push to it between a
+        consumer's ``peek`` and its pop; taking "whatever is first" then
+        would hand the consumer an item of another lane than the one it
+        decided about (an event where it expects a data buffer)."""
+        if fb_ring_pop(self.prio if priority else self.ring, d) == FB_OK:
+            fb_event_notify(&self.space)
+            return FB_OK
+        return FB_E_UNAVAILABLE
+
     cdef fb_bufdesc *peek(self, bint *priority) noexcept nogil:
         """The descriptor ``pop`` would take next (priority lane first), left
         in place; NULL when both lanes are empty. Consumer side only."""
@@ -145,6 +156,11 @@ cdef class BufferQueue:
             raise BufferError("cannot enqueue a buffer with live views")
         if buf._arena_owner is not self.network_pool:
             raise ValueError("the buffer belongs to another NetworkBufferPool than this queue")
+        if buf.d.pool is NULL or buf.d.type == FB_DATA_EVENT:
+            # a consumer recycles every data buffer to its pool: one without
+            # a pool (or marked as an event) must not look like data there
+            raise ValueError("only a data buffer from a LocalBufferPool can be enqueued "
+                             f"(this one has {'no pool' if buf.d.pool is NULL else 'the event type'})")
         cdef fb_bufdesc d = buf.d
         cdef int rc
         with nogil:

@@ -33,7 +33,8 @@ from pyflowbuf.includes.ring cimport *
 import os
 import time
 
-from pyflowbuf.errors import CancelledError, ConnectionLostError, InsufficientBuffersError, ProtocolError
+from pyflowbuf.errors import (CancelledError, ConnectionLostError, FlowBufError, InsufficientBuffersError,
+                              ProtocolError)
 
 DATA = 0
 EVENT = 1
@@ -46,6 +47,7 @@ cdef enum:
     RUN_IDLE = 3       # nothing happened within the timeout
     RUN_CLOSED = 4
     RUN_FRAME = 5      # a frame for Python is staged in the reader
+    RUN_BROKEN = 6     # (SendPump) the queue handed over something that is not a data buffer
 
 PYTHON = RUN_PYTHON
 DIRTY = RUN_DIRTY
@@ -368,10 +370,13 @@ cdef class SenderView:
             return 0
         return 2 if (prio or is_event) else 1
 
-    cdef void take(self, fb_bufdesc *d, bint prio, int32_t *seq, int32_t *backlog) noexcept nogil:
+    cdef int take(self, fb_bufdesc *d, bint prio, int32_t *seq, int32_t *backlog) noexcept nogil:
         """Pop the item ``next_item`` looked at (``prio``: from the priority
-        lane) and number it."""
-        self.queue.pop(d)
+        lane) and number it. Only from that lane: the producer may push an
+        overtaking barrier between the look and the pop, and the sender
+        must not take that event for the data buffer it decided to send."""
+        if self.queue.pop_lane(d, prio) != FB_OK:
+            return -1       # that lane is empty: nothing taken, nothing numbered
         seq[0] = self.seq
         self.seq = (self.seq + 1) & SEQ_MASK
         backlog[0] = <int32_t>self._backlog()
@@ -384,6 +389,7 @@ cdef class SenderView:
             self._used += 1
             self.buffers_sent += 1
             self.bytes_sent += d.size
+        return 0
 
     def poll(self):
         """``(DATA, buffer, seq, backlog, priority)``,
@@ -391,15 +397,39 @@ cdef class SenderView:
         ``(BACKLOG, None, -1, backlog, False)`` or None."""
         cdef bint prio
         cdef int what = self.next_item(&prio)
-        cdef fb_bufdesc d
-        cdef int32_t seq, backlog
         if what == 0:
             return None
+        return self._poll(what, prio)
+
+    def peek(self):
+        """``(what, priority)`` that ``poll`` would act on now, taking
+        nothing: what is 0 (nothing), 1 (a data buffer the send loop may
+        ship), 2 (an event or priority item, for Python) or 3 (a backlog
+        announcement is due). ``peek`` then ``take_peeked(what, priority)`` is
+        ``poll`` in the two steps the send loop makes, so tests can put a
+        producer's push between them."""
+        cdef bint prio
+        cdef int what = self.next_item(&prio)
+        return (what, bool(prio))
+
+    def take_peeked(self, int what, bint priority):
+        """Act on what ``peek`` returned, as ``poll`` does: take from the
+        lane ``priority`` names (None when there is nothing, or 0)."""
+        if what == 0:
+            return None
+        if not 1 <= what <= 3:
+            raise ValueError(f"what must be 0..3 (from peek()), got {what}")
+        return self._poll(what, priority)
+
+    cdef object _poll(self, int what, bint prio):
+        cdef fb_bufdesc d
+        cdef int32_t seq, backlog
         if what == 3:
             self._told_backlog = self._backlog()
             self.announcements += 1
             return (BACKLOG, None, -1, self._told_backlog, False)
-        self.take(&d, prio, &seq, &backlog)
+        if self.take(&d, prio, &seq, &backlog):
+            return None
         if d.type == FB_DATA_EVENT:
             return (EVENT, (d.width, d.aux, d.flags), seq, backlog, prio)
         return (DATA, Buffer.wrap(&d, self.queue.network_pool), seq, backlog, prio)
@@ -435,6 +465,7 @@ cdef class SendPump:
     cdef int last_credited
     cdef int _dirty
     cdef int _closed
+    cdef int _broken            # _gather took something that is not a data buffer
     cdef unsigned char hdr[MAX_BATCH][FB_NET_BUFFER_HEADER]
     cdef iovec iov[2 * MAX_BATCH]
     cdef fb_bufdesc sent[MAX_BATCH]
@@ -502,6 +533,10 @@ cdef class SendPump:
                 st.done()
         if rc < 0:
             raise _lost(-rc)
+        if rc == RUN_BROKEN:
+            raise FlowBufError(
+                "internal error: the network sender took an item without a segment pool for a data "
+                "buffer; the connection stops here instead of recycling it")
         return rc
 
     cdef bint _credit_starved(self) noexcept nogil:
@@ -531,7 +566,16 @@ cdef class SendPump:
                 what = (<SenderView>self.views.items[i]).next_item(&prio)
                 if what == 1:
                     d = &self.sent[n]
-                    (<SenderView>self.views.items[i]).take(d, False, &seq, &backlog)   # 1: main lane
+                    if (<SenderView>self.views.items[i]).take(d, False, &seq, &backlog):   # 1: main lane
+                        continue
+                    if d.pool is NULL or d.type == FB_DATA_EVENT:
+                        # Not a data buffer, though the main lane's head was
+                        # one a moment ago (only this thread pops it): the
+                        # books are broken. Stop with an error, not a crash.
+                        if d.pool is not NULL:
+                            fb_pool_recycle(d.pool, d.seg)
+                        self._broken = 1
+                        return n
                     fb_buffer_header_put(self.hdr[n], (<SenderView>self.views.items[i]).rid,
                                          (<SenderView>self.views.items[i]).subpartition, seq, backlog,
                                          <unsigned char>d.type, <int32_t>d.size, d.width, d.flags)
@@ -636,6 +680,9 @@ cdef class SendPump:
                 return RUN_FRAME
             python = False
             n = self._gather(&python)
+            if self._broken and not n:
+                fb_event_cancel(ev)
+                return RUN_BROKEN
             if n:
                 fb_event_cancel(ev)
                 nbytes = 0
@@ -651,6 +698,8 @@ cdef class SendPump:
                     return -err
                 self.buffers_sent += n
                 self.bytes_sent += nbytes
+                if self._broken:
+                    return RUN_BROKEN
                 continue
             if python:
                 fb_event_cancel(ev)
@@ -1064,6 +1113,7 @@ cdef class ReceivePump:
     cdef readonly uint64_t consumer_wakes     # batched wakes of consumers
     cdef readonly uint64_t recycle_credit_frames   # AddCredit sent while waiting for the socket
     cdef unsigned char credit_frame[FB_NET_ADD_CREDIT_SIZE]
+    cdef readonly int send_error             # errno of the first AddCredit that could not be sent, or 0
 
     def __cinit__(self, Wire wire not None, Notifier wake not None, int64_t max_buffer_size,
                   Notifier recycles=None):
@@ -1157,15 +1207,35 @@ cdef class ReceivePump:
                     return n
         return fb_recv2(self.fd, a, alen, b, blen, 0)
 
+    cdef bint _send_credit(self, int64_t credit, const unsigned char *rid) noexcept nogil:
+        """AddCredit for one channel. A send that fails (the producer closed
+        its end, maybe unread credit making it a reset) ends credit on this
+        connection, but not reading: what the producer sent before is still
+        in the socket, up to the end-of-partition of channels it finished.
+        The stream's end then says which channels are complete."""
+        cdef iovec v
+        cdef int rc
+        if self.send_error:
+            return False
+        fb_add_credit_put(self.credit_frame, <int32_t>credit, rid)
+        v.iov_base = self.credit_frame
+        v.iov_len = FB_NET_ADD_CREDIT_SIZE
+        rc = self.wire.sendv(&v, 1)
+        if rc:
+            self.send_error = rc
+            return False
+        return True
+
     cdef int _serve_hungry(self) noexcept nogil:
         """Credit for channels whose sender may run dry: 1 if any still may
-        (it waits on recycles), 0 if none, or -errno when sending failed."""
-        cdef int i, rc
+        (it waits on recycles), 0 if none (or no credit can be sent any more)."""
+        cdef int i
         cdef int any_hungry = 0
         cdef int64_t credit
         cdef bint hungry
-        cdef iovec v
         cdef ReceiverCredit_ptr c
+        if self.send_error:
+            return 0
         for i in range(self.chans.n):
             c = self.chans.items[i]
             pthread_mutex_lock(&(<ReceiverCredit>c).mu)
@@ -1175,12 +1245,8 @@ cdef class ReceivePump:
                 continue
             credit = (<ReceiverCredit>c)._service(&hungry)
             if credit:
-                fb_add_credit_put(self.credit_frame, <int32_t>credit, (<ReceiverCredit>c).rid)
-                v.iov_base = self.credit_frame
-                v.iov_len = FB_NET_ADD_CREDIT_SIZE
-                rc = self.wire.sendv(&v, 1)
-                if rc:
-                    return -rc
+                if not self._send_credit(credit, (<ReceiverCredit>c).rid):
+                    return 0
                 self.recycle_credit_frames += 1
             if hungry:
                 any_hungry = 1
@@ -1275,7 +1341,6 @@ cdef class ReceivePump:
         cdef int rc
         cdef bint hungry
         cdef fb_bufdesc d
-        cdef iovec v
         if <uint32_t>h.seq != c.expected_seq or <uint64_t>h.size > c.arena.segment_size:
             return RX_PYTHON
         pthread_mutex_lock(&c.mu)
@@ -1315,15 +1380,8 @@ cdef class ReceivePump:
         # it, and the sender should not wait for that turn to end.
         credit = c._service(&hungry)
         if credit:
-            fb_add_credit_put(self.credit_frame, <int32_t>credit, c.rid)
-            v.iov_base = self.credit_frame
-            v.iov_len = FB_NET_ADD_CREDIT_SIZE
-            rc = self.wire.sendv(&v, 1)
-            if rc:
-                fb_pool_recycle(pool, seg)
-                self.err_a = rc
-                return RX_LOST
-            self.credit_frames += 1
+            if self._send_credit(credit, c.rid):   # (a failed one keeps the buffer: it arrived whole)
+                self.credit_frames += 1
         elif hungry:
             if self.rfd >= 0:
                 self.hungry = True      # _recv serves it from now on

@@ -181,6 +181,7 @@ class _ClientConnection:
         self._pump_version = -1
         self.closed = False
         self.error = None
+        self.credit_error = None  # the first AddCredit that could not be sent (the control thread's)
         self._thread = threading.Thread(target=self._read_loop, name=f"pyflowbuf-net-cli-read-{address}",
                                         daemon=True)
 
@@ -347,7 +348,10 @@ class _ClientConnection:
         self.close(exc)
         exc = self.error or exc   # why we closed it, if we did, beats what recv saw then
         if exc is None:
-            exc = ConnectionLostError(f"the connection to {self.address} was closed")
+            sent = self.credit_error or (self.pump is not None and self.pump.send_error and
+                                         os.strerror(self.pump.send_error))
+            exc = ConnectionLostError(f"the connection to {self.address} was closed"
+                                      + (f" (sending credit had failed: {sent})" if sent else ""))
         for ch in list(self.channels.values()):
             ch._fail(exc)
         self.channels.clear()
@@ -638,11 +642,16 @@ class ConnectionManager:
                     self.control_credit_frames += 1
                 if h:
                     hungry = True
-            if out:
+            if out and conn.credit_error is None:
                 try:
                     conn.send(b"".join(out) if len(out) > 1 else out[0])
                 except (OSError, FlowBufError) as e:
-                    conn.close(ConnectionLostError(f"sending credit to {conn.address} failed: {e}"))
+                    # The producer closed its end (unread credit there makes
+                    # it a reset), maybe right after the end-of-partition of
+                    # every channel: what it sent is still in the socket. No
+                    # more credit, but the reader reads on, and the stream's
+                    # end says which channels are complete.
+                    conn.credit_error = e
         if hungry:
             # normally a recycle notifies us; the bound covers pools created
             # without this manager's notifier

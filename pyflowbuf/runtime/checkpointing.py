@@ -96,13 +96,24 @@ class CheckpointCoordinator:
 
     ``execution`` provides ``trigger_sources(n)``, ``notify_complete(n)`` and
     ``abort_checkpoint(n)``; subtasks call ``acknowledge``, ``decline`` and
-    ``task_finished`` from any thread."""
+    ``task_finished`` from any thread.
+
+    Attempts are fenced: every ``attach`` starts an epoch, and a call to the
+    execution (a trigger, a completion, an abort) decided in an earlier
+    epoch is dropped. Calls are made under ``_calls``, which ``attach`` takes
+    too, so once ``attach`` returns none of the old epoch is under way: a
+    restart that detaches first and then reads the latest checkpoint sees a
+    completion that was in flight, and no trigger meant for the stopped
+    attempt reaches the new one (a worker told "trigger" before "go" quit).
+    """
 
     def __init__(self, config: CheckpointConfig, storage, job_name: str = "job"):
         self.config = config
         self.storage = storage
         self.job_name = job_name
         self._lock = threading.Lock()
+        self._calls = threading.RLock()   # held while telling the execution; see the class docstring
+        self._epoch = 0
         # after every directory there, damaged or abandoned ones too: a new
         # checkpoint never lands in a directory an old one left behind
         self._next_id = max(storage.checkpoint_ids(), default=0) + 1
@@ -119,11 +130,23 @@ class CheckpointCoordinator:
 
     # ---- lifecycle ----
     def attach(self, execution, task_keys, finished=None) -> None:
-        """A (re)started attempt: which subtasks take part and how to reach them."""
-        with self._lock:
+        """A (re)started attempt: which subtasks take part and how to reach them.
+        Waits for a call to the execution under way (a completion, a trigger)."""
+        with self._calls, self._lock:
+            self._epoch += 1
             self.execution = execution
             self.task_keys = set(task_keys)
             self.finished = dict(finished or {})
+
+    def _tell(self, execution, epoch, what, checkpoint_id) -> bool:
+        """``execution.<what>(checkpoint_id)`` unless the attempt it was
+        decided for is gone."""
+        with self._calls:
+            if epoch != self._epoch or execution is None:
+                log.debug("pyflowbuf: %s(%d) of an earlier attempt dropped", what, checkpoint_id)
+                return False
+            getattr(execution, what)(checkpoint_id)
+            return True
 
     def start(self) -> None:
         if self._thread is None:
@@ -150,7 +173,7 @@ class CheckpointCoordinator:
         """Start the next checkpoint; None when one is still pending (one at a
         time, Flink's default) or every subtask has finished."""
         with self._lock:
-            execution = self.execution
+            execution, epoch = self.execution, self._epoch
             if execution is None or self.pending or self._stop.is_set():
                 return None
             running = self.task_keys - set(self.finished)
@@ -167,7 +190,12 @@ class CheckpointCoordinator:
             finished = dict(self.finished)
         for key, (state, commits) in finished.items():
             self._write_final(p, key, state, commits)
-        execution.trigger_sources(n)
+        if not self._tell(execution, epoch, "trigger_sources", n):
+            with self._lock:        # (a restart's abort_all has usually taken it already)
+                stale = self.pending.pop(n, None)
+            if stale is not None:
+                self._drop(stale, "its attempt was stopped (a restart) before it was triggered")
+            return None
         if p.timer is not None:
             p.timer.start()
         return n
@@ -178,13 +206,13 @@ class CheckpointCoordinator:
         timeout)."""
         with self._lock:
             p = self.pending.get(checkpoint_id)
-            execution = self.execution
+            execution, epoch = self.execution, self._epoch
             if p is None or execution is None:
                 return
             p.alignment = "switched"
         log.info("pyflowbuf: checkpoint %d switched to unaligned after %.3g s of alignment",
                  checkpoint_id, self.config.alignment_timeout)
-        execution.switch_to_unaligned(checkpoint_id)
+        self._tell(execution, epoch, "switch_to_unaligned", checkpoint_id)
 
     def _write_final(self, p: _Pending, key, state, commits) -> None:
         try:
@@ -215,9 +243,10 @@ class CheckpointCoordinator:
             if set(p.handles) < p.expected:
                 return
             del self.pending[checkpoint_id]
+            epoch = self._epoch
         if p.timer is not None:
             p.timer.cancel()
-        self._complete(p)
+        self._complete(p, epoch)
 
     def decline(self, task_key, checkpoint_id, reason) -> None:
         self.abort(checkpoint_id, f"task {task_key} declined: {reason}")
@@ -235,7 +264,25 @@ class CheckpointCoordinator:
             self._write_final(p, task_key, state, commits)
 
     # ---- completing ----
-    def _complete(self, p: _Pending) -> None:
+    def _complete(self, p: _Pending, epoch: int) -> None:
+        # Under _calls: an attach (a restart detaching the stopped attempt)
+        # waits until this completion is on disk and told, or comes first
+        # and this checkpoint of the stopped attempt is dropped.
+        with self._calls:
+            if epoch != self._epoch:
+                self._drop(p, "its attempt was stopped (a restart) before it completed")
+                return
+            self._complete_now(p)
+
+    def _drop(self, p: _Pending, reason) -> None:
+        log.info("pyflowbuf: checkpoint %d aborted: %s", p.checkpoint_id, reason)
+        try:
+            self.storage.abort(p.checkpoint_id)
+        except Exception:
+            pass
+        self._record(p, "aborted", (time.monotonic_ns() - p.trigger_ns) / 1e9, reason=reason)
+
+    def _complete_now(self, p: _Pending) -> None:
         duration = (time.monotonic_ns() - p.trigger_ns) / 1e9
         try:
             meta = self.storage.complete(
@@ -256,14 +303,14 @@ class CheckpointCoordinator:
         self._record(p, "completed", duration, state_bytes=meta.state_bytes, size=meta.size,
                      inflight_bytes=meta.inflight_bytes,
                      task_inflight_bytes={k: h.inflight_bytes for k, h in meta.tasks.items() if h.inflight_bytes})
-        execution = self.execution
+        execution = self.execution       # _calls held: the attempt it completed for
         if execution is not None:
             execution.notify_complete(p.checkpoint_id)
 
     def abort(self, checkpoint_id, reason, status="aborted") -> None:
         with self._lock:
             p = self.pending.pop(checkpoint_id, None)
-            execution = self.execution
+            execution, epoch = self.execution, self._epoch
         if p is None:
             return
         if p.timer is not None:
@@ -275,7 +322,7 @@ class CheckpointCoordinator:
             pass
         self._record(p, status, (time.monotonic_ns() - p.trigger_ns) / 1e9, reason=reason)
         if execution is not None:
-            execution.abort_checkpoint(checkpoint_id)
+            self._tell(execution, epoch, "abort_checkpoint", checkpoint_id)
 
     def abort_all(self, reason) -> None:
         with self._lock:
@@ -384,7 +431,7 @@ class TaskCheckpointing:
     alignment timeout and outputs read by another process) is written once
     that data is complete: see ``_InflightCheckpoint``."""
 
-    def __init__(self, task, coordinator: CheckpointCoordinator, writer: ThreadPoolExecutor):
+    def __init__(self, task, coordinator: CheckpointCoordinator, writer: "SnapshotWriter"):
         self.task = task
         self.coordinator = coordinator
         self.writer = writer
@@ -453,8 +500,9 @@ class TaskCheckpointing:
             for n in [n for n in self._inflight if n < p.checkpoint_id]:
                 del self._inflight[n]
         inflight = {name: encode_inflight(items) for name, items in p.channels.items()}
-        self.writer.submit(self._write, p.checkpoint_id, p.state, p.commits, p.alignment_ms,
-                           inflight, "unaligned" if p.alignment == "unaligned" or inflight else "aligned")
+        if not self.writer.submit(self._write, p.checkpoint_id, p.state, p.commits, p.alignment_ms,
+                                  inflight, "unaligned" if p.alignment == "unaligned" or inflight else "aligned"):
+            self._too_late(p.checkpoint_id)
 
     def snapshot(self, checkpoint_id: int) -> tuple[dict, list]:
         """Copy the chain's state now (in the task's thread): source position,
@@ -484,7 +532,15 @@ class TaskCheckpointing:
             self.inputs_done(checkpoint_id, alignment_ns)
             return
         state, commits = self._snapshot_or_decline(checkpoint_id)
-        self.writer.submit(self._write, checkpoint_id, state, commits, alignment_ns / 1e6)
+        if not self.writer.submit(self._write, checkpoint_id, state, commits, alignment_ns / 1e6):
+            self._too_late(checkpoint_id)
+
+    def _too_late(self, checkpoint_id: int) -> None:
+        """The job stopped its snapshot writer (its tasks ended) before this
+        checkpoint's data was complete: it cannot be written any more."""
+        log.debug("pyflowbuf: %s: checkpoint %d came after the job stopped writing snapshots",
+                  self.key, checkpoint_id)
+        self.coordinator.decline(self.key, checkpoint_id, "the job stopped before its snapshot was complete")
 
     def _snapshot_or_decline(self, checkpoint_id: int):
         self.snapshotted = max(self.snapshotted, checkpoint_id)
@@ -561,8 +617,34 @@ def latest_checkpoint(storage, *, verify: bool = True):
         checkpoint_id=broken[-1].checkpoint_id, path=broken[-1].path)
 
 
-def new_writer() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="pyflowbuf: snapshot writer")
+class SnapshotWriter:
+    """Writes a job's snapshots in the background (two threads). Once shut
+    down it takes no more work and says so (``submit`` returns False)
+    instead of raising: a network sender thread may report what a barrier
+    overtook after the job's tasks have stopped (a failure, a restart, the
+    end of input while consumers still drain), and that word belongs to an
+    attempt that is over."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pyflowbuf: snapshot writer")
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn, *args) -> bool:
+        with self._lock:       # no submit slips in between the check and a shutdown
+            if self._closed:
+                return False
+            self._pool.submit(fn, *args)
+            return True
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=wait)
+
+
+def new_writer() -> SnapshotWriter:
+    return SnapshotWriter()
 
 
 def read_states(storage, meta, keys=None) -> dict[str, Any]:

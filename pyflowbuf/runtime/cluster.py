@@ -22,11 +22,15 @@ holds every record a checkpoint covers and keeps exactly those on a restore.
 """
 from __future__ import annotations
 
+import faulthandler
+import hashlib
+import hmac
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -46,6 +50,10 @@ log = logging.getLogger("pyflowbuf.cluster")
 DRIVER = -1
 START_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 120.0
+# a worker whose pipe closed is exiting: how long the driver waits to learn how
+EXIT_STATUS_WAIT_S = 5.0
+# what of a crashed worker's faulthandler output goes into the failure
+CRASH_LOG_LIMIT = 16 * 1024
 # buffers of each remote input channel, and floating ones per gate (Flink's defaults)
 EXCLUSIVE_BUFFERS = 2
 FLOATING_BUFFERS = 8
@@ -236,6 +244,27 @@ def _die_with_parent():
             pass
 
 
+def attempt_secret(secret: bytes, attempt: int) -> bytes:
+    """The shared secret of one attempt of a job: the job's secret bound to
+    the attempt number, so that a connection of another attempt (a worker
+    of an attempt that was stopped for a restart) fails authentication and
+    can neither send into nor take from the processes of this one."""
+    return hmac.new(secret, b"pyflowbuf attempt %d" % attempt, hashlib.sha256).digest()
+
+
+def describe_exit(code) -> str:
+    """A worker's exit status in words: ``killed by SIGSEGV (exit code -11)``."""
+    if code is None:
+        return "still running after it closed its pipe (exit code unknown)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name} (exit code {code})"
+    return f"exit code {code}"
+
+
 def _secondary(exc, op) -> bool:
     """Failures that follow another one (cancellation, a peer going away)."""
     return op == "remote exchange" or isinstance(exc, (errors.CancelledError, errors.ConnectionLostError))
@@ -243,16 +272,19 @@ def _secondary(exc, op) -> bool:
 
 class _Sender:
     """``conn.send`` for the threads of a worker (the control loop, task
-    threads finishing, snapshot writers): one message at a time, and a lock
-    that lets a caller keep several messages together in order."""
+    threads finishing, snapshot writers): one message at a time, each with
+    the worker's attempt number (the driver ignores those of an attempt it
+    has restarted), and a lock that lets a caller keep several messages
+    together in order."""
 
-    def __init__(self, conn):
+    def __init__(self, conn, attempt=0):
         self.conn = conn
+        self.attempt = attempt
         self.lock = threading.RLock()
 
     def __call__(self, msg):
         with self.lock:
-            self.conn.send(msg)
+            self.conn.send((self.attempt, msg))
 
 
 class CollectShipper:
@@ -336,15 +368,19 @@ class WorkerCoordinator:
         self._post(("finished", task_key, state, list(commits), snapshotted), True)
 
 
-def _worker_main(env, me, workers, secret, conn, output=None):
+def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, output=None):
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    if crash_log is not None:
+        # a fatal signal (SIGSEGV, SIGABRT, ...) leaves the threads' stacks
+        # where the driver reads them when it reports the worker's death
+        faulthandler.enable(file=crash_log, all_threads=True)
     if output is not None:
         _print_to_pipe(*output)
     remote = None
-    send = _Sender(conn)
+    send = _Sender(conn, attempt)
     try:
-        remote = RemoteContext(secret, env)
+        remote = RemoteContext(attempt_secret(secret, attempt), env)
         remote.collected = shipper = CollectShipper(env, send)
         job = JobExecution(env, placement(workers), me, remote)
         config = ckpt.CheckpointConfig.from_env(env)
@@ -356,8 +392,8 @@ def _worker_main(env, me, workers, secret, conn, output=None):
             job.checkpoint_config = config
             job.coordinator = WorkerCoordinator(config, storage, send, shipper)
         send(("ready", remote.start_server()))
-        msg = conn.recv()
-        if msg[0] != "go":
+        sent_attempt, msg = conn.recv()
+        if msg[0] != "go" or sent_attempt != attempt:
             return
         remote.addresses = msg[1]
         job.restore_from = msg[2]       # a checkpoint id the driver chose, or None
@@ -366,7 +402,9 @@ def _worker_main(env, me, workers, secret, conn, output=None):
         def listen():
             try:
                 while True:
-                    what, *args = conn.recv()
+                    sent_attempt, (what, *args) = conn.recv()
+                    if sent_attempt != attempt:
+                        continue        # (cannot happen: one pipe per attempt) not ours
                     if what == "cancel":
                         job.cancel()
                     elif what == "trigger":
@@ -397,8 +435,9 @@ def _worker_main(env, me, workers, secret, conn, output=None):
             send(("done", shipper.increments(), job.summary(), job.metrics()))
     except BaseException as exc:  # noqa: BLE001 - report everything to the driver
         try:
+            # (a peer lost while connecting is secondary: the peer's own death says why)
             send(("failed", f"worker {me}", "worker", f"{type(exc).__name__}: {exc}",
-                  traceback.format_exc(), False))
+                  traceback.format_exc(), _secondary(exc, "worker")))
         except Exception:
             pass
     finally:
@@ -431,6 +470,13 @@ class ClusterExecution(Execution):
         self._procs: list = []
         self._conns: dict = {}
         self._outputs: list = []             # an OutputRelay per set of workers started
+        self._crash_logs: list = []          # per worker: its faulthandler file (shared through fork)
+        # Fencing: every message between driver and workers and every
+        # connection between workers carries its attempt; what belongs to an
+        # earlier attempt is ignored (messages) or refused (connections).
+        # The coordinator fences its own calls (triggers, completions) the
+        # same way: see CheckpointCoordinator.attach.
+        self.attempt = 0
         self._summaries: dict = {}
         self._results: dict = {}
         self._collect_base: dict = {}        # (node id, subtask) -> index of the first record held
@@ -489,14 +535,18 @@ class ClusterExecution(Execution):
     def _start_workers(self, ctx, restore_id=None):
         addresses = {}
         pipes = []
+        attempt = self.attempt
         try:
             pipes = [os.pipe() for _ in range(self.workers)]
             every_end = [fd for pair in pipes for fd in pair]
             for w in range(self.workers):
                 parent, child = ctx.Pipe()
                 out = pipes[w][1]
-                proc = ctx.Process(target=_worker_main, args=(self.env, w, self.workers, self.secret, child,
-                                                              (out, [fd for fd in every_end if fd != out])),
+                crash_log = tempfile.TemporaryFile(prefix=f"pyflowbuf-worker-{w}-")
+                self._crash_logs.append(crash_log)
+                proc = ctx.Process(target=_worker_main,
+                                   args=(self.env, w, self.workers, self.secret, child, attempt, crash_log,
+                                         (out, [fd for fd in every_end if fd != out])),
                                    name=f"pyflowbuf-worker-{w}", daemon=True)
                 proc.start()
                 child.close()
@@ -512,18 +562,24 @@ class ClusterExecution(Execution):
             for c, w in self._conns.items():
                 if not c.poll(max(0.0, deadline - time.monotonic())):
                     raise errors.FlowBufError(f"worker {w} did not start within {START_TIMEOUT_S} s")
-                msg = c.recv()
+                try:
+                    _, msg = c.recv()
+                except (EOFError, OSError):
+                    raise self._died_starting(w) from None
                 if msg[0] != "ready":
                     raise errors.JobFailedError(f"worker {w} failed to start: {msg[3]}\n{msg[4]}")
                 addresses[w] = msg[1]
             if any(v.is_iterator for v in self.env.plan()[0]):
                 self.local = JobExecution(self.env, placement(self.workers), DRIVER,
-                                          RemoteContext(self.secret, self.env))
+                                          RemoteContext(attempt_secret(self.secret, attempt), self.env))
                 self.local.remote.addresses = addresses
             self.ran = True
             with self._send_lock:
-                for c in self._conns:
-                    c.send(("go", addresses, restore_id))
+                for c, w in self._conns.items():
+                    try:
+                        c.send((attempt, ("go", addresses, restore_id)))
+                    except OSError:
+                        raise self._died_starting(w) from None
             if self.coordinator is not None:
                 self.coordinator.attach(self, self._task_keys)
         except BaseException:
@@ -572,6 +628,8 @@ class ClusterExecution(Execution):
     def _watch_attempt(self):
         """Relay one attempt's messages until every worker of it has ended."""
         conns = dict(self._conns)
+        procs, crash_logs = list(self._procs), list(self._crash_logs)
+        attempt = self.attempt
         relay = self.sampler
         while conns:
             ready = mp.connection.wait(list(conns), timeout=min(0.5, relay.seconds_to_next()))
@@ -579,21 +637,46 @@ class ClusterExecution(Execution):
             for c in ready:
                 w = conns[c]
                 try:
-                    msg = c.recv()
+                    sent_attempt, msg = c.recv()
                 except (EOFError, OSError):
                     del conns[c]
                     if w not in self._finished_workers:
-                        code = self._procs[w].exitcode
-                        self._fail(f"worker {w}", "worker process",
-                                   f"worker {w} exited unexpectedly (exit code {code})", "", secondary=False)
+                        text, tb = self._exit_report(w, procs[w], crash_logs[w])
+                        self._fail(f"worker {w}", "worker process", text, tb, secondary=False, attempt=attempt)
                     continue
                 try:
-                    self._handle(w, msg)
+                    self._handle(w, msg, sent_attempt)
                 except Exception as exc:  # noqa: BLE001 - a message the driver cannot act on fails the job
                     self._fail("driver", "checkpoint coordinator", f"{type(exc).__name__}: {exc}",
-                               traceback.format_exc(), secondary=False)
+                               traceback.format_exc(), secondary=False, attempt=attempt)
 
-    def _handle(self, w, msg):
+    def _died_starting(self, w):
+        text, tb = self._exit_report(w, self._procs[w], self._crash_logs[w])
+        return errors.FlowBufError(f"{text}, before the job started" + (f"\n{tb}" if tb else ""))
+
+    def _exit_report(self, w, proc, crash_log):
+        """Why worker ``w`` ended without saying goodbye: its exit status (a
+        signal by name) and what faulthandler wrote of its threads' stacks."""
+        proc.join(EXIT_STATUS_WAIT_S)     # its pipe closed as it died: the status follows at once
+        text = f"worker {w} exited unexpectedly: {describe_exit(proc.exitcode)}"
+        tb = ""
+        try:
+            crash_log.seek(0)
+            out = crash_log.read(CRASH_LOG_LIMIT + 1).decode("utf-8", "replace")
+        except (OSError, ValueError):
+            out = ""
+        if out.strip():
+            cut = "\n[... cut]" if len(out) > CRASH_LOG_LIMIT else ""
+            tb = f"faulthandler output of worker {w}:\n{out[:CRASH_LOG_LIMIT]}{cut}"
+        return text, tb
+
+    def _handle(self, w, msg, attempt=None):
+        if attempt is not None and attempt != self.attempt:
+            # a worker of an attempt already given up (a late word of a
+            # process killed for the restart): nothing of it counts now
+            log.debug("pyflowbuf: ignored %r of worker %d of attempt %d (now %d)", msg[0], w, attempt,
+                      self.attempt)
+            return
         what = msg[0]
         relay = self.sampler
         if what == "metrics":
@@ -642,8 +725,10 @@ class ClusterExecution(Execution):
                 del have[at:]
                 have.extend(records)
 
-    def _fail(self, task, op, text, tb, secondary):
+    def _fail(self, task, op, text, tb, secondary, attempt=None):
         with self._lock:
+            if attempt is not None and attempt != self.attempt:
+                return  # the failure of an attempt already restarted
             if secondary and self.cancelled and self.failure is None:
                 return  # a peer going away because the job was cancelled is no failure
             replace = self.failure is None or (self._failure_secondary and not secondary)
@@ -668,7 +753,7 @@ class ClusterExecution(Execution):
         with self._send_lock:
             for c in list(self._conns):
                 try:
-                    c.send(msg)
+                    c.send((self.attempt, msg))
                 except (OSError, ValueError):
                     pass    # that worker has ended; its end is reported on its pipe
 
@@ -730,6 +815,7 @@ class ClusterExecution(Execution):
             for c in self._conns:
                 c.close()
             self._conns = {}
+        self._close_crash_logs()
         self._procs = []
         self._finished_workers = set()
         meta = ckpt.latest_checkpoint(coordinator.storage, verify=False)
@@ -737,6 +823,7 @@ class ClusterExecution(Execution):
         with self._lock:
             if self._user_cancelled:
                 return False        # cancelled while recovering: the job ends with its failure
+            self.attempt += 1       # from here on, what the stopped attempt says is ignored
             self.failure = None
             self._failure_secondary = True
             self.cancelled = False
@@ -770,11 +857,17 @@ class ClusterExecution(Execution):
         for relay in relays:
             relay.close(5.0)
 
+    def _close_crash_logs(self):
+        for f in self._crash_logs:
+            f.close()
+        self._crash_logs = []
+
     def _close(self):
         self._kill()
         for c in self._conns:
             c.close()
         self._close_outputs()       # every worker has exited: its output is all in the pipe
+        self._close_crash_logs()
         monitor = getattr(self, "_monitor", None)
         if monitor is not None and self._done.is_set() and monitor is not threading.current_thread():
             monitor.join(CANCEL_GRACE_S)    # it has set _done: only its last lines are left
