@@ -510,6 +510,10 @@ class JobExecution(Execution):
         task, op, exc, _ = self.failure
         self.restarts += 1
         self.restart_failures.append((task, op, f"{type(exc).__name__}: {exc}"))
+        # as with workers: a completion under way finishes before the latest
+        # checkpoint is read, and nothing decided for the failed attempt
+        # reaches the rebuilt tasks
+        self.coordinator.attach(None, [t.checkpointing.key for t in self.tasks])
         self.coordinator.abort_all(f"task {task!r} failed; restarting")
         self._release_buffers()
         old = self.network_pool
