@@ -156,8 +156,10 @@ def test_memory_given_back_under_backpressure_and_taken_back():
 
         _wait(lambda: sink_pool() is not None and sink_pool().in_use > 0, 20, "no data flowed")
         pool = sink_pool()
-        lo, hi = pool.min_size, pool.max_size
-        assert (lo, hi) == (2, 256)
+        # the configured bounds: the debloater may already have lowered the cap
+        # by the time data is seen flowing (a loaded machine), never the floor
+        lo, hi = 2, 256
+        assert pool.min_size == lo and lo <= pool.max_size <= hi
         low = []
 
         def watch():
