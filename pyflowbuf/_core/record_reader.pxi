@@ -218,10 +218,10 @@ cdef class RecordReader:
                 if self.recording[ch]:
                     self._record(ch, &d)
                 break
-            if d.width != EVT_END_OF_PARTITION:
+            if d.width != FB_EVT_END_OF_PARTITION:
                 self._event = (ch, d.width, d.aux, d.flags)
                 self.event_mark = d.seg
-                if self.recording[ch] and d.width != EVT_BARRIER and d.width != EVT_CANCEL_BARRIER:
+                if self.recording[ch] and d.width != FB_EVT_BARRIER and d.width != FB_EVT_CANCEL_BARRIER:
                     self._record(ch, &d)
                 return 0
             if c.partial is not NULL or c.hdr_have:

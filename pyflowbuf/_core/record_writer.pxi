@@ -385,7 +385,7 @@ cdef class RecordWriter:
         """Flush and send end-of-partition to every consumer."""
         if self.ended:
             return
-        self.broadcast_event(EVT_END_OF_PARTITION)
+        self.broadcast_event(FB_EVT_END_OF_PARTITION)
         self.ended = True
         if not self._is_broken:
             # the same flag as a cut record: refuses writes at no cost on the fast path

@@ -30,11 +30,12 @@ from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 from libc.math cimport floor, isfinite
 from libc.string cimport memcpy
 
-from pyflowbuf._core.channel cimport EVT_BARRIER, EVT_CANCEL_BARRIER, EVT_END_OF_PARTITION, BufferQueue, InputGate
+from pyflowbuf._core.channel cimport BufferQueue, InputGate
 from pyflowbuf._core.errors cimport check
 from pyflowbuf._core.memory cimport Buffer, LocalBufferPool, NetworkBufferPool, RecordView
 from pyflowbuf.includes.arena cimport fb_pool_recycle, fb_pool_request, fb_segment_ptr
 from pyflowbuf.includes.errors cimport *
+from pyflowbuf.includes.events cimport FB_EVT_BARRIER, FB_EVT_CANCEL_BARRIER, FB_EVT_END_OF_PARTITION
 from pyflowbuf.includes.park cimport fb_monotonic_ns
 from pyflowbuf.includes.ring cimport FB_DATA_EVENT, FB_DATA_FIXED, FB_DATA_RECORDS, fb_bufdesc
 from pyflowbuf.includes.serde cimport *
