@@ -75,6 +75,14 @@ def _stub_params(fn):
             + ([a.kwarg] if a.kwarg else [])]
 
 
+def _attrs(cls):
+    """Everything a class defines, inherited members included (object's aside)."""
+    out = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        out.update(vars(klass))
+    return out
+
+
 def _constructor_params(mod_name, cls_name):
     src = (CORE / f"{mod_name}.pyx").read_text(encoding="utf-8")
     for pxi in CORE.glob("*.pxi"):
@@ -102,13 +110,13 @@ def test_stub_classes_declare_every_public_member_with_its_parameters(name):
     for cls_name, node in _stub_names(_stub(name)).items():
         if not isinstance(node, ast.ClassDef):
             continue
-        cls = getattr(mod, cls_name)
+        attrs = _attrs(getattr(mod, cls_name))
         members = _members(node)
-        wanted = _public(vars(cls)) | ({"__len__", "__iter__", "__next__"} & set(vars(cls)))
+        wanted = _public(attrs) | ({"__len__", "__iter__", "__next__"} & set(attrs))
         assert wanted - set(members) == set(), f"{cls_name}: not in the stub"
-        assert _public(members) - _public(vars(cls)) == set(), f"{cls_name}: stub declares what is not there"
+        assert _public(members) - _public(attrs) == set(), f"{cls_name}: stub declares what is not there"
         for meth, fn in members.items():
-            doc = getattr(vars(cls).get(meth), "__doc__", None) or ""
+            doc = getattr(attrs.get(meth), "__doc__", None) or ""
             m = re.match(rf"{cls_name}\.{meth}\((.*?)\)", doc)
             if isinstance(fn, ast.FunctionDef) and m and not any(
                     isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list):

@@ -1,10 +1,10 @@
 # Part of serde.pyx (included; one module, pyflowbuf._core.serde): the
-# RecordReader. Uses the cimports at the top of serde.pyx and the struct codec
-# (serde_struct.pxi) for struct and number records.
+# RecordReader, built on the per-channel deserializer (record_deserializer.pxi).
+# Uses the cimports at the top of serde.pyx.
 
 
 @cython.final
-cdef class RecordReader:
+cdef class RecordReader(_RecordDeserializer):
     """Reads records from an InputGate, one deserializer per channel.
 
     A record that lies inside one buffer is read in place: at least
@@ -13,6 +13,9 @@ cdef class RecordReader:
     ``bytes`` because copying a few bytes costs less than creating a view. A
     record spanning buffers is assembled once into a new ``bytes``.
     """
+    # The deserializer's methods are called as _RecordDeserializer.<name>(self, ...):
+    # a direct C call on the per-record path, where self.<name>(...) would go
+    # through the vtable (Cython does not treat them as final from a subclass).
 
     def __cinit__(self, gate, kind="bytes", zero_copy_min=DEFAULT_ZERO_COPY_MIN,
                   max_record_size=DEFAULT_MAX_RECORD_SIZE):
@@ -43,151 +46,8 @@ cdef class RecordReader:
         self.recorded = [[] for _ in range(self.nch)]
 
     def __dealloc__(self):
-        cdef int i
-        cdef ChanState *c
+        # the channel states are freed by _RecordDeserializer.__dealloc__, which runs after this
         PyMem_Free(self.recording)
-        if self.chs is NULL:
-            return
-        for i in range(self.nch):
-            c = &self.chs[i]
-            Py_XDECREF(c.partial)
-            if c.has_cur:
-                if c.cur_buf is not NULL:
-                    Py_DECREF(<object>c.cur_buf)  # its dealloc recycles once views are gone
-                elif c.cur.pool is not NULL:
-                    fb_pool_recycle(c.cur.pool, c.cur.seg)
-        PyMem_Free(self.chs)
-
-    cdef int _release_current(self, ChanState *c) except -1:
-        cdef PyObject *b = c.cur_buf
-        c.has_cur = 0
-        if b is not NULL:
-            c.cur_buf = NULL
-            (<Buffer>b).release_or_defer()
-            Py_DECREF(<object>b)
-        elif c.cur.pool is not NULL:
-            fb_pool_recycle(c.cur.pool, c.cur.seg)
-        else:
-            self._replay_cur = None     # a replayed buffer: its bytes were the memory
-        return 0
-
-    cdef object _make(self, ChanState *c, const char *p, uint32_t n):
-        cdef Buffer buf
-        cdef double dv
-        cdef uint64_t u
-        if self.kind == KIND_BYTES:
-            if n >= self.zero_copy_min and c.cur.pool is not NULL:
-                if c.cur_buf is NULL:
-                    buf = Buffer.wrap(&c.cur, self.arena_owner)
-                    Py_INCREF(buf)
-                    c.cur_buf = <PyObject *>buf
-                return RecordView.memoryview_of(<Buffer>c.cur_buf, <char *>p, n)
-            return PyBytes_FromStringAndSize(p, n)
-        if self.kind == KIND_INT64:
-            if n != 8:
-                raise _errors.CorruptRecordError(f"int64 record of {n} bytes")
-            return PyLong_FromLongLong(<long long>fb_load_le64(p))
-        if self.kind == KIND_FLOAT64:
-            if n != 8:
-                raise _errors.CorruptRecordError(f"float64 record of {n} bytes")
-            memcpy(&dv, p, 8)
-            return PyFloat_FromDouble(dv)
-        if self.kind == KIND_STR:
-            return PyUnicode_DecodeUTF8(p, n, "strict")
-        if self.kind == KIND_NUMBER:
-            if n == 8:
-                return PyLong_FromLongLong(<long long>fb_load_le64(p))
-            if n == 9 and <unsigned char>p[0] == S_FLOAT:
-                u = fb_load_le64(p + 1)
-                memcpy(&dv, &u, 8)
-                return PyFloat_FromDouble(dv)
-            return _unpack_record(p, n)
-        if self.kind == KIND_STRUCT:
-            return _unpack_record(p, n)
-        mv = PyMemoryView_FromMemory(<char *>p, n, 0x100)
-        try:
-            return _pickle_loads(mv)
-        finally:
-            mv.release()
-
-    cdef int _check_len(self, uint32_t n) except -1:
-        if n > self.max_record_size:
-            raise _errors.CorruptRecordError(
-                f"record length {n} exceeds max_record_size={self.max_record_size}")
-        return 0
-
-    cdef object _decode_one(self, ChanState *c):
-        cdef uint32_t size = c.cur.size, rem, n, take
-        cdef const char *p
-        if c.pos >= size:
-            return _NEED_MORE
-        rem = size - c.pos
-        if c.cur.type == FB_DATA_FIXED:
-            n = c.cur.width
-            if rem < n:
-                raise _errors.CorruptRecordError(f"fixed-width buffer ends inside a {n}-byte record")
-            p = c.base + c.pos
-            c.pos += n
-            return self._make(c, p, n)
-        if c.partial is NULL and c.hdr_have == 0:
-            if rem >= 4:
-                n = fb_load_le32(c.base + c.pos)
-                self._check_len(n)
-                if rem - 4 >= n:
-                    p = c.base + c.pos + 4
-                    c.pos += 4 + n
-                    return self._make(c, p, n)
-                return self._start_partial(c, n, c.base + c.pos + 4, rem - 4)
-            memcpy(c.hdr, c.base + c.pos, rem)
-            c.hdr_have = rem
-            c.pos = size
-            return _NEED_MORE
-        if c.hdr_have > 0:
-            take = 4 - c.hdr_have
-            if take > rem:
-                take = rem
-            memcpy(c.hdr + c.hdr_have, c.base + c.pos, take)
-            c.hdr_have += take
-            c.pos += take
-            rem -= take
-            if c.hdr_have < 4:
-                return _NEED_MORE
-            c.hdr_have = 0
-            n = fb_load_le32(c.hdr)
-            self._check_len(n)
-            if rem >= n:
-                p = c.base + c.pos
-                c.pos += n
-                return self._make(c, p, n)
-            return self._start_partial(c, n, c.base + c.pos, rem)
-        take = c.partial_len - c.partial_have
-        if take > rem:
-            take = rem
-        memcpy(PyBytes_AS_STRING_raw(c.partial) + c.partial_have, c.base + c.pos, take)
-        c.partial_have += take
-        c.pos += take
-        if c.partial_have < c.partial_len:
-            return _NEED_MORE
-        obj = <object>c.partial
-        Py_DECREF(obj)  # drop the reference the state held; `obj` keeps one
-        c.partial = NULL
-        if self.kind == KIND_BYTES:
-            return obj
-        return self._make_from_assembled(obj)
-
-    cdef object _start_partial(self, ChanState *c, uint32_t n, const char *src, uint32_t have):
-        c.partial = PyBytes_FromStringAndSize_raw(NULL, n)
-        memcpy(PyBytes_AS_STRING_raw(c.partial), src, have)
-        c.partial_len = n
-        c.partial_have = have
-        c.pos = c.cur.size
-        return _NEED_MORE
-
-    cdef object _make_from_assembled(self, object b):
-        # only for typed kinds: _make decodes them without looking at the channel
-        cdef ChanState tmp
-        tmp.cur_buf = NULL
-        return self._make(&tmp, PyBytes_AS_STRING(b), <uint32_t>PyBytes_GET_SIZE(b))
 
     cdef int _next_buffer(self, int64_t timeout_ns) except -2:
         """Take the next buffer from the gate. Returns 1 with cur_ch set, 0 when
@@ -369,15 +229,15 @@ cdef class RecordReader:
         while True:
             if self.cur_ch >= 0:
                 c = &self.chs[self.cur_ch]
-                rec = self._decode_one(c)
+                rec = _RecordDeserializer._decode_one(self, c)
                 if rec is not _NEED_MORE:
                     self.records_in += 1
                     if c.pos >= c.cur.size:
                         # consumed: give the segment back now, not at the next read
-                        self._release_current(c)
+                        _RecordDeserializer._release_current(self, c)
                         self.cur_ch = -1
                     return rec
-                self._release_current(c)
+                _RecordDeserializer._release_current(self, c)
                 self.cur_ch = -1
             if not self._next_buffer(timeout_ns):
                 return _NEED_MORE
@@ -416,13 +276,13 @@ cdef class RecordReader:
         while PyList_GET_SIZE(out) < max_records:
             if self.cur_ch >= 0:
                 c = &self.chs[self.cur_ch]
-                rec = self._decode_one(c)
+                rec = _RecordDeserializer._decode_one(self, c)
                 if rec is not _NEED_MORE:
                     PyList_Append(out, rec)
                     if c.pos < c.cur.size:
                         continue
                     rec = _NEED_MORE
-                self._release_current(c)
+                _RecordDeserializer._release_current(self, c)
                 self.cur_ch = -1
             if not self._next_buffer(0 if PyList_GET_SIZE(out) else t):
                 break
@@ -442,7 +302,7 @@ cdef class RecordReader:
                 c = &self.chs[self.cur_ch]
                 if c.pos < c.cur.size:
                     break
-                self._release_current(c)
+                _RecordDeserializer._release_current(self, c)
                 self.cur_ch = -1
             if not self._next_buffer(t):
                 return None
@@ -454,7 +314,7 @@ cdef class RecordReader:
             arr = np.frombuffer(self._replay_cur, dtype=dt, offset=c.pos)
             self.records_in += arr.shape[0]
             c.pos = c.cur.size
-            self._release_current(c)
+            _RecordDeserializer._release_current(self, c)
             self.cur_ch = -1
             return arr
         if c.cur_buf is NULL:
@@ -472,7 +332,7 @@ cdef class RecordReader:
         cnp.PyArray_SetBaseObject(arr, rv)
         self.records_in += (c.cur.size - c.pos) // c.cur.width
         c.pos = c.cur.size
-        self._release_current(c)
+        _RecordDeserializer._release_current(self, c)
         self.cur_ch = -1
         return arr
 

@@ -3,6 +3,10 @@
 # (serde_struct.pxi) for struct and number records.
 
 
+cdef object _too_large(Py_ssize_t n, uint32_t limit):
+    return _errors.RecordTooLargeError(f"record of {n} bytes exceeds max_record_size={limit}")
+
+
 @cython.final
 cdef class RecordWriter:
     """Serializes records into buffers of a LocalBufferPool and hands finished
@@ -181,14 +185,14 @@ cdef class RecordWriter:
             if PyBytes_CheckExact(rec):
                 n = PyBytes_GET_SIZE(rec)
                 if n > self.max_record_size:
-                    self._too_large(n)
+                    raise _too_large(n, self.max_record_size)
                 return self._write_raw(ch, PyBytes_AS_STRING(rec), <uint32_t>n)
             if isinstance(rec, str):
                 raise TypeError("a bytes stream got a str record; encode it or use kind='str'")
             PyObject_GetBuffer(rec, &view, PyBUF_SIMPLE)
             try:
                 if view.len > self.max_record_size:
-                    self._too_large(view.len)
+                    raise _too_large(view.len, self.max_record_size)
                 self._write_raw(ch, <const char *>view.buf, <uint32_t>view.len)
             finally:
                 PyBuffer_Release(&view)
@@ -208,7 +212,7 @@ cdef class RecordWriter:
                 raise TypeError(f"a str stream got a {type(rec).__name__} record")
             p = PyUnicode_AsUTF8AndSize(rec, &n)
             if n > self.max_record_size:
-                self._too_large(n)
+                raise _too_large(n, self.max_record_size)
             return self._write_raw(ch, p, <uint32_t>n)
         if self.kind == KIND_NUMBER:
             # an int that fits 64 bits as int64 writes it, a float and a larger
@@ -236,7 +240,7 @@ cdef class RecordWriter:
             self.pack.len = 0
             _pack(&self.pack, rec, 0)
             if self.pack.len > self.max_record_size:
-                self._too_large(self.pack.len)
+                raise _too_large(self.pack.len, self.max_record_size)
             self._write_raw(ch, self.pack.p, <uint32_t>self.pack.len)
             if self.pack.cap > (1 << 20):
                 # one huge record should not keep its scratch area for the writer's lifetime
@@ -247,12 +251,8 @@ cdef class RecordWriter:
         data = _pickle_dumps(rec, 5)
         n = PyBytes_GET_SIZE(data)
         if n > self.max_record_size:
-            self._too_large(n)
+            raise _too_large(n, self.max_record_size)
         return self._write_raw(ch, PyBytes_AS_STRING(data), <uint32_t>n)
-
-    def _too_large(self, Py_ssize_t n):
-        raise _errors.RecordTooLargeError(
-            f"record of {n} bytes exceeds max_record_size={self.max_record_size}")
 
     cdef int _channel(self, int ch) except -1:
         if not 0 <= ch < self.num_channels:

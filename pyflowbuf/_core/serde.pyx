@@ -8,8 +8,8 @@ crosses from Python into C once per call.
 One extension module, written in parts by concept (each ``include``d below):
 serde_kinds.pxi (record kinds and what a stream of a kind carries),
 serde_hash.pxi (the stable key hash), serde_struct.pxi (the struct codec),
-record_writer.pxi and record_reader.pxi. serde.pxd declares the two classes
-for cimporters.
+record_writer.pxi, record_deserializer.pxi (the per-channel half of the
+reader) and record_reader.pxi. serde.pxd declares the classes for cimporters.
 """
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -91,4 +91,5 @@ include "serde_kinds.pxi"
 include "serde_hash.pxi"
 include "serde_struct.pxi"
 include "record_writer.pxi"
+include "record_deserializer.pxi"
 include "record_reader.pxi"
