@@ -10,7 +10,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext as _build_ext
 
 CYTHON_DEPENDENCY = "Cython>=3.0.10,<3.4"
-MODULES = ["errors", "memory", "channel", "serde", "netio"]
+MODULES = ["errors", "events", "memory", "channel", "serde", "netio"]
 
 
 def _flag(name):

@@ -1,3 +1,4 @@
+cimport cython
 from cpython.object cimport PyObject
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 
@@ -77,16 +78,33 @@ cdef class RecordWriter:
     cdef object _write_many(self, records, int mode, int channel, object keys)
 
 
-cdef class RecordReader:
-    cdef readonly InputGate gate
+cdef class _RecordDeserializer:
+    # per input channel: the record being reassembled and the current buffer
     cdef NetworkBufferPool arena_owner
     cdef fb_arena *a
     cdef ChanState *chs
     cdef int nch
-    cdef int cur_ch
     cdef readonly int kind
     cdef readonly uint32_t zero_copy_min
     cdef readonly uint32_t max_record_size
+    cdef object _replay_cur     # the bytes of a replayed buffer being read
+    @cython.final
+    cdef object _decode_one(self, ChanState *c)
+    @cython.final
+    cdef object _make(self, ChanState *c, const char *p, uint32_t n)
+    @cython.final
+    cdef int _check_len(self, uint32_t n) except -1
+    @cython.final
+    cdef object _start_partial(self, ChanState *c, uint32_t n, const char *src, uint32_t have)
+    @cython.final
+    cdef object _make_from_assembled(self, object b)
+    @cython.final
+    cdef int _release_current(self, ChanState *c) except -1
+
+
+cdef class RecordReader(_RecordDeserializer):
+    cdef readonly InputGate gate
+    cdef int cur_ch
     cdef int finished_count
     cdef object _event
     cdef readonly uint64_t records_in
@@ -99,14 +117,7 @@ cdef class RecordReader:
     cdef unsigned char *recording
     cdef list recorded
     cdef object _replay
-    cdef object _replay_cur
-    cdef object _decode_one(self, ChanState *c)
-    cdef object _make(self, ChanState *c, const char *p, uint32_t n)
-    cdef int _check_len(self, uint32_t n) except -1
-    cdef object _start_partial(self, ChanState *c, uint32_t n, const char *src, uint32_t have)
-    cdef object _make_from_assembled(self, object b)
     cdef object _next_record(self, int64_t timeout_ns)
-    cdef int _release_current(self, ChanState *c) except -1
     cdef int _next_buffer(self, int64_t timeout_ns) except -2
     cdef int _record(self, int ch, fb_bufdesc *d) except -1
     cdef int _next_replayed(self) except -2

@@ -13,20 +13,13 @@ import time
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf._core.channel import BARRIER, BARRIER_UNALIGNED, USER_EVENT
+from pyflowbuf._core.events import BARRIER, BARRIER_UNALIGNED, EVT_KIND, EVT_WATERMARK
 from pyflowbuf._core.serde import DEFAULT_ZERO_COPY_MIN, RecordReader, RecordWriter
 from pyflowbuf.serializers import CoreSerializer, get_serializer, infer_kind, record_type_error
 
 
-# Event carrying an inferred record kind, sent by a producer on all its
-# subpartitions before its first data buffer, so consumers in this or another
-# process decode with the right serializer. The kind's name (<= 8 ASCII bytes)
-# travels in the event's int64 payload.
-EVT_KIND = USER_EVENT + 1
-# Event carrying a watermark (event time, pyflowbuf.runtime.watermarks): the
-# int64 payload holds the bits of a float64 of seconds, +/-inf included; one
-# NaN pattern marks the channel idle.
-EVT_WATERMARK = USER_EVENT + 2
+# EVT_KIND and EVT_WATERMARK (their payloads: csrc/fb_events.h) are imported
+# above and stay importable from here.
 _NEVER = (1 << 32) - 1  # a zero_copy_min no record reaches: always copies
 
 

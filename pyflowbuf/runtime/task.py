@@ -16,11 +16,11 @@ import time
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf._core.channel import BARRIER, BARRIER_UNALIGNED, CANCEL_BARRIER
+from pyflowbuf._core.events import BARRIER, BARRIER_UNALIGNED, CANCEL_BARRIER, EVT_WATERMARK
 from pyflowbuf.runtime.alignment import (CAPTURE, INFLIGHT_DONE, SNAPSHOT, SNAPSHOT_UNALIGNED,
                                          BarrierAligner)
 from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error
-from pyflowbuf.runtime.exchange import EVT_WATERMARK, MultiInput
+from pyflowbuf.runtime.exchange import MultiInput
 from pyflowbuf.runtime.pull import PullPolicy
 from pyflowbuf.runtime import watermarks as _wm
 from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK

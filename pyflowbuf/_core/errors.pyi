@@ -1,0 +1,3 @@
+"""Stub for the compiled pyflowbuf._core.errors: C error codes to exceptions."""
+
+def error_for_code(rc: int, context: str | None = None) -> BaseException: ...
