@@ -4,14 +4,6 @@ from pyflowbuf._core.memory cimport NetworkBufferPool, Notifier
 from pyflowbuf.includes.park cimport fb_event
 from pyflowbuf.includes.ring cimport fb_bufdesc, fb_ring
 
-cdef enum:
-    EVT_END_OF_PARTITION = 0
-    EVT_BARRIER = 1
-    EVT_CANCEL_BARRIER = 4
-    EVT_END_OF_DATA = 8
-    EVT_USER = 16
-
-
 cdef class BufferQueue:
     cdef fb_ring *ring
     cdef fb_ring *prio

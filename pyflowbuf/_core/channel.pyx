@@ -18,13 +18,9 @@ from pyflowbuf.includes.errors cimport *
 from pyflowbuf.includes.park cimport *
 from pyflowbuf.includes.ring cimport *
 
-END_OF_PARTITION = EVT_END_OF_PARTITION
-BARRIER = EVT_BARRIER
-CANCEL_BARRIER = EVT_CANCEL_BARRIER
-END_OF_DATA = EVT_END_OF_DATA
-USER_EVENT = EVT_USER
-# barrier flag: an unaligned barrier (it overtook queued data; see BufferQueue.overtaken)
-BARRIER_UNALIGNED = 1
+# the event codes, defined once (csrc/fb_events.h), under their older import path
+from pyflowbuf._core.events import (BARRIER, BARRIER_UNALIGNED, CANCEL_BARRIER, END_OF_DATA,
+                                    END_OF_PARTITION, USER_EVENT)
 
 
 @cython.final

@@ -20,7 +20,8 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove, memset
 
-from pyflowbuf._core.channel cimport EVT_BARRIER, BufferQueue
+from pyflowbuf._core.channel cimport BufferQueue
+from pyflowbuf.includes.events cimport FB_EVT_BARRIER
 from pyflowbuf._core.memory cimport Buffer, LocalBufferPool, NetworkBufferPool, Notifier
 from pyflowbuf.includes.arena cimport (FB_POOL_INUSE, fb_arena, fb_pool, fb_pool_recycle, fb_pool_recycle_many,
                                        fb_pool_request, fb_segment_ptr)
@@ -383,7 +384,7 @@ cdef class SenderView:
         self._told_backlog = backlog[0]
         if d.type == FB_DATA_EVENT:
             self.event_mark = d.seg
-            if self.block_on_barrier and d.width == EVT_BARRIER and not prio:
+            if self.block_on_barrier and d.width == FB_EVT_BARRIER and not prio:
                 fb_atomic_store_int(&self._blocked, 1, __ATOMIC_RELEASE)
         else:
             self._used += 1

@@ -10,7 +10,8 @@ import threading
 import time
 
 from pyflowbuf._core import netio
-from pyflowbuf._core.channel import BARRIER, END_OF_PARTITION, BufferQueue
+from pyflowbuf._core.channel import BufferQueue
+from pyflowbuf._core.events import BARRIER, END_OF_PARTITION
 from pyflowbuf._core.memory import LocalBufferPool, NetworkBufferPool, Notifier
 from pyflowbuf.errors import (CancelledError, ChannelClosedError, ConnectionLostError, FlowBufError,
                               PartitionNotFoundError, ProtocolError, RemoteError)

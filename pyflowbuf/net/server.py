@@ -11,7 +11,8 @@ import threading
 import time
 
 from pyflowbuf._core import netio
-from pyflowbuf._core.channel import BARRIER, END_OF_PARTITION, BufferQueue, InputGate
+from pyflowbuf._core.channel import BufferQueue, InputGate
+from pyflowbuf._core.events import BARRIER, END_OF_PARTITION
 from pyflowbuf._core.memory import Notifier
 from pyflowbuf.errors import (AuthenticationError, CancelledError, ConnectionLostError, FlowBufError,
                               ProtocolError, RemoteError)
