@@ -277,6 +277,13 @@ class Environment:
         """Lines of a text file; the source tracks byte offsets."""
         if not os.path.exists(path):
             raise FileNotFoundError(path)
+        if os.path.isdir(path):
+            # e.g. the directory of part files write_text made: reading its
+            # parts in some order of our choosing would be a guess
+            raise IsADirectoryError(
+                f"read_text reads one file, and {path} is a directory (write_text writes a directory of "
+                "part files): read each part, e.g. env.read_text(p) for p in "
+                f"sorted(glob.glob('{os.path.join(os.fspath(path), 'part-*')}')), joined with union()")
         return self._source(name, lambda: srcs.TextFileSource(path, encoding), "str", rate_limit)
 
     def read_parquet(self, path, *, columns: list | None = None, batch_size: int = 65536,

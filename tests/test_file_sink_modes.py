@@ -5,6 +5,7 @@ whatever the settings: ``path/part-<subtask>-<seq><suffix>``."""
 from __future__ import annotations
 
 import collections
+import glob
 import os
 
 import pytest
@@ -136,3 +137,18 @@ def test_appends_keep_every_run_exactly_once(tmp_path_factory, runs):
         write("text", out, values, p, mode="append")
         want.update(values)
     assert collections.Counter(int(x) for x in read_parts(out)) == want
+
+
+def test_read_text_of_a_write_text_directory_says_how_to_read_it(tmp_path):
+    out = tmp_path / "o"
+    env = fb.Environment(parallelism=2)
+    env.from_iterable(["a", "b", "c"]).write_text(str(out))
+    env.execute()
+    with pytest.raises(IsADirectoryError, match="part files"):
+        fb.Environment().read_text(str(out))
+    # the way the message shows reads every line once
+    env = fb.Environment()
+    parts = [env.read_text(p) for p in sorted(glob.glob(str(out / "part-*")))]
+    got = parts[0].union(*parts[1:]).collect() if len(parts) > 1 else parts[0].collect()
+    env.execute()
+    assert sorted(got.result) == ["a", "b", "c"]
