@@ -202,20 +202,35 @@ class OperatorHarness:
 
     @property
     def state(self) -> Any:
-        """The operator's ``snapshot_state()`` as it is now (not encoded)."""
+        """The operator's ``snapshot_state()`` as it is now (not encoded).
+
+        Example::
+
+            assert h.state["windows"] == {("a", 0.0, 10.0): 2}
+        """
         return self.operator.snapshot_state()
 
     @property
     def timers(self) -> dict | None:
         """The operator's timers: ``{"watermark": w, "event": [(t, [keys])],
         "processing": [(t, [keys])]}`` in time order; None for an operator
-        without timers."""
+        without timers.
+
+        Example::
+
+            assert h.timers["event"] == [(10.0, [("a", 0.0, 10.0)])]
+        """
         timers = getattr(self.operator, "timers", None)
         return None if timers is None else timers.snapshot()
 
     @property
     def metrics(self) -> dict:
-        """The operator's counters (e.g. ``late_records_dropped``)."""
+        """The operator's counters (e.g. ``late_records_dropped``).
+
+        Example::
+
+            assert h.metrics["late_records_dropped"] == 1
+        """
         m = getattr(self.operator, "metrics", None)
         return {} if m is None else m()
 

@@ -10,6 +10,7 @@ import warnings
 import pytest
 
 import pyflowbuf
+from pyflowbuf import api, testing, windows
 
 _CORE = {
     "Buffer": "pyflowbuf._core.memory", "LocalBufferPool": "pyflowbuf._core.memory",
@@ -51,3 +52,65 @@ def test_old_top_level_spelling_still_works_and_warns(name):
 def test_unknown_attribute_is_attribute_error():
     with pytest.raises(AttributeError, match="no_such_name"):
         pyflowbuf.no_such_name  # noqa: B018
+
+
+# ---- docstrings: every public method says what it does, with an example ----
+
+_DOCUMENTED = [
+    api.Environment, api.Stream, api.KeyedStream, api.ConnectedStreams, api.CollectSink, api.IteratorSink,
+    windows.TimeWindow, windows.WindowAssigner, windows.Tumbling, windows.Sliding, windows.Session,
+    windows.AggregateFunction, windows.Count, windows.Sum, windows.WindowedStream, windows.WindowResult,
+    windows.JoinedStreams, windows.IntervalJoin, testing.OperatorHarness,
+]
+_OURS = ("pyflowbuf.api", "pyflowbuf.windows", "pyflowbuf.testing")
+
+
+def _public(cls):
+    """(name, docstring) of the methods and properties of ``cls`` that
+    pyflowbuf defines (not those of object or tuple), inherited ones too."""
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        owner = next(k for k in cls.__mro__ if name in vars(k))
+        raw = vars(owner)[name]
+        if owner.__module__ not in _OURS or not (callable(raw) or isinstance(raw, property)):
+            continue
+        yield name, inspect.getdoc(getattr(cls, name))
+
+
+def _examples(doc: str) -> list:
+    """The code of each ``Example::`` block in ``doc``."""
+    import textwrap
+
+    out = []
+    lines = doc.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() != "Example::":
+            continue
+        indent = len(line) - len(line.lstrip())
+        block = []
+        for nxt in lines[i + 1:]:
+            if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
+                break
+            block.append(nxt)
+        out.append(textwrap.dedent("\n".join(block)).strip("\n"))
+    return out
+
+
+@pytest.mark.parametrize("cls", _DOCUMENTED, ids=lambda c: c.__name__)
+def test_every_public_method_has_a_docstring_with_an_example(cls):
+    assert inspect.getdoc(cls), f"{cls.__name__} has no docstring"
+    members = dict(_public(cls))
+    missing = sorted(n for n, doc in members.items() if not doc)
+    assert not missing, f"{cls.__name__}: no docstring on {missing}"
+    no_example = sorted(n for n, doc in members.items() if not _examples(doc))
+    assert not no_example, f"{cls.__name__}: no Example:: block in the docstring of {no_example}"
+
+
+@pytest.mark.parametrize("cls", _DOCUMENTED, ids=lambda c: c.__name__)
+def test_docstring_examples_are_python(cls):
+    docs = [("", inspect.getdoc(cls))] + list(_public(cls))
+    for name, doc in docs:
+        for code in _examples(doc or ""):
+            assert code, f"{cls.__name__}.{name}: an empty Example:: block"
+            compile(code, f"<{cls.__name__}.{name} example>", "exec")
