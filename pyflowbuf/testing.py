@@ -40,6 +40,8 @@ import math
 from typing import Any
 
 from pyflowbuf import errors
+from pyflowbuf.api import Stream
+from pyflowbuf.checkpoint import dumps, loads
 from pyflowbuf.runtime.operators import Operator
 from pyflowbuf.runtime.timers import TimerOperator
 from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner
@@ -71,6 +73,7 @@ class OperatorHarness:
     Example::
 
         from pyflowbuf.runtime.timers import KeyedProcessOperator
+        from pyflowbuf.testing import OperatorHarness
 
         def fn(key, record, state, ctx):
             ctx.register_event_time_timer(record[1] + 5)
@@ -128,6 +131,9 @@ class OperatorHarness:
         """Feed a watermark (seconds of event time) as the task's inputs
         would: the operator fires what it completes, and a watermark that
         rises is sent on after those records. Returns the records fired.
+        For a two-input operator it is the combined watermark (a task takes
+        the minimum over its inputs). A time that is not a number is a
+        ``ConfigurationError``.
 
         Example::
 
@@ -195,8 +201,6 @@ class OperatorHarness:
             state = h.snapshot()
             h2 = OperatorHarness(make_operator(), restore=state)
         """
-        from pyflowbuf.checkpoint import dumps, loads
-
         state = self.operator.snapshot_state()
         return loads(dumps(state, allow_pickle=self.allow_pickle), allow_pickle=self.allow_pickle)
 
@@ -297,8 +301,6 @@ class _TaskStandIn:
 def _build(operator) -> Operator:
     if isinstance(operator, Operator):
         return operator
-    from pyflowbuf.api import Stream
-
     if not isinstance(operator, Stream):
         raise TypeError(f"OperatorHarness takes an Operator or a Stream, got {type(operator).__name__}")
     node = operator.node

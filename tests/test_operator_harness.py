@@ -270,16 +270,19 @@ def test_bad_input_is_refused_with_a_typed_error():
             h.process_watermark(bad)
 
 
-def test_the_module_example_runs():
+@pytest.mark.parametrize("where", ["module", "class"])
+def test_the_documented_examples_run(where):
+    import inspect
     import textwrap
 
     import pyflowbuf.testing as testing
 
+    doc = testing.__doc__ if where == "module" else inspect.getdoc(OperatorHarness)
     block = []
-    for line in testing.__doc__.split("Example::\n", 1)[1].splitlines():
+    for line in doc.split("Example::\n", 1)[1].splitlines():
         if line.strip() and not line.startswith("    "):
             break
         block.append(line)
     code = textwrap.dedent("\n".join(block))
-    assert "h.process_watermark(10.0)" in code
-    exec(compile(code, "<example>", "exec"), {})
+    assert "process_watermark" in code
+    exec(compile(code, f"<{where} example>", "exec"), {})
