@@ -57,7 +57,9 @@ def params(quick: bool) -> dict:
 
 def _producer_main(conn, secret):
     """Serves commands from the benchmark process until told to quit."""
-    from pyflowbuf import BufferQueue, NetworkBufferPool, RecordWriter
+    from pyflowbuf._core.memory import NetworkBufferPool
+    from pyflowbuf._core.channel import BufferQueue
+    from pyflowbuf._core.serde import RecordWriter
     from pyflowbuf._core.channel import END_OF_PARTITION
     from pyflowbuf.errors import FlowBufError
     from pyflowbuf.net import NetworkServer
@@ -217,7 +219,7 @@ def _destroy(excl, fl):
 
 
 def remote_stream(prod, nbp, secret, nbytes):
-    from pyflowbuf import BufferQueue, InputGate
+    from pyflowbuf._core.channel import BufferQueue, InputGate
     from pyflowbuf.net import ConnectionManager
 
     pid = prod.pid()
@@ -235,7 +237,8 @@ def remote_stream(prod, nbp, secret, nbytes):
 
 
 def remote_records(prod, nbp, secret, n, per_record):
-    from pyflowbuf import BufferQueue, InputGate, RecordReader
+    from pyflowbuf._core.channel import BufferQueue, InputGate
+    from pyflowbuf._core.serde import RecordReader
     from pyflowbuf.net import ConnectionManager
 
     pid = prod.pid()
@@ -268,7 +271,7 @@ def hol(prod, nbp, secret, credit_based, stalled, window, rate):
     """MB/s of channel B while channel A (same connection) is consumed or
     stalled. Both consumers take at most ``rate`` bytes/s, so B's rate measures
     whether A's stall reaches B, not how two channels share the CPU."""
-    from pyflowbuf import BufferQueue, InputGate
+    from pyflowbuf._core.channel import BufferQueue, InputGate
     from pyflowbuf.net import ConnectionManager
 
     pid = prod.pid()
@@ -308,7 +311,7 @@ def hol(prod, nbp, secret, credit_based, stalled, window, rate):
 # --------------------------------------------------------------------------- main
 
 def main(quick: bool = False) -> dict:
-    from pyflowbuf import NetworkBufferPool
+    from pyflowbuf._core.memory import NetworkBufferPool
     from pyflowbuf.net import new_secret
 
     p = params(quick)

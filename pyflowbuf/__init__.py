@@ -1,18 +1,46 @@
-"""pyflowbuf: Flink-style network buffers and backpressure for Python pipelines."""
+"""pyflowbuf: Flink-style network buffers and backpressure for Python pipelines.
+
+The names here are the user's API: build a job on an ``Environment``, shape
+it with the stream classes, time it with the window assigners. The network
+core (``Buffer``, ``BufferQueue``, ``RecordWriter``, ...) lives in
+``pyflowbuf._core.memory``, ``pyflowbuf._core.channel`` and
+``pyflowbuf._core.serde``; ``pyflowbuf.testing`` drives one operator in a test.
+"""
+import importlib
+import warnings
+
 from pyflowbuf._version import __version__
-from pyflowbuf._core.memory import Buffer, LocalBufferPool, NetworkBufferPool, Notifier
-from pyflowbuf._core.channel import BufferQueue, InputGate
-from pyflowbuf._core.serde import RecordReader, RecordWriter, stable_hash
+from pyflowbuf._core.serde import stable_hash
 from pyflowbuf import errors
-from pyflowbuf.api import CollectSink, Environment, IteratorSink, KeyedStream, Stream
+from pyflowbuf.api import CollectSink, ConnectedStreams, Environment, IteratorSink, KeyedStream, Stream
 from pyflowbuf.runtime.sources import RateLimiter
 from pyflowbuf import windows
-from pyflowbuf.windows import Session, Sliding, TimeWindow, Tumbling
+from pyflowbuf.windows import AggregateFunction, Count, Session, Sliding, Sum, TimeWindow, Tumbling
 from pyflowbuf.runtime.timers import KeyedProcessFunction
 
 __all__ = [
-    "__version__", "Buffer", "BufferQueue", "InputGate", "LocalBufferPool", "NetworkBufferPool",
-    "Notifier", "RecordReader", "RecordWriter", "errors", "stable_hash",
-    "Environment", "Stream", "KeyedStream", "CollectSink", "IteratorSink", "RateLimiter",
-    "windows", "Tumbling", "Sliding", "Session", "TimeWindow", "KeyedProcessFunction",
+    "__version__", "errors", "stable_hash",
+    "Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink", "RateLimiter",
+    "windows", "Tumbling", "Sliding", "Session", "TimeWindow", "AggregateFunction", "Count", "Sum",
+    "KeyedProcessFunction",
 ]
+
+# The core classes were importable from here before issue 19; for one release
+# the old spelling still works, with a warning that names the new path.
+_MOVED = {
+    "Buffer": "pyflowbuf._core.memory", "LocalBufferPool": "pyflowbuf._core.memory",
+    "NetworkBufferPool": "pyflowbuf._core.memory", "Notifier": "pyflowbuf._core.memory",
+    "BufferQueue": "pyflowbuf._core.channel", "InputGate": "pyflowbuf._core.channel",
+    "RecordReader": "pyflowbuf._core.serde", "RecordWriter": "pyflowbuf._core.serde",
+}
+
+
+def __getattr__(name):
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pyflowbuf' has no attribute {name!r}")
+    warnings.warn(
+        f"pyflowbuf.{name} is deprecated and will be removed in the next release: it is a class of the "
+        f"network core, not of the job API; import it as 'from {module} import {name}'",
+        DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), name)

@@ -88,6 +88,15 @@ class Environment:
     ``execute_async()`` or ``execute_iter()``, one of them, one time. Build a
     new Environment to run a job again. A call refused before anything started
     (bad arguments, a setting that cannot work) leaves it unused.
+
+    Example::
+
+        import pyflowbuf as fb
+
+        env = fb.Environment(parallelism=2, buffer_timeout=0.01)   # seconds
+        out = env.from_collection(["a b", "b"]).flat_map(str.split).collect()
+        env.execute()
+        sorted(out.result)        # ['a', 'b', 'b']
     """
 
     def __init__(self, parallelism: int = 1, *, segment_size: int = 32 * 1024,
@@ -212,7 +221,19 @@ class Environment:
     def checkpoints(self) -> list:
         """The checkpoints of the running or last job, oldest first: id, status
         (completed / aborted / expired / failed), trigger_time, duration_s,
-        alignment_ms per task, state_bytes, size."""
+        alignment_ms per task, state_bytes, size.
+
+        Returns a list of dicts (empty before the first checkpoint, or with
+        checkpointing off).
+
+        Example::
+
+            env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir="checkpoints")
+            ...
+            env.execute()
+            for c in env.checkpoints():
+                print(c["id"], c["status"], c["duration_s"])
+        """
         ex = self.last_execution
         return [] if ex is None else ex.checkpoints()
 
@@ -239,7 +260,21 @@ class Environment:
     def from_iterable(self, iterable: Iterable, *, kind: Any = None, name: str = "iterable",
                       rate_limit=None) -> "Stream":
         """Records from an iterable (or a zero-argument function returning one),
-        pulled lazily: an item is taken only when the task can write it."""
+        pulled lazily: an item is taken only when the task can write it.
+
+        ``kind`` declares the record kind (None: inferred from the first record;
+        a list of plain numbers gets a fixed-width number kind when its values
+        fit one); ``rate_limit`` caps the source at that
+        many records per second, or takes a ``RateLimiter``. The source has
+        parallelism 1. Returns a ``Stream``. A bad ``kind`` is a
+        ``ConfigurationError``, a bad ``rate_limit`` a ``ValueError``, both
+        raised here. ``from_collection`` is the same method.
+
+        Example::
+
+            words = env.from_iterable(["a", "b", "c"])
+            lines = env.from_iterable(lambda: open("words.txt"), kind="str", rate_limit=1000)
+        """
         kind = _check_kind(kind, f"from_iterable {name!r}")
         if kind is None and isinstance(iterable, (list, tuple, range)) and len(iterable):
             from pyflowbuf.serializers import infer_kind
@@ -259,6 +294,21 @@ class Environment:
 
     def from_generator(self, fn: Callable[[], Iterable], *, kind: Any = None, name: str = "generator",
                        rate_limit=None) -> "Stream":
+        """Records from ``fn()``, a function of no arguments returning an iterable
+        (a generator function), called when the job starts.
+
+        ``kind``, ``name`` and ``rate_limit`` as for ``from_iterable``; the
+        source has parallelism 1. Returns a ``Stream``. A ``fn`` that is not
+        callable is a ``TypeError``, a bad ``kind`` a ``ConfigurationError``.
+
+        Example::
+
+            def readings():
+                for i in range(1000):
+                    yield ("sensor-1", float(i))
+
+            stream = env.from_generator(readings, name="sensor")
+        """
         if not callable(fn):
             raise TypeError("from_generator takes a function that returns an iterable")
         kind = _check_kind(kind, f"from_generator {name!r}")
@@ -266,7 +316,18 @@ class Environment:
 
     def from_sequence(self, start: int, stop: int | None = None, step: int = 1, *,
                       parallelism: int | None = None, name: str = "sequence", rate_limit=None) -> "Stream":
-        """Integers in ``range(start, stop, step)`` (``stop=None``: unbounded)."""
+        """Integers in ``range(start, stop, step)`` (``stop=None``: unbounded).
+
+        The stream's kind is ``int64``; with ``parallelism`` p each subtask
+        takes every p-th value. Returns a ``Stream``. Arguments that are not
+        ints, a ``step`` of 0 or values outside int64 are a
+        ``ConfigurationError``.
+
+        Example::
+
+            evens = env.from_sequence(0, 100, 2, parallelism=2)    # 0, 2, .., 98
+            ticks = env.from_sequence(0, rate_limit=10)             # unbounded, 10 per second
+        """
         start, stop, step = _sequence_args(start, stop, step)
         if parallelism is not None:
             _positive_int("parallelism", parallelism)
@@ -274,7 +335,17 @@ class Environment:
         return self._source(name, lambda: srcs.SequenceSource(start, stop, step), "int64", rate_limit, p)
 
     def read_text(self, path, *, encoding: str = "utf-8", name: str = "read_text", rate_limit=None) -> "Stream":
-        """Lines of a text file; the source tracks byte offsets."""
+        """Lines of a text file; the source tracks byte offsets.
+
+        Each record is one line as a ``str`` without its line break, decoded
+        with ``encoding``; the byte offset makes a restore resume exactly. A
+        missing file is ``FileNotFoundError``, raised here. Returns a ``Stream``.
+
+        Example::
+
+            lines = env.read_text("words.txt")
+            words = lines.flat_map(str.split)
+        """
         if not os.path.exists(path):
             raise FileNotFoundError(path)
         if os.path.isdir(path):
@@ -298,7 +369,15 @@ class Environment:
         ``parallelism`` subtasks; the position (file, row group, row) rewinds
         exactly for checkpoints. Files are listed and their footers read
         here: a missing file is FileNotFoundError, a broken one
-        ``connectors.FileFormatError``."""
+        ``connectors.FileFormatError``.
+
+        Returns a ``Stream``.
+
+        Example::
+
+            rows = env.read_parquet("lines.parquet", columns=["ts", "text"])       # dicts
+            batches = env.read_parquet("events/", as_="arrow", parallelism=2)      # RecordBatches
+        """
         from pyflowbuf import connectors
 
         factory, kind = connectors.parquet_source(path, columns=columns, batch_size=batch_size, as_=as_,
@@ -320,7 +399,15 @@ class Environment:
         are split over the ``parallelism`` subtasks by byte ranges; a value
         holding a line break inside quotes is refused at every parallelism. A
         row that does not parse is ``connectors.FileFormatError`` naming the
-        file and line."""
+        file and line.
+
+        Returns a ``Stream``.
+
+        Example::
+
+            users = env.read_csv("users.csv", columns=["name", "age"])
+            for_windows = env.read_csv("events.csv", as_="arrow")
+        """
         from pyflowbuf import connectors
 
         factory, kind = connectors.csv_source(
@@ -331,7 +418,21 @@ class Environment:
 
     def from_arrays(self, arrays: Iterable, *, dtype=None, name: str = "arrays", rate_limit=None) -> "Stream":
         """A rows stream: NumPy arrays of fixed-width rows, moved with one memcpy
-        per buffer and read back as views. Operators see array chunks."""
+        per buffer and read back as views. Operators see array chunks.
+
+        ``dtype`` is the rows' NumPy dtype; it may be left out only when
+        ``arrays`` is a non-empty list (the first array's dtype). A missing or
+        invalid dtype, or one of Python objects, is a ``ConfigurationError``.
+        Returns a ``Stream`` of that dtype.
+
+        Example::
+
+            import numpy as np
+
+            rows = np.zeros(10_000, dtype=[("key", "i8"), ("value", "f8")])
+            stream = env.from_arrays([rows[:5000], rows[5000:]])
+            positive = stream.map_batches(lambda chunk: chunk[chunk["value"] > 0])
+        """
         if dtype is None:
             if isinstance(arrays, (list, tuple)) and arrays:
                 dtype = np.asarray(arrays[0]).dtype
@@ -376,6 +477,20 @@ class Environment:
 
     # ---- running ----
     def plan(self):
+        """The job as it would run: ``(vertices, edges)``, the tasks after chaining
+        (each ``JobVertex`` lists its operators' nodes and its parallelism) and
+        the exchanges between them (``JobEdge``: partitioner, key function,
+        record kind). Nothing runs. A ``forward()`` between operators of
+        different parallelism is a ``ValueError``.
+
+        Example::
+
+            vertices, edges = env.plan()
+            for v in vertices:
+                print(v.name, v.parallelism)
+            for e in edges:
+                print(e.source.name, "->", e.target.name, e.partitioner)
+        """
         return plan(self.nodes, self.chaining)
 
     def execute(self, job_name: str | float | None = None, timeout: float | None = None, *,
@@ -394,7 +509,18 @@ class Environment:
         exist and none is intact, ``CorruptCheckpointError``: a fresh start
         over their committed output is ``restore_from=None`` with the file
         sinks' ``mode="overwrite"``. A source whose input differs from what
-        the checkpoint recorded is ``IncompatibleCheckpointError``."""
+        the checkpoint recorded is ``IncompatibleCheckpointError``.
+
+        Returns the job's ``JobExecution`` once it has finished. Raises
+        ``AlreadyExecutedError`` on a second run, ``ConfigurationError`` for a
+        job without a sink or with settings that cannot work (before anything
+        starts).
+
+        Example::
+
+            out = env.from_sequence(0, 1000).map(lambda x: x % 7).collect()
+            env.execute("mod-seven", timeout=60)      # seconds; then out.result
+        """
         job_name, timeout = _execute_args(job_name, timeout)
         if any(n.is_iterator for n in self.nodes):
             raise ConfigurationError("this job has a to_iterator() sink: run it with execute_iter()")
@@ -404,7 +530,16 @@ class Environment:
 
     def execute_async(self, job_name: str | None = None, *, restore_from=None):
         """Start the job and return its JobExecution (``join``, ``cancel``,
-        ``metrics``, ``done``). An Environment executes its graph once."""
+        ``metrics``, ``done``). An Environment executes its graph once.
+
+        Errors as for ``execute``, raised here.
+
+        Example::
+
+            job = env.execute_async("nightly")
+            ...                          # the caller goes on meanwhile
+            job.join(timeout=600)        # seconds; JobFailedError if a task failed
+        """
         _job_name("job_name", job_name, optional=True)
         if any(n.is_iterator for n in self.nodes):
             # nobody would read it: the job would stall once its buffers fill
@@ -416,7 +551,19 @@ class Environment:
     def execute_iter(self, sink: "IteratorSink", job_name: str | None = None):
         """Run the job and yield the records that reach ``sink`` in this thread.
         Closing the generator cancels the job. An Environment executes its
-        graph once: this call takes it, even before the first record is read."""
+        graph once: this call takes it, even before the first record is read.
+
+        A ``sink`` that is not a ``to_iterator()`` handle is a ``TypeError``,
+        one of another Environment a ``ConfigurationError``; with checkpoints
+        and ``restart_attempts`` > 0 it is refused (records handed out could be
+        handed out again).
+
+        Example::
+
+            it = env.from_sequence(0, 10).map(lambda x: x * x).to_iterator()
+            for square in env.execute_iter(it):
+                print(square)
+        """
         if not isinstance(sink, IteratorSink):
             raise TypeError("execute_iter takes the handle returned by Stream.to_iterator()")
         if not any(n is sink.node for n in self.nodes):
@@ -511,12 +658,32 @@ class Environment:
     def metrics(self) -> dict:
         """The latest per-task metrics of the running job; once it has ended
         (``execute()`` returned, or ``done``), its final sample: every task's
-        end state and total counts."""
+        end state and total counts.
+
+        A dict keyed by task name; each value holds that task's counts (records,
+        bytes and buffers in and out), time shares (idle, busy, backpressured,
+        ms per second) and operator counters such as ``late_records_dropped``.
+
+        Example::
+
+            env.execute()
+            for task, m in env.metrics().items():
+                print(task, m.get("records_out"), m.get("late_records_dropped"))
+        """
         return {} if self.last_execution is None else self.last_execution.metrics()
 
 
 class Stream:
-    """A stream of records produced by one node of the graph."""
+    """A stream of records produced by one node of the graph.
+
+    Streams are declared, not run: each method adds an operator to the
+    Environment's graph and returns the stream of its output;
+    ``env.execute()`` runs the whole graph.
+
+    Example::
+
+        doubled = env.from_sequence(0, 10).map(lambda x: 2 * x, name="double")
+    """
 
     def __init__(self, env: Environment, node: Node, key_fn: Callable | None = None):
         self.env = env
@@ -542,15 +709,52 @@ class Stream:
         return s
 
     def forward(self) -> "Stream":
+        """Send each record to the subtask of the same index in the next operator
+        (no exchange across subtasks; chained when possible). The next operator
+        must have the same parallelism: otherwise ``execute()`` (and ``plan()``)
+        raise ``ValueError``. Returns a ``Stream`` to declare that operator on.
+
+        Example::
+
+            s.forward().map(fn)        # same parallelism as s
+        """
         return self._with("forward")
 
     def rebalance(self) -> "Stream":
+        """Spread the records over the next operator's subtasks round-robin, to
+        even out skewed subtasks or change parallelism. Returns a ``Stream``.
+
+        Example::
+
+            s.rebalance().map(expensive, parallelism=8)
+        """
         return self._with("rebalance")
 
     def broadcast(self) -> "Stream":
+        """Send every record to every subtask of the next operator. Returns a
+        ``Stream``.
+
+        Example::
+
+            rules.broadcast().connect(events).process(on_rule, on_event)
+        """
         return self._with("broadcast")
 
     def key_by(self, key_fn: Callable) -> "KeyedStream":
+        """Partition by ``key_fn(record)``: records with equal keys reach the same
+        subtask (a stable hash, the same in every process), where keyed
+        operators keep per-key state.
+
+        ``key_fn`` may be a column name (a str) only on a stream of Arrow or
+        pandas batches, for the vectorized windows. Returns a ``KeyedStream``.
+        A ``key_fn`` that is not callable (or a column name on another stream)
+        is a ``TypeError``.
+
+        Example::
+
+            totals = orders.key_by(lambda o: o["customer"]).reduce(
+                lambda a, b: {**a, "amount": a["amount"] + b["amount"]})
+        """
         if isinstance(key_fn, str):
             return _key_by_column(self, key_fn)
         if not callable(key_fn):
@@ -574,7 +778,17 @@ class Stream:
         every batch). A subtask that gets no records for ``idle_timeout``
         seconds is marked idle, so it does not hold back the watermark of
         the tasks it feeds. On an Arrow/pandas stream ``fn`` may be a column
-        name. See ``pyflowbuf.windows``."""
+        name. See ``pyflowbuf.windows``.
+
+        Returns a ``Stream`` with timestamps (the same records). Bad durations
+        or ``unit`` are a ``ConfigurationError``, a ``fn`` that is not callable
+        a ``TypeError``.
+
+        Example::
+
+            timed = events.assign_timestamps(lambda e: e["ts"], out_of_orderness=2.0, idle_timeout=30)
+            in_ms = events.assign_timestamps(lambda e: e["ts_ms"], unit="ms")
+        """
         from pyflowbuf.runtime.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
 
         if not isinstance(fn, str):
@@ -604,11 +818,32 @@ class Stream:
 
     # ---- operators ----
     def map(self, fn: Callable, *, parallelism: int | None = None, name: str = "map", kind: Any = None) -> "Stream":
+        """One output record ``fn(record)`` per input record.
+
+        ``kind`` declares the output record kind (None: inferred from the first
+        output); ``parallelism`` defaults to the Environment's. Returns a
+        ``Stream``. A ``fn`` that is not callable is a ``TypeError``, a bad
+        ``kind`` a ``ConfigurationError``; an output that does not fit the kind
+        fails the job with ``RecordTypeError`` naming the operator.
+
+        Example::
+
+            lengths = words.map(len, kind="int64")
+            pairs = words.map(lambda w: (w, 1), name="pair")
+        """
         _callable(fn, "map")
         kind = _check_kind(kind, f"map {name!r}")
         return Stream(self.env, self._then(name, lambda: ops.Map(name, fn), parallelism, kind))
 
     def filter(self, fn: Callable, *, parallelism: int | None = None, name: str = "filter") -> "Stream":
+        """The records for which ``fn(record)`` is true, unchanged (they keep
+        their kind and their timestamps). Returns a ``Stream``. A ``fn`` that is
+        not callable is a ``TypeError``.
+
+        Example::
+
+            errors_only = lines.filter(lambda line: line.startswith("ERROR"))
+        """
         _callable(fn, "filter")
         node = self._then(name, lambda: ops.Filter(name, fn), parallelism, self.node.kind)
         node.timestamps = getattr(self.node, "timestamps", None)    # the records stay as they were
@@ -616,6 +851,19 @@ class Stream:
 
     def flat_map(self, fn: Callable, *, parallelism: int | None = None, name: str = "flat_map",
                  kind: Any = None) -> "Stream":
+        """Zero or more output records per input record: ``fn(record)`` returns an
+        iterable of them (a list, a generator, a set).
+
+        A str, bytes, tuple, dict or None returned by ``fn`` is never taken
+        apart: the job fails with ``RecordTypeError`` (return ``[record]`` for
+        one record). ``kind`` as for ``map``. Returns a ``Stream``. A ``fn`` that
+        is not callable is a ``TypeError``.
+
+        Example::
+
+            words = lines.flat_map(str.split)
+            pairs = lines.flat_map(lambda line: [(w, 1) for w in line.split()])
+        """
         _callable(fn, "flat_map")
         kind = _check_kind(kind, f"flat_map {name!r}")
         return Stream(self.env, self._then(name, lambda: ops.FlatMap(name, fn), parallelism, kind))
@@ -623,7 +871,18 @@ class Stream:
     def map_batches(self, fn: Callable, *, parallelism: int | None = None, name: str = "map_batches",
                     kind: Any = None) -> "Stream":
         """Apply ``fn`` to whole batches: to NumPy array chunks on a rows stream
-        (``from_arrays``), to each RecordBatch/DataFrame on an arrow/pandas stream."""
+        (``from_arrays``), to each RecordBatch/DataFrame on an arrow/pandas stream.
+
+        ``fn`` returns the output batch (an array chunk, a RecordBatch or a
+        DataFrame). On a rows stream the output keeps the input's dtype unless
+        ``kind`` says otherwise. Returns a ``Stream``. A ``fn`` that is not
+        callable is a ``TypeError``.
+
+        Example::
+
+            scaled = rows.map_batches(lambda chunk: chunk * 2)             # a rows stream
+            big = batches.map_batches(lambda df: df[df["amount"] > 100])   # pandas batches
+        """
         _callable(fn, "map_batches")
         kind = _check_kind(kind, f"map_batches {name!r}")
         per_record = not isinstance(self.node.kind, np.dtype)
@@ -640,7 +899,16 @@ class Stream:
         that kind. Each input is partitioned as its stream says (forward when
         the parallelism matches, else rebalance, or what key_by / rebalance /
         broadcast set on it). The union is a task of its own, reading one gate
-        per input; the operators after it chain to it."""
+        per input; the operators after it chain to it.
+
+        Returns a ``Stream``. A stream of another Environment or of another kind
+        is a ``ConfigurationError``, something that is not a Stream a
+        ``TypeError``.
+
+        Example::
+
+            everything = clicks.union(views, purchases)
+        """
         streams = (self,) + others
         for s in others:
             _same_env(self.env, s, "union")
@@ -653,7 +921,19 @@ class Stream:
     def join(self, other: "Stream"):
         """A window join: ``a.join(b).where(key_a).equal_to(key_b)
         .window(Tumbling(5)).apply(fn(left, right))``, one output per pair
-        of records with equal keys in the same window (Flink's join)."""
+        of records with equal keys in the same window (Flink's join).
+
+        Returns a ``JoinedStreams`` to finish with ``where``, ``equal_to``,
+        ``window`` and ``apply``. Both streams need timestamps. A stream of
+        another Environment is a ``ConfigurationError``.
+
+        Example::
+
+            pairs = (orders.join(payments)
+                           .where(lambda o: o["id"]).equal_to(lambda p: p["order"])
+                           .window(fb.Tumbling(60))
+                           .apply(lambda o, p: (o["id"], p["amount"])))
+        """
         from pyflowbuf.windows import JoinedStreams
         _same_env(self.env, other, "join")
         return JoinedStreams(self, other)
@@ -662,12 +942,34 @@ class Stream:
         """Two streams read by one operator with a function per input
         (``.process(fn1, fn2)``, ``.map(fn1, fn2)``); the inputs may carry
         different kinds. Connect two KeyedStreams for per-key state that both
-        inputs share."""
+        inputs share.
+
+        Returns ``ConnectedStreams``. A stream of another Environment is a
+        ``ConfigurationError``.
+
+        Example::
+
+            out = commands.connect(readings).map(lambda c: ("cmd", c), lambda r: ("reading", r))
+        """
         _same_env(self.env, other, "connect")
         return ConnectedStreams(self, other)
 
     # ---- sinks ----
     def collect(self, *, parallelism: int | None = None, name: str = "collect") -> "CollectSink":
+        """A sink that keeps every record in memory and hands them to the caller
+        once the job ends (also from worker processes).
+
+        Returns a ``CollectSink``: its ``result`` is the list of records after
+        ``execute()`` returns, subtask by subtask (in arrival order within a
+        subtask). Meant for results that fit in memory; use ``write_text`` or
+        ``to_iterator`` for more.
+
+        Example::
+
+            out = env.from_collection([3, 1, 2]).map(lambda x: x * 10).collect()
+            env.execute()
+            out.result          # [30, 10, 20]
+        """
         handle = CollectSink()
         node = self._then(name, lambda: ops.CollectSink(name, handle._parts), parallelism, None, sink=True)
         node.collect_parts = handle._parts
@@ -679,7 +981,16 @@ class Stream:
 
         With ``Environment(workers=N)`` the sink task runs in a worker process:
         what ``fn`` does to the caller's objects happens to the worker's copy
-        (use ``collect()`` or ``to_iterator()`` to bring records back)."""
+        (use ``collect()`` or ``to_iterator()`` to bring records back).
+
+        Returns None (a sink ends the stream). A ``fn`` that is not callable is a
+        ``TypeError``.
+
+        Example::
+
+            stream.sink(lambda r: db.insert(r))
+            stream.sink(lambda batch: db.insert_many(batch), batched=True)
+        """
         _callable(fn, "sink")
         node = self._then(name, lambda: ops.FunctionSink(name, fn, batched), parallelism, None, sink=True)
         node.user_sink = True
@@ -692,7 +1003,15 @@ class Stream:
         operator's function) is carried to the caller's ``sys.stdout``, so a
         notebook or ``redirect_stdout`` sees it, whole lines in order per
         worker, all of it before ``execute()`` returns. Not transactional:
-        after a restore, records since the checkpoint print again."""
+        after a restore, records since the checkpoint print again.
+
+        A ``prefix`` that is not a str is a ``ConfigurationError``.
+
+        Example::
+
+            stream.print()                  # one line per record
+            stream.print("debug")           # "debug> record"
+        """
         if prefix is not None and not isinstance(prefix, str):
             raise ConfigurationError(f"print: prefix must be a str or None, got {prefix!r}")
         from pyflowbuf.connectors import PrintSink
@@ -712,7 +1031,16 @@ class Stream:
         once across failures. ``mode``: ``"error"`` (default) refuses a
         directory that already holds output (other than the parts of the
         checkpoint being restored), ``"overwrite"`` removes it first,
-        ``"append"`` adds new parts beside it (``OutputExistsError``)."""
+        ``"append"`` adds new parts beside it (``OutputExistsError``).
+
+        A bad ``mode`` is a ``ConfigurationError`` here; output already in the
+        directory with ``mode="error"`` is ``OutputExistsError`` from
+        ``execute()``, before anything runs.
+
+        Example::
+
+            counts.write_text("out/counts", mode="overwrite")
+        """
         from pyflowbuf.runtime.outputs import FileOutput, check_mode
 
         path = _output_path(path, name)
@@ -742,7 +1070,12 @@ class Stream:
 
         Parts are committed as ``write_text``'s are (hidden until committed;
         with checkpointing on, exactly once across failures; readers skip
-        names starting with ``.``), and ``mode`` works the same way."""
+        names starting with ``.``), and ``mode`` works the same way.
+
+        Example::
+
+            rows.write_parquet("out/events", row_group_size=65536, compression="zstd")
+        """
         from pyflowbuf.runtime.outputs import FileOutput, check_mode
 
         if row_group_size is not None:
@@ -766,7 +1099,17 @@ class Stream:
         Records own their memory by default, so the caller may keep them. With
         ``zero_copy=True`` large records come as views over segments: each one
         held keeps a segment from the pool, and holding a pool's worth stalls
-        the job, so only use it when records are dropped promptly."""
+        the job, so only use it when records are dropped promptly.
+
+        Returns an ``IteratorSink`` handle to pass to ``execute_iter``; the sink
+        has parallelism 1. A job with such a sink runs only with
+        ``execute_iter`` (``execute()`` refuses it).
+
+        Example::
+
+            handle = env.from_sequence(0, 5).to_iterator()
+            print(list(env.execute_iter(handle)))      # [0, 1, 2, 3, 4]
+        """
         node = self.env._add(name=name, parallelism=1, make_operator=None, inputs=[self._input_to(1)],
                              kind=None, is_sink=True)
         node.is_iterator = True
@@ -775,10 +1118,34 @@ class Stream:
 
 
 class KeyedStream(Stream):
-    """A stream partitioned by key; keyed operators keep per-key state in their task."""
+    """A stream partitioned by key; keyed operators keep per-key state in their task.
+
+    Made by ``Stream.key_by``; besides the ``Stream`` methods it has the
+    keyed operators ``reduce``, ``process``, ``window`` and
+    ``interval_join``.
+
+    Example::
+
+        keyed = words.key_by(lambda w: w)
+    """
 
     def reduce(self, fn: Callable, *, parallelism: int | None = None, name: str = "reduce",
                kind: Any = None) -> Stream:
+        """A rolling reduce per key: each record is folded into its key's value
+        with ``fn(previous, record)``, and every updated value is emitted (the
+        first record of a key as it is).
+
+        ``kind`` declares the output kind. The per-key values live in the task
+        and go into checkpoints. Returns a ``Stream``. A ``fn`` that is not
+        callable is a ``TypeError``.
+
+        Example::
+
+            counts = (words.map(lambda w: (w, 1))
+                           .key_by(lambda kv: kv[0])
+                           .reduce(lambda a, b: (a[0], a[1] + b[1])))
+            # "a", "b", "a" -> ("a", 1), ("b", 1), ("a", 2)
+        """
         _callable(fn, "reduce")
         kind = _check_kind(kind, f"reduce {name!r}")
         key_fn = self._key_fn
@@ -798,7 +1165,25 @@ class KeyedStream(Stream):
         in time order in the task's thread, and go into checkpoints. At end of
         input every event-time timer fires (the watermark goes to +inf), then
         ``on_end(key, state, ctx)`` runs for every key with state. ``fn`` may
-        also be a ``KeyedProcessFunction`` (process_element, on_timer, on_end)."""
+        also be a ``KeyedProcessFunction`` (process_element, on_timer, on_end).
+
+        Returns a ``Stream``. A function that cannot take the arguments it will
+        be called with is a ``ConfigurationError``, one that is not callable a
+        ``TypeError``, both raised here.
+
+        Example::
+
+            def count(key, record, state):
+                state["n"] = state.get("n", 0) + 1
+                return [(key, state["n"])]
+
+            def alarm(key, record, state, ctx):
+                ctx.register_event_time_timer(ctx.timestamp + 60)    # seconds
+
+            counts = events.key_by(lambda e: e["user"]).process(count)
+            alarms = timed.key_by(lambda e: e["user"]).process(
+                alarm, on_timer=lambda key, t, state, ctx: [(key, t)])
+        """
         from pyflowbuf.runtime.timers import KeyedProcessFunction, KeyedProcessOperator, takes_context
 
         is_class = isinstance(fn, KeyedProcessFunction)
@@ -829,7 +1214,18 @@ class KeyedStream(Stream):
         """Event-time windows per key: ``Tumbling(size)``, ``Sliding(size,
         slide)`` or ``Session(gap)``; then ``.reduce``, ``.aggregate`` or
         ``.process`` (``allowed_lateness(s)`` first, if wanted). The stream
-        needs timestamps (``assign_timestamps``). See ``pyflowbuf.windows``."""
+        needs timestamps (``assign_timestamps``). See ``pyflowbuf.windows``.
+
+        Returns a ``WindowedStream``. An ``assigner`` that is not one of those
+        is a ``TypeError``, a stream without timestamps a
+        ``ConfigurationError``.
+
+        Example::
+
+            per_minute = (timed.key_by(lambda e: e["page"])
+                               .window(fb.Tumbling(60))
+                               .aggregate(fb.Count(), window_function=lambda page, w, n: (page, w.start, n)))
+        """
         from pyflowbuf.windows import WindowedStream
         return WindowedStream(self, assigner)
 
@@ -837,7 +1233,19 @@ class KeyedStream(Stream):
         """Join each record of this stream with the records of ``other`` of
         the same key whose time lies in [t + lower, t + upper]:
         ``a.interval_join(b).between(lower, upper).process(fn)``, or
-        ``a.interval_join(b, lower, upper).process(fn)``."""
+        ``a.interval_join(b, lower, upper).process(fn)``.
+
+        ``lower`` and ``upper`` are seconds of event time (finite, ``lower <=
+        upper``, either sign). Returns an ``IntervalJoin`` (finish it with
+        ``process``). Streams that are not both keyed are a
+        ``ConfigurationError``.
+
+        Example::
+
+            matched = (clicks.key_by(lambda c: c["ad"])
+                             .interval_join(views.key_by(lambda v: v["ad"]), -5.0, 0.0)
+                             .process(lambda click, view: [(click["ad"], view["ts"], click["ts"])]))
+        """
         from pyflowbuf.windows import IntervalJoin
         join = IntervalJoin(self, other)
         return join if lower is None and upper is None else join.between(lower, upper)
@@ -849,7 +1257,14 @@ class ConnectedStreams:
     ``fn1`` handles the records of the first stream, ``fn2`` those of the
     second. When both streams are keyed (``a.key_by(k1).connect(b.key_by(k2))``)
     both are hash partitioned with the same stable hash, so records with equal
-    keys from either side reach the same subtask and share its per-key state."""
+    keys from either side reach the same subtask and share its per-key state.
+
+    Example::
+
+        a = orders.key_by(lambda o: o["id"])
+        b = payments.key_by(lambda p: p["order"])
+        both = a.connect(b)
+    """
 
     def __init__(self, first: Stream, second: Stream):
         self.env = first.env
@@ -858,6 +1273,13 @@ class ConnectedStreams:
 
     @property
     def keyed(self) -> bool:
+        """Whether both connected streams are keyed (``key_by``), so the inputs
+        share per-key state.
+
+        Example::
+
+            assert orders.key_by(k1).connect(payments.key_by(k2)).keyed
+        """
         return isinstance(self.first, KeyedStream) and isinstance(self.second, KeyedStream)
 
     def _node(self, name, make_operator, parallelism, kind) -> Stream:
@@ -876,7 +1298,25 @@ class ConnectedStreams:
         Keyed, a ``fn_i`` taking a fourth argument gets the context of
         ``KeyedStream.process`` (timestamps, watermark, timers), and
         ``on_timer(key, t, state, ctx)`` / ``on_end(key, state, ctx)`` work as
-        there; the watermark is the minimum of the two inputs'."""
+        there; the watermark is the minimum of the two inputs'.
+
+        Returns a ``Stream``. One input keyed and the other not, timers on
+        unkeyed inputs, or functions that cannot take their arguments are a
+        ``ConfigurationError``; a function that is not callable a ``TypeError``.
+
+        Example::
+
+            def on_order(key, order, state):
+                state["order"] = order
+
+            def on_payment(key, payment, state):
+                order = state.pop("order", None)
+                return None if order is None else [(key, order["amount"], payment["amount"])]
+
+            paid = (orders.key_by(lambda o: o["id"])
+                          .connect(payments.key_by(lambda p: p["order"]))
+                          .process(on_order, on_payment))
+        """
         _callable(fn1, "process (fn1, for the first input)")
         _callable(fn2, "process (fn2, for the second input)")
         kind = _check_kind(kind, f"process {name!r}")
@@ -921,7 +1361,14 @@ class ConnectedStreams:
     def map(self, fn1: Callable, fn2: Callable, *, parallelism: int | None = None,
             name: str = "co_map", kind: Any = None) -> Stream:
         """One output per record: ``fn1(record)`` for the first input,
-        ``fn2(record)`` for the second."""
+        ``fn2(record)`` for the second.
+
+        Returns a ``Stream``; a function that is not callable is a ``TypeError``.
+
+        Example::
+
+            tagged = clicks.connect(views).map(lambda c: ("click", c), lambda v: ("view", v))
+        """
         _callable(fn1, "map (fn1, for the first input)")
         _callable(fn2, "map (fn2, for the second input)")
         kind = _check_kind(kind, f"map {name!r}")
@@ -929,13 +1376,30 @@ class ConnectedStreams:
 
 
 class CollectSink:
-    """Handle of a ``collect()`` sink; ``result`` is filled when the job ends."""
+    """Handle of a ``collect()`` sink; ``result`` is filled when the job ends.
+
+    Example::
+
+        handle = stream.collect()
+        env.execute()
+        print(handle.result)
+    """
 
     def __init__(self):
         self._parts: dict = {}
 
     @property
     def result(self) -> list:
+        """The collected records as a new list: subtask 0's in arrival order, then
+        subtask 1's, and so on. Complete once ``execute()`` has returned (or the
+        job is ``done``); while the job runs it holds what has arrived so far.
+
+        Example::
+
+            out = env.from_collection(["x", "y"]).collect()
+            env.execute()
+            assert out.result == ["x", "y"]
+        """
         out = []
         for k in sorted(self._parts):
             out.extend(self._parts[k])
@@ -943,6 +1407,15 @@ class CollectSink:
 
 
 class IteratorSink:
+    """Handle of a ``to_iterator()`` sink: pass it to
+    ``Environment.execute_iter`` to read the records in the caller's thread.
+
+    Example::
+
+        handle = stream.to_iterator()
+        for record in env.execute_iter(handle):
+            ...
+    """
     def __init__(self, node: Node):
         self.node = node
 

@@ -35,12 +35,25 @@ from pyflowbuf.runtime.watermarks import check_seconds, to_seconds
 
 
 class TimeWindow(NamedTuple):
-    """The window ``[start, end)`` of event time, in seconds."""
+    """The window ``[start, end)`` of event time, in seconds.
+
+    Example::
+
+        w = TimeWindow(0.0, 10.0)
+        w.start, w.end           # (0.0, 10.0): holds 0 <= t < 10
+    """
     start: float
     end: float
 
     @property
     def max_timestamp(self) -> float:
+        """The window's ``end`` in seconds: the watermark at which it fires (its
+        records' timestamps are all below it).
+
+        Example::
+
+            TimeWindow(0.0, 10.0).max_timestamp      # 10.0
+        """
         return self.end
 
     def __repr__(self):
@@ -50,15 +63,41 @@ class TimeWindow(NamedTuple):
 # ---- assigners ----
 
 class WindowAssigner:
+    """Base of the window assigners (``Tumbling``, ``Sliding``, ``Session``):
+    ``assign(t)`` gives the windows a timestamp belongs to; ``merging`` says
+    whether windows of one key merge (sessions).
+
+    Example::
+
+        assert Session(30).merging and not Tumbling(60).merging
+    """
     merging = False
 
     def assign(self, t: float) -> list:
+        """The windows that a record at time ``t`` (seconds) belongs to, as a list
+        of ``(start, end)`` pairs.
+
+        Example::
+
+            Tumbling(10).assign(12.0)        # [(10.0, 20.0)]
+            Sliding(10, 5).assign(12.0)      # [(10.0, 20.0), (5.0, 15.0)]
+            Session(3).assign(4.0)           # [(4.0, 7.0)], merged later with its neighbours
+        """
         raise NotImplementedError
 
 
 class Tumbling(WindowAssigner):
     """Fixed windows of ``size`` seconds, back to back, aligned to ``offset``
-    (windows start at offset + k * size)."""
+    (windows start at offset + k * size).
+
+    ``size`` and ``offset`` are seconds (numbers or ``timedelta``); a size
+    that is not > 0, or an offset < 0, is a ``ConfigurationError``.
+
+    Example::
+
+        fb.Tumbling(60)                  # [0, 60), [60, 120), ...
+        fb.Tumbling(3600, offset=1800)   # hours starting at half past
+    """
 
     def __init__(self, size, offset=0.0):
         self.size = check_seconds("Tumbling size", size, positive=True)
@@ -74,7 +113,15 @@ class Tumbling(WindowAssigner):
 
 class Sliding(WindowAssigner):
     """Windows of ``size`` seconds starting every ``slide`` seconds: a record
-    belongs to ceil(size / slide) windows (fewer when slide > size)."""
+    belongs to ceil(size / slide) windows (fewer when slide > size).
+
+    ``size``, ``slide`` and ``offset`` are seconds; a size or slide that is
+    not > 0 is a ``ConfigurationError``.
+
+    Example::
+
+        fb.Sliding(60, 10)     # one-minute windows every 10 s: 6 per record
+    """
 
     def __init__(self, size, slide, offset=0.0):
         self.size = check_seconds("Sliding size", size, positive=True)
@@ -97,7 +144,16 @@ class Sliding(WindowAssigner):
 class Session(WindowAssigner):
     """Sessions per key: a record opens [t, t + gap), and windows that
     overlap or touch merge into one, so a session ends after ``gap`` seconds
-    without records of its key."""
+    without records of its key.
+
+    ``gap`` is seconds (> 0, else ``ConfigurationError``). Session windows
+    merge accumulators: ``aggregate`` needs an AggregateFunction with
+    ``merge``.
+
+    Example::
+
+        visits = clicks.key_by(lambda c: c["user"]).window(fb.Session(1800)).aggregate(fb.Count())
+    """
 
     merging = True
 
@@ -115,23 +171,75 @@ class Session(WindowAssigner):
 
 class AggregateFunction:
     """``create_accumulator()``, ``add(value, acc) -> acc``, ``get_result(acc)``,
-    and ``merge(acc_a, acc_b) -> acc`` (needed by Session windows)."""
+    and ``merge(acc_a, acc_b) -> acc`` (needed by Session windows).
+
+    Example::
+
+        class Mean(fb.AggregateFunction):
+            def create_accumulator(self):
+                return (0, 0.0)                      # count, total
+            def add(self, value, acc):
+                return (acc[0] + 1, acc[1] + value["price"])
+            def get_result(self, acc):
+                return acc[1] / acc[0]
+            def merge(self, a, b):
+                return (a[0] + b[0], a[1] + b[1])
+
+        mean_price = trades.key_by(lambda t: t["sym"]).window(fb.Tumbling(60)).aggregate(Mean())
+    """
 
     def create_accumulator(self):
+        """A new, empty accumulator for one window of one key.
+
+        Example::
+
+            def create_accumulator(self):
+                return (0, 0.0)
+        """
         raise NotImplementedError
 
     def add(self, value, accumulator):
+        """Add record ``value`` to ``accumulator`` and return the accumulator (a
+        new one, or the one given, changed).
+
+        Example::
+
+            def add(self, value, acc):
+                return (acc[0] + 1, acc[1] + value["price"])
+        """
         raise NotImplementedError
 
     def get_result(self, accumulator):
+        """The window's result from its accumulator (by default the accumulator
+        itself); it is what ``window_function`` receives, or the output record.
+
+        Example::
+
+            def get_result(self, acc):
+                return acc[1] / acc[0]
+        """
         return accumulator
 
     def merge(self, a, b):
+        """The accumulator of two merged windows (Session windows merge). Without
+        an override, ``aggregate`` on Session windows is refused with a
+        ``ConfigurationError`` where it is declared.
+
+        Example::
+
+            def merge(self, a, b):
+                return (a[0] + b[0], a[1] + b[1])
+        """
         raise NotImplementedError(f"{type(self).__name__} has no merge(), which Session windows need")
 
 
 class Count(AggregateFunction):
-    """The number of records in the window."""
+    """The number of records in the window.
+
+    Example::
+
+        counts = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
+    """
 
     def create_accumulator(self):
         return 0
@@ -149,7 +257,18 @@ def _identity(x):
 
 class Sum(AggregateFunction):
     """The sum of ``fn(record)`` over the window (of the records themselves
-    without ``fn``: a stream of numbers)."""
+    without ``fn``: a stream of numbers).
+
+    ``fn`` picks the number from a record. Without ``fn`` on a stream of a
+    kind that holds no numbers (str, bytes, structs, Arrow) ``aggregate`` is
+    refused with ``ConfigurationError``; a record that is no number fails
+    the job with ``RecordTypeError``. A ``fn`` that is not callable is a
+    ``TypeError``.
+
+    Example::
+
+        totals = orders_by_user.window(fb.Tumbling(3600)).aggregate(fb.Sum(lambda o: o["amount"]))
+    """
 
     def __init__(self, fn: Callable = _identity):
         _callable(fn, "Sum")
@@ -517,7 +636,13 @@ def _stream_timestamps(stream, what):
 class WindowedStream:
     """A keyed stream cut into windows (``KeyedStream.window``): finish it with
     ``reduce``, ``aggregate`` or ``process``; ``allowed_lateness`` first if
-    late records should still update their windows."""
+    late records should still update their windows.
+
+    Example::
+
+        w = timed.key_by(lambda e: e["page"]).window(fb.Sliding(60, 10))
+        hits = w.aggregate(fb.Count())
+    """
 
     def __init__(self, keyed, assigner):
         if not isinstance(assigner, WindowAssigner):
@@ -529,14 +654,30 @@ class WindowedStream:
         self.ts = _stream_timestamps(keyed, "window()")
 
     def late(self, *args, **kwargs):
-        """Late records come from the window's result, once it has a function."""
+        """Late records come from the window's result, once it has a function.
+
+        Always raises ``ConfigurationError`` pointing to ``WindowResult.late``.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
+            late = res.late()          # not keyed.window(...).late()
+        """
         raise errors.ConfigurationError(
             "late() is called on the result of the window, once reduce, aggregate or process gave it "
             "its function: res = ...window(...).aggregate(...); late = res.late()")
 
     def allowed_lateness(self, seconds) -> "WindowedStream":
         """Keep each window's state ``seconds`` past its end: records arriving
-        in that time fire it again with the updated result."""
+        in that time fire it again with the updated result.
+
+        ``seconds`` is a number or ``timedelta`` >= 0 (else
+        ``ConfigurationError``). Returns this ``WindowedStream``.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).allowed_lateness(30).aggregate(fb.Count())
+        """
         self.lateness = check_seconds("allowed_lateness", seconds)
         return self
 
@@ -559,7 +700,17 @@ class WindowedStream:
     def reduce(self, fn: Callable, *, window_function: Callable | None = None, parallelism=None,
                name: str = "window_reduce", kind: Any = None) -> "WindowResult":
         """Per key and window, the records folded with ``fn(a, b)``; the output
-        is the reduced record, or ``window_function(key, window, reduced)``."""
+        is the reduced record, or ``window_function(key, window, reduced)``.
+
+        Returns a ``WindowResult``. A ``fn`` or ``window_function`` that is not
+        callable is a ``TypeError``.
+
+        Example::
+
+            biggest = keyed.window(fb.Tumbling(60)).reduce(
+                lambda a, b: a if a["amount"] >= b["amount"] else b,
+                window_function=lambda key, w, order: (key, w.start, order["amount"]))
+        """
         _callable(fn, "reduce")
         if window_function is not None:
             _callable(window_function, "window_function")
@@ -570,7 +721,21 @@ class WindowedStream:
         """Per key and window, an AggregateFunction's ``get_result``, or
         ``window_function(key, window, result)``. On an Arrow/pandas stream
         keyed by a column name, ``agg`` is a dict ``{output column: (column,
-        function)}`` computed with pyarrow (see ``ArrowWindowOperator``)."""
+        function)}`` computed with pyarrow (see ``ArrowWindowOperator``).
+
+        Returns a ``WindowResult`` (a ``Stream`` of RecordBatches on the
+        vectorized path). An AggregateFunction class instead of an instance, or
+        an object without its methods, is a ``TypeError``; one without
+        ``merge`` on Session windows, ``Sum()`` of records that are no numbers,
+        or a bad column spec is a ``ConfigurationError``.
+
+        Example::
+
+            counts = keyed.window(fb.Tumbling(60)).aggregate(
+                fb.Count(), window_function=lambda key, w, n: (key, w.start, n))
+            per_word = (batches.assign_timestamps("ts").key_by("word").window(fb.Tumbling(60))
+                               .aggregate({"n": ("word", "count"), "total": ("amount", "sum")}))
+        """
         if isinstance(agg, dict):
             return self._arrow_node(agg, parallelism, name)
         _check_aggregate(agg, self.assigner.merging, self.keyed.node.kind)
@@ -580,7 +745,20 @@ class WindowedStream:
 
     def process(self, fn: Callable, *, parallelism=None, name: str = "window_process", kind: Any = None):
         """``fn(key, window, records) -> iterable of outputs`` once per window
-        (and again per record arriving within the allowed lateness)."""
+        (and again per record arriving within the allowed lateness).
+
+        ``window`` is a ``TimeWindow``, ``records`` a list of the window's
+        records. Returns a ``WindowResult``; a ``fn`` that is not callable
+        is a ``TypeError``.
+
+        Example::
+
+            def median(key, window, records):
+                values = sorted(r["latency"] for r in records)
+                return [(key, window.start, values[len(values) // 2])]
+
+            medians = keyed.window(fb.Tumbling(60)).process(median)
+        """
         _callable(fn, "process")
         return self._node(PROCESS, fn, None, parallelism, name, kind)
 
@@ -621,7 +799,14 @@ class WindowedStream:
 
 class WindowResult(Stream):
     """The results of a window operator; ``late()`` is the stream of its
-    late records (Flink's ``side_output_late_data`` / ``get_side_output``)."""
+    late records (Flink's ``side_output_late_data`` / ``get_side_output``).
+
+    Example::
+
+        res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
+        counts = res.collect()
+        late = res.late().collect()
+    """
 
     def __init__(self, env, node, holder, kind):
         super().__init__(env, node)
@@ -635,7 +820,16 @@ class WindowResult(Stream):
         (past the watermark plus the allowed lateness), instead of being
         dropped. It may be called before or after the results are used
         (``res.collect(); late = res.late()``): what reads the results
-        keeps reading them."""
+        keeps reading them.
+
+        Returns a ``Stream`` of the late records as they came (with their
+        timestamps); calling it again returns the same stream.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
+            res.late().write_text("late-records")
+        """
         if self._late is not None:
             return self._late
         wnode = self._window_node
@@ -671,6 +865,16 @@ class WindowResult(Stream):
         return self._late
 
     def collect(self, **kw):
+        """``Stream.collect`` of the window's results. The handle it returns has
+        no ``late()``: calling it raises ``ConfigurationError`` pointing to
+        ``res.late()`` on the result stream.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
+            counts = res.collect()
+            late = res.late().collect()
+        """
         handle = super().collect(**kw)
         handle.late = _late_after_collect
         return handle
@@ -1059,7 +1263,18 @@ def _after(t: float) -> float:
 
 
 class JoinedStreams:
-    """``a.join(b).where(key_a).equal_to(key_b).window(assigner).apply(fn)``."""
+    """``a.join(b).where(key_a).equal_to(key_b).window(assigner).apply(fn)``.
+
+    Both streams need timestamps; each pair of records with equal keys in
+    one window gives one output.
+
+    Example::
+
+        pairs = (orders.join(payments)
+                       .where(lambda o: o["id"]).equal_to(lambda p: p["order"])
+                       .window(fb.Tumbling(60))
+                       .apply(lambda o, p: (o["id"], p["amount"])))
+    """
 
     def __init__(self, first, second):
         self.first, self.second = first, second
@@ -1067,11 +1282,27 @@ class JoinedStreams:
         self.assigner = None
 
     def where(self, key_fn):
+        """The key of the first stream's records. Returns this ``JoinedStreams``;
+        a ``key_fn`` that is not callable is a ``TypeError``.
+
+        Example::
+
+            orders.join(payments).where(lambda o: o["id"])
+        """
         _callable(key_fn, "where")
         self.key_a = key_fn
         return self
 
     def equal_to(self, key_fn):
+        """The key of the second stream's records, compared with ``where``'s.
+        Returns this ``JoinedStreams``. Called before ``where`` it is a
+        ``ConfigurationError``; a ``key_fn`` that is not callable a
+        ``TypeError``.
+
+        Example::
+
+            orders.join(payments).where(lambda o: o["id"]).equal_to(lambda p: p["order"])
+        """
         _callable(key_fn, "equal_to")
         if self.key_a is None:
             raise errors.ConfigurationError("join: call where(key_a) before equal_to(key_b)")
@@ -1079,6 +1310,14 @@ class JoinedStreams:
         return self
 
     def window(self, assigner):
+        """The windows both streams are cut into: ``Tumbling`` or ``Sliding`` (a
+        ``Session`` or anything else is a ``ConfigurationError``, as is a call
+        before ``where(...).equal_to(...)``). Returns this ``JoinedStreams``.
+
+        Example::
+
+            joined.window(fb.Tumbling(60))
+        """
         if self.key_b is None:
             raise errors.ConfigurationError("join: call where(key_a).equal_to(key_b) before window()")
         if not isinstance(assigner, WindowAssigner) or assigner.merging:
@@ -1088,7 +1327,15 @@ class JoinedStreams:
         return self
 
     def apply(self, fn, *, parallelism=None, name: str = "window_join", kind: Any = None) -> Stream:
-        """``fn(left, right) -> record`` for every pair of one key in one window."""
+        """``fn(left, right) -> record`` for every pair of one key in one window.
+
+        Returns a ``Stream``. Called before ``window`` it is a
+        ``ConfigurationError``; a ``fn`` that is not callable a ``TypeError``.
+
+        Example::
+
+            pairs = joined.window(fb.Tumbling(60)).apply(lambda o, p: (o["id"], p["amount"]))
+        """
         _callable(fn, "apply")
         if self.assigner is None:
             raise errors.ConfigurationError("join: call window(...) before apply()")
@@ -1100,7 +1347,19 @@ class JoinedStreams:
 
 
 class IntervalJoin:
-    """``a.key_by(ka).interval_join(b.key_by(kb)).between(lower, upper).process(fn)``."""
+    """``a.key_by(ka).interval_join(b.key_by(kb)).between(lower, upper).process(fn)``.
+
+    Both streams need timestamps. A record of either side is kept only as
+    long as a record of the other side could still match it (the watermark
+    decides); a record below the watermark is late: dropped and counted.
+
+    Example::
+
+        matched = (clicks.key_by(lambda c: c["ad"])
+                         .interval_join(views.key_by(lambda v: v["ad"]))
+                         .between(-5.0, 0.0)
+                         .process(lambda click, view: [(click["ad"], click["ts"] - view["ts"])]))
+    """
 
     def __init__(self, first, second):
         from pyflowbuf.api import KeyedStream
@@ -1112,7 +1371,15 @@ class IntervalJoin:
         self.bounds = None
 
     def between(self, lower, upper):
-        """Right records with time in [t + lower, t + upper] meet a left record at t."""
+        """Right records with time in [t + lower, t + upper] meet a left record at t.
+
+        ``lower`` and ``upper`` are finite seconds, either sign, ``lower <=
+        upper`` (else ``ConfigurationError``). Returns this ``IntervalJoin``.
+
+        Example::
+
+            a.interval_join(b).between(-5.0, 0.0)      # b's records from 5 s before a's up to a's
+        """
         for n, v in (("lower", lower), ("upper", upper)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise errors.ConfigurationError(f"interval_join: {n} must be finite seconds, got {v!r}")
@@ -1122,7 +1389,15 @@ class IntervalJoin:
         return self
 
     def process(self, fn, *, parallelism=None, name: str = "interval_join", kind: Any = None) -> Stream:
-        """``fn(left, right) -> iterable of outputs (or None)`` per matching pair."""
+        """``fn(left, right) -> iterable of outputs (or None)`` per matching pair.
+
+        Returns a ``Stream``. Called before ``between`` it is a
+        ``ConfigurationError``; a ``fn`` that is not callable a ``TypeError``.
+
+        Example::
+
+            a.interval_join(b).between(0.0, 1.0).process(lambda l, r: [(l["id"], r["id"])])
+        """
         _callable(fn, "process")
         if self.bounds is None:
             raise errors.ConfigurationError("interval_join: call between(lower, upper) before process()")

@@ -45,7 +45,7 @@ def make_network_pool():
 
     The test keeps the pools it makes; the fixture holds no reference after the
     test, so an arena is freed as soon as the test's own objects are."""
-    from pyflowbuf import NetworkBufferPool
+    from pyflowbuf._core.memory import NetworkBufferPool
 
     made = []
 

@@ -7,7 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pyflowbuf import Buffer, BufferQueue, InputGate, NetworkBufferPool, Notifier, RecordReader, RecordWriter, errors
+from pyflowbuf import errors
+from pyflowbuf._core.memory import Buffer, NetworkBufferPool, Notifier
+from pyflowbuf._core.channel import BufferQueue, InputGate
+from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf._core.channel import BARRIER, CANCEL_BARRIER, END_OF_DATA, END_OF_PARTITION, USER_EVENT
 
 

@@ -19,7 +19,9 @@ import pytest
 
 import pyflowbuf as fb
 from pipeline_helpers import read_parts  # noqa: E402
-from pyflowbuf import BufferQueue, InputGate, NetworkBufferPool, RecordReader, RecordWriter
+from pyflowbuf._core.memory import NetworkBufferPool
+from pyflowbuf._core.channel import BufferQueue, InputGate
+from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf._core.channel import BARRIER
 from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret

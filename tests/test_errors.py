@@ -9,7 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from pyflowbuf import BufferQueue, InputGate, NetworkBufferPool, Notifier, RecordReader, RecordWriter, errors
+from pyflowbuf import errors
+from pyflowbuf._core.memory import NetworkBufferPool, Notifier
+from pyflowbuf._core.channel import BufferQueue, InputGate
+from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf._core.channel import END_OF_PARTITION
 from pyflowbuf._core.errors import error_for_code
 

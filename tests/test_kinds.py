@@ -20,7 +20,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
-from pyflowbuf import BufferQueue, NetworkBufferPool, RecordReader, RecordWriter, errors, stable_hash
+from pyflowbuf import errors, stable_hash
+from pyflowbuf._core.memory import NetworkBufferPool
+from pyflowbuf._core.channel import BufferQueue
+from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf import serializers as S
 from pyflowbuf.runtime import operators as ops
 

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pyflowbuf import Buffer, LocalBufferPool, NetworkBufferPool, Notifier, errors
+from pyflowbuf import errors
+from pyflowbuf._core.memory import Buffer, LocalBufferPool, NetworkBufferPool, Notifier
 from pyflowbuf._core.memory import _bench_pool_ops
 
 from reference_model import RefNetworkPool
@@ -872,7 +873,7 @@ def _ref_worker(pool, rounds, seed, owners, lock, bound, stats):
 def test_producer_consumer_through_four_segments(threads):
     """Buffers (not records) move from a producer to a consumer through a pool
     of 4 segments: each sequence number arrives exactly once, in order."""
-    from pyflowbuf import BufferQueue
+    from pyflowbuf._core.channel import BufferQueue
 
     nbp = NetworkBufferPool(4, 256)
     pool = nbp.create_pool(1, 4)

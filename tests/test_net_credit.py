@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pyflowbuf import BufferQueue, NetworkBufferPool
+from pyflowbuf._core.memory import NetworkBufferPool
+from pyflowbuf._core.channel import BufferQueue
 from pyflowbuf._core.channel import BARRIER, END_OF_PARTITION
 from pyflowbuf.errors import InsufficientBuffersError, ProtocolError
 from pyflowbuf.net.credit import BACKLOG, DATA, EVENT, ReceiverCredit, SenderView

@@ -10,7 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from pyflowbuf import BufferQueue, InputGate, NetworkBufferPool, RecordReader, RecordWriter
+from pyflowbuf._core.memory import NetworkBufferPool
+from pyflowbuf._core.channel import BufferQueue, InputGate
+from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf._core.channel import BARRIER
 from pyflowbuf.errors import (AuthenticationError, CancelledError, ConnectionLostError,
                               PartitionNotFoundError, ProtocolError, RemoteError)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyflowbuf import NetworkBufferPool
+from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf.errors import ConnectionLostError, ProtocolError
 from pyflowbuf.net import frames as F
 from pyflowbuf._core.netio import Wire

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from pyflowbuf import BufferQueue, InputGate, NetworkBufferPool, RecordReader, RecordWriter
+from pyflowbuf._core.memory import NetworkBufferPool
+from pyflowbuf._core.channel import BufferQueue, InputGate
+from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf.errors import ConnectionLostError, ProtocolError, RemoteError
 from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
 from pyflowbuf.net import frames as F

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import credit_model as M
-from pyflowbuf import BufferQueue, InputGate, NetworkBufferPool
+from pyflowbuf._core.memory import NetworkBufferPool
+from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core import netio
 from pyflowbuf._core.channel import BARRIER, END_OF_PARTITION
 from pyflowbuf._core.memory import Notifier

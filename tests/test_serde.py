@@ -14,7 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pyflowbuf import BufferQueue, InputGate, NetworkBufferPool, RecordReader, RecordWriter, errors, stable_hash
+from pyflowbuf import errors, stable_hash
+from pyflowbuf._core.memory import NetworkBufferPool
+from pyflowbuf._core.channel import BufferQueue, InputGate
+from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf._core.channel import BARRIER, END_OF_PARTITION, USER_EVENT
 from pyflowbuf._core.serde import DEFAULT_ZERO_COPY_MIN
 

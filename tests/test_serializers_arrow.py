@@ -21,7 +21,10 @@ from hypothesis import strategies as st
 pa = pytest.importorskip("pyarrow")
 pd = pytest.importorskip("pandas")
 
-from pyflowbuf import BufferQueue, NetworkBufferPool, RecordReader, RecordWriter, errors  # noqa: E402
+from pyflowbuf import errors  # noqa: E402
+from pyflowbuf._core.memory import NetworkBufferPool  # noqa: E402
+from pyflowbuf._core.channel import BufferQueue  # noqa: E402
+from pyflowbuf._core.serde import RecordReader, RecordWriter  # noqa: E402
 from pyflowbuf.serializers import get_serializer, infer_kind  # noqa: E402
 from pyflowbuf.serializers_arrow import (  # noqa: E402
     ArrowSerializer, NumpySerializer, PandasSerializer)

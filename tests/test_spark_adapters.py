@@ -15,7 +15,10 @@ pa = pytest.importorskip("pyarrow")
 pd = pytest.importorskip("pandas")
 pytest.importorskip("pyspark")
 
-from pyflowbuf import BufferQueue, NetworkBufferPool, RecordReader, RecordWriter, errors  # noqa: E402
+from pyflowbuf import errors  # noqa: E402
+from pyflowbuf._core.memory import NetworkBufferPool  # noqa: E402
+from pyflowbuf._core.channel import BufferQueue  # noqa: E402
+from pyflowbuf._core.serde import RecordReader, RecordWriter  # noqa: E402
 from pyflowbuf.spark import (  # noqa: E402
     DEFAULT_ENV, SchemaMismatchError, aggregate_stages, conform_batch, run_partition, summarize)
 from pyflowbuf.spark._ordered import OrderedStream, SequencedSerializer, reorder  # noqa: E402
