@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from pyflowbuf.runtime.metrics import backpressure_level
+from pyflowbuf.monitoring import backpressure_level
 
 _MIB = 2**20
 
