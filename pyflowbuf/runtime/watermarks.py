@@ -31,6 +31,7 @@ from typing import Hashable, Iterable
 
 from pyflowbuf import errors
 from pyflowbuf.runtime.operators import Operator
+from pyflowbuf.runtime.processing_time import schedule
 from pyflowbuf.serializers import short_repr
 
 NO_WATERMARK = -math.inf
@@ -307,8 +308,6 @@ class TimestampsAssigner(Operator):
             self.task.emit_watermark_after(self, self.emitted, force=force)
 
     def _schedule_tick(self):
-        from pyflowbuf.runtime.timers import schedule
-
         period = self.interval if self.interval > 0 else 0.2
         if self.idle_timeout is not None:
             period = min(period, max(self.idle_timeout / 2, 0.01))
