@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from pyflowbuf import errors as _errors
-from pyflowbuf.serializers import Serializer, register_serializer
+from pyflowbuf.kinds import Serializer, register_serializer
 
 _LITERAL_LOCK = threading.Lock()
 
