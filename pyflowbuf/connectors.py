@@ -39,6 +39,7 @@ import sys
 from typing import Any
 
 from pyflowbuf import errors
+from pyflowbuf.errors import FileFormatError  # defined with the other errors; public here as before
 from pyflowbuf.runtime.operators import Operator
 from pyflowbuf.runtime.sources import Source, file_fingerprint, incompatible
 
@@ -46,13 +47,6 @@ MODES = ("records", "tuples", "arrow", "pandas")
 DEFAULT_BATCH_ROWS = 65536
 DEFAULT_CSV_BLOCK = 1 << 20
 _GLOB_CHARS = "*?["
-
-
-class FileFormatError(errors.FlowBufError, ValueError):
-    """A file a source reads is not what it should be: not Parquet, a schema
-    that differs from the other files', a CSV row with the wrong number of
-    columns or a value that does not convert to its column's type. The
-    message names the file and where in it."""
 
 
 def _pyarrow():

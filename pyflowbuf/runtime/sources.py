@@ -10,6 +10,9 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
+from pyflowbuf import errors
+from pyflowbuf.checkpoint.errors import IncompatibleCheckpointError
+
 
 class Source:
     name = "source"
@@ -210,11 +213,9 @@ class TextFileSource(Source):
         return lines or None
 
     def _not_text(self, exc, batch_start, in_batch):
-        from pyflowbuf.connectors import FileFormatError
-
         with open(self.path, "rb") as fh:
             line = fh.read(batch_start).count(b"\n") + 1 + in_batch
-        return FileFormatError(
+        return errors.FileFormatError(
             f"read_text: {self.path}, line {line}: not {self.encoding} text ({exc.reason} at byte {exc.start} "
             f"of the line){' (the file is Parquet: read it with read_parquet)' if _is_parquet(self.path) else ''}"
             f". Pass encoding= to read_text (e.g. encoding='latin-1')")
@@ -290,8 +291,6 @@ def file_fingerprint(path) -> list:
 
 
 def incompatible(source, why):
-    from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
-
     name = getattr(source, "what", None) or type(source).__name__
     return IncompatibleCheckpointError(f"cannot restore {name}: {why}", source=name)
 
