@@ -38,6 +38,8 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
+
 from pyflowbuf import errors
 from pyflowbuf.errors import FileFormatError  # defined with the other errors; public here as before
 from pyflowbuf.runtime.operators import Operator
@@ -50,7 +52,7 @@ _GLOB_CHARS = "*?["
 
 
 def _pyarrow():
-    try:
+    try:  # pyarrow is an optional dependency (extra "arrow")
         import pyarrow as pa
         import pyarrow.csv as pacsv
         import pyarrow.parquet as pq
@@ -73,7 +75,7 @@ def _check_common(what, as_, batch_size, columns):
         columns = list(columns)
     if as_ == "pandas":
         try:
-            import pandas  # noqa: F401
+            import pandas  # noqa: F401  (optional dependency, extra "arrow")
         except ImportError as exc:
             raise ImportError(f"{what}: as_='pandas' needs pandas") from exc
     return columns
@@ -446,8 +448,6 @@ def _quoted_line_break(data: bytes, quote, delimiter: bytes) -> int:
     (12" screen) is a plain character."""
     if quote is None or data.find(quote) < 0:
         return -1
-    import numpy as np
-
     a = np.frombuffer(data, np.uint8)
     parity = np.cumsum(a == quote[0], dtype=np.uint8) & 1       # mod 256 keeps the parity
     ends = np.flatnonzero(a == 10)
@@ -615,7 +615,7 @@ def _column_types(pa, column_types, what):
 
 def _header(pacsv, head: bytes, path, parse_options, what):
     """(length in bytes of the header line, its column names)."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional dependency, present: the caller got pacsv from it
 
     end = head.find(b"\n")
     line = head if end < 0 else head[:end + 1]

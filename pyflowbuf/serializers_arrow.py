@@ -273,7 +273,7 @@ class PandasSerializer(Serializer):
         self.preserve_index = preserve_index
 
     def _to_batch(self, obj, i: int):
-        import pandas as pd
+        import pandas as pd  # optional dependency, checked in __init__
 
         flags = FLAG_PANDAS
         if isinstance(obj, pd.Series):

@@ -54,7 +54,8 @@ from pyflowbuf.checkpoint.errors import (CheckpointError, CheckpointNotFoundErro
 from pyflowbuf.checkpoint.codec import (EXT_ARROW_BATCH, EXT_ARROW_TABLE, EXT_BIGINT, EXT_COMPLEX,  # noqa: F401,E402
                                         EXT_FROZENSET, EXT_NDARRAY, EXT_NPSCALAR, EXT_PICKLE, EXT_SET, EXT_TUPLE,
                                         INLINE_MAX, MAX_EXT_DEPTH, PLAIN_TYPES, decode_value)
-from pyflowbuf.checkpoint.container import FILE_VALUE, FLAG_PICKLE, MAGIC, SEC_END, SEC_VALUE, dumps, loads  # noqa: F401,E402
+from pyflowbuf.checkpoint.container import (FILE_VALUE, FLAG_PICKLE, MAGIC, SEC_END, SEC_VALUE,  # noqa: F401,E402
+                                            dumps, loads)
 from pyflowbuf.checkpoint.errors import (IncompatibleCheckpointError, UnsafeCommitError,  # noqa: F401,E402
                                          UnsupportedStateError)
 

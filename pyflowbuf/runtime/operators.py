@@ -394,7 +394,7 @@ def _detach(x):
 
 def _copy_arrow(x):
     """A RecordBatch/Table whose buffers are the Arrow library's own (one copy)."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional dependency, present: x is Arrow data
 
     out = pa.BufferOutputStream()
     with pa.ipc.new_stream(out, x.schema) as w:

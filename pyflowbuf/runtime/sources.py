@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 from typing import Any, Callable, Iterable
 
 from pyflowbuf import errors
@@ -268,8 +269,6 @@ FINGERPRINT_BYTES = 64 * 1024
 
 def _prefix_fingerprint(fd, path, end) -> dict:
     """CRC-32 of the first and of the last FINGERPRINT_BYTES of ``path[:end]``."""
-    import zlib
-
     own = fd is None
     if own:
         fd = os.open(path, os.O_RDONLY)

@@ -29,6 +29,8 @@ import time
 import warnings
 from typing import Hashable, Iterable
 
+import numpy as np
+
 from pyflowbuf import errors
 from pyflowbuf.runtime.operators import Operator
 from pyflowbuf.runtime.processing_time import schedule
@@ -70,7 +72,6 @@ def to_seconds(t) -> float:
             t = t.replace(tzinfo=_dt.timezone.utc)
         return t.timestamp()
     if type(t).__name__ == "datetime64":
-        import numpy as np
         if np.isnat(t):
             return math.nan
         return float(t.astype("datetime64[us]").astype(np.int64)) / 1e6
@@ -351,7 +352,7 @@ def _batch_max(batch, column, operator=None) -> float:
 
 
 def column_max_seconds(b, column, operator=None) -> float:
-    import pyarrow as pa
+    import pyarrow as pa  # optional dependency: Arrow / pandas batches only
     import pyarrow.compute as pc
 
     if not isinstance(b, (pa.RecordBatch, pa.Table)):
@@ -369,7 +370,7 @@ def column_max_seconds(b, column, operator=None) -> float:
 
 def seconds_column(col):
     """A timestamp column as float64 seconds (Arrow timestamps converted)."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional dependency: Arrow columns only
     import pyarrow.compute as pc
 
     t = col.type
