@@ -38,7 +38,10 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
+
 from pyflowbuf import errors
+from pyflowbuf.errors import FileFormatError  # defined with the other errors; public here as before
 from pyflowbuf.runtime.operators import Operator
 from pyflowbuf.runtime.sources import Source, file_fingerprint, incompatible
 
@@ -48,15 +51,8 @@ DEFAULT_CSV_BLOCK = 1 << 20
 _GLOB_CHARS = "*?["
 
 
-class FileFormatError(errors.FlowBufError, ValueError):
-    """A file a source reads is not what it should be: not Parquet, a schema
-    that differs from the other files', a CSV row with the wrong number of
-    columns or a value that does not convert to its column's type. The
-    message names the file and where in it."""
-
-
 def _pyarrow():
-    try:
+    try:  # pyarrow is an optional dependency (extra "arrow")
         import pyarrow as pa
         import pyarrow.csv as pacsv
         import pyarrow.parquet as pq
@@ -79,7 +75,7 @@ def _check_common(what, as_, batch_size, columns):
         columns = list(columns)
     if as_ == "pandas":
         try:
-            import pandas  # noqa: F401
+            import pandas  # noqa: F401  (optional dependency, extra "arrow")
         except ImportError as exc:
             raise ImportError(f"{what}: as_='pandas' needs pandas") from exc
     return columns
@@ -452,8 +448,6 @@ def _quoted_line_break(data: bytes, quote, delimiter: bytes) -> int:
     (12" screen) is a plain character."""
     if quote is None or data.find(quote) < 0:
         return -1
-    import numpy as np
-
     a = np.frombuffer(data, np.uint8)
     parity = np.cumsum(a == quote[0], dtype=np.uint8) & 1       # mod 256 keeps the parity
     ends = np.flatnonzero(a == 10)
@@ -621,7 +615,7 @@ def _column_types(pa, column_types, what):
 
 def _header(pacsv, head: bytes, path, parse_options, what):
     """(length in bytes of the header line, its column names)."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional dependency, present: the caller got pacsv from it
 
     end = head.find(b"\n")
     line = head if end < 0 else head[:end + 1]

@@ -122,6 +122,13 @@ class InvalidTimestampError(FlowBufError, ValueError):
     window, so it is refused, naming the operator, rather than dropped."""
 
 
+class FileFormatError(FlowBufError, ValueError):
+    """A file a source reads is not what it should be: not Parquet, a schema
+    that differs from the other files', a CSV row with the wrong number of
+    columns or a value that does not convert to its column's type. The
+    message names the file and where in it."""
+
+
 class UnitWarning(UserWarning):
     """A time value that only makes sense in another unit than the one it is
     read in: timestamps that look like milliseconds since 1970 where seconds

@@ -21,12 +21,14 @@ import os
 import threading
 
 from pyflowbuf import errors
-from pyflowbuf.runtime.metrics import backpressure_level
 
 log = logging.getLogger("pyflowbuf.monitoring")
 
-__all__ = ["PrometheusExporter", "LiveView", "snapshot_table", "LEVEL_CODES", "LEVEL_STYLES"]
+__all__ = ["PrometheusExporter", "LiveView", "snapshot_table", "LEVELS", "LEVEL_CODES", "LEVEL_STYLES",
+           "backpressure_level"]
 
+#: Backpressure level by the share of time backpressured: OK up to 10 %, LOW up to 50 %, HIGH above.
+LEVELS = ((0.10, "OK"), (0.50, "LOW"))
 #: Numeric value of the level gauge.
 LEVEL_CODES = {"OK": 0, "LOW": 1, "HIGH": 2}
 #: Colour of each level in the live view.
@@ -76,6 +78,14 @@ _TIME_KEYS = ("busy_ms_per_s", "idle_ms_per_s", "backpressured_ms_per_s")
 _NAN = float("nan")
 
 
+def backpressure_level(ratio: float) -> str:
+    """The level (OK / LOW / HIGH) of a task backpressured ``ratio`` of the time."""
+    for limit, name in LEVELS:
+        if ratio <= limit:
+            return name
+    return "HIGH"
+
+
 def _is_live(m: dict) -> bool:
     """Whether the ms/s figures mean anything: once a task has ended its
     counters stop, and the sampler reports it as busy 1000 ms/s."""
@@ -106,7 +116,7 @@ class PrometheusExporter:
 
     def __init__(self, port: int = 9249, job_name: str = "job", *, addr: str = "127.0.0.1",
                  registry=None, serve: bool = True):
-        import prometheus_client as pc
+        import prometheus_client as pc  # optional dependency (extra "monitor")
 
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise errors.ConfigurationError(
@@ -238,7 +248,7 @@ class LiveView:
     """
 
     def __init__(self, job_name: str = "job", *, console=None, print_every: int | None = None):
-        from rich.console import Console
+        from rich.console import Console  # optional dependency (extra "monitor")
 
         self.job_name = job_name
         if console is None:
@@ -256,7 +266,7 @@ class LiveView:
 
     def render(self, snapshot: dict):
         """The rich Table for one snapshot."""
-        from rich import box
+        from rich import box  # optional dependency (extra "monitor")
         from rich.table import Table
         from rich.text import Text
 
@@ -309,7 +319,7 @@ class LiveView:
             self._count += 1
             if self.console.is_terminal and not self.console.is_dumb_terminal:
                 if self._live is None:
-                    from rich.live import Live
+                    from rich.live import Live  # optional dependency (extra "monitor")
                     self._live = Live(table, console=self.console, auto_refresh=False,
                                       redirect_stdout=False, redirect_stderr=False)
                     self._live.start(refresh=True)

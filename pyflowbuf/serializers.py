@@ -35,75 +35,29 @@ from pyflowbuf import errors
 from pyflowbuf._core.serde import conform_batch, pack_struct, struct_fits
 # the struct codec on its own, for struct records kept or sent outside a stream
 from pyflowbuf._core.serde import pack_struct_batch, unpack_struct, unpack_struct_batch  # noqa: F401
-
-CORE_KINDS = ("bytes", "int64", "float64", "str", "struct", "pickle", "number")
-
-
-class Serializer:
-    """Base class. Subclasses set ``name`` and override the batch methods.
-
-    core_kind
-        The C kind the encoded records travel as.
-    zero_copy_min
-        Reader setting: records at least this large come as memoryviews over
-        the segment (0: always), so a decoder can wrap them without a copy.
-    in_process_only
-        True when decoding bytes from elsewhere would be unsafe (pickle): the
-        network layer refuses such streams unless the user opts in.
-    """
-
-    name = "bytes"
-    core_kind = "bytes"
-    zero_copy_min = 4096
-    in_process_only = False
-
-    def encode_batch(self, records: list) -> list:
-        return records
-
-    def decode_batch(self, records: list) -> list:
-        return records
-
-    def __repr__(self):
-        return f"{type(self).__name__}()"
-
-
-class CoreSerializer(Serializer):
-    """A kind the C core encodes itself; encode/decode are identities."""
-
-    def __init__(self, kind: str):
-        if kind not in CORE_KINDS:
-            raise ValueError(f"kind must be one of {CORE_KINDS}, got {kind!r}")
-        self.name = self.core_kind = kind
-        self.in_process_only = kind == "pickle"
-
-    def __repr__(self):
-        return f"CoreSerializer({self.name!r})"
-
-
-_REGISTRY: dict[str, Callable[[], Serializer]] = {k: (lambda k=k: CoreSerializer(k)) for k in CORE_KINDS}
-
-
-def register_serializer(name: str, factory: Callable[[], Serializer]) -> None:
-    """Make ``kind=name`` available to streams."""
-    _REGISTRY[name] = factory
+# the Serializer interface and the registry live in kinds; importable from here as before
+from pyflowbuf.kinds import (CORE_KINDS, CoreSerializer, Serializer, kind_names, register_serializer,  # noqa: F401
+                             serializer_factory)
 
 
 def get_serializer(kind: Any) -> Serializer:
     """A Serializer for ``kind``: a registered name or a Serializer instance."""
     if isinstance(kind, Serializer):
         return kind
-    if kind in _REGISTRY:
-        return _REGISTRY[kind]()
-    _load_optional()
-    if kind in _REGISTRY:
-        return _REGISTRY[kind]()
-    raise ValueError(f"unknown record kind {kind!r}; known: {sorted(_REGISTRY)} or a Serializer instance")
+    factory = serializer_factory(kind)
+    if factory is None:
+        _load_optional()
+        factory = serializer_factory(kind)
+    if factory is None:
+        raise ValueError(f"unknown record kind {kind!r}; known: {kind_names()} or a Serializer instance")
+    return factory()
 
 
 def _load_optional() -> None:
-    """Register serializers whose dependencies are optional (pyarrow, pandas)."""
+    """Register the batch kinds (arrow, pandas, numpy): their module imports
+    pyarrow and pandas, optional dependencies, so it is loaded on first need."""
     try:
-        from pyflowbuf import serializers_arrow  # noqa: F401  (registers on import)
+        from pyflowbuf import serializers_arrow  # noqa: F401  (optional dependencies; registers on import)
     except ImportError:
         pass
 
@@ -162,10 +116,10 @@ def kind_label(kind: Any) -> str:
 def _batch_record_types(name: str):
     """The record types of the batch kinds serializers_arrow registers."""
     if name == "arrow":
-        import pyarrow as pa
+        import pyarrow as pa  # optional dependency, present: the kind is registered
         return (pa.RecordBatch, pa.Table)
     if name == "pandas":
-        import pandas as pd
+        import pandas as pd  # optional dependency, present: the kind is registered
         return (pd.DataFrame, pd.Series)
     if name == "numpy":
         return (np.ndarray, np.generic)

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from pyflowbuf import errors as _errors
-from pyflowbuf.serializers import Serializer, register_serializer
+from pyflowbuf.kinds import Serializer, register_serializer
 
 _LITERAL_LOCK = threading.Lock()
 
@@ -273,7 +273,7 @@ class PandasSerializer(Serializer):
         self.preserve_index = preserve_index
 
     def _to_batch(self, obj, i: int):
-        import pandas as pd
+        import pandas as pd  # optional dependency, checked in __init__
 
         flags = FLAG_PANDAS
         if isinstance(obj, pd.Series):

@@ -1,4 +1,4 @@
-"""Durable checkpoint storage (pyflowbuf.checkpoint.storage): format, codec,
+"""Durable checkpoint storage (pyflowbuf.checkpoint): format, codec,
 layout, completion, retention, damage detection and the pickle opt-in."""
 import logging
 import os
@@ -29,7 +29,10 @@ from pyflowbuf.checkpoint import (
     encode_value,
     loads,
 )
+from pyflowbuf.checkpoint import codec as V
+from pyflowbuf.checkpoint import container as C
 from pyflowbuf.checkpoint import storage as S
+from pyflowbuf.checkpoint.errors import _Corrupt
 
 # ----------------------------------------------------------------- helpers
 
@@ -178,12 +181,12 @@ def test_large_array_goes_out_of_band_without_copy():
 
 def _first_oob_entry(data):
     """(file offset, length) of the first out-of-band buffer of a dumps() file."""
-    at = S._FILE_HEADER.size
-    kind, flags, name_len, plen, _ = S._SEC_HEADER.unpack_from(data, at)
-    payload = at + S._SEC_HEADER.size + name_len
-    n, _, _ = S._VALUE_PREFIX.unpack_from(data, payload)
+    at = C._FILE_HEADER.size
+    kind, flags, name_len, plen, _ = C._SEC_HEADER.unpack_from(data, at)
+    payload = at + C._SEC_HEADER.size + name_len
+    n, _, _ = C._VALUE_PREFIX.unpack_from(data, payload)
     assert n >= 1
-    off, length = S._PAIR.unpack_from(data, payload + S._VALUE_PREFIX.size)
+    off, length = C._PAIR.unpack_from(data, payload + C._VALUE_PREFIX.size)
     return payload + off, length
 
 
@@ -211,12 +214,12 @@ def test_not_plain_data_is_refused_at_snapshot_naming_type_and_place(value, wher
 
 def test_too_deep_nesting_is_refused_at_write_not_at_read():
     v = ()
-    for _ in range(S.MAX_EXT_DEPTH + 5):
+    for _ in range(V.MAX_EXT_DEPTH + 5):
         v = (v,)
     with pytest.raises(UnsupportedStateError, match="deeper"):
         dumps(v)
     ok = ()
-    for _ in range(S.MAX_EXT_DEPTH - 1):
+    for _ in range(V.MAX_EXT_DEPTH - 1):
         ok = (ok,)
     assert loads(dumps(ok)) == ok
 
@@ -250,19 +253,19 @@ def _file_with_tree(tree: bytes, buffers=()):
     writer could produce."""
     import io
     out = io.BytesIO()
-    w = S._ContainerWriter(out, S.FILE_VALUE)
-    w.value_section(S.SEC_VALUE, "value", S.EncodedValue(tree, [memoryview(b) for b in buffers], []))
+    w = C._ContainerWriter(out, C.FILE_VALUE)
+    w.value_section(C.SEC_VALUE, "value", V.EncodedValue(tree, [memoryview(b) for b in buffers], []))
     w.end()
     return out.getvalue()
 
 
 @pytest.mark.parametrize("tree", [
-    msgpack.packb(msgpack.ExtType(S.EXT_NDARRAY, msgpack.packb(["|O", [2], False, b"\0" * 16]))),
-    msgpack.packb(msgpack.ExtType(S.EXT_NDARRAY, msgpack.packb(["<f8", [3], False, b"\0" * 16]))),
-    msgpack.packb(msgpack.ExtType(S.EXT_NDARRAY, msgpack.packb(["<f8", [2], False, 5]))),
-    msgpack.packb(msgpack.ExtType(S.EXT_NPSCALAR, msgpack.packb(["|O", b"\0" * 8]))),
+    msgpack.packb(msgpack.ExtType(V.EXT_NDARRAY, msgpack.packb(["|O", [2], False, b"\0" * 16]))),
+    msgpack.packb(msgpack.ExtType(V.EXT_NDARRAY, msgpack.packb(["<f8", [3], False, b"\0" * 16]))),
+    msgpack.packb(msgpack.ExtType(V.EXT_NDARRAY, msgpack.packb(["<f8", [2], False, 5]))),
+    msgpack.packb(msgpack.ExtType(V.EXT_NPSCALAR, msgpack.packb(["|O", b"\0" * 8]))),
     msgpack.packb(msgpack.ExtType(99, b"")),
-    msgpack.packb({msgpack.ExtType(S.EXT_TUPLE, msgpack.packb([[1]])): 1}),
+    msgpack.packb({msgpack.ExtType(V.EXT_TUPLE, msgpack.packb([[1]])): 1}),
     b"\xc1",
 ], ids=["object-array", "short-data", "bad-buffer-index", "object-scalar", "unknown-ext", "unhashable-key",
         "invalid-msgpack"])
@@ -274,7 +277,7 @@ def test_hostile_values_with_valid_checksums_are_corrupt_not_crashes(tree):
 @pytest.mark.parametrize("descr, data", [("|O", b"\0" * 16), ("|O", b""), ("T", b"")])
 def test_dtypes_holding_pointers_are_refused(descr, data):
     shape = [len(data) // 8]
-    tree = msgpack.packb(msgpack.ExtType(S.EXT_NDARRAY, msgpack.packb([descr, shape, False, data])))
+    tree = msgpack.packb(msgpack.ExtType(V.EXT_NDARRAY, msgpack.packb([descr, shape, False, data])))
     with pytest.raises(CorruptCheckpointError, match="pointers"):
         loads(_file_with_tree(tree))
 
@@ -282,7 +285,7 @@ def test_dtypes_holding_pointers_are_refused(descr, data):
 def test_hostile_pickle_with_valid_checksums_is_refused():
     _unpickled.clear()
     import pickle
-    tree = msgpack.packb(msgpack.ExtType(S.EXT_PICKLE, msgpack.packb(["int", pickle.dumps(Evil())])))
+    tree = msgpack.packb(msgpack.ExtType(V.EXT_PICKLE, msgpack.packb(["int", pickle.dumps(Evil())])))
     with pytest.raises(PickleNotAllowedError):
         loads(_file_with_tree(tree))
     assert _unpickled == []
@@ -551,8 +554,8 @@ def _forge_metadata(storage, cid, change):
     meta = storage._read_metadata(cid).to_dict()
     change(meta)
     out = io.BytesIO()
-    w = S._ContainerWriter(out, S.FILE_METADATA)
-    w.value_section(S.SEC_METADATA, "metadata", encode_value(meta))
+    w = C._ContainerWriter(out, C.FILE_METADATA)
+    w.value_section(C.SEC_METADATA, "metadata", encode_value(meta))
     w.end()
     storage.fs.pipe_file(f"{storage.checkpoint_path(cid)}/_metadata", out.getvalue())
 
@@ -624,19 +627,19 @@ def test_dropped_section_is_detected(url):
     storage.complete(1, [w.handle])
     path = task_path(storage, 1, "t")
     data = bytearray(storage.fs.cat_file(path))
-    at = S._FILE_HEADER.size
+    at = C._FILE_HEADER.size
     spans = []
     while at < len(data):
-        _, _, name_len, plen, _ = S._SEC_HEADER.unpack_from(data, at)
-        end = at + S._SEC_HEADER.size + name_len + plen + 4
+        _, _, name_len, plen, _ = C._SEC_HEADER.unpack_from(data, at)
+        end = at + C._SEC_HEADER.size + name_len + plen + 4
         spans.append((at, end))
         at = end
     assert len(spans) == 4  # INFO, INFLIGHT, STATE, END
     start, end = spans[1]
     del data[start:end]
     # every remaining section is intact on its own: only the END record can tell
-    with pytest.raises(S._Corrupt, match="END record"):
-        list(S._parse(S._MemSource(memoryview(data)), S.FILE_TASK_STATE))
+    with pytest.raises(_Corrupt, match="END record"):
+        list(C._parse(C._MemSource(memoryview(data)), C.FILE_TASK_STATE))
     storage.fs.pipe_file(path, bytes(data))
     with pytest.raises(CorruptCheckpointError):
         storage.read_task_state(1, "t")

@@ -1,26 +1,26 @@
 """Checkpoints: durable storage of task state and in-flight data (see
-``pyflowbuf/checkpoint/README.md`` for the layout and the file format)."""
-from pyflowbuf.checkpoint.storage import (
-    ALIGNMENTS,
+``pyflowbuf/checkpoint/README.md`` for what lives where, the layout and the file format)."""
+from pyflowbuf.checkpoint.codec import decode_value, encode_value
+from pyflowbuf.checkpoint.container import dumps, loads
+from pyflowbuf.checkpoint.errors import (
     CheckpointError,
-    CheckpointInfo,
-    CheckpointMetadata,
     CheckpointNotFoundError,
     CheckpointStateError,
-    CheckpointStorage,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     PickleNotAllowedError,
-    TaskSnapshot,
-    TaskStateHandle,
     TaskStateNotFoundError,
-    TaskStateWriter,
     UnsafeCommitError,
     UnsupportedStateError,
-    decode_value,
-    dumps,
-    encode_value,
-    loads,
+)
+from pyflowbuf.checkpoint.storage import (
+    ALIGNMENTS,
+    CheckpointInfo,
+    CheckpointMetadata,
+    CheckpointStorage,
+    TaskSnapshot,
+    TaskStateHandle,
+    TaskStateWriter,
 )
 
 __all__ = [

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 
 from pyflowbuf.errors import ConfigurationError
+from pyflowbuf.runtime.exchange import MultiInput
 
 DEFAULT_TARGET = 1.0
 DEFAULT_PERIOD = 0.2
@@ -256,8 +257,6 @@ class GateDebloat:
 
 def gates_of(task, config: DebloatConfig) -> list:
     """GateDebloats for every input gate of ``task`` (none for a source)."""
-    from pyflowbuf.runtime.exchange import MultiInput
-
     inp = task.input
     if inp is None:
         return []

@@ -12,6 +12,7 @@ import traceback
 from pyflowbuf import errors
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool, Notifier
+from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.runtime import debloat
 from pyflowbuf.runtime import outputs as sink_outputs
@@ -438,8 +439,6 @@ class JobExecution(Execution):
 
     # ---- checkpoints and recovery ----
     def _start_checkpointing(self, listeners):
-        from pyflowbuf.checkpoint import CheckpointStorage
-
         config = self.checkpoint_config
         for t in self.tasks:
             if t.source is not None:

@@ -7,14 +7,10 @@ import json
 import threading
 import time
 
-LEVELS = ((0.10, "OK"), (0.50, "LOW"))
-
-
-def backpressure_level(ratio: float) -> str:
-    for limit, name in LEVELS:
-        if ratio <= limit:
-            return name
-    return "HIGH"
+from pyflowbuf import monitoring
+# The levels live in monitoring, next to their gauge codes and colours; LEVELS
+# stays importable from here, where it was defined before.
+from pyflowbuf.monitoring import LEVELS, backpressure_level  # noqa: F401
 
 
 def _debloat_figures(m: dict, gates) -> dict:
@@ -66,7 +62,6 @@ def make_listeners(env) -> list:
     listeners: list = []
     try:
         if env.prometheus_port is not None or env.live_view:
-            from pyflowbuf import monitoring
             if env.prometheus_port is not None:
                 listeners.append(monitoring.PrometheusExporter(env.prometheus_port, env.name))
             if env.live_view:

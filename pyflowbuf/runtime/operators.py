@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pyflowbuf import errors
+from pyflowbuf.runtime.outputs import FileOutput
 from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error, short_repr
 
 _ANY = object()       # a kind every record fits (pickle): nothing to check
@@ -393,7 +394,7 @@ def _detach(x):
 
 def _copy_arrow(x):
     """A RecordBatch/Table whose buffers are the Arrow library's own (one copy)."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional dependency, present: x is Arrow data
 
     out = pa.BufferOutputStream()
     with pa.ipc.new_stream(out, x.schema) as w:
@@ -435,8 +436,6 @@ class _PartFileSink(Operator):
 
     def __init__(self, name, path, transactional=False, output=None):
         super().__init__(name)
-        from pyflowbuf.runtime.outputs import FileOutput
-
         self.output = output if output is not None else FileOutput(path, self.suffix, what=name)
         self.path = self.output.path
         self.dir = self.output.path

@@ -8,7 +8,11 @@ import os
 import sys
 import threading
 import time
+import zlib
 from typing import Any, Callable, Iterable
+
+from pyflowbuf import errors
+from pyflowbuf.checkpoint.errors import IncompatibleCheckpointError
 
 
 class Source:
@@ -210,11 +214,9 @@ class TextFileSource(Source):
         return lines or None
 
     def _not_text(self, exc, batch_start, in_batch):
-        from pyflowbuf.connectors import FileFormatError
-
         with open(self.path, "rb") as fh:
             line = fh.read(batch_start).count(b"\n") + 1 + in_batch
-        return FileFormatError(
+        return errors.FileFormatError(
             f"read_text: {self.path}, line {line}: not {self.encoding} text ({exc.reason} at byte {exc.start} "
             f"of the line){' (the file is Parquet: read it with read_parquet)' if _is_parquet(self.path) else ''}"
             f". Pass encoding= to read_text (e.g. encoding='latin-1')")
@@ -267,8 +269,6 @@ FINGERPRINT_BYTES = 64 * 1024
 
 def _prefix_fingerprint(fd, path, end) -> dict:
     """CRC-32 of the first and of the last FINGERPRINT_BYTES of ``path[:end]``."""
-    import zlib
-
     own = fd is None
     if own:
         fd = os.open(path, os.O_RDONLY)
@@ -290,8 +290,6 @@ def file_fingerprint(path) -> list:
 
 
 def incompatible(source, why):
-    from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
-
     name = getattr(source, "what", None) or type(source).__name__
     return IncompatibleCheckpointError(f"cannot restore {name}: {why}", source=name)
 

@@ -29,8 +29,11 @@ import time
 import warnings
 from typing import Hashable, Iterable
 
+import numpy as np
+
 from pyflowbuf import errors
 from pyflowbuf.runtime.operators import Operator
+from pyflowbuf.runtime.processing_time import schedule
 from pyflowbuf.serializers import short_repr
 
 NO_WATERMARK = -math.inf
@@ -69,7 +72,6 @@ def to_seconds(t) -> float:
             t = t.replace(tzinfo=_dt.timezone.utc)
         return t.timestamp()
     if type(t).__name__ == "datetime64":
-        import numpy as np
         if np.isnat(t):
             return math.nan
         return float(t.astype("datetime64[us]").astype(np.int64)) / 1e6
@@ -307,8 +309,6 @@ class TimestampsAssigner(Operator):
             self.task.emit_watermark_after(self, self.emitted, force=force)
 
     def _schedule_tick(self):
-        from pyflowbuf.runtime.timers import schedule
-
         period = self.interval if self.interval > 0 else 0.2
         if self.idle_timeout is not None:
             period = min(period, max(self.idle_timeout / 2, 0.01))
@@ -352,7 +352,7 @@ def _batch_max(batch, column, operator=None) -> float:
 
 
 def column_max_seconds(b, column, operator=None) -> float:
-    import pyarrow as pa
+    import pyarrow as pa  # optional dependency: Arrow / pandas batches only
     import pyarrow.compute as pc
 
     if not isinstance(b, (pa.RecordBatch, pa.Table)):
@@ -370,7 +370,7 @@ def column_max_seconds(b, column, operator=None) -> float:
 
 def seconds_column(col):
     """A timestamp column as float64 seconds (Arrow timestamps converted)."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional dependency: Arrow columns only
     import pyarrow.compute as pc
 
     t = col.type

@@ -19,14 +19,14 @@ import threading
 import time
 from typing import Any
 
-from pyflowbuf.runtime.metrics import backpressure_level
+from pyflowbuf.monitoring import backpressure_level
 
 _MIB = 2**20
 
 
 def _rss_bytes() -> int:
     try:
-        import psutil
+        import psutil  # optional dependency (extra "monitor")
 
         return psutil.Process().memory_info().rss
     except Exception:  # psutil is optional
@@ -118,7 +118,7 @@ class PartitionStats:
             summary = {}
         ctx = None
         try:
-            from pyspark import TaskContext
+            from pyspark import TaskContext  # optional dependency (extra "spark")
 
             ctx = TaskContext.get()
         except Exception:  # pragma: no cover
