@@ -73,7 +73,7 @@ class Environment:
     credit_based : False uses the pre-credit mode (TCP window only), to compare.
     checkpoint_interval, checkpoint_dir, checkpoint_timeout, checkpoints_retained,
     restart_attempts, checkpointing_mode : checkpoints (off while the interval
-        is None) and recovery; see the README's "Checkpoints and recovery".
+        is None) and recovery; see docs/checkpoints.md.
     checkpoint_mode : "aligned" (default: barriers wait behind queued data) or
         "unaligned" (barriers overtake it and the checkpoint stores it; needs
         exactly-once).
