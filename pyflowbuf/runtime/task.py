@@ -587,6 +587,25 @@ class Subtask(threading.Thread):
         self.checkpointing.coordinator.task_finished(self.checkpointing.key, state, [])
         for out in self.outputs:
             out.end_input()
+        self._drain_restored_inputs()
+
+    def _drain_restored_inputs(self):
+        """Read every input of a task restored as finished to its end. It had
+        read them to the end before the checkpoint, so its producers were
+        finished in it too and, restored so, send their end of partition
+        again and nothing else. Reading it matters: a producer in another
+        worker waits until its output is consumed, and a consumer whose
+        worker closes its connections before reading fails that producer
+        ("the consumer closed the connection")."""
+        job = self.job
+        for side in self._sides:
+            while not job.cancelled and not (side.finished and not side.has_event):
+                batch = side.read(1024, 0.05)      # (bounded: a cancel is seen)
+                if batch:
+                    raise errors.FlowBufError(
+                        f"task {self.name!r} was restored as finished, yet an input sent it {len(batch)} "
+                        "record(s): the checkpoint's states do not fit together")
+                side.take_event()       # only its producers' ends can come (no barrier: they ended)
 
     def cancel(self):
         for out in self.outputs:
