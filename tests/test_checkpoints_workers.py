@@ -612,7 +612,8 @@ def test_a_restore_in_which_a_branch_had_finished_reads_its_ends(tmp_path):
     chk = tmp_path / "chk"
 
     def job(workers=2):
-        env = fb.Environment(parallelism=2, workers=workers, checkpoint_interval=0.05, checkpoint_dir=str(chk))
+        env = fb.Environment(parallelism=2, workers=workers, checkpoint_interval=0.05, checkpoint_dir=str(chk),
+                             checkpoints_retained=1000)
         fast = env.from_sequence(0, 50, parallelism=2).rebalance().map(lambda x: x, name="fast")
         slow = env.from_sequence(1000, 4000, rate_limit=5000, parallelism=2).map(lambda x: x, name="slow")
         return env, fast.union(slow).collect()
@@ -620,18 +621,24 @@ def test_a_restore_in_which_a_branch_had_finished_reads_its_ends(tmp_path):
     env, out = job()
     env.execute(60)
     assert sorted(out.result) == list(range(50)) + list(range(1000, 4000))
-    storage = CheckpointStorage(str(chk))
-    states = ckpt.read_states(storage, storage.latest())
-    assert any(s.get("finished") for s in states.values()), "no subtask had finished: the case is not built"
-    assert not all(s.get("finished") for s in states.values())
+    # the newest checkpoint in which one branch had finished and the other not
+    # (not simply the latest: a slow machine may take one after both ended)
+    storage = CheckpointStorage(str(chk), retained=1000)
+    partial = None
+    for meta in reversed(storage.list_complete()):
+        finished = [s.get("finished", False) for s in ckpt.read_states(storage, meta).values()]
+        if any(finished) and not all(finished):
+            partial = meta.checkpoint_id
+            break
+    assert partial is not None, "no checkpoint had one branch finished and the other running: the case is not built"
     for _ in range(3):          # a race made it fail now and then: a few restores
         env, out = job()
-        env.execute(30, restore_from="latest")
+        env.execute(30, restore_from=partial)
         assert set(out.result) <= set(range(1000, 4000))
     # the deterministic part, in one process: every subtask read each input
     # to its end, the restored-finished ones too
     env, out = job(workers=None)
-    ex = env.execute_async(restore_from="latest")
+    ex = env.execute_async(restore_from=partial)
     ex.join(30)
     unread = [t.name for t in ex.tasks if t.input is not None and not t.input.finished]
     assert not unread, f"restored as finished, these never read their inputs' ends: {unread}"
