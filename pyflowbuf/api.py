@@ -23,6 +23,7 @@ import numpy as np
 
 from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError, UnitWarning
 from pyflowbuf.runtime import operators as ops
+from pyflowbuf.runtime import overrides as _overrides
 from pyflowbuf.runtime import sources as srcs
 from pyflowbuf.runtime.graph import Input, Node, plan
 from pyflowbuf.runtime.job import check_timeout
@@ -145,6 +146,9 @@ class Environment:
         self.debloat_samples = debloat_samples
         self.debloat_threshold = debloat_threshold
         self.min_buffer_size = min_buffer_size
+        # `pyflowbuf run --parallelism/--workers`: in place before any stream is declared
+        for setting, value in _overrides.current().items():
+            setattr(self, setting, value)
         self._check_settings()
         _warn_milliseconds(self)
         self.buffer_timeout = float(buffer_timeout)

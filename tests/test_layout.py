@@ -31,7 +31,6 @@ REMOVED = [
 # an optional dependency: serializers_arrow imports pyarrow and pandas; the
 # demos and pyflowbuf.spark run only on request. May only shrink.
 KNOWN_LAZY = {
-    ("pyflowbuf.__main__", "pyflowbuf.demo"),
     ("pyflowbuf.api", "pyflowbuf._core"),
     ("pyflowbuf.api", "pyflowbuf.connectors"),
     ("pyflowbuf.api", "pyflowbuf.runtime.checkpointing"),
