@@ -223,7 +223,8 @@ class Environment:
             raise ConfigurationError(f"checkpoint_dir must be a path or an fsspec URL, got {self.checkpoint_dir!r}")
 
     def checkpoints(self) -> list:
-        """The checkpoints of the running or last job, oldest first: id, status
+        """The checkpoints of the running or last job, oldest first: id, kind
+        ("checkpoint"; "savepoint" for one the user asked for), status
         (completed / aborted / expired / failed), trigger_time, duration_s,
         alignment_ms per task, state_bytes, size.
 

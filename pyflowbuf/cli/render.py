@@ -56,8 +56,10 @@ def value(v) -> str:
 
 
 def emit_json(obj, out=None) -> None:
+    """One JSON object on one line (after whatever a job printed, for ``run``)."""
     out = out or sys.stdout
-    out.write(json.dumps(obj, indent=2, default=str) + "\n")
+    out.write(json.dumps(obj, default=str) + "\n")
+    out.flush()
 
 
 def table(title: str | None, columns: list, rows: list, out=None) -> None:
