@@ -613,3 +613,41 @@ def test_the_docs_command_line_examples_run_as_written(tmp_path):
         capture_output=True, text=True, timeout=120).stderr
     assert committed_lines(tmp_path / "counts") == expected_lines(20_000)
     assert all(c["status"] == "complete" for c in json.loads(outputs[-1])["checkpoints"])
+
+
+def test_a_module_of_a_package_by_its_dotted_name(tmp_path, monkeypatch, clean_imports):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    (tmp_path / "jobs_pkg").mkdir()
+    (tmp_path / "jobs_pkg" / "__init__.py").write_text("")
+    (tmp_path / "jobs_pkg" / "squares.py").write_text(textwrap.dedent("""\
+        import pyflowbuf as fb
+
+        def build():
+            env = fb.Environment()
+            env.from_sequence(0, 4).map(lambda x: x * x).write_text("squares")
+            return env
+        """))
+    code, out, err = cli("run", "jobs_pkg.squares:build", "--json")
+    assert code == 0, err
+    assert sorted(committed_lines(tmp_path / "squares")) == ["0", "1", "4", "9"]
+    code, out, err = cli("run", "jobs_pkg.nothing")
+    assert code == 1 and "jobs_pkg.nothing: no such job file or module" in err
+    sys.modules.pop("jobs_pkg.squares", None)
+    sys.modules.pop("jobs_pkg", None)
+
+
+def test_checkpoints_at_an_fsspec_url():
+    """A checkpoint_dir on any fsspec file system (here memory://), as the storage takes."""
+    storage = CheckpointStorage("memory://pyflowbuf-cli-test/job")
+    for cid in (1, 2):
+        h = storage.write_task_state(cid, "v0-0", {"n": cid})
+        storage.complete(cid, [h])
+    code, out, err = cli("checkpoints", "list", "memory://pyflowbuf-cli-test/job", "--json")
+    assert code == 0, err
+    assert [(c["id"], c["status"]) for c in json.loads(out)["checkpoints"]] == [(1, "complete"), (2, "complete")]
+    code, out, err = cli("checkpoints", "verify", "memory://pyflowbuf-cli-test/job/chk-2")
+    assert code == 0, err
+    code, out, err = cli("checkpoints", "show", "memory://pyflowbuf-cli-test/nothing")
+    assert code == 1 and "no such file or directory" in err
+    storage.fs.rm("/pyflowbuf-cli-test", recursive=True)

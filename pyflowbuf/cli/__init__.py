@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER)
 
     run = sub.add_parser(
-        "run", parents=[common, as_json], help="run a job module",
+        "run", parents=[common], help="run a job module",
         description="Run the job a module declares: its one module-level Environment, or the Environment "
                     "a function returns (job.py:build). Ctrl-C cancels the job (exit code 130); resume it "
                     "with --restore latest.")
@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--parallelism", type=_positive, metavar="N",
                      help="the default parallelism of the job's operators (those without their own parallelism=)")
     run.add_argument("--workers", type=_positive, metavar="N", help="run in N worker processes")
+    run.add_argument("--json", action="store_true",
+                     help="end with one line of JSON: status, duration, restored checkpoint, checkpoint history")
 
     cps = sub.add_parser("checkpoints", help="list, show and verify checkpoints")
     csub = cps.add_subparsers(dest="action", required=True, metavar="ACTION")

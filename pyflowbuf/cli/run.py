@@ -97,6 +97,10 @@ def _load_file(path: str):
 
 
 def _load_module(name: str):
+    # as `python -m` does: modules of the working directory are importable
+    # (the console script's sys.path starts with its bin/ directory instead)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as e:
