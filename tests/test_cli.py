@@ -651,3 +651,21 @@ def test_checkpoints_at_an_fsspec_url():
     code, out, err = cli("checkpoints", "show", "memory://pyflowbuf-cli-test/nothing")
     assert code == 1 and "no such file or directory" in err
     storage.fs.rm("/pyflowbuf-cli-test", recursive=True)
+
+
+def test_show_state_names_each_tasks_operators_and_sizes_their_state(checkpoints, tmp_path):
+    newest = CheckpointStorage(checkpoints).checkpoint_ids()[-1]
+    code, out, err = cli("checkpoints", "show", checkpoints, newest, "--state", "--json")
+    assert code == 0, err
+    states = {t["task_key"]: t["state"] for t in json.loads(out)["tasks"]}
+    assert {states[k]["vertex"] for k in ("v0-0", "v0-1")} == {"'sequence'"}
+    assert all("process" in states[k]["vertex"] for k in ("v1-0", "v1-1"))
+    # the keyed count's state, one entry per key, split over the two subtasks
+    keyed = [re.match(r"\[dict of (\d+)", states[k]["operators"]) for k in ("v1-0", "v1-1")]
+    assert sum(int(m.group(1)) for m in keyed) == KEYS
+    code, table, _ = cli("checkpoints", "show", checkpoints, newest, "--state")
+    assert code == 0 and re.search(r"^\s*v0-0\s+'sequence'", table, re.M), table
+    ck = shutil.copytree(checkpoints, tmp_path / "ck")
+    os.remove(task_files(ck / f"chk-{newest}")[0])
+    code, out, err = cli("checkpoints", "show", ck, newest, "--state")
+    assert code == 1 and "is torn" in err and "its state is not read" in err and err.count("\n") == 1

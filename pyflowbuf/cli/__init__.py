@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "alignment, and every field its metadata records.")
     show.add_argument("path", metavar="PATH", help="a chk-<id> directory, or the checkpoint_dir (the newest)")
     show.add_argument("id", nargs="?", type=_checkpoint_id, metavar="ID", help="a checkpoint id in PATH")
+    show.add_argument("--state", action="store_true",
+                      help="also read each task's state and summarize it (its operators' entries, types, sizes)")
     ver = csub.add_parser("verify", parents=[common, as_json], help="check every checksum",
                           description="Read every file of a checkpoint (or of every checkpoint in a "
                                       "checkpoint_dir) and check its checksums; exit code 1 when one is damaged.")
@@ -211,7 +213,7 @@ _GROUP_FIELDS = ("operator_id", "uid", "operator")
 
 def _show(args) -> int:
     target = chk.open_target(args.path, args.id)
-    data = chk.show(target)
+    data = chk.show(target, state=args.state)
     damaged = data["status"] in (chk.TORN, chk.CORRUPT)
     if args.json:
         render.emit_json(data)
@@ -245,6 +247,12 @@ def _show(args) -> int:
         render.table(None, [("task", "left")] + [(k.replace("_", " "), "left") for k in extra_cols] +
                      [("alignment", "left"), ("state", "right"), ("in-flight", "right"), ("buffers", "right"),
                       ("aligning ms", "right"), ("file size", "right"), ("on disk", "left"), ("file", "left")], rows)
+        if args.state:
+            keys = []
+            for t in tasks:
+                keys += [k for k in t["state"] if k not in keys]
+            render.table("state", [("task", "left")] + [(k.replace("_", " "), "left") for k in keys],
+                         [[str(t["task_key"])] + [t["state"].get(k, "") for k in keys] for t in tasks])
         for key, v in data["extra"].items():       # e.g. operators of a later format: a table of their own
             if _is_table(v):
                 _generic_table(key, v)

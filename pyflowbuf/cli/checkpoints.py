@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import fsspec
 
 from pyflowbuf.checkpoint.container import FILE_METADATA, SEC_METADATA, _decode_section, _MemSource, _parse
-from pyflowbuf.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
+from pyflowbuf.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, PickleNotAllowedError
 from pyflowbuf.checkpoint.storage import METADATA_FILE, CheckpointStorage
 
 _CHK_DIR = re.compile(r"^chk-(0|[1-9][0-9]*)$")
@@ -212,11 +212,43 @@ def _latest_with_metadata(storage: CheckpointStorage) -> int:
                    f"{METADATA_FILE}: in progress or abandoned)")
 
 
-def show(target: Target) -> dict:
+def summarize(v, depth: int = 0) -> str:
+    """A value of a task's state in a few characters: its type and size, not its contents."""
+    if v is None or isinstance(v, (bool, int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return repr(v) if len(v) <= 40 else repr(v[:37]) + "..."
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return f"{len(v)} bytes"
+    if isinstance(v, dict):
+        return f"dict of {len(v)}"
+    if isinstance(v, (list, tuple)):
+        if depth == 0 and len(v) <= 8:
+            return "[" + ", ".join(summarize(i, 1) for i in v) + "]"
+        return f"{type(v).__name__} of {len(v)}"
+    shape = getattr(v, "shape", None)
+    if shape is not None:
+        return f"{type(v).__name__} {getattr(v, 'dtype', '')} {tuple(shape)}"
+    return type(v).__name__
+
+
+def _state_summary(storage: CheckpointStorage, meta, key) -> dict:
+    try:
+        state = storage.read_task_state(meta.checkpoint_id, key, metadata=meta).state
+    except PickleNotAllowedError:
+        return {"state": "pickled objects (not read: they would run code)"}
+    if isinstance(state, dict):
+        return {str(k): summarize(v) for k, v in state.items()}
+    return {"state": summarize(state)}
+
+
+def show(target: Target, *, state: bool = False) -> dict:
     """One checkpoint in detail: what its metadata records per task (and per
     operator, where the metadata holds operators), every field kept, and which
     task files are missing or torn. Checksums are ``verify``'s business.
-    Without an id, the newest checkpoint that has metadata."""
+    Without an id, the newest checkpoint that has metadata. With ``state``,
+    each task's state file is read too (all its checksums checked) and
+    summarized: its top-level entries, their types and sizes."""
     storage = target.storage
     cid = target.checkpoint_id if target.checkpoint_id is not None else _latest_with_metadata(storage)
     entry = describe(storage, cid, verify=False)
@@ -236,6 +268,13 @@ def show(target: Target) -> dict:
                           else "ok" if t.get("size") in (None, files[name]) else f"{files[name]} bytes (torn)")
         row["extra"] = {k: v for k, v in t.items() if k not in _TASK_FIELDS}
         tasks.append(row)
+    if state:
+        if entry["status"] != COMPLETE:
+            raise CliError(f"checkpoint {cid} is {entry['status']} ({entry['reason']}): its state is not read; "
+                           "`show` without --state lists what its metadata records")
+        meta = storage.load_metadata(cid, verify=False)
+        for row in tasks:
+            row["state"] = _state_summary(storage, meta, row["task_key"])
     known_props = {"job", "mode", "alignment", "alignment_ms", "commits", "kind"}
     return {**entry,
             "job": props.get("job"), "mode": props.get("mode"),
