@@ -414,12 +414,14 @@ def test_run_twice_the_second_restores_and_the_output_is_exactly_once(tmp_path, 
         assert last_json(out)["restored_from"] == newest
 
 
-def test_ctrl_c_cancels_with_130_and_restore_latest_resumes_exactly_once(tmp_path):
-    """Through a real `python -m pyflowbuf run`: SIGINT once a checkpoint is
-    complete, then a second run resumes from the latest."""
+@pytest.mark.parametrize("sig, code, extra", [(signal.SIGINT, 130, []), (signal.SIGTERM, 143, ["--workers", "2"])],
+                         ids=["ctrl-c", "sigterm-workers"])
+def test_ctrl_c_cancels_with_130_and_restore_latest_resumes_exactly_once(tmp_path, sig, code, extra):
+    """Through a real `python -m pyflowbuf run`: SIGINT (or SIGTERM) once a
+    checkpoint is complete, then a second run resumes from the latest."""
     n = 8000
     (tmp_path / "job.py").write_text(job_source("ck", "out", n=n, rate=2000))
-    proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--restore", "latest"],
+    proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--restore", "latest", *extra],
                             cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -427,13 +429,13 @@ def test_ctrl_c_cancels_with_130_and_restore_latest_resumes_exactly_once(tmp_pat
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "no checkpoint completed"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
-    assert "cancelled" in err and "--restore latest" in err and "Traceback" not in err
+    assert proc.returncode == code, err
+    assert "cancelled by" in err and "--restore latest" in err and "Traceback" not in err
     interrupted = CheckpointStorage(tmp_path / "ck").latest().checkpoint_id
     assert len(committed_lines(tmp_path / "out")) < n        # it stopped before the end
 

@@ -9,7 +9,7 @@
 
 Exit codes: 0 done, 1 an error (its reason in one line on stderr; ``--debug``
 adds the traceback) or a damaged checkpoint, 2 a usage error, 130 a job
-stopped by Ctrl-C. See docs/checkpoints.md, "Command line".
+stopped by Ctrl-C (143 by SIGTERM). See docs/checkpoints.md, "Command line".
 
 Example::
 
@@ -33,7 +33,7 @@ from pyflowbuf.cli.checkpoints import CliError
 from pyflowbuf.demo import run_demo
 from pyflowbuf.errors import FlowBufError, JobFailedError
 
-EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 
 
 def _positive(text: str) -> int:
@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", parents=[common], help="run a job module",
         description="Run the job a module declares: its one module-level Environment, or the Environment "
-                    "a function returns (job.py:build). Ctrl-C cancels the job (exit code 130); resume it "
-                    "with --restore latest.")
+                    "a function returns (job.py:build). Ctrl-C cancels the job (exit code 130; SIGTERM: 143); "
+                    "resume it with --restore latest.")
     run.add_argument("job", metavar="JOB", help="job.py, job.py:function, package.module[:function]")
     run.add_argument("--restore", metavar="latest|ID|PATH",
                      help="start from a checkpoint in the job's checkpoint_dir: latest (a fresh start when there "
@@ -180,8 +180,9 @@ def _run(args) -> int:
         render.emit_json(outcome)
     _say(runner.summary(outcome))
     if outcome["status"] == "cancelled":
-        _say("cancelled by Ctrl-C" + (": resume with --restore latest" if outcome["checkpoint_dir"] else ""))
-        return EXIT_INTERRUPTED
+        by = "SIGTERM" if outcome["signal"] == "SIGTERM" else "Ctrl-C"
+        _say(f"cancelled by {by}" + (": resume with --restore latest" if outcome["checkpoint_dir"] else ""))
+        return EXIT_TERMINATED if by == "SIGTERM" else EXIT_INTERRUPTED
     return 0
 
 

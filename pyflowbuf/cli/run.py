@@ -12,7 +12,9 @@ import importlib.util
 import os
 import posixpath
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -203,8 +205,28 @@ def restore_arg(value: str | None, env: Environment, spec: str):
     return name
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``docker stop``) while a job runs: handled as Ctrl-C is."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def run(env: Environment, spec: str, restore, *, report) -> dict:
-    """Run the job to its end; Ctrl-C cancels it. Returns the summary."""
+    """Run the job to its end; Ctrl-C or SIGTERM cancels it (``status``
+    cancelled, ``signal`` SIGINT or SIGTERM). Returns the summary."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _run(env, spec, restore, report)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(env, spec, restore, report) -> dict:
     t0 = time.monotonic()
     job = None
     outcome = {"job": env.name, "spec": spec, "parallelism": env.parallelism, "workers": env.workers,
@@ -216,7 +238,8 @@ def run(env: Environment, spec: str, restore, *, report) -> dict:
         report(f"job {env.name!r} started" + _restored(job))
         job.join()
         outcome["status"] = "finished"
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        outcome["signal"] = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
         running = job if job is not None else env.last_execution
         if running is not None and not running.done:
             running.cancel()          # join() cancels too; this covers an interrupt before it was reached
