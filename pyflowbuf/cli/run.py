@@ -235,7 +235,8 @@ def _run(env, spec, restore, report) -> dict:
                "restore": restore}
     try:
         job = env.execute_async(restore_from=restore)
-        report(f"job {env.name!r} started" + _restored(job))
+        report(f"job {env.name!r} started (parallelism {env.parallelism}"
+               + (f", {env.workers} worker processes" if env.workers else "") + ")" + _restored(job))
         job.join()
         outcome["status"] = "finished"
     except KeyboardInterrupt as e:
