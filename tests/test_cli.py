@@ -15,17 +15,20 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
-import tomllib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint.codec import encode_value
 from pyflowbuf.checkpoint.container import FILE_METADATA, SEC_METADATA, _ContainerWriter
 from pyflowbuf.cli import build_parser, main, render
+from pyflowbuf.cli.checkpoints import raw_metadata
 from pyflowbuf.runtime import overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -574,8 +577,9 @@ def test_overrides_reach_environments_built_inside_only():
 
 
 def test_console_script_and_python_dash_m_are_the_same_main(tmp_path, checkpoints):
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        target = tomllib.load(f)["project"]["scripts"]["pyflowbuf"]
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:    # (tomllib is 3.11+)
+        scripts = f.read().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    target = re.search(r'^pyflowbuf\s*=\s*"([^"]+)"', scripts, re.M).group(1)
     module, _, attr = target.partition(":")
     assert getattr(__import__(module, fromlist=[attr]), attr) is main
     res = subprocess.run([sys.executable, "-m", "pyflowbuf", "checkpoints", "list", str(checkpoints), "--json"],
@@ -671,3 +675,84 @@ def test_show_state_names_each_tasks_operators_and_sizes_their_state(checkpoints
     os.remove(task_files(ck / f"chk-{newest}")[0])
     code, out, err = cli("checkpoints", "show", ck, newest, "--state")
     assert code == 1 and "is torn" in err and "its state is not read" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- damage, at random
+
+
+def _damage_ops():
+    op = st.sampled_from(["delete", "truncate", "extend", "flip_task", "flip_metadata", "drop_metadata"])
+    return st.lists(st.tuples(op, st.integers(0, 2), st.integers(0, 10**6)), max_size=4)
+
+
+def _apply(ck, ids, ops):
+    for what, which, where in ops:
+        chk = ck / f"chk-{ids[which]}"
+        files = task_files(chk)
+        if what in ("delete", "truncate", "extend", "flip_task"):
+            if not files:
+                continue
+            path = files[where % len(files)]
+        else:
+            path = chk / "_metadata"
+        if not os.path.exists(path):
+            continue
+        data = bytearray(open(path, "rb").read())
+        if what in ("delete", "drop_metadata"):
+            os.remove(path)
+            continue
+        if what == "truncate":
+            data = data[:where % len(data)]
+        elif what == "extend":
+            data += b"\0"
+        else:
+            data[where % len(data)] ^= 1 << (where % 8)
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+def _model(ck, cid):
+    """What the CLI must say of one checkpoint, from the files alone and the
+    storage's verdict: incomplete without _metadata; torn when a file the
+    metadata lists is missing or of another size; else the storage decides."""
+    chk = ck / f"chk-{cid}"
+    if not os.path.exists(chk / "_metadata"):
+        return "incomplete"
+    info = next(i for i in CheckpointStorage(ck).scan(verify=True) if i.checkpoint_id == cid)
+    if info.status == "COMPLETED":
+        return "complete"
+    try:
+        raw = raw_metadata(CheckpointStorage(ck), cid)
+    except Exception:
+        return "corrupt"
+    for t in raw["tasks"]:
+        path = chk / t["file"]
+        if not os.path.exists(path) or os.path.getsize(path) != t["size"]:
+            return "torn"
+    return "corrupt"
+
+
+def test_random_damage_is_classified_as_the_files_and_the_storage_say(checkpoints):
+    ids = CheckpointStorage(checkpoints).checkpoint_ids()
+
+    @settings(max_examples=40)
+    @given(_damage_ops())
+    def check(ops):
+        with tempfile.TemporaryDirectory() as d:
+            ck = shutil.copytree(checkpoints, os.path.join(d, "ck"))
+            ck = type(checkpoints)(ck)
+            _apply(ck, ids, ops)
+            code, out, err = cli("checkpoints", "list", ck, "--verify", "--json")
+            assert code == 0, err
+            got = {c["id"]: c["status"] for c in json.loads(out)["checkpoints"]}
+            want = {cid: _model(ck, cid) for cid in ids}
+            assert got == want, ops
+            code, out, err = cli("checkpoints", "verify", ck, "--json")
+            assert code == (1 if {"torn", "corrupt"} & set(want.values()) else 0), (ops, err)
+            for cid in ids:
+                code, out, err = cli("checkpoints", "verify", ck, cid)
+                assert code == (0 if want[cid] == "complete" else 1), (ops, cid, err)
+                if code:
+                    assert err.count("\n") == 1 and "Traceback" not in err
+
+    check()
