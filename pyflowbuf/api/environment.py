@@ -35,7 +35,8 @@ class Environment(SourceDeclarations):
 
     Parameters
     ----------
-    parallelism : default parallelism of operators.
+    parallelism : default parallelism of operators (``pyflowbuf run --parallelism N``
+        replaces it, as ``--workers N`` does ``workers``).
     segment_size : bytes per memory segment (power of two, 256 B .. 1 MiB).
     num_segments : size of the NetworkBufferPool; default: enough for every
         output pool at its cap, so memory is bounded by construction.
