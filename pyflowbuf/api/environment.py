@@ -25,6 +25,7 @@ from pyflowbuf.runtime.checkpointing import ALIGNMENTS, MODES
 from pyflowbuf.runtime.cluster import ClusterExecution
 from pyflowbuf.runtime.debloat import check_settings as _check_debloat
 from pyflowbuf.runtime.graph import Node, plan
+from pyflowbuf.runtime import overrides as _overrides
 from pyflowbuf.runtime.job import JobExecution
 from pyflowbuf.serializers import get_serializer
 
@@ -34,7 +35,8 @@ class Environment(SourceDeclarations):
 
     Parameters
     ----------
-    parallelism : default parallelism of operators.
+    parallelism : default parallelism of operators (``pyflowbuf run --parallelism N``
+        replaces it, as ``--workers N`` does ``workers``).
     segment_size : bytes per memory segment (power of two, 256 B .. 1 MiB).
     num_segments : size of the NetworkBufferPool; default: enough for every
         output pool at its cap, so memory is bounded by construction.
@@ -143,6 +145,9 @@ class Environment(SourceDeclarations):
         self.debloat_samples = debloat_samples
         self.debloat_threshold = debloat_threshold
         self.min_buffer_size = min_buffer_size
+        # `pyflowbuf run --parallelism/--workers`: in place before any stream is declared
+        for setting, value in _overrides.current().items():
+            setattr(self, setting, value)
         self._check_settings()
         _warn_milliseconds(self)
         self.buffer_timeout = float(buffer_timeout)
@@ -214,7 +219,8 @@ class Environment(SourceDeclarations):
             raise ConfigurationError(f"checkpoint_dir must be a path or an fsspec URL, got {self.checkpoint_dir!r}")
 
     def checkpoints(self) -> list:
-        """The checkpoints of the running or last job, oldest first: id, status
+        """The checkpoints of the running or last job, oldest first: id, kind
+        ("checkpoint"; "savepoint" for one the user asked for), status
         (completed / aborted / expired / failed), trigger_time, duration_s,
         alignment_ms per task, state_bytes, size.
 

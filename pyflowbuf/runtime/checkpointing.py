@@ -89,6 +89,9 @@ class _Pending:
     commits: list = field(default_factory=list)       # sink commit actions the checkpoint covers
     alignment: str = "aligned"    # aligned | unaligned | switched (by the alignment timeout)
     timer: Any = None
+    # checkpoint (periodic, the job's own) | savepoint (the user's): in the history,
+    # _metadata's properties and `pyflowbuf checkpoints list`
+    kind: str = "checkpoint"
 
 
 class CheckpointCoordinator:
@@ -287,8 +290,8 @@ class CheckpointCoordinator:
         try:
             meta = self.storage.complete(
                 p.checkpoint_id, list(p.handles.values()), trigger_time=p.trigger_time, duration=duration,
-                properties={"job": self.job_name, "alignment_ms": p.alignment_ms, "mode": self.config.mode,
-                            "alignment": p.alignment, "commits": p.commits})
+                properties={"job": self.job_name, "kind": p.kind, "alignment_ms": p.alignment_ms,
+                            "mode": self.config.mode, "alignment": p.alignment, "commits": p.commits})
         except Exception as exc:
             log.warning("pyflowbuf: completing checkpoint %d failed: %s", p.checkpoint_id, exc)
             self._record(p, "failed", duration, reason=str(exc))
@@ -338,7 +341,7 @@ class CheckpointCoordinator:
         run_commits(commits, self.outputs)
 
     def _record(self, p: _Pending, status, duration, **extra) -> None:
-        entry = {"id": p.checkpoint_id, "status": status, "trigger_time": p.trigger_time,
+        entry = {"id": p.checkpoint_id, "kind": p.kind, "status": status, "trigger_time": p.trigger_time,
                  "duration_s": round(duration, 6), "alignment": p.alignment,
                  "alignment_ms": dict(p.alignment_ms), "acknowledged": len(p.handles),
                  "tasks": len(p.expected), **extra}
