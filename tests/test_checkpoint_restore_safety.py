@@ -327,3 +327,22 @@ def test_old_checkpoints_without_identities_still_restore(tmp_path):
 
     src = TextFileSource(tmp_path / "nothing-yet.txt")
     check_sources(Meta, {"v0-0": {"source": 10, "operators": []}}, {"v0-0": ("read_text", src)})
+
+
+def test_a_chk_directory_of_another_job_is_refused_not_read_as_this_jobs(tmp_path):
+    """restore_from="<other dir>/chk-N" read only the name, so it restored
+    this job's own chk-N: a silent restore from the wrong checkpoint."""
+    from pyflowbuf.runtime.checkpointing import restore_plan
+
+    mine, other = CheckpointStorage(str(tmp_path / "mine")), CheckpointStorage(str(tmp_path / "other"))
+    for storage in (mine, other):
+        storage.complete(5, [storage.write_task_state(5, "t", {"x": 1})])
+    assert restore_plan(mine, "chk-5").checkpoint_id == 5                     # a name: this job's own
+    assert restore_plan(mine, str(tmp_path / "mine" / "chk-5")).checkpoint_id == 5
+    assert restore_plan(mine, str(tmp_path / "mine" / "." / "chk-5/")).checkpoint_id == 5
+    with pytest.raises(errors.ConfigurationError, match="another directory"):
+        restore_plan(mine, str(tmp_path / "other" / "chk-5"))
+    env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir=str(tmp_path / "mine"))
+    env.from_sequence(0, 10).collect()
+    with pytest.raises(errors.ConfigurationError, match="another directory"):
+        env.execute(30, restore_from=str(tmp_path / "other" / "chk-5"))

@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsspec.implementations.local import LocalFileSystem
+
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpointError, IncompatibleCheckpointError,
                                           UnsupportedStateError)
@@ -592,11 +594,27 @@ def restore_plan(storage, restore_from, *, verify: bool = True):
         return latest_checkpoint(storage, verify=verify)
     if isinstance(restore_from, int) and not isinstance(restore_from, bool):
         return storage.load_metadata(restore_from, verify=verify)
-    name = os.path.basename(os.fspath(restore_from).rstrip("/"))
+    path = os.fspath(restore_from).rstrip("/")
+    name = os.path.basename(path)
     if name.startswith("chk-") and name[4:].isdigit():
-        return storage.load_metadata(int(name[4:]), verify=verify)
+        cid = int(name[4:])
+        if os.path.dirname(path) and not _same_path(storage, path, storage.checkpoint_path(cid)):
+            # only the name was read once, so another job's chk-5 restored this job's own
+            raise errors.ConfigurationError(
+                f"restore_from={restore_from!r} is a checkpoint of another directory than this job's "
+                f"checkpoint_dir ({storage.url}); restore it with checkpoint_dir set to its directory, "
+                "or give its id or name (chk-<id>) to restore this job's own")
+        return storage.load_metadata(cid, verify=verify)
     raise errors.ConfigurationError(
         f"restore_from must be 'latest', a checkpoint id or a chk-<id> directory, got {restore_from!r}")
+
+
+def _same_path(storage, given: str, own: str) -> bool:
+    strip = storage.fs._strip_protocol
+    a, b = strip(given).rstrip("/"), strip(own).rstrip("/")
+    if isinstance(storage.fs, LocalFileSystem):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a == b
 
 
 def latest_checkpoint(storage, *, verify: bool = True):
