@@ -14,6 +14,7 @@ from pyflowbuf import errors
 from pyflowbuf.runtime.watermarks import NO_WATERMARK, to_seconds
 from pyflowbuf.windows.aggregates import Count
 from pyflowbuf.windows.assigners import RecordRange, TimeWindow, Tumbling
+from pyflowbuf.windows.triggers import ProcessingTimeTrigger
 
 
 REDUCE, AGGREGATE, PROCESS = "reduce", "aggregate", "process"
@@ -375,6 +376,8 @@ class TriggerWindowOperator(WindowOperator):
                  with_ctx=False):
         super().__init__(name, spec, how, fn, window_function, late_tagged, with_ctx)
         trig = spec.trigger
+        if trig is None:        # processing-time windows with their default trigger
+            trig = ProcessingTimeTrigger()
         self.processing = spec.assigner.domain == "processing"
         self.at_end = trig.fires_at_end
         self.interval = trig.interval
