@@ -68,6 +68,12 @@ class WindowContext:
 
     @property
     def watermark(self) -> float:
+        """The window operator's watermark in seconds of event time.
+
+        Example::
+
+            behind = ctx.watermark - window.end      # how late a "late" firing is
+        """
         timers = getattr(self._op, "timers", None)
         return NO_WATERMARK if timers is None else timers.watermark
 
