@@ -180,7 +180,9 @@ class WindowedStream:
     def reduce(self, fn: Callable, *, window_function: Callable | None = None, parallelism=None,
                name: str = "window_reduce", kind: Any = None) -> "WindowResult":
         """Per key and window, the records folded with ``fn(a, b)``; the output
-        is the reduced record, or ``window_function(key, window, reduced)``.
+        is the reduced record, or ``window_function(key, window, reduced)``
+        (``window_function(key, window, reduced, ctx)`` gets the
+        ``WindowContext``, whose ``firing`` says which kind of firing it is).
 
         Returns a ``WindowResult``. A ``fn`` or ``window_function`` that is not
         callable is a ``TypeError``.
@@ -199,7 +201,8 @@ class WindowedStream:
     def aggregate(self, agg, *, window_function: Callable | None = None, parallelism=None,
                   name: str = "window_aggregate", kind: Any = None):
         """Per key and window, an AggregateFunction's ``get_result``, or
-        ``window_function(key, window, result)``. On an Arrow/pandas stream
+        ``window_function(key, window, result)`` (with a fourth argument it
+        gets the ``WindowContext``). On an Arrow/pandas stream
         keyed by a column name, ``agg`` is a dict ``{output column: (column,
         function)}`` computed with pyarrow (see ``ArrowWindowOperator``).
 

@@ -10,7 +10,6 @@ import time
 
 from pyflowbuf.runtime.operators import Operator
 from pyflowbuf.runtime.timers import TimerOperator, TimerQueue
-from pyflowbuf import errors
 from pyflowbuf.runtime.watermarks import NO_WATERMARK, to_seconds
 from pyflowbuf.windows.aggregates import Count
 from pyflowbuf.windows.assigners import RecordRange, TimeWindow, Tumbling
