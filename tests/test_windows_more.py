@@ -637,3 +637,24 @@ def test_triggered_windows_restored_at_any_record_match_reference(seed, trigger,
     got += h.finish()
     assert norm(r for tag, r in got if tag == 0) == norm(want)
     assert sorted(r for tag, r in got if tag == 1) == sorted(want_late)
+
+
+def test_processing_time_windows_restored_count_every_record_once(tmp_path):
+    """Processing-time windows and their timers in checkpoints: across a
+    failure and a restore every record is counted in exactly one window."""
+    n = 1500
+    fail = FailOnce(700)
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.02, checkpoint_dir=tmp_path / "pt",
+                         restart_attempts=2)
+    fail.env = env
+    out = (env.from_iterable([(i % 4, i) for i in range(n)], rate_limit=3_000)
+              .map(fail, parallelism=1)
+              .key_by(lambda r: r[0])
+              .window(fb.TumblingProcessingTime(0.05))
+              .process(lambda k, w, recs: [(k, w.start, sorted(r[1] for r in recs))])
+              .collect(parallelism=1))
+    env.execute(timeout=120)
+    assert fail.fired and env.last_execution.restored_from is not None
+    values = sorted(v for _, _, vs in out.result for v in vs)
+    assert values == list(range(n))
+    assert all(v % 4 == k for k, _, vs in out.result for v in vs)
