@@ -117,6 +117,76 @@ def ref_triggered(records, *, kind, size, slide=None, ooo=0.0, lateness=0.0, tri
     return results, late
 
 
+def ref_triggered_sessions(records, *, gap, ooo=0.0, lateness=0.0, trigger="event"):
+    """``ref_triggered`` for Session(gap) windows: sessions merge, summing
+    their counts and keeping the earliest pending early firing."""
+    purge = isinstance(trigger, tuple) and trigger[0] == "purging"
+    inner = trigger[1] if purge else trigger
+    at_end = inner == "event" or inner[0] == "continuous"
+    interval = inner[1] if isinstance(inner, tuple) and inner[0] == "continuous" else None
+    every = inner[1] if isinstance(inner, tuple) and inner[0] == "count" else None
+    results, late = [], []
+    sessions: dict = {}     # k -> [{"lo", "hi", "items" (None: purged), "count", "early", "end_due"}]
+    high = wm = -math.inf
+
+    def fire(k, s, firing):
+        if s["items"]:
+            results.append((k, s["lo"], s["hi"], sorted(s["items"]), firing))
+            if purge:
+                s["items"] = None
+
+    def advance(new):
+        nonlocal wm
+        if new <= wm:
+            return
+        wm = new
+        for k, ss in sessions.items():
+            for s in list(ss):
+                while s["early"] is not None and s["early"] <= wm:
+                    f = s["early"]
+                    fire(k, s, "early")
+                    nxt = next_multiple(f, interval)
+                    s["early"] = nxt if nxt < s["hi"] else None
+                if s["end_due"] and s["hi"] <= wm:
+                    s["end_due"] = False
+                    fire(k, s, "on_time")
+                if s["hi"] + lateness <= wm:
+                    ss.remove(s)
+
+    for k, t in records:
+        advance(high - ooo)
+        high = max(high, t)
+        ss = sessions.setdefault(k, [])
+        hits = [s for s in ss if s["lo"] <= t + gap and t <= s["hi"]]
+        lo = min([t] + [s["lo"] for s in hits])
+        hi = max([t + gap] + [s["hi"] for s in hits])
+        if hi + lateness <= wm:
+            late.append((k, t))
+            continue
+        for s in hits:
+            ss.remove(s)
+        earlies = [s["early"] for s in hits if s["early"] is not None]
+        early = min(earlies) if earlies else None
+        if hi > wm:
+            if interval is not None and early is None:
+                f = next_multiple(t, interval)
+                early = f if f < hi else None
+        else:
+            early = None
+        new = {"lo": lo, "hi": hi, "items": [x for s in hits if s["items"] for x in s["items"]] + [t],
+               "count": sum(s["count"] for s in hits), "early": early, "end_due": at_end and hi > wm}
+        ss.append(new)
+        if every is not None:
+            new["count"] += 1
+            if new["count"] >= every:
+                new["count"] = 0
+                fire(k, new, "late" if hi <= wm else "early")
+        elif at_end and hi <= wm:
+            fire(k, new, "late")
+    advance(math.inf)
+    return results, late
+
+
 def ref_count_windows(records, size, slide=None, partial=False):
     """(key, start, end, values, firing) of CountWindow(size, slide) in record order."""
     seen: dict = {}
@@ -173,13 +243,23 @@ class Times(AggregateFunction):
     def get_result(self, acc):
         return sorted(acc)
 
+    def merge(self, a, b):
+        return a + b
+
+
+def reference_for(records, *, kind, size, slide=None, ooo=0.0, lateness=0.0, trigger="event"):
+    if kind == "session":
+        return ref_triggered_sessions(records, gap=size, ooo=ooo, lateness=lateness, trigger=trigger)
+    return ref_triggered(records, kind=kind, size=size, slide=slide, ooo=ooo, lateness=lateness, trigger=trigger)
+
 
 def run_triggered(records, *, kind, size, slide, ooo, lateness, trigger, parallelism=1, workers=None,
                   how="process", all_=False):
     env = fb.Environment(parallelism=parallelism, workers=workers, max_batch=1)
     timed = env.from_iterable(records).assign_timestamps(lambda r: r[1], out_of_orderness=ooo,
                                                          watermark_interval=0, parallelism=1)
-    assigner = fb.Tumbling(size) if kind == "tumbling" else fb.Sliding(size, slide)
+    assigner = {"tumbling": lambda: fb.Tumbling(size), "sliding": lambda: fb.Sliding(size, slide),
+                "session": lambda: fb.Session(size)}[kind]()
     if all_:
         w = timed.window_all(assigner, trigger=make_trigger(trigger)).allowed_lateness(lateness)
         res = w.process(lambda win, recs, ctx: [("all", win.start, win.end, sorted(r[1] for r in recs),
@@ -209,11 +289,12 @@ TRIGGERS = ["event", ("continuous", 0.5), ("continuous", 0.75), ("count", 3), ("
 # ---- triggers, against the reference ----
 
 @pytest.mark.parametrize("trigger", TRIGGERS, ids=repr)
-@pytest.mark.parametrize("kind,size,slide", [("tumbling", 2.0, None), ("sliding", 2.0, 0.75)])
+@pytest.mark.parametrize("kind,size,slide", [("tumbling", 2.0, None), ("sliding", 2.0, 0.75),
+                                             ("session", 0.6, None)])
 def test_triggers_match_reference_with_lateness(trigger, kind, size, slide):
     rnd = random.Random(repr((trigger, kind)))
     records = random_stream(rnd, 120, disorder=6, very_late=0.08)
-    want, want_late = ref_triggered(records, kind=kind, size=size, slide=slide, ooo=0.5, lateness=0.75,
+    want, want_late = reference_for(records, kind=kind, size=size, slide=slide, ooo=0.5, lateness=0.75,
                                     trigger=trigger)
     got, got_late, _ = run_triggered(records, kind=kind, size=size, slide=slide, ooo=0.5, lateness=0.75,
                                      trigger=trigger, parallelism=2)
@@ -222,20 +303,20 @@ def test_triggers_match_reference_with_lateness(trigger, kind, size, slide):
     kinds = {r[4] for r in want}
     if "continuous" in repr(trigger) or "count" in repr(trigger):
         assert "early" in kinds
-    if "count" not in repr(trigger):
+    if trigger in ("event", ("purging", "event")):
         assert "on_time" in kinds
 
 
 @settings(max_examples=10)
-@given(st.integers(0, 2**32 - 1), st.sampled_from(TRIGGERS), st.sampled_from(["tumbling", "sliding"]),
+@given(st.integers(0, 2**32 - 1), st.sampled_from(TRIGGERS), st.sampled_from(["tumbling", "sliding", "session"]),
        st.integers(1, 3), st.sampled_from([0.0, 0.5, 1.5]), st.sampled_from(["process", "aggregate"]))
 def test_random_triggered_windows_match_reference(seed, trigger, kind, parallelism, lateness, how):
     rnd = random.Random(seed)
-    size, slide = (1.0, None) if kind == "tumbling" else (1.5, 0.5)
+    size, slide = {"tumbling": (1.0, None), "sliding": (1.5, 0.5), "session": (0.5, None)}[kind]
     records = random_stream(rnd, rnd.randint(0, 150), keys=rnd.randint(1, 4), disorder=rnd.randint(0, 6),
                             very_late=rnd.choice([0.0, 0.1]))
     ooo = rnd.choice([0.0, 0.25, 0.5])
-    want, want_late = ref_triggered(records, kind=kind, size=size, slide=slide, ooo=ooo, lateness=lateness,
+    want, want_late = reference_for(records, kind=kind, size=size, slide=slide, ooo=ooo, lateness=lateness,
                                     trigger=trigger)
     got, got_late, _ = run_triggered(records, kind=kind, size=size, slide=slide, ooo=ooo, lateness=lateness,
                                      trigger=trigger, parallelism=parallelism, how=how)
@@ -365,8 +446,8 @@ def test_trigger_errors():
     timed = env.from_iterable([("a", 1.0)]).assign_timestamps(lambda r: r[1]).key_by(lambda r: r[0])
     with pytest.raises(TypeError, match="trigger="):
         timed.window(fb.Tumbling(1), trigger="count")
-    with pytest.raises(errors.ConfigurationError, match="merg"):
-        timed.window(fb.Session(1), trigger=fb.CountTrigger(2))
+    with pytest.raises(errors.ConfigurationError, match="merge"):
+        timed.window(fb.SessionProcessingTime(1), trigger=fb.CountTrigger(2))
     with pytest.raises(errors.ConfigurationError, match="processing time"):
         timed.window(fb.TumblingProcessingTime(1), trigger=fb.ContinuousEventTimeTrigger(1))
     with pytest.raises(errors.ConfigurationError, match="event time"):
@@ -606,18 +687,19 @@ def test_restore_in_the_middle_of_open_windows(tmp_path, what):
 
 
 @settings(max_examples=25)
-@given(st.integers(0, 2**32 - 1), st.sampled_from(TRIGGERS), st.sampled_from(["tumbling", "sliding"]),
+@given(st.integers(0, 2**32 - 1), st.sampled_from(TRIGGERS), st.sampled_from(["tumbling", "sliding", "session"]),
        st.sampled_from([0.0, 0.5]), st.data())
 def test_triggered_windows_restored_at_any_record_match_reference(seed, trigger, kind, lateness, data):
     """The operator alone: records one at a time with the assigner's watermark
     before each, its state through a snapshot into a new operator at a random
     record (open windows, purged windows, counts and early timers in it)."""
     rnd = random.Random(seed)
-    size, slide = (1.0, None) if kind == "tumbling" else (1.5, 0.5)
+    size, slide = {"tumbling": (1.0, None), "sliding": (1.5, 0.5), "session": (0.5, None)}[kind]
     records = random_stream(rnd, rnd.randint(1, 80), keys=2, disorder=rnd.randint(0, 5), very_late=0.1)
-    want, want_late = ref_triggered(records, kind=kind, size=size, slide=slide, ooo=0.25, lateness=lateness,
+    want, want_late = reference_for(records, kind=kind, size=size, slide=slide, ooo=0.25, lateness=lateness,
                                     trigger=trigger)
-    assigner = fb.Tumbling(size) if kind == "tumbling" else fb.Sliding(size, slide)
+    assigner = {"tumbling": lambda: fb.Tumbling(size), "sliding": lambda: fb.Sliding(size, slide),
+                "session": lambda: fb.Session(size)}[kind]()
     spec = WindowSpec(assigner, lambda r: r[0], lambda r: r[1], lateness, make_trigger(trigger))
 
     def make():     # results leave as (0, result), late records as (1, record): late()'s split

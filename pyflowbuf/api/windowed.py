@@ -70,10 +70,10 @@ def _check_trigger(assigner, trigger):
             f"trigger {trigger!r} works in {trigger.domain} time and the windows {assigner!r} in {domain} time")
     if trigger == EventTimeTrigger() or trigger == ProcessingTimeTrigger():
         return None if domain == "event" else trigger
-    if assigner.merging:
+    if assigner.merging and domain == "processing":
         raise errors.ConfigurationError(
-            f"{assigner!r} windows merge, and trigger {trigger!r} is not supported on merging windows: "
-            "use Tumbling or Sliding windows with it, or the default trigger")
+            f"{assigner!r} windows merge in processing time, and take only their default trigger here "
+            f"(not {trigger!r}): use TumblingProcessingTime or SlidingProcessingTime with it")
     return trigger
 
 

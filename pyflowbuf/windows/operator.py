@@ -400,11 +400,20 @@ class TriggerWindowOperator(WindowOperator):
             wm = NO_WATERMARK
         else:
             wm = self.timers.watermark
-        if self.merging:        # processing-time sessions (event-time ones take the default trigger)
+        if self.merging:
+            if processing:      # processing-time sessions take the default trigger only
+                for x in batch:
+                    self._add_to_session(key_fn(x), now, x, wm, out)
+                return self._finish_batch(out, [])
+            late: list = []
             for x in batch:
-                self._add_to_session(key_fn(x), now, x, wm, out)
-            return self._finish_batch(out, [])
-        late: list = []
+                t = ts_fn(x)
+                if type(t) is not float:
+                    t = to_seconds(t)
+                if not self._add_to_triggered_session(key_fn(x), t, x, wm, out):
+                    late.append(x)
+            return self._finish_batch(out, late)
+        late = []
         windows, add, create, lateness = self.windows, self._add, self._create, self.lateness
         assign, every, counts, at_end = self.assigner.assign, self.every, self.counts, self.at_end
         for x in batch:
@@ -442,6 +451,107 @@ class TriggerWindowOperator(WindowOperator):
                 late.append(x)
         return self._finish_batch(out, late)
 
+    # ---- event-time sessions with a trigger ----
+    # A session is [start, end, contents (or _EMPTY once purged), records
+    # counted since its last count firing, time of its next early firing or
+    # None]. Merging sessions sums their counts and keeps the earliest
+    # pending early firing (Flink's onMerge of CountTrigger and
+    # ContinuousEventTimeTrigger).
+    def _add_to_triggered_session(self, k, t, x, wm, out) -> bool:
+        start, end = t, t + self.assigner.gap
+        sess = self.sessions.get(k)
+        if sess is None:
+            sess = self.sessions[k] = []
+        hits = [s for s in sess if s[0] <= end and start <= s[1]]
+        lo = min([start] + [s[0] for s in hits])
+        hi = max([end] + [s[1] for s in hits])
+        lateness = self.lateness
+        if hi + lateness <= wm:
+            if not sess:
+                del self.sessions[k]
+            return False
+        event, merge = self.timers.event, self._merge
+        acc = _MISSING
+        count = 0
+        early = None
+        for s in hits:
+            sess.remove(s)
+            wk = (k, s[0], s[1])
+            event.delete((0, wk), s[1])
+            if s[4] is not None:
+                event.delete((1, wk), s[4])
+            self.cleanup.delete(wk, s[1] + lateness)
+            if s[2] is not _EMPTY:
+                acc = s[2] if acc is _MISSING else merge(acc, s[2])
+            count += s[3]
+            if s[4] is not None and (early is None or s[4] < early):
+                early = s[4]
+        if acc is _MISSING:
+            acc = self._create()
+        acc = self._add(x, acc)
+        wk = (k, lo, hi)
+        if hi > wm:
+            if self.at_end:
+                event.register((0, wk), hi)
+            if self.interval is not None and early is None:
+                f = _next_multiple(t, self.interval)
+                early = f if f < hi else None
+            if early is not None:
+                event.register((1, wk), early)
+        else:
+            early = None
+        self.cleanup.register(wk, hi + lateness)
+        entry = [lo, hi, acc, count, early]
+        bisect.insort(sess, entry, key=lambda s: s[0])
+        if self.every is not None:
+            entry[3] += 1
+            if entry[3] >= self.every:
+                entry[3] = 0
+                self._fire_session(k, entry, "late" if hi <= wm else "early", out)
+        elif self.at_end and hi <= wm:
+            self._fire_session(k, entry, "late", out)
+        return True
+
+    def _fire_session(self, k, entry, firing, out):
+        if entry[2] is _EMPTY:
+            return
+        self._emit(k, entry[0], entry[1], entry[2], out, firing)
+        if self.purge:
+            entry[2] = _EMPTY
+
+    def _session(self, wk):
+        for s in self.sessions.get(wk[0], ()):
+            if s[0] == wk[1] and s[1] == wk[2]:
+                return s
+        return None
+
+    def _fire_event_sessions(self, watermark):
+        out: list = []
+        pop, register = self.timers.event.pop_due, self.timers.event.register
+        while True:
+            due = pop(watermark)
+            if due is None:
+                break
+            (tag, wk), t = due
+            entry = self._session(wk)
+            if entry is None:
+                continue
+            if tag == 0:
+                self._fire_session(wk[0], entry, "on_time", out)
+            else:
+                self._fire_session(wk[0], entry, "early", out)
+                f = _next_multiple(t, self.interval)
+                entry[4] = f if f < wk[2] else None
+                if entry[4] is not None:
+                    register((1, wk), f)
+        pop = self.cleanup.pop_due
+        while True:
+            due = pop(watermark)
+            if due is None:
+                break
+            self._purge(due[0])
+        return self._checked(out) if not self.late_tagged else out
+
     def _new_window(self, wk, t, wm):
         end = wk[2]
         if self.processing:
@@ -477,6 +587,8 @@ class TriggerWindowOperator(WindowOperator):
     def fire_event(self, watermark):
         if self.processing:
             return []
+        if self.merging:
+            return self._fire_event_sessions(watermark)
         out: list = []
         windows, interval = self.windows, self.interval
         pop, register = self.timers.event.pop_due, self.timers.event.register
@@ -532,8 +644,15 @@ class TriggerWindowOperator(WindowOperator):
 
     # ---- checkpoints ----
     def snapshot_state(self):
-        if self.merging:
+        if self.merging and self.processing:
             return super().snapshot_state()
+        if self.merging:
+            # an emptied session's contents go in as None, flagged
+            sessions = {k: [[s, e, None if a is _EMPTY else _copy_acc(a), a is _EMPTY, n, f] for s, e, a, n, f in v]
+                        for k, v in self.sessions.items()}
+            return {"windows": None, "sessions": None, "trigger_sessions": sessions,
+                    "timers": self.timers.snapshot(), "cleanup": self.cleanup.snapshot(),
+                    "late_dropped": self.late_dropped}
         return {"windows": {wk: _copy_acc(a) for wk, a in self.windows.items() if a is not _EMPTY},
                 "purged": [wk for wk, a in self.windows.items() if a is _EMPTY],
                 "counts": dict(self.counts), "sessions": None, "timers": self.timers.snapshot(),
@@ -543,6 +662,9 @@ class TriggerWindowOperator(WindowOperator):
         if not state:
             return
         super().restore_state(state)
+        if state.get("trigger_sessions") is not None:
+            self.sessions = {k: [[s, e, _EMPTY if empty else _copy_acc(a), n, f] for s, e, a, empty, n, f in v]
+                             for k, v in state["trigger_sessions"].items()}
         for wk in state.get("purged") or ():
             self.windows[wk] = _EMPTY
         self.counts = dict(state.get("counts") or {})
