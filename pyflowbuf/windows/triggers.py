@@ -86,7 +86,8 @@ class ContinuousEventTimeTrigger(Trigger):
     not fire until a record arrives again.
 
     ``interval`` is seconds (a number or ``timedelta`` > 0, else
-    ``ConfigurationError``). Event-time windows only (not Session windows).
+    ``ConfigurationError``). Event-time windows only; on Session windows,
+    merged sessions keep the earliest pending early firing.
 
     Example::
 
@@ -113,7 +114,8 @@ class CountTrigger(Trigger):
     ``"late"``.
 
     ``n`` is an int >= 1 (else ``ConfigurationError``). Works with event-time
-    and processing-time windows (not Session windows).
+    and processing-time windows (not ``SessionProcessingTime``); merged
+    event-time sessions add up their counts.
 
     Example::
 
