@@ -740,3 +740,41 @@ def test_processing_time_windows_restored_count_every_record_once(tmp_path):
     values = sorted(v for _, _, vs in out.result for v in vs)
     assert values == list(range(n))
     assert all(v % 4 == k for k, _, vs in out.result for v in vs)
+
+
+class FailInWorker:
+    """Raises once, at a record from ``at`` on, once a checkpoint in ``chk`` is
+    complete; a marker file (the workers are separate processes) keeps it from
+    firing again after the restart."""
+
+    def __init__(self, marker, at, chk):
+        self.marker, self.at, self.chk = str(marker), at, str(chk)
+        self.calls = 0
+
+    def __call__(self, x):
+        import glob
+        import os
+        self.calls += 1
+        if self.calls >= self.at and self.calls % 25 == 0 and glob.glob(os.path.join(self.chk, "chk-*", "_metadata")):
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return x
+            raise RuntimeError(f"injected failure at record {self.calls}")
+        return x
+
+
+def test_workers_restore_in_the_middle_of_open_windows(tmp_path):
+    """workers=2 and a failure: trigger state, emptied windows and early
+    timers come back from the checkpoint in both processes."""
+    records = restore_stream(5, 2500)
+    env = fb.Environment(parallelism=2, max_batch=1, workers=2)
+    want = restore_job(env, records, "continuous")
+    env.execute(timeout=120)
+    fail = FailInWorker(tmp_path / "fired", 1000, tmp_path / "chk")
+    env = fb.Environment(parallelism=2, max_batch=1, workers=2, checkpoint_interval=0.05,
+                         checkpoint_dir=tmp_path / "chk", restart_attempts=2)
+    got = restore_job(env, records, "continuous", fail)
+    env.execute(timeout=120)
+    assert (tmp_path / "fired").exists() and env.last_execution.restored_from is not None
+    assert sorted(map(tuple, got.result)) == sorted(map(tuple, want.result))
