@@ -368,9 +368,10 @@ _EMPTY = object()      # a window emptied by PurgingTrigger: its timers and coun
 
 
 class TriggerWindowOperator(WindowOperator):
-    """Keyed windows with a trigger other than the default (event time), or
-    in processing time (tumbling, sliding, and sessions with the default
-    trigger). The trigger (``spec.trigger``, see ``pyflowbuf.windows.triggers``)
+    """Keyed windows with a trigger other than the default (event time:
+    tumbling, sliding and sessions), or in processing time (tumbling and
+    sliding with any processing-time trigger, sessions with the default
+    one, on the base class's session code). The trigger (``spec.trigger``, see ``pyflowbuf.windows.triggers``)
     says whether a window fires at its end, every ``interval`` of event time
     (timers keyed ``(1, window)``; the end is ``(0, window)``), or every
     ``count`` records (a count per window), and whether a firing empties it.
