@@ -778,3 +778,39 @@ def test_workers_restore_in_the_middle_of_open_windows(tmp_path):
     env.execute(timeout=120)
     assert (tmp_path / "fired").exists() and env.last_execution.restored_from is not None
     assert sorted(map(tuple, got.result)) == sorted(map(tuple, want.result))
+
+
+def test_records_a_count_never_fired_are_counted_when_dropped():
+    """CountTrigger and CountWindow drop what never completed a count (as
+    Flink does); ``unfired_records_dropped`` counts those records."""
+    env = fb.Environment()
+    timed = env.from_iterable([("a", 1.0)]).assign_timestamps(lambda r: r[1]).key_by(lambda r: r[0])
+    fn = lambda k, w, recs: [(k, w.start, len(recs))]      # noqa: E731
+    h = OperatorHarness(timed.window(fb.Tumbling(10), trigger=fb.CountTrigger(3)).process(fn))
+    h.process([("a", t) for t in (1.0, 2.0, 3.0, 4.0, 5.0)] + [("b", 12.0)])
+    assert h.take() == [("a", 0.0, 3)]
+    assert h.finish() == [] and h.metrics["unfired_records_dropped"] == 3          # a: 2, b: 1
+
+    sessions = OperatorHarness(timed.window(fb.Session(1), trigger=fb.CountTrigger(2)).process(fn))
+    sessions.process([("a", 1.0), ("a", 1.5), ("a", 2.0), ("a", 9.0)])
+    assert sessions.take() == [("a", 1.0, 2)]
+    state = sessions.snapshot()
+    again = OperatorHarness(timed.window(fb.Session(1), trigger=fb.CountTrigger(2)).process(fn), restore=state)
+    assert again.finish() == []
+    assert again.metrics["unfired_records_dropped"] == 2                             # 2.0 and 9.0
+
+    counts = OperatorHarness(timed.window(fb.CountWindow(3)).process(fn))
+    counts.process([("a", 0.0)] * 7 + [("b", 0.0)] * 2)
+    counts.finish()
+    assert counts.metrics["unfired_records_dropped"] == 3
+    sliding = OperatorHarness(timed.window(fb.CountWindow(4, slide=3)).process(fn))
+    sliding.process([("a", 0.0)] * 8)
+    sliding.finish()
+    assert sliding.metrics["unfired_records_dropped"] == 2
+
+    proc = OperatorHarness(env.from_iterable([("a", 1)]).key_by(lambda r: r[0])
+                           .window(fb.TumblingProcessingTime(10), trigger=fb.CountTrigger(2)).process(fn))
+    proc.advance_processing_time(100.0)
+    assert proc.process([("a", 1), ("a", 2), ("a", 3)]) == [("a", 100.0, 2)]
+    assert proc.advance_processing_time(110.0) == []
+    assert proc.metrics["unfired_records_dropped"] == 1

@@ -237,7 +237,8 @@ class CountWindow(WindowAssigner):
     source's order; records of one key coming from several subtasks
     interleave as they arrive. No timestamps are needed and no record is
     late. At the end of a bounded input a window that has not reached its
-    count is dropped (as in Flink), unless ``emit_partial=True``: then it
+    count is dropped (as in Flink; its records since the key's last firing
+    are counted in ``unfired_records_dropped``), unless ``emit_partial=True``: then it
     fires once more with the records it has (``firing == "partial"`` for a
     window function that takes the context).
 

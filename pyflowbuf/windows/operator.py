@@ -390,6 +390,9 @@ class TriggerWindowOperator(WindowOperator):
         self.every = trig.count
         self.purge = trig.purge
         self.counts: dict = {}      # window -> records since its last count firing
+        # records a CountTrigger never fired: still counted when their window was
+        # dropped (Flink drops them too; the metric makes it visible)
+        self.unfired_dropped = 0
 
     # ---- records ----
     def process_batch(self, batch):
@@ -550,6 +553,9 @@ class TriggerWindowOperator(WindowOperator):
             due = pop(watermark)
             if due is None:
                 break
+            entry = self._session(due[0])
+            if entry is not None:
+                self.unfired_dropped += entry[3]
             self._purge(due[0])
         return self._checked(out) if not self.late_tagged else out
 
@@ -613,7 +619,7 @@ class TriggerWindowOperator(WindowOperator):
             if due is None:
                 break
             windows.pop(due[0], None)
-            self.counts.pop(due[0], None)
+            self.unfired_dropped += self.counts.pop(due[0], 0)
         return self._checked(out) if not self.late_tagged else out
 
     def fire_processing(self, now):
@@ -633,7 +639,7 @@ class TriggerWindowOperator(WindowOperator):
             if self.at_end:
                 self._fire(wk, "on_time", out)
             self.windows.pop(wk, None)
-            self.counts.pop(wk, None)
+            self.unfired_dropped += self.counts.pop(wk, 0)
         return self._checked(out) if not self.late_tagged else out
 
     def finish(self):
@@ -653,11 +659,12 @@ class TriggerWindowOperator(WindowOperator):
                         for k, v in self.sessions.items()}
             return {"windows": None, "sessions": None, "trigger_sessions": sessions,
                     "timers": self.timers.snapshot(), "cleanup": self.cleanup.snapshot(),
-                    "late_dropped": self.late_dropped}
+                    "late_dropped": self.late_dropped, "unfired_dropped": self.unfired_dropped}
         return {"windows": {wk: _copy_acc(a) for wk, a in self.windows.items() if a is not _EMPTY},
                 "purged": [wk for wk, a in self.windows.items() if a is _EMPTY],
                 "counts": dict(self.counts), "sessions": None, "timers": self.timers.snapshot(),
-                "cleanup": self.cleanup.snapshot(), "late_dropped": self.late_dropped}
+                "cleanup": self.cleanup.snapshot(), "late_dropped": self.late_dropped,
+                "unfired_dropped": self.unfired_dropped}
 
     def restore_state(self, state):
         if not state:
@@ -669,6 +676,10 @@ class TriggerWindowOperator(WindowOperator):
         for wk in state.get("purged") or ():
             self.windows[wk] = _EMPTY
         self.counts = dict(state.get("counts") or {})
+        self.unfired_dropped = state.get("unfired_dropped", 0)
+
+    def metrics(self) -> dict:
+        return {**super().metrics(), "unfired_records_dropped": self.unfired_dropped}
 
 
 def _next_multiple(t, interval):
@@ -697,6 +708,7 @@ class CountWindowOperator(_WindowOutput, Operator):
         self.ctx = WindowContext(self) if with_ctx else None
         self._create, self._add, self._result, _ = _functions(how, fn)
         self.keys: dict = {}
+        self.unfired_dropped = 0        # records of windows left incomplete at the end
 
     def process_batch(self, batch):
         key_fn, keys, add, create, size = self.key_fn, self.keys, self._add, self._create, self.size
@@ -736,6 +748,8 @@ class CountWindowOperator(_WindowOutput, Operator):
 
     def finish(self):
         if not self.partial:
+            step = self.size if self.slide is None else self.slide
+            self.unfired_dropped += sum(n % step for n, _ in self.keys.values())
             return []
         out: list = []
         for k, (n, held) in self.keys.items():
@@ -759,7 +773,7 @@ class CountWindowOperator(_WindowOutput, Operator):
                          for k, (n, held, empty) in state["keys"].items()}
 
     def metrics(self) -> dict:
-        return {"late_records_dropped": 0, "late_records_out": 0}
+        return {"late_records_dropped": 0, "late_records_out": 0, "unfired_records_dropped": self.unfired_dropped}
 
 
 def window_operator_class(spec: WindowSpec):
