@@ -371,8 +371,8 @@ class TriggerWindowOperator(WindowOperator):
     """Keyed windows with a trigger other than the default (event time:
     tumbling, sliding and sessions), or in processing time (tumbling and
     sliding with any processing-time trigger, sessions with the default
-    one, on the base class's session code). The trigger (``spec.trigger``, see ``pyflowbuf.windows.triggers``)
-    says whether a window fires at its end, every ``interval`` of event time
+    one, on the base class's session code). The trigger (``spec.trigger``,
+    see ``pyflowbuf.windows.triggers``) says whether a window fires at its end, every ``interval`` of event time
     (timers keyed ``(1, window)``; the end is ``(0, window)``), or every
     ``count`` records (a count per window), and whether a firing empties it.
     Event-time windows are dropped at end + allowed lateness, processing-time
