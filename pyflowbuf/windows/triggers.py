@@ -110,8 +110,8 @@ class CountTrigger(Trigger):
     window that never complete a count of ``n`` are not emitted, and are
     dropped when the window is cleaned up at its end (plus the allowed
     lateness), counted in ``unfired_records_dropped`` (``env.metrics()``);
-    wrap it in ``PurgingTrigger`` to emit each group of ``n`` records once. Firings before the window's end are ``"early"``, after it
-    ``"late"``.
+    wrap it in ``PurgingTrigger`` to emit each group of ``n`` records once.
+    Firings before the window's end are ``"early"``, after it ``"late"``.
 
     ``n`` is an int >= 1 (else ``ConfigurationError``). Works with event-time
     and processing-time windows (not ``SessionProcessingTime``); merged
