@@ -30,7 +30,9 @@ Example::
 
 Differences from a running task, all about time: the harness has no wall
 clock, so processing-time timers fire only when ``advance_processing_time``
-says (``ctx.current_processing_time()`` still reads ``time.time()``), and a
+says, and processing-time windows place records at the harness's
+processing time (``ctx.current_processing_time()`` of a keyed ``process``
+still reads ``time.time()``), and a
 ``TimestampsAssigner`` is driven only with ``watermark_interval=0`` and no
 ``idle_timeout`` (its watermarks follow each batch).
 """
@@ -108,6 +110,10 @@ class OperatorHarness:
         # timers itself in advance_processing_time.
         if hasattr(op, "task") and not isinstance(op, TimerOperator):
             op.task = _TaskStandIn(self)
+        # operators that read the wall clock (processing-time windows) read
+        # the harness's processing time instead
+        if hasattr(op, "clock"):
+            op.clock = self._clock
         op.open(subtask, parallelism)
         self._run_mail()
 
@@ -250,6 +256,13 @@ class OperatorHarness:
         return out
 
     # ---- the task's side ----
+    def _clock(self) -> float:
+        if self.processing_time == NO_WATERMARK:
+            raise errors.ConfigurationError(
+                "OperatorHarness: this operator reads processing time; call advance_processing_time(t) "
+                "before feeding it records")
+        return self.processing_time
+
     def _check_open(self, what):
         if self.finished:
             raise errors.ConfigurationError(f"OperatorHarness.{what}: the operator has finished")

@@ -260,6 +260,31 @@ class Stream(SinkDeclarations):
                              inputs=[s._input_to(p) for s in streams], kind=kind)
         return Stream(self.env, node)
 
+    def window_all(self, assigner, trigger=None) -> "Any":
+        """Windows over the whole stream, without a key (Flink's windowAll):
+        any assigner and trigger of ``KeyedStream.window``; then
+        ``.reduce``, ``.aggregate`` or ``.process``, whose functions take no
+        key (``process(fn(window, records))``).
+
+        Note: the window operator has parallelism 1 — every record of the
+        stream goes through one subtask, which caps the throughput of this
+        step at what one thread can do. Pre-aggregate upstream (``key_by``
+        then ``window``) when the stream is large.
+
+        Returns an ``AllWindowedStream``; errors as for
+        ``KeyedStream.window``, and a ``parallelism`` other than 1 on its
+        ``reduce``/``aggregate``/``process`` is a ``ConfigurationError``.
+
+        Example::
+
+            per_minute = timed.window_all(fb.Tumbling(60)).aggregate(
+                fb.Count(), window_function=lambda w, n: (w.start, n))
+        """
+        from pyflowbuf.api.windowed import AllWindowedStream, _no_key
+        # no hash exchange: every record goes to the single subtask (forward
+        # from a single upstream subtask, else rebalance into one)
+        return AllWindowedStream(KeyedStream(self.env, self.node, _no_key), assigner, trigger)
+
     def join(self, other: "Stream"):
         """A window join: ``a.join(b).where(key_a).equal_to(key_b)
         .window(Tumbling(5)).apply(fn(left, right))``, one output per pair
@@ -389,14 +414,21 @@ class KeyedStream(Stream):
         node.event_time = True
         return Stream(self.env, node)
 
-    def window(self, assigner) -> "Any":
-        """Event-time windows per key: ``Tumbling(size)``, ``Sliding(size,
-        slide)`` or ``Session(gap)``; then ``.reduce``, ``.aggregate`` or
-        ``.process`` (``allowed_lateness(s)`` first, if wanted). The stream
-        needs timestamps (``assign_timestamps``). See ``pyflowbuf.windows``.
+    def window(self, assigner, trigger=None) -> "Any":
+        """Windows per key: event time (``Tumbling(size)``, ``Sliding(size,
+        slide)``, ``Session(gap)``), processing time
+        (``TumblingProcessingTime``, ``SlidingProcessingTime``,
+        ``SessionProcessingTime``) or counts (``CountWindow(size, slide)``);
+        then ``.reduce``, ``.aggregate`` or ``.process``
+        (``allowed_lateness(s)`` first, if wanted). Event-time windows need
+        timestamps (``assign_timestamps``). ``trigger`` says when windows
+        fire: ``EventTimeTrigger()`` (the default),
+        ``ContinuousEventTimeTrigger(s)`` (early firings), ``CountTrigger(n)``,
+        ``PurgingTrigger(t)``. See ``pyflowbuf.windows``.
 
-        Returns a ``WindowedStream``. An ``assigner`` that is not one of those
-        is a ``TypeError``, a stream without timestamps a
+        Returns a ``WindowedStream``. An ``assigner`` or ``trigger`` that is
+        not one of those is a ``TypeError``; an event-time window on a stream
+        without timestamps, or a trigger that does not fit the windows, a
         ``ConfigurationError``.
 
         Example::
@@ -404,9 +436,11 @@ class KeyedStream(Stream):
             per_minute = (timed.key_by(lambda e: e["page"])
                                .window(fb.Tumbling(60))
                                .aggregate(fb.Count(), window_function=lambda page, w, n: (page, w.start, n)))
+            early = timed.key_by(lambda e: e["page"]).window(
+                fb.Tumbling(3600), trigger=fb.ContinuousEventTimeTrigger(60)).aggregate(fb.Count())
         """
         from pyflowbuf.api.windowed import WindowedStream
-        return WindowedStream(self, assigner)
+        return WindowedStream(self, assigner, trigger)
 
     def interval_join(self, other: "KeyedStream", lower: float | None = None, upper: float | None = None):
         """Join each record of this stream with the records of ``other`` of

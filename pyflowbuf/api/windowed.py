@@ -8,11 +8,13 @@ from typing import Any, Callable
 from pyflowbuf import errors
 from pyflowbuf._validation import _callable, _check_kind, _kind_identity
 from pyflowbuf.api.stream import Stream
+from pyflowbuf.runtime.timers import takes_context
 from pyflowbuf.runtime.watermarks import check_seconds
 from pyflowbuf.windows.aggregates import AggregateFunction, Sum, _identity
 from pyflowbuf.windows.arrow import ArrowWindowOperator, check_arrow_spec
 from pyflowbuf.windows.assigners import WindowAssigner
-from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, TagSelect, WindowOperator, WindowSpec
+from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, TagSelect, WindowSpec, window_operator_class
+from pyflowbuf.windows.triggers import EventTimeTrigger, ProcessingTimeTrigger, Trigger
 
 
 _NOT_NUMBERS = ("struct", "str", "bytes", "arrow", "pandas")
@@ -50,6 +52,45 @@ def _stream_timestamps(stream, what):
     return ts
 
 
+def _check_trigger(assigner, trigger):
+    """The trigger the operator runs (None: the default event-time path), or
+    a typed error for a combination that has no meaning here."""
+    if trigger is None:
+        return None
+    if not isinstance(trigger, Trigger):
+        raise TypeError(f"trigger= takes EventTimeTrigger(), ContinuousEventTimeTrigger(s), CountTrigger(n) or "
+                        f"PurgingTrigger(...), got {type(trigger).__name__}")
+    domain = assigner.domain
+    if domain == "count":
+        raise errors.ConfigurationError(
+            f"{assigner!r} fires by its own count: trigger= does not apply to count windows (use a time "
+            "window with CountTrigger(n) for count firings within time windows)")
+    if trigger.domain is not None and trigger.domain != domain:
+        raise errors.ConfigurationError(
+            f"trigger {trigger!r} works in {trigger.domain} time and the windows {assigner!r} in {domain} time")
+    if trigger == EventTimeTrigger() or trigger == ProcessingTimeTrigger():
+        return None if domain == "event" else trigger
+    if assigner.merging and domain == "processing":
+        raise errors.ConfigurationError(
+            f"{assigner!r} windows merge in processing time, and take only their default trigger here "
+            f"(not {trigger!r}): use TumblingProcessingTime or SlidingProcessingTime with it")
+    return trigger
+
+
+def _no_key(record):
+    return 0
+
+
+class _DropKey:
+    """A window function of ``window_all`` (no key) called as a keyed one."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, key, *args):
+        return self.fn(*args)
+
+
 class WindowedStream:
     """A keyed stream cut into windows (``KeyedStream.window``): finish it with
     ``reduce``, ``aggregate`` or ``process``; ``allowed_lateness`` first if
@@ -61,14 +102,18 @@ class WindowedStream:
         hits = w.aggregate(fb.Count())
     """
 
-    def __init__(self, keyed, assigner):
+    _all = False        # window_all: no key, one subtask
+
+    def __init__(self, keyed, assigner, trigger=None):
         if not isinstance(assigner, WindowAssigner):
-            raise TypeError(f"window takes Tumbling(size), Sliding(size, slide) or Session(gap), "
-                            f"got {type(assigner).__name__}")
+            raise TypeError(f"window takes Tumbling(size), Sliding(size, slide), Session(gap), their "
+                            f"ProcessingTime versions or CountWindow(size), got {type(assigner).__name__}")
         self.keyed = keyed
         self.assigner = assigner
         self.lateness = 0.0
-        self.ts = _stream_timestamps(keyed, "window()")
+        self.trigger = _check_trigger(assigner, trigger)
+        what = "window_all()" if self._all else "window()"
+        self.ts = _stream_timestamps(keyed, what) if assigner.domain == "event" else None
 
     def late(self, *args, **kwargs):
         """Late records come from the window's result, once it has a function.
@@ -95,21 +140,39 @@ class WindowedStream:
 
             res = keyed.window(fb.Tumbling(60)).allowed_lateness(30).aggregate(fb.Count())
         """
-        self.lateness = check_seconds("allowed_lateness", seconds)
+        lateness = check_seconds("allowed_lateness", seconds)
+        if lateness and self.assigner.domain != "event":
+            raise errors.ConfigurationError(
+                f"allowed_lateness is for event-time windows: no record is late in {self.assigner!r} windows")
+        self.lateness = lateness
         return self
 
     def _spec(self):
-        return WindowSpec(self.assigner, self.keyed._key_fn, self.ts, self.lateness)
+        return WindowSpec(self.assigner, self.keyed._key_fn, self.ts, self.lateness, self.trigger)
 
     def _node(self, how, fn, window_function, parallelism, name, kind):
         kind = _check_kind(kind, f"window {name!r}")
+        user_fn = fn if how == PROCESS else window_function
+        base = 2 if self._all else 3
+        with_ctx = user_fn is not None and takes_context(user_fn, base)
+        if self._all:
+            if parallelism not in (None, 1):
+                raise errors.ConfigurationError(
+                    f"window_all runs in one subtask (every record goes through it): parallelism={parallelism!r} "
+                    "is not possible; key_by(...).window(...) spreads windows over subtasks")
+            parallelism = 1
+            if how == PROCESS:
+                fn = _DropKey(fn)
+            elif window_function is not None:
+                window_function = _DropKey(window_function)
         spec = self._spec()
         holder: dict = {"tagged": False}
+        op_class = window_operator_class(spec)
 
         def make():
-            return WindowOperator(name, spec, how, fn, window_function, late_tagged=holder["tagged"])
+            return op_class(name, spec, how, fn, window_function, late_tagged=holder["tagged"], with_ctx=with_ctx)
         node = self.keyed._then(name, make, parallelism, kind)
-        node.event_time = True
+        node.event_time = self.assigner.domain == "event"
         res = WindowResult(self.keyed.env, node, holder, kind)
         res._ts = self.ts
         return res
@@ -117,7 +180,9 @@ class WindowedStream:
     def reduce(self, fn: Callable, *, window_function: Callable | None = None, parallelism=None,
                name: str = "window_reduce", kind: Any = None) -> "WindowResult":
         """Per key and window, the records folded with ``fn(a, b)``; the output
-        is the reduced record, or ``window_function(key, window, reduced)``.
+        is the reduced record, or ``window_function(key, window, reduced)``
+        (``window_function(key, window, reduced, ctx)`` gets the
+        ``WindowContext``, whose ``firing`` says which kind of firing it is).
 
         Returns a ``WindowResult``. A ``fn`` or ``window_function`` that is not
         callable is a ``TypeError``.
@@ -136,7 +201,8 @@ class WindowedStream:
     def aggregate(self, agg, *, window_function: Callable | None = None, parallelism=None,
                   name: str = "window_aggregate", kind: Any = None):
         """Per key and window, an AggregateFunction's ``get_result``, or
-        ``window_function(key, window, result)``. On an Arrow/pandas stream
+        ``window_function(key, window, result)`` (with a fourth argument it
+        gets the ``WindowContext``). On an Arrow/pandas stream
         keyed by a column name, ``agg`` is a dict ``{output column: (column,
         function)}`` computed with pyarrow (see ``ArrowWindowOperator``).
 
@@ -154,6 +220,11 @@ class WindowedStream:
                                .aggregate({"n": ("word", "count"), "total": ("amount", "sum")}))
         """
         if isinstance(agg, dict):
+            if self._all or self.assigner.domain != "event" or self.trigger is not None:
+                raise errors.ConfigurationError(
+                    "aggregate({column: ...}) (the vectorized path) takes keyed event-time windows with the "
+                    f"default trigger; here: {'window_all, ' if self._all else ''}{self.assigner!r}"
+                    f"{', trigger ' + repr(self.trigger) if self.trigger is not None else ''}")
             return self._arrow_node(agg, parallelism, name)
         _check_aggregate(agg, self.assigner.merging, self.keyed.node.kind)
         if window_function is not None:
@@ -162,11 +233,16 @@ class WindowedStream:
 
     def process(self, fn: Callable, *, parallelism=None, name: str = "window_process", kind: Any = None):
         """``fn(key, window, records) -> iterable of outputs`` once per window
-        (and again per record arriving within the allowed lateness).
+        (and again per record arriving within the allowed lateness), or at
+        each firing of the window's trigger.
 
-        ``window`` is a ``TimeWindow``, ``records`` a list of the window's
-        records. Returns a ``WindowResult``; a ``fn`` that is not callable
-        is a ``TypeError``.
+        ``window`` is a ``TimeWindow`` (a ``RecordRange`` for ``CountWindow``),
+        ``records`` a list of the window's records. A ``fn`` that takes a
+        fourth argument gets a ``WindowContext``: ``ctx.firing`` says which
+        kind of firing this is ("early", "on_time", "late", "partial").
+        The same holds for ``window_function`` of ``reduce`` and
+        ``aggregate``. Returns a ``WindowResult``; a ``fn`` that is not
+        callable is a ``TypeError``.
 
         Example::
 
@@ -212,6 +288,61 @@ class WindowedStream:
             name, column_key, ts, assigner, aggs, 0.0, mode="final"), 1, "arrow")
         node.event_time = True
         return Stream(env, node)
+
+
+class AllWindowedStream(WindowedStream):
+    """An unkeyed stream cut into windows (``Stream.window_all``): one
+    subtask sees every record. Finish it with ``reduce``, ``aggregate`` or
+    ``process``, whose functions take no key: ``process(fn(window, records
+    [, ctx]))``, ``window_function(window, result[, ctx])``.
+
+    Example::
+
+        per_minute = timed.window_all(fb.Tumbling(60)).aggregate(
+            fb.Count(), window_function=lambda w, n: (w.start, n))
+    """
+
+    _all = True
+
+    def reduce(self, fn: Callable, *, window_function: Callable | None = None, parallelism=None,
+               name: str = "window_all_reduce", kind: Any = None) -> "WindowResult":
+        """Per window, the records folded with ``fn(a, b)``; the output is the
+        reduced record, or ``window_function(window, reduced)``. Runs in one
+        subtask: ``parallelism`` other than 1 is a ``ConfigurationError``.
+
+        Example::
+
+            largest = timed.window_all(fb.Tumbling(60)).reduce(max)
+        """
+        return super().reduce(fn, window_function=window_function, parallelism=parallelism, name=name,
+                              kind=kind)
+
+    def aggregate(self, agg, *, window_function: Callable | None = None, parallelism=None,
+                  name: str = "window_all_aggregate", kind: Any = None) -> "WindowResult":
+        """Per window, an AggregateFunction's ``get_result``, or
+        ``window_function(window, result)``. Runs in one subtask:
+        ``parallelism`` other than 1 is a ``ConfigurationError``.
+
+        Example::
+
+            totals = timed.window_all(fb.Tumbling(60)).aggregate(
+                fb.Sum(lambda o: o["amount"]), window_function=lambda w, total: (w.start, total))
+        """
+        return super().aggregate(agg, window_function=window_function, parallelism=parallelism, name=name,
+                                 kind=kind)
+
+    def process(self, fn: Callable, *, parallelism=None, name: str = "window_all_process",
+                kind: Any = None) -> "WindowResult":
+        """``fn(window, records) -> iterable of outputs`` per firing (a third
+        argument, if ``fn`` takes one, is the ``WindowContext``). Runs in one
+        subtask: ``parallelism`` other than 1 is a ``ConfigurationError``.
+
+        Example::
+
+            top3 = timed.window_all(fb.Tumbling(60)).process(
+                lambda w, recs: [(w.start, sorted(recs, key=lambda r: -r["score"])[:3])])
+        """
+        return super().process(fn, parallelism=parallelism, name=name, kind=kind)
 
 
 class WindowResult(Stream):
