@@ -110,9 +110,9 @@ def owner(path: str, parallelism: int) -> int:
 
 
 class MonitoredFileSource(Source):
-    """Watches ``path`` and reads each new file with ``reader(path)``, a
-    bounded Source over that one file (opened as subtask 0 of 1); see the
-    module's docstring."""
+    """Watches ``path`` and reads each new file with ``reader(path, size)``,
+    a bounded Source over that one file (opened as subtask 0 of 1; ``size``:
+    the bytes it had when found complete); see the module's docstring."""
 
     rewindable = True
 
@@ -211,7 +211,7 @@ class MonitoredFileSource(Source):
             self._last_news = now
 
     def _start(self, fp):
-        src = self.reader(fp[0])
+        src = self.reader(fp[0], fp[1])
         src.open(0, 1)
         self._current = (fp, src)
 
@@ -241,7 +241,7 @@ class MonitoredFileSource(Source):
         if cur is not None:
             fp, inner = cur
             self._check_unchanged(fp, errors.FileFormatError)
-            src = self.reader(fp[0])
+            src = self.reader(fp[0], fp[1])
             src.open(0, 1)
             src.seek(tuple(inner) if isinstance(inner, list) else inner)
             self._current = (fp, src)
@@ -302,7 +302,7 @@ def text_source(path, *, encoding, monitor, monitor_timeout, what):
     path = check_watched(path, what)
     monitor, monitor_timeout = check_monitor(what, monitor, monitor_timeout)
     settings = {"kind": "read_text", "encoding": encoding}
-    return (lambda: MonitoredFileSource(what, path, lambda p: TextFileSource(p, encoding), monitor,
+    return (lambda: MonitoredFileSource(what, path, lambda p, size: TextFileSource(p, encoding, size), monitor,
                                         monitor_timeout, "str", settings)), "str"
 
 
@@ -336,7 +336,7 @@ def parquet_source(path, *, columns, schema, batch_size, as_, monitor, monitor_t
             raise errors.ConfigurationError(f"{what}: schema= has no column {missing[0]!r}")
         schema = pa.schema([schema.field(c) for c in columns])
 
-    def reader(p):
+    def reader(p, size):
         plan = ParquetPlan([p], columns, what)
         if not plan.schema.equals(schema):
             raise errors.FileFormatError(
@@ -381,9 +381,14 @@ def csv_source(path, *, columns, column_types, column_names, header, delimiter, 
             "column_types=pyarrow.schema([...]) with every column in file order, or put a first file there")
     out_schema = schema if columns is None else pa.schema([schema.field(c) for c in columns])
 
-    def reader(p):
+    def reader(p, size):
         given = column_names if column_names is not None else None if header else names
-        plan = CsvPlan([p], column_types=schema, column_names=given, **args)
+        try:
+            plan = CsvPlan([p], column_types=schema, column_names=given, **args)
+        except errors.ConfigurationError as exc:     # its header names other columns
+            raise errors.FileFormatError(
+                f"{what}: {p} does not have the columns the stream was declared with ({header_names or names}): "
+                f"{exc}") from None
         if plan.names != names or (header_names is not None and plan.header_names != header_names):
             raise errors.FileFormatError(
                 f"{what}: {p} has the columns {plan.header_names or plan.names}, the stream was declared with "
