@@ -625,3 +625,34 @@ def test_a_cancel_ends_a_monitored_source_that_waits(tmp_path):
     job.join(BOUND_S)
     assert all(t.state == "CANCELED" for t in job.tasks)
     assert_clean(env)
+
+
+def test_a_restart_with_at_least_once_checkpoints_reconnects_and_reads_on(tmp_path):
+    port = free_port()
+    srv = socket.create_server(("127.0.0.1", port))
+    srv.settimeout(BOUND_S)
+    second = threading.Event()
+
+    def serve():
+        with srv:
+            first, _ = srv.accept()
+            with first:
+                first.sendall(b"a1\na2\nboom\n")
+                conn, _ = srv.accept()        # the restarted source connects again
+                second.set()
+                with conn:
+                    conn.sendall(b"b1\nb2\n")
+    threading.Thread(target=serve, daemon=True).start()
+    failed = []
+
+    def fail_once(line):
+        if line == "boom" and not failed:
+            failed.append(line)
+            raise RuntimeError("boom")
+        return line
+    env = fb.Environment(checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
+                         checkpointing_mode="at_least_once", restart_attempts=1)
+    out = env.socket_text("127.0.0.1", port, max_retries=0).map(fail_once).collect()
+    env.execute(timeout=BOUND_S)
+    assert failed and second.is_set() and env.last_execution.restarts == 1
+    assert out.result[-2:] == ["b1", "b2"] and "boom" not in out.result

@@ -12,6 +12,7 @@ from pyflowbuf import connectors
 from pyflowbuf._core.serde import number_kind
 from pyflowbuf._validation import _check_kind, _parallelism, _positive_int, _sequence_args
 from pyflowbuf.api.stream import Stream
+from pyflowbuf.connectors import socket_text as st
 from pyflowbuf.errors import ConfigurationError
 from pyflowbuf.runtime import sources as srcs
 from pyflowbuf.serializers import infer_kind
@@ -258,8 +259,6 @@ class SourceDeclarations:
                          .key_by(lambda w: w)
                          .reduce(lambda a, b: a))
         """
-        from pyflowbuf.connectors import socket_text as st
-
         retry_delay, max_retry_delay = st.check_arguments(host, port, delimiter, encoding, max_retries,
                                                           retry_delay, max_retry_delay, allow_remote)
         st.check_checkpointing(self, name)

@@ -45,8 +45,10 @@ import warnings
 import zlib
 
 from pyflowbuf import errors
-from pyflowbuf.connectors.files import _GLOB_CHARS, _hidden
-from pyflowbuf.runtime.sources import Source, file_fingerprint, incompatible
+from pyflowbuf.connectors.csv import CsvFileSource, CsvPlan, csv_source as bounded_csv_source
+from pyflowbuf.connectors.files import _GLOB_CHARS, _check_common, _hidden, _kind, _pyarrow
+from pyflowbuf.connectors.parquet import ParquetFileSource, ParquetPlan, _schema_str
+from pyflowbuf.runtime.sources import Source, TextFileSource, file_fingerprint, incompatible
 
 # How long one pull may wait before the task gets an empty batch.
 POLL_S = 0.2
@@ -297,8 +299,6 @@ class MonitoredFileSource(Source):
 
 def text_source(path, *, encoding, monitor, monitor_timeout, what):
     """``(factory, kind)`` for ``read_text(path, monitor=...)``."""
-    from pyflowbuf.runtime.sources import TextFileSource
-
     path = check_watched(path, what)
     monitor, monitor_timeout = check_monitor(what, monitor, monitor_timeout)
     settings = {"kind": "read_text", "encoding": encoding}
@@ -316,9 +316,6 @@ def parquet_source(path, *, columns, schema, batch_size, as_, monitor, monitor_t
     """``(factory, kind)`` for ``read_parquet(path, monitor=...)``: the schema
     is ``schema=`` or the oldest file's there now; every file read later must
     have it (``FileFormatError`` naming the file otherwise)."""
-    from pyflowbuf.connectors.files import _check_common, _kind, _pyarrow
-    from pyflowbuf.connectors.parquet import ParquetFileSource, ParquetPlan, _schema_str
-
     columns = _check_common(what, as_, batch_size, columns)
     path = check_watched(path, what)
     monitor, monitor_timeout = check_monitor(what, monitor, monitor_timeout)
@@ -356,9 +353,6 @@ def csv_source(path, *, columns, column_types, column_names, header, delimiter, 
     read_csv fixes them) or, for a directory with no file yet, from
     ``column_types`` given as a full ``pyarrow.Schema``; every file read
     later is parsed with them."""
-    from pyflowbuf.connectors.csv import CsvFileSource, CsvPlan, csv_source as bounded
-    from pyflowbuf.connectors.files import _kind, _pyarrow
-
     path = check_watched(path, what)
     monitor, monitor_timeout = check_monitor(what, monitor, monitor_timeout)
     pa, _, _ = _pyarrow()
@@ -366,7 +360,7 @@ def csv_source(path, *, columns, column_types, column_names, header, delimiter, 
     args = dict(columns=columns, header=header, delimiter=delimiter, quote_char=quote_char,
                 block_size=block_size, what=what)
     if first is not None:
-        bounded([first], column_types=column_types, column_names=column_names, batch_size=batch_size,
+        bounded_csv_source([first], column_types=column_types, column_names=column_names, batch_size=batch_size,
                 as_=as_, **args)     # the argument checks
         plan = CsvPlan([first], column_types=column_types, column_names=column_names, **args)
         names, schema, header_names = plan.names, plan.schema, plan.header_names
