@@ -656,3 +656,12 @@ def test_a_restart_with_at_least_once_checkpoints_reconnects_and_reads_on(tmp_pa
     env.execute(timeout=BOUND_S)
     assert failed and second.is_set() and env.last_execution.restarts == 1
     assert out.result[-2:] == ["b1", "b2"] and "boom" not in out.result
+
+
+def test_the_socket_source_runs_in_a_worker_process():
+    port = free_port()
+    serve_once(port, [b"one two\nthree\n"])
+    env = fb.Environment(parallelism=2, workers=2)
+    out = env.socket_text("127.0.0.1", port, max_retries=0).flat_map(str.split).collect()
+    env.execute(timeout=BOUND_S * 2)
+    assert sorted(out.result) == ["one", "three", "two"]
