@@ -451,6 +451,40 @@ def test_a_restore_from_any_position_reads_each_file_exactly_once(tmp_path_facto
         assert mine == [f"f{i}-{j}" for j in range(sizes[i])]
 
 
+@settings(max_examples=25)
+@given(sizes=st.lists(st.integers(min_value=0, max_value=30), min_size=1, max_size=6),
+       old_p=st.integers(min_value=1, max_value=3), new_p=st.integers(min_value=1, max_value=3),
+       stop_after=st.integers(min_value=0, max_value=20))
+def test_positions_dealt_out_to_another_parallelism_read_each_line_once(tmp_path_factory, sizes, old_p, new_p,
+                                                                      stop_after):
+    """For state rescaling: the positions of every old subtask, dealt out by
+    rescale_positions to new_p subtasks, give every line once."""
+    d = tmp_path_factory.mktemp("in")
+    reference = []
+    for i, n in enumerate(sizes):
+        put(d, f"f{i}.txt", [f"f{i}-{j}" for j in range(n)])
+        reference += [f"f{i}-{j}" for j in range(n)]
+    factory, _ = mon.text_source(str(d), encoding="utf-8", monitor=0.01, monitor_timeout=0.05, what="t")
+    got, positions = [], []
+    for sub in range(old_p):
+        src = factory()
+        src.open(sub, old_p)
+        for _ in range(stop_after):
+            batch = src.next_batch(2)
+            if batch is None:
+                break
+            got += batch
+        positions.append(json.loads(json.dumps(src.position())))
+        src.close()
+    for sub, pos in enumerate(mon.MonitoredFileSource.rescale_positions(positions, new_p)):
+        src = factory()
+        src.open(sub, new_p)
+        src.seek(pos)
+        got += run_source_to_end(src)
+        src.close()
+    assert collections.Counter(got) == collections.Counter(reference)
+
+
 def test_a_restore_refuses_a_file_being_read_that_changed_since(tmp_path):
     d = tmp_path / "in"
     d.mkdir()
@@ -463,7 +497,7 @@ def test_a_restore_refuses_a_file_being_read_that_changed_since(tmp_path):
         got += src.next_batch(5)
     pos = src.position()
     src.close()
-    assert pos["reading"] is not None
+    assert pos["reading"]
     with open(d / "a.txt", "w") as f:
         f.write("rewritten\n")
     from pyflowbuf.checkpoint.errors import IncompatibleCheckpointError

@@ -23,7 +23,8 @@ file stream source).
   first line to its last.
 * **Checkpoints.** The position is a plain dict: the files read (each as
   [path, size, CRC-32 of its first and last 64 KiB]) and the file being read
-  with its position inside it. A restore reads no file twice and every file
+  with its position inside it (``rescale_positions`` deals the positions of
+  all subtasks out to another parallelism). A restore reads no file twice and every file
   found after the checkpoint once: the files read stay read, the file being
   read goes on after the last record the checkpoint covers, and a file
   being read that changed since is ``IncompatibleCheckpointError``.
@@ -127,7 +128,10 @@ class MonitoredFileSource(Source):
         self.default_kind = kind
         self.settings = settings            # what decides the records of a file (the identity)
         self.done = {}                      # path -> fingerprint [path, size, head, tail] of files read
-        self._queue = []                    # stable files of this subtask, not yet read
+        # files of this subtask to read: (fingerprint, None) for a stable file
+        # found by a scan, (fingerprint, position in it) for one a checkpoint
+        # was in the middle of
+        self._queue = []
         self._previous = {}                 # path -> (size, mtime_ns) at the scan before
         self._current = None                # (fingerprint, Source) of the file being read
         self._warned = set()
@@ -180,7 +184,7 @@ class MonitoredFileSource(Source):
             self._listing = listing
             self._last_news = now
         previous, self._previous = self._previous, {}
-        queued = {fp[0] for fp in self._queue}
+        queued = {fp[0] for fp, _ in self._queue}
         reading = self._current[0][0] if self._current is not None else None
         new = []
         p, me = self.parallelism, self.subtask
@@ -208,13 +212,18 @@ class MonitoredFileSource(Source):
             except OSError:
                 continue    # gone since the listing: a later scan sees what is there
             self._previous.pop(path, None)
-            self._queue.append(fp)
+            self._queue.append((fp, None))
         if new:
             self._last_news = now
 
-    def _start(self, fp):
+    def _start(self, entry):
+        fp, inner = entry
+        if inner is not None:
+            self._check_unchanged(fp, errors.FileFormatError)
         src = self.reader(fp[0], fp[1])
         src.open(0, 1)
+        if inner is not None:
+            src.seek(tuple(inner) if isinstance(inner, list) else inner)
         self._current = (fp, src)
 
     def _finish_current(self):
@@ -225,45 +234,54 @@ class MonitoredFileSource(Source):
         self._last_news = time.monotonic()
 
     # ---- checkpoints ----
+    # The position is plain data (lists, str, ints), so that a checkpoint
+    # stores it as it is and ``rescale_positions`` can deal it out again:
+    # {"read": [fingerprint, ...], "reading": [[fingerprint, position in the file], ...]}
     def position(self):
-        cur = None
+        reading = []
         if self._current is not None:
             fp, src = self._current
-            inner = src.position()
-            cur = [list(fp), list(inner) if isinstance(inner, tuple) else inner]
-        return {"read": [list(fp) for fp in self.done.values()], "reading": cur}
+            reading.append([list(fp), _plain(src.position())])
+        reading += [[list(fp), _plain(inner)] for fp, inner in self._queue if inner is not None]
+        return {"read": [list(fp) for fp in self.done.values()], "reading": reading}
 
     def seek(self, position):
-        read, cur = self._parse(position)
+        read, reading = self._parse(position)
         self.done = {fp[0]: fp for fp in read}
-        self._queue, self._previous = [], {}
+        self._previous = {}
         if self._current is not None:
             self._current[1].close()
             self._current = None
-        if cur is not None:
-            fp, inner = cur
-            self._check_unchanged(fp, errors.FileFormatError)
-            src = self.reader(fp[0], fp[1])
-            src.open(0, 1)
-            src.seek(tuple(inner) if isinstance(inner, list) else inner)
-            self._current = (fp, src)
+        self._queue = list(reading)     # read on first, before any new file
 
     def _parse(self, position):
         try:
-            read, cur = position["read"], position["reading"]
+            read, reading = position["read"], position["reading"] or []
             read = [list(fp) for fp in read]
-            if not all(len(fp) == 4 and isinstance(fp[0], str) for fp in read):
+            reading = [(list(fp), inner) for fp, inner in reading]
+            if not all(len(fp) == 4 and isinstance(fp[0], str) for fp in read + [e[0] for e in reading]):
                 raise ValueError
-            if cur is not None:
-                fp, inner = cur
-                fp = list(fp)
-                if len(fp) != 4:
-                    raise ValueError
-                cur = (fp, inner)
         except (TypeError, ValueError, KeyError):
             raise errors.ConfigurationError(
                 f"{self.what}: {position!r} is not a position of a monitored source") from None
-        return read, cur
+        return read, reading
+
+    @staticmethod
+    def rescale_positions(positions: list, parallelism: int) -> list:
+        """The positions of ``parallelism`` subtasks from those of all the
+        subtasks of a checkpoint taken at another parallelism: each file read,
+        and each file in the middle of being read, goes to the subtask that
+        owns it at the new parallelism (``owner``). Nothing is lost or read
+        twice: the files read stay read, wherever they are listed."""
+        out = [{"read": [], "reading": []} for _ in range(parallelism)]
+        for pos in positions:
+            if pos is None:
+                continue
+            for fp in pos["read"]:
+                out[owner(fp[0], parallelism)]["read"].append(list(fp))
+            for fp, inner in pos["reading"] or []:
+                out[owner(fp[0], parallelism)]["reading"].append([list(fp), inner])
+        return out
 
     def _check_unchanged(self, fp, error):
         path = fp[0]
@@ -281,18 +299,20 @@ class MonitoredFileSource(Source):
     def check_identity(self, recorded, position):
         super().check_identity(recorded, position)
         try:
-            _, cur = self._parse(position)
+            _, reading = self._parse(position)
         except errors.ConfigurationError as exc:
             raise incompatible(self, str(exc)) from None
-        if cur is not None:
-            def error(msg):
-                return incompatible(self, msg)
-            self._check_unchanged(cur[0], error)
+        for fp, _ in reading:
+            self._check_unchanged(fp, lambda msg: incompatible(self, msg))
 
     def close(self):
         if self._current is not None:
             self._current[1].close()
             self._current = None
+
+
+def _plain(inner):
+    return list(inner) if isinstance(inner, tuple) else inner
 
 
 # ---------------------------------------------------------------- the declarations
