@@ -699,3 +699,13 @@ def test_the_socket_source_runs_in_a_worker_process():
     out = env.socket_text("127.0.0.1", port, max_retries=0).flat_map(str.split).collect()
     env.execute(timeout=BOUND_S * 2)
     assert sorted(out.result) == ["one", "three", "two"]
+
+
+@pytest.mark.parametrize("data", [b"ok\n\xff\xfe\n", "ok\nend\u00e9".encode()[:-1]])
+def test_bytes_that_are_not_text_fail_the_job_naming_the_source(data):
+    port = free_port()
+    serve_once(port, [data])
+    env = fb.Environment()
+    env.socket_text("127.0.0.1", port, max_retries=0).collect()
+    with pytest.raises(errors.JobFailedError, match="RecordTypeError.*not utf-8 text.*encoding="):
+        env.execute(timeout=BOUND_S)

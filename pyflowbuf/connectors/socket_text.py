@@ -202,17 +202,18 @@ class SocketTextSource(Source):
                 return []           # woken up (a mail, a cancel) or the poll ran out
 
     def _wait(self, sock, timeout):
-        """Wait up to ``timeout`` for ``sock`` to be readable or a wake-up;
-        returns ``sock`` when it is readable, None otherwise."""
-        watch = [self._wake_r] if sock is None else [sock, self._wake_r]
-        try:
-            ready, _, _ = select.select(watch, [], [], max(timeout, 0.0))
-        except InterruptedError:
-            return None
-        if self._wake_r in ready:
+        """Wait up to ``timeout`` for ``sock`` to be readable (or closed) or a
+        wake-up; returns ``sock`` when it is, None otherwise. poll, not
+        select: a process with over 1024 open files is no problem."""
+        poller = select.poll()
+        wake = self._wake_r.fileno()
+        poller.register(wake, select.POLLIN)
+        if sock is not None:
+            poller.register(sock.fileno(), select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(max(timeout, 0.0) * 1000.0)}
+        if wake in ready:
             self._drain_wakeups()
-            return sock if sock is not None and sock in ready else None
-        return sock if sock is not None and ready else None
+        return sock if sock is not None and sock.fileno() in ready else None
 
     def _receive(self):
         try:
@@ -260,8 +261,10 @@ class SocketTextSource(Source):
         """The connection ended: its last text is a line, then try again."""
         try:
             tail = self._decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            tail = ""               # a character cut off by the close: not text
+        except UnicodeDecodeError as exc:
+            raise errors.RecordTypeError(
+                f"{self.what}: the connection closed inside a character: its last bytes are not "
+                f"{self.encoding} text ({exc.reason}); pass encoding= to socket_text") from None
         self._split(tail)
         if self._text:
             last = self._text
