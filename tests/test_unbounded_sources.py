@@ -709,3 +709,27 @@ def test_bytes_that_are_not_text_fail_the_job_naming_the_source(data):
     env.socket_text("127.0.0.1", port, max_retries=0).collect()
     with pytest.raises(errors.JobFailedError, match="RecordTypeError.*not utf-8 text.*encoding="):
         env.execute(timeout=BOUND_S)
+
+
+def test_a_failure_and_restart_of_a_monitored_job_gives_each_line_once(tmp_path):
+    d, out = tmp_path / "in", tmp_path / "out"
+    d.mkdir()
+    expected = []
+    for i in range(6):
+        put(d, f"f{i}.txt", lines_of(f"f{i}", 40))
+        expected += lines_of(f"f{i}", 40)
+    seen = []
+
+    def fail_once(line):
+        seen.append(line)
+        if len(seen) == 150:
+            raise RuntimeError("fails once, in the middle")
+        return line
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
+                         restart_attempts=1, chaining=False)
+    (env.read_text(d, monitor=0.05, monitor_timeout=1.0, rate_limit=300)
+        .map(fail_once, parallelism=1)
+        .write_text(out))
+    env.execute(timeout=BOUND_S * 2)
+    assert env.last_execution.restarts == 1
+    assert collections.Counter(read_parts(out)) == collections.Counter(expected)
