@@ -733,3 +733,19 @@ def test_a_failure_and_restart_of_a_monitored_job_gives_each_line_once(tmp_path)
     env.execute(timeout=BOUND_S * 2)
     assert env.last_execution.restarts == 1
     assert collections.Counter(read_parts(out)) == collections.Counter(expected)
+
+
+def test_monitored_csv_and_parquet_arguments_are_checked_on_an_empty_directory_too(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    d = tmp_path / "in"
+    d.mkdir()
+    schema = pa.schema([("a", pa.int64())])
+    env = fb.Environment()
+    for kw, match in [({"as_": "rows"}, "as_"), ({"block_size": 10}, "block_size"), ({"header": 1}, "header"),
+                      ({"columns": ["b"]}, "no column 'b'"), ({"batch_size": 0}, "batch_size")]:
+        with pytest.raises(errors.ConfigurationError, match=match):
+            env.read_csv(d, column_types=schema, monitor=1.0, **kw)
+    with pytest.raises(errors.ConfigurationError, match="schema must be a pyarrow.Schema"):
+        env.read_parquet(d, schema={"a": "int64"}, monitor=1.0)
+    with pytest.raises(errors.ConfigurationError, match="no column 'b'"):
+        env.read_parquet(d, schema=schema, columns=["b"], monitor=1.0)

@@ -340,6 +340,8 @@ def parquet_source(path, *, columns, schema, batch_size, as_, monitor, monitor_t
     path = check_watched(path, what)
     monitor, monitor_timeout = check_monitor(what, monitor, monitor_timeout)
     pa, _, _ = _pyarrow()
+    if schema is not None and not isinstance(schema, pa.Schema):
+        raise errors.ConfigurationError(f"{what}: schema must be a pyarrow.Schema, got {schema!r}")
     if schema is None:
         first = _first_file(path)
         if first is None:
@@ -376,16 +378,25 @@ def csv_source(path, *, columns, column_types, column_names, header, delimiter, 
     path = check_watched(path, what)
     monitor, monitor_timeout = check_monitor(what, monitor, monitor_timeout)
     pa, _, _ = _pyarrow()
+    columns = _check_common(what, as_, batch_size, columns)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1024:
+        raise errors.ConfigurationError(f"{what}: block_size must be an int >= 1024 (bytes), got {block_size!r}")
+    if not isinstance(header, bool):
+        raise errors.ConfigurationError(f"{what}: header must be True or False, got {header!r}")
     first = _first_file(path)
     args = dict(columns=columns, header=header, delimiter=delimiter, quote_char=quote_char,
                 block_size=block_size, what=what)
     if first is not None:
-        bounded_csv_source([first], column_types=column_types, column_names=column_names, batch_size=batch_size,
-                as_=as_, **args)     # the argument checks
+        # the argument checks of a bounded read_csv, on the oldest file
+        bounded_csv_source([first], column_types=column_types, column_names=column_names,
+                           batch_size=batch_size, as_=as_, **args)
         plan = CsvPlan([first], column_types=column_types, column_names=column_names, **args)
         names, schema, header_names = plan.names, plan.schema, plan.header_names
     elif isinstance(column_types, pa.Schema):
         names, schema, header_names = list(column_types.names), column_types, None
+        if columns is not None and any(c not in names for c in columns):
+            raise errors.ConfigurationError(
+                f"{what}: no column {next(c for c in columns if c not in names)!r}; the columns: {names}")
         if column_names is not None and list(column_names) != names:
             raise errors.ConfigurationError(
                 f"{what}: column_names {list(column_names)} and the names of column_types {names} differ")
