@@ -719,6 +719,9 @@ def check_sources(meta, states, sources) -> None:
 def check_rewindable(config: CheckpointConfig, name, source) -> None:
     """Exactly-once recovery replays the sources from their recorded positions."""
     if config.mode == "exactly_once" and not source.rewindable:
+        why = getattr(source, "not_rewindable_because", None)     # a source that explains itself
+        if why is not None:
+            raise errors.ConfigurationError(why)
         raise errors.ConfigurationError(
             f"source {name!r} cannot rewind (a plain iterator or generator), so a "
             "recovery could not replay it and exactly-once checkpoints are impossible: pass a "

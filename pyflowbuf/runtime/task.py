@@ -101,6 +101,9 @@ class Subtask(threading.Thread):
         # Source records handed to a chained operator are never serialized:
         # check them here, against the source's kind, as a writer would.
         self._source_misfit = None if source is None or not operators else _SourceCheck(vertex.head)
+        # An unbounded source that waits for input (a socket, a watched
+        # directory) wakes up for a mail or a cancel instead of polling
+        self._source_wakeup = getattr(source, "wakeup", None)
 
     # ---- mailbox ----
     notifier = None         # set when tasks wait for output buffers (unaligned checkpoints)
@@ -113,6 +116,8 @@ class Subtask(threading.Thread):
             self.input.notifier.notify()
         elif self.notifier is not None:
             self.notifier.notify()
+        if self._source_wakeup is not None:
+            self._source_wakeup()
 
     def _output_blocked(self) -> bool:
         """Unaligned checkpoints: whether an output has no buffer to give now.
@@ -275,6 +280,14 @@ class Subtask(threading.Thread):
             pulled_ns = time.monotonic_ns() - t0
             if batch is None:
                 break
+            if not batch:
+                # an unbounded source waited (a bounded time) and nothing
+                # came: ship what is buffered, then see to the mailbox
+                self.source_idle_ns += pulled_ns
+                for out in outputs:
+                    out.flush()
+                self._next_flush = time.monotonic_ns() + self._timeout_ns
+                continue
             self.pulls += 1
             if self._source_misfit is not None:
                 self._source_misfit(batch)
@@ -614,6 +627,8 @@ class Subtask(threading.Thread):
             self.input.cancel()
         if self.rate_limiter is not None:
             self.rate_limiter.cancel()
+        if self._source_wakeup is not None:
+            self._source_wakeup()
 
     # ---- counters for metrics ----
     def counters(self) -> dict:
