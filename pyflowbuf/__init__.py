@@ -13,7 +13,7 @@ from pyflowbuf._version import __version__
 from pyflowbuf._core.serde import stable_hash
 from pyflowbuf import errors
 from pyflowbuf.api import (CollectSink, ConnectedStreams, Environment, IntervalJoin, IteratorSink, JoinedStreams,
-                           KeyedStream, Stream, WindowedStream, WindowResult)
+                           KeyedStream, OutputTag, Stream, WindowedStream, WindowResult)
 from pyflowbuf.runtime.sources import RateLimiter
 from pyflowbuf import windows
 from pyflowbuf.windows import AggregateFunction, Count, Session, Sliding, Sum, TimeWindow, Tumbling
@@ -24,7 +24,7 @@ __all__ = [
     "Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink", "RateLimiter",
     "WindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin",
     "windows", "Tumbling", "Sliding", "Session", "TimeWindow", "AggregateFunction", "Count", "Sum",
-    "KeyedProcessFunction",
+    "KeyedProcessFunction", "OutputTag",
 ]
 
 # The core classes were importable from here before issue 19; for one release

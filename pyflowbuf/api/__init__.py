@@ -16,14 +16,16 @@ What lives where:
 - ``stream``: ``Stream``, ``KeyedStream``, ``ConnectedStreams``;
 - ``sinks``: the sink declarations of a stream and their handles;
 - ``windowed``: ``WindowedStream`` and ``WindowResult`` (``KeyedStream.window``);
+- ``side_outputs``: ``OutputTag`` and the checks of side output declarations;
 - ``joined``: ``JoinedStreams`` and ``IntervalJoin``;
 - ``_validation``: the argument checks they share.
 """
 from pyflowbuf.api.environment import Environment
+from pyflowbuf.api.side_outputs import OutputTag
 from pyflowbuf.api.joined import IntervalJoin, JoinedStreams
 from pyflowbuf.api.sinks import CollectSink, IteratorSink
 from pyflowbuf.api.stream import ConnectedStreams, KeyedStream, Stream
 from pyflowbuf.api.windowed import WindowedStream, WindowResult
 
 __all__ = ["Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink",
-           "WindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin"]
+           "WindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin", "OutputTag"]

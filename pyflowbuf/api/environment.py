@@ -235,11 +235,6 @@ class Environment(SourceDeclarations):
     # ---- the graph ----
     def _add(self, **kw) -> Node:
         node = Node(id=len(self.nodes), **kw)
-        for inp in node.inputs:
-            # a window result split by late(): its results come from the selector
-            split = getattr(inp.node, "split_into", None)
-            if split is not None:
-                inp.node = split
         self._check_node_kind(node)
         for inp in node.inputs:
             inp.node.consumers.append(node)

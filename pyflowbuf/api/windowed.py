@@ -6,13 +6,18 @@ from typing import Any, Callable
 
 
 from pyflowbuf import errors
-from pyflowbuf._validation import _callable, _check_kind, _kind_identity
-from pyflowbuf.api.stream import Stream
+from pyflowbuf._validation import _callable, _check_arity, _check_kind, _kind_identity
+from pyflowbuf.api.side_outputs import LATE, OutputTag, declare_side_outputs
+from pyflowbuf.api.stream import Stream, _side_stream
 from pyflowbuf.runtime.watermarks import check_seconds
 from pyflowbuf.windows.aggregates import AggregateFunction, Sum, _identity
 from pyflowbuf.windows.arrow import ArrowWindowOperator, check_arrow_spec
 from pyflowbuf.windows.assigners import WindowAssigner
-from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, TagSelect, WindowOperator, WindowSpec
+from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, WindowOperator, WindowSpec
+
+# the side output of every window operator that late() reads
+_LATE_TAG = OutputTag(LATE)
+_RESERVED = {LATE: "a window's late records are result.late()"}
 
 
 _NOT_NUMBERS = ("struct", "str", "bytes", "arrow", "pandas")
@@ -101,17 +106,18 @@ class WindowedStream:
     def _spec(self):
         return WindowSpec(self.assigner, self.keyed._key_fn, self.ts, self.lateness)
 
-    def _node(self, how, fn, window_function, parallelism, name, kind):
+    def _node(self, how, fn, window_function, parallelism, name, kind, tags=None):
         kind = _check_kind(kind, f"window {name!r}")
         spec = self._spec()
-        holder: dict = {"tagged": False}
-
-        def make():
-            return WindowOperator(name, spec, how, fn, window_function, late_tagged=holder["tagged"])
-        node = self.keyed._then(name, make, parallelism, kind)
+        node = self.keyed._then(name, lambda: WindowOperator(name, spec, how, fn, window_function),
+                                parallelism, kind)
         node.event_time = True
-        res = WindowResult(self.keyed.env, node, holder, kind)
+        # late records leave through a side output, read when late() is taken
+        node.side_tags = {LATE: _LATE_TAG, **(tags or {})}
+        node.window_late = True
+        res = WindowResult(self.keyed.env, node)
         res._ts = self.ts
+        res._input_kind = self.keyed.node.kind
         return res
 
     def reduce(self, fn: Callable, *, window_function: Callable | None = None, parallelism=None,
@@ -160,13 +166,17 @@ class WindowedStream:
             _callable(window_function, "window_function")
         return self._node(AGGREGATE, agg, window_function, parallelism, name, kind)
 
-    def process(self, fn: Callable, *, parallelism=None, name: str = "window_process", kind: Any = None):
+    def process(self, fn: Callable, *, side_outputs=None, parallelism=None, name: str = "window_process",
+                kind: Any = None):
         """``fn(key, window, records) -> iterable of outputs`` once per window
         (and again per record arriving within the allowed lateness).
 
         ``window`` is a ``TimeWindow``, ``records`` a list of the window's
-        records. Returns a ``WindowResult``; a ``fn`` that is not callable
-        is a ``TypeError``.
+        records. A ``fn`` taking a fourth argument gets a ``WindowContext``:
+        ``ctx.output(tag, value)`` emits to a side output declared in
+        ``side_outputs`` (``res.side_output(tag)`` is its stream). Returns a
+        ``WindowResult``; a ``fn`` that is not callable is a ``TypeError``,
+        one that cannot take those arguments a ``ConfigurationError``.
 
         Example::
 
@@ -177,7 +187,10 @@ class WindowedStream:
             medians = keyed.window(fb.Tumbling(60)).process(median)
         """
         _callable(fn, "process")
-        return self._node(PROCESS, fn, None, parallelism, name, kind)
+        _check_arity(fn, f"window process {name!r}", "fn(key, window, records) or fn(key, window, records, ctx)",
+                     3, 4)
+        tags = declare_side_outputs(side_outputs, f"window process {name!r}", reserved=_RESERVED)
+        return self._node(PROCESS, fn, None, parallelism, name, kind, tags)
 
     def _arrow_node(self, spec, parallelism, name):
         column_key = getattr(self.keyed, "_key_column", None)
@@ -216,7 +229,8 @@ class WindowedStream:
 
 class WindowResult(Stream):
     """The results of a window operator; ``late()`` is the stream of its
-    late records (Flink's ``side_output_late_data`` / ``get_side_output``).
+    late records (Flink's ``side_output_late_data`` / ``get_side_output``),
+    a side output of the window operator.
 
     Example::
 
@@ -225,19 +239,16 @@ class WindowResult(Stream):
         late = res.late().collect()
     """
 
-    def __init__(self, env, node, holder, kind):
+    def __init__(self, env, node):
         super().__init__(env, node)
-        self._window_node = node
-        self._holder = holder
-        self._result_kind = kind
         self._late = None
 
     def late(self, *, name: str = "late") -> Stream:
         """The records that came too late for every window they belong to
         (past the watermark plus the allowed lateness), instead of being
         dropped. It may be called before or after the results are used
-        (``res.collect(); late = res.late()``): what reads the results
-        keeps reading them.
+        (``res.collect(); late = res.late()``): the late records are a
+        side output of the window operator, beside its results.
 
         Returns a ``Stream`` of the late records as they came (with their
         timestamps); calling it again returns the same stream.
@@ -247,38 +258,10 @@ class WindowResult(Stream):
             res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
             res.late().write_text("late-records")
         """
-        if self._late is not None:
-            return self._late
-        wnode = self._window_node
-        env, p = self.env, wnode.parallelism
-        readers = list(wnode.consumers)
-        wnode.consumers.clear()
-        self._holder["tagged"] = True
-        # the window's output now carries (tag, record), a forward hop each
-        # (always within one process) to the two selectors that split it
-        wnode.kind = "pickle"
-        rname = wnode.name
-        main = Stream(env, wnode)._then(f"{rname}.results", lambda: TagSelect(f"{rname}.results", 0),
-                                         p, self._result_kind)
-        late = Stream(env, wnode)._then(name, lambda: TagSelect(name, 1), p, None)
-        late.timestamps = self._ts
-        # Operators declared on the results before this call read the
-        # selector of the results now, as does anything declared later on a
-        # stream taken from them (Environment._add follows split_into).
-        for reader in readers:
-            for inp in reader.inputs:
-                if inp.node is wnode:
-                    inp.node = main
-                    main.consumers.append(reader)
-        wnode.split_into = main
-        # the plan reads the nodes in declaration order, upstream first
-        nodes = env.nodes
-        for n in (main, late):
-            nodes.remove(n)
-        at = nodes.index(wnode) + 1
-        nodes[at:at] = [main, late]
-        self.node = main
-        self._late = Stream(env, late)
+        if self._late is None:
+            late = _side_stream(self, _LATE_TAG, name, self._input_kind)
+            late.node.timestamps = self._ts
+            self._late = late
         return self._late
 
     def collect(self, **kw):

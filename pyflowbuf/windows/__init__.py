@@ -34,7 +34,7 @@ from pyflowbuf.windows.aggregates import AggregateFunction, Count, Sum
 from pyflowbuf.windows.arrow import ArrowWindowOperator, check_arrow_spec  # noqa: F401
 from pyflowbuf.windows.assigners import Session, Sliding, TimeWindow, Tumbling, WindowAssigner
 from pyflowbuf.windows.joins import IntervalJoinOperator, WindowJoinOperator  # noqa: F401
-from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, TagSelect, WindowOperator, WindowSpec  # noqa: F401
+from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, WindowContext, WindowOperator, WindowSpec  # noqa: F401
 
 __all__ = ["TimeWindow", "WindowAssigner", "Tumbling", "Sliding", "Session", "AggregateFunction", "Count", "Sum"]
 

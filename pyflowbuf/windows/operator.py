@@ -4,8 +4,8 @@ from __future__ import annotations
 import bisect
 import copy
 
-from pyflowbuf.runtime.operators import Operator
-from pyflowbuf.runtime.timers import TimerOperator, TimerQueue
+from pyflowbuf.runtime.side_outputs import LATE, unknown_tag
+from pyflowbuf.runtime.timers import TimerOperator, TimerQueue, takes_context
 from pyflowbuf.runtime.watermarks import to_seconds
 from pyflowbuf.windows.aggregates import Count
 from pyflowbuf.windows.assigners import TimeWindow, Tumbling
@@ -30,10 +30,12 @@ class WindowOperator(TimerOperator):
     """Keyed windows over records. ``how`` is reduce (``fn(a, b)``), aggregate
     (an AggregateFunction) or process (``fn(key, window, records)``);
     ``window_function(key, window, result)`` (reduce/aggregate) turns each
-    result into the output record. ``late_tagged``: results and late records
-    leave wrapped as (0, result) / (1, record), for ``late()``'s split."""
+    result into the output record. A process ``fn`` taking a fourth argument
+    gets a ``WindowContext`` (``ctx.output(tag, value)`` for side outputs).
+    Late records go to the side output ``LATE`` when a stream reads it
+    (``late()``), else they are dropped and counted."""
 
-    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, late_tagged=False):
+    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None):
         super().__init__(name)
         self.assigner = spec.assigner
         self.merging = spec.assigner.merging
@@ -43,7 +45,8 @@ class WindowOperator(TimerOperator):
         self.how = how
         self.fn = fn
         self.window_function = window_function
-        self.late_tagged = late_tagged
+        self._late = None               # the LATE side output's buffer when a stream reads it
+        self.ctx = None
         self.windows: dict = {}         # (key, start, end) -> accumulator   (non-merging)
         self.sessions: dict = {}        # key -> sorted [[start, end, acc], ...]  (merging)
         self.cleanup = TimerQueue()     # (key, start, end) at end + lateness
@@ -63,6 +66,14 @@ class WindowOperator(TimerOperator):
             self._add = _append
             self._result = None
             self._merge = lambda a, b: a + b
+            if takes_context(fn, 3):
+                self.ctx = WindowContext(self)
+                self.fn = lambda k, w, records, _f=fn, _c=self.ctx: _f(k, w, records, _c._at(k, w))
+
+    def open(self, subtask, parallelism):
+        super().open(subtask, parallelism)
+        if self.side is not None:
+            self._late = self.side.buffer(LATE)
 
     # ---- records ----
     def process_batch(self, batch):
@@ -146,27 +157,21 @@ class WindowOperator(TimerOperator):
 
     def _finish_batch(self, out, late):
         if late:
-            if self.late_tagged:
-                out.extend((1, x) for x in late)
+            if self._late is not None:
+                self._late.extend(late)
                 self.late_out += len(late)
             else:
                 self.late_dropped += len(late)
-        return self._checked(out) if not self.late_tagged else out
+        return self._checked(out)
 
     def _emit(self, k, start, end, acc, out):
         if self.how == PROCESS:
-            res = self.fn(k, TimeWindow(start, end), acc)
-            if self.late_tagged:
-                tmp: list = []
-                self._extend(tmp, res)
-                out.extend((0, r) for r in tmp)
-            else:
-                self._extend(out, res)
+            self._extend(out, self.fn(k, TimeWindow(start, end), acc))
             return
         r = self._result(acc)
         if self.window_function is not None:
             r = self.window_function(k, TimeWindow(start, end), r)
-        out.append((0, r) if self.late_tagged else r)
+        out.append(r)
 
     # ---- sessions ----
     def _add_to_session(self, k, t, x, wm, out) -> bool:
@@ -225,7 +230,7 @@ class WindowOperator(TimerOperator):
             if due is None:
                 break
             self._purge(due[0])
-        return self._checked(out) if not self.late_tagged else out
+        return self._checked(out)
 
     def fire_processing(self, now):
         return []
@@ -296,13 +301,36 @@ def _copy_acc(acc):
     return copy.deepcopy(acc)
 
 
-class TagSelect(Operator):
-    """One side of ``late()``'s split: the records of one tag, unwrapped."""
+class WindowContext:
+    """What a window ``process`` function taking a fourth argument sees:
+    ``fn(key, window, records, ctx)``.
 
-    def __init__(self, name, tag):
-        super().__init__(name)
-        self.tag = tag
+    key, window
+        The key and the ``TimeWindow`` being fired.
+    watermark
+        The operator's current watermark.
+    """
 
-    def process_batch(self, batch):
-        tag = self.tag
-        return self._checked([r for t, r in batch if t == tag])
+    __slots__ = ("_op", "key", "window")
+
+    def __init__(self, op):
+        self._op = op
+        self.key = None
+        self.window = None
+
+    def _at(self, key, window):
+        self.key, self.window = key, window
+        return self
+
+    @property
+    def watermark(self) -> float:
+        return self._op.timers.watermark
+
+    def output(self, tag, value) -> None:
+        """Emit ``value`` to the side output ``tag`` (declared with
+        ``process(fn, side_outputs=[tag])``)."""
+        side = self._op.side
+        if side is None or getattr(tag, "name", None) == LATE:    # late() is fed by the operator alone
+            raise unknown_tag(self._op.name, tag, () if side is None else
+                              [t for n, (t, _) in side.routes.items() if n != LATE])
+        side.output(tag, value)
