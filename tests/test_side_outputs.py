@@ -556,3 +556,11 @@ def test_a_window_function_cannot_emit_to_the_late_records():
     with pytest.raises(errors.JobFailedError) as info:
         env.execute(timeout=60)
     assert isinstance(info.value.__cause__, errors.ConfigurationError)
+
+
+def test_the_output_tag_docstring_example_runs():
+    import inspect
+    import textwrap
+    doc = inspect.getdoc(fb.OutputTag)
+    code = textwrap.dedent(doc.split("Example::", 1)[1])
+    exec(compile(code, "<OutputTag example>", "exec"), {})
