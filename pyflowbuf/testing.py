@@ -43,6 +43,7 @@ from pyflowbuf import errors
 from pyflowbuf.api import Stream
 from pyflowbuf.checkpoint import dumps, loads
 from pyflowbuf.runtime.operators import Operator
+from pyflowbuf.runtime.side_outputs import LATE, SideOutputs
 from pyflowbuf.runtime.timers import TimerOperator
 from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner
 
@@ -63,8 +64,9 @@ class OperatorHarness:
     allow_pickle : whether ``snapshot()`` may pickle what the checkpoint
         format cannot hold (a job's ``Environment(allow_pickle=...)``).
 
-    Every feeding method returns the records that call made; ``output``
-    holds them all in emission order, ``watermarks`` the watermarks the
+    Every feeding method returns the records that call made (those of the
+    main output: ``side_output(tag)`` holds a side output's, for the tags
+    the stream declared); ``output`` holds them all in emission order, ``watermarks`` the watermarks the
     operator sent on, and ``events`` both, in order, as ``("record", r)``
     and ``("watermark", w)`` (``("idle", None)`` for an idle marker).
     Raises ``ConfigurationError`` for a stream with no operator (a source,
@@ -89,6 +91,14 @@ class OperatorHarness:
     def __init__(self, operator, *, subtask: int = 0, parallelism: int = 1, restore: Any = None,
                  allow_pickle: bool = False):
         self.operator = op = _build(operator)
+        self._side: dict = {}
+        node = getattr(operator, "node", None)
+        tags = getattr(node, "side_tags", None)
+        if tags:
+            # a window's late records are kept as in a job: when late() was taken
+            taken = getattr(node, "side_streams", {})
+            self._side = {name: (tag, [] if name != LATE or name in taken else None) for name, tag in tags.items()}
+            op.side = SideOutputs(op.name, self._side)
         self.allow_pickle = allow_pickle
         self.output: list = []
         self.watermarks: list = []
@@ -237,6 +247,26 @@ class OperatorHarness:
         """
         m = getattr(self.operator, "metrics", None)
         return {} if m is None else m()
+
+    def side_output(self, tag) -> list:
+        """The records the operator sent to side output ``tag`` so far (a tag
+        its stream declared with ``side_outputs=``; the late records of a
+        window whose ``late()`` was taken are ``side_output(fb.OutputTag("late"))``).
+        The list is the harness's: clear it to start over.
+
+        Example::
+
+            bad = fb.OutputTag("bad")
+            h = OperatorHarness(lines.process(parse, side_outputs=[bad]))
+            h.process(["1", "x"])
+            assert h.side_output(bad) == ["x"]
+        """
+        route = self._side.get(getattr(tag, "name", None))
+        if route is None or route[1] is None:
+            raise errors.ConfigurationError(
+                f"OperatorHarness: the operator {self.operator.name!r} declares no side output {tag!r}; "
+                f"declared: {', '.join(repr(t) for t, _ in self._side.values()) or 'none'}")
+        return route[1]
 
     def take(self) -> list:
         """The records emitted since the last ``take()``, and forget them.

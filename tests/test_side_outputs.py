@@ -564,3 +564,24 @@ def test_the_output_tag_docstring_example_runs():
     doc = inspect.getdoc(fb.OutputTag)
     code = textwrap.dedent(doc.split("Example::", 1)[1])
     exec(compile(code, "<OutputTag example>", "exec"), {})
+
+
+def test_the_operator_harness_shows_side_outputs():
+    from pyflowbuf.testing import OperatorHarness
+
+    env = fb.Environment()
+    h = OperatorHarness(env.from_sequence(0, 10).process(split_odd_big, side_outputs=[ODD, BIG]))
+    assert h.process([1, 2, 51, 52]) == [2, 52]
+    assert h.side_output(ODD) == [1, 51]
+    assert h.side_output(BIG) == ["big51", "big52"]
+    with pytest.raises(errors.ConfigurationError, match="declares no side output"):
+        h.side_output(fb.OutputTag("other"))
+    res = (env.from_sequence(0, 10).assign_timestamps(lambda x: x).key_by(lambda x: x % 2)
+              .window(Tumbling(5)).aggregate(Count()))
+    res.late()
+    w = OperatorHarness(res)
+    w.process([1, 2])
+    w.process_watermark(6.0)
+    w.process([3])
+    assert w.side_output(fb.OutputTag("late")) == [3]
+    assert w.metrics["late_records_out"] == 1
