@@ -209,6 +209,14 @@ def test_a_side_output_of_a_side_outputs_consumer():
     assert sorted(thirds.result) == [x for x in range(1, 60, 2) if x % 3 == 0]
 
 
+def test_a_side_output_alone_when_nothing_reads_the_main_output():
+    env = fb.Environment(parallelism=2)
+    main = env.from_sequence(0, 30).process(split_odd_big, side_outputs=[ODD, BIG])
+    odd = main.side_output(ODD).collect()
+    run(env)
+    assert sorted(odd.result) == list(range(1, 30, 2))
+
+
 def test_taking_a_side_output_twice_gives_the_same_stream_and_a_declared_tag_nobody_reads_drops():
     env = fb.Environment()
     main = env.from_sequence(0, 20).process(split_odd_big, side_outputs=[ODD, BIG])
@@ -336,13 +344,15 @@ class FailOnce:
         return x
 
 
-@pytest.mark.parametrize("chaining, where, at", [(True, "after side", 700), (False, "after side", 800),
-                                                  (True, "before process", 1200), (False, "main", 300)])
-def test_side_outputs_are_exactly_once_across_a_failure(tmp_path, chaining, where, at):
+@pytest.mark.parametrize("chaining, where, at, mode", [
+    (True, "after side", 700, "aligned"), (False, "after side", 800, "aligned"),
+    (True, "before process", 1200, "aligned"), (False, "main", 300, "aligned"),
+    (False, "after side", 600, "unaligned"), (True, "before process", 1500, "unaligned")])
+def test_side_outputs_are_exactly_once_across_a_failure(tmp_path, chaining, where, at, mode):
     n = 3000
     fail = FailOnce(at)
     env = fb.Environment(parallelism=2, checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk",
-                         restart_attempts=2, chaining=chaining)
+                         restart_attempts=2, chaining=chaining, checkpoint_mode=mode)
     fail.env = env
     s = env.from_sequence(0, n, parallelism=1, rate_limit=6_000)
     if where == "before process":
