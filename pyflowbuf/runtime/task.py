@@ -113,7 +113,7 @@ class Subtask(threading.Thread):
         """Give each operator whose node declares side outputs its
         ``SideOutputs``; the routes [(buffer, [outputs])] of the tags some
         stream reads, which ``_ship_side_outputs`` empties."""
-        nodes = {n.id: n for n in vertex.nodes}
+        nodes = {n.id: n for n in getattr(vertex, "nodes", ())}
         routes: list = []
         for op in operators:
             node = nodes.get(getattr(op, "node_id", None))
