@@ -275,7 +275,7 @@ class Environment(SourceDeclarations):
         """The job as it would run: ``(vertices, edges)``, the tasks after chaining
         (each ``JobVertex`` lists its operators' nodes and its parallelism) and
         the exchanges between them (``JobEdge``: partitioner, key function,
-        record kind). Nothing runs. A ``forward()`` between operators of
+        record kind, and ``tag`` for the edge of a side output). Nothing runs. A ``forward()`` between operators of
         different parallelism is a ``ValueError``.
 
         Example::
