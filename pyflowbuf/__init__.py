@@ -13,7 +13,7 @@ from pyflowbuf._version import __version__
 from pyflowbuf._core.serde import stable_hash
 from pyflowbuf import errors
 from pyflowbuf.api import (AllWindowedStream, CollectSink, ConnectedStreams, Environment, IntervalJoin, IteratorSink,
-                           JoinedStreams, KeyedStream, Stream, WindowedStream, WindowResult)
+                           JoinedStreams, KeyedStream, OutputTag, Stream, WindowedStream, WindowResult)
 from pyflowbuf.runtime.sources import RateLimiter
 from pyflowbuf import windows
 from pyflowbuf.windows import (AggregateFunction, ContinuousEventTimeTrigger, Count, CountTrigger, CountWindow,
@@ -30,7 +30,7 @@ __all__ = [
     "TumblingProcessingTime", "SlidingProcessingTime", "SessionProcessingTime", "CountWindow", "RecordRange",
     "EventTimeTrigger", "ProcessingTimeTrigger", "ContinuousEventTimeTrigger", "CountTrigger", "PurgingTrigger",
     "WindowContext",
-    "KeyedProcessFunction",
+    "KeyedProcessFunction", "OutputTag",
 ]
 
 # The core classes were importable from here before issue 19; for one release

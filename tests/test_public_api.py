@@ -62,7 +62,7 @@ _DOCUMENTED = [
     api.Environment, api.Stream, api.KeyedStream, api.ConnectedStreams, api.CollectSink, api.IteratorSink,
     windows.TimeWindow, windows.WindowAssigner, windows.Tumbling, windows.Sliding, windows.Session,
     windows.AggregateFunction, windows.Count, windows.Sum, api.WindowedStream, api.WindowResult,
-    api.JoinedStreams, api.IntervalJoin, testing.OperatorHarness,
+    api.JoinedStreams, api.IntervalJoin, api.OutputTag, testing.OperatorHarness,
     api.AllWindowedStream, windows.TumblingProcessingTime, windows.SlidingProcessingTime,
     windows.SessionProcessingTime, windows.CountWindow, windows.RecordRange, windows.Trigger,
     windows.EventTimeTrigger, windows.ProcessingTimeTrigger, windows.ContinuousEventTimeTrigger,

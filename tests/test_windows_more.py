@@ -702,23 +702,26 @@ def test_triggered_windows_restored_at_any_record_match_reference(seed, trigger,
                 "session": lambda: fb.Session(size)}[kind]()
     spec = WindowSpec(assigner, lambda r: r[0], lambda r: r[1], lateness, make_trigger(trigger))
 
-    def make():     # results leave as (0, result), late records as (1, record): late()'s split
+    def make():
         return window_operator_class(spec)(
             "w", spec, PROCESS, lambda k, win, recs, ctx: [(k, win.start, win.end, sorted(r[1] for r in recs),
-                                                            ctx.firing)], late_tagged=True, with_ctx=True)
+                                                            ctx.firing)], with_ctx=True)
+    late_tag = fb.OutputTag("late")         # the late records' side output, as late() reads it
     restore_at = data.draw(st.integers(0, len(records)))
-    h = OperatorHarness(make())
-    got, high = [], -math.inf
+    h = OperatorHarness(make(), side_outputs=[late_tag])
+    got, late, high = [], [], -math.inf
     for i, r in enumerate(records):
         if i == restore_at:
-            h = OperatorHarness(make(), restore=h.snapshot())
+            late += h.side_output(late_tag)
+            h = OperatorHarness(make(), restore=h.snapshot(), side_outputs=[late_tag])
         if high > -math.inf:
             got += h.process_watermark(high - 0.25)
         high = max(high, r[1])
         got += h.process([r])
     got += h.finish()
-    assert norm(r for tag, r in got if tag == 0) == norm(want)
-    assert sorted(r for tag, r in got if tag == 1) == sorted(want_late)
+    late += h.side_output(late_tag)
+    assert norm(got) == norm(want)
+    assert sorted(late) == sorted(want_late)
 
 
 def test_processing_time_windows_restored_count_every_record_once(tmp_path):

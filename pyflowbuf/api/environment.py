@@ -241,11 +241,6 @@ class Environment(SourceDeclarations):
     # ---- the graph ----
     def _add(self, **kw) -> Node:
         node = Node(id=len(self.nodes), **kw)
-        for inp in node.inputs:
-            # a window result split by late(): its results come from the selector
-            split = getattr(inp.node, "split_into", None)
-            if split is not None:
-                inp.node = split
         self._check_node_kind(node)
         for inp in node.inputs:
             inp.node.consumers.append(node)
@@ -286,7 +281,7 @@ class Environment(SourceDeclarations):
         """The job as it would run: ``(vertices, edges)``, the tasks after chaining
         (each ``JobVertex`` lists its operators' nodes and its parallelism) and
         the exchanges between them (``JobEdge``: partitioner, key function,
-        record kind). Nothing runs. A ``forward()`` between operators of
+        record kind, and ``tag`` for the edge of a side output). Nothing runs. A ``forward()`` between operators of
         different parallelism is a ``ValueError``.
 
         Example::

@@ -7,11 +7,13 @@ from typing import Any, Callable
 import numpy as np
 
 from pyflowbuf._validation import _callable, _check_arity, _check_kind, _common_kind, _parallelism
+from pyflowbuf.api.side_outputs import declare_side_outputs, declared_tag
 from pyflowbuf.api.sinks import SinkDeclarations
 from pyflowbuf.errors import ConfigurationError, UnitWarning
 from pyflowbuf.runtime import operators as ops
 from pyflowbuf.runtime.graph import Input, Node
-from pyflowbuf.runtime.timers import KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator, takes_context
+from pyflowbuf.runtime.timers import (KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator,
+                                      ProcessOperator, takes_context)
 from pyflowbuf.runtime.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
 from pyflowbuf.serializers import get_serializer
 
@@ -232,6 +234,71 @@ class Stream(SinkDeclarations):
             kind = self.node.kind
         return Stream(self.env, self._then(name, lambda: ops.MapBatch(name, fn, per_record), parallelism, kind))
 
+    def process(self, fn: Callable, *, side_outputs=None, parallelism: int | None = None,
+                name: str = "process", kind: Any = None) -> "Stream":
+        """``fn(record, ctx) -> iterable of outputs (or None)`` per record, on
+        any stream (Flink's ProcessFunction; ``KeyedStream.process`` adds
+        per-key state and timers).
+
+        ``ctx.output(tag, value)`` emits ``value`` to the side output
+        ``tag``, an ``OutputTag`` declared in ``side_outputs``; take its
+        stream with ``side_output(tag)``. ``ctx.timestamp`` is the record's
+        event time when the stream has timestamps. ``kind`` declares the
+        main output's kind.
+
+        Returns a ``Stream``. A ``fn`` that is not callable, or
+        ``side_outputs`` that are not OutputTags, is a ``TypeError``; a
+        ``fn`` that cannot take (record, ctx), or two tags of one name and
+        different kinds, a ``ConfigurationError``, all raised here.
+        ``ctx.output`` to an undeclared tag fails the job with
+        ``ConfigurationError``.
+
+        Example::
+
+            bad = fb.OutputTag("bad", kind="str")
+
+            def parse(line, ctx):
+                try:
+                    yield int(line)
+                except ValueError:
+                    ctx.output(bad, line)
+
+            numbers = lines.process(parse, side_outputs=[bad])
+            rejects = numbers.side_output(bad)
+        """
+        _callable(fn, "process")
+        _check_arity(fn, f"process {name!r}", "fn(record, ctx)", 2)
+        tags = declare_side_outputs(side_outputs, f"process {name!r}")
+        kind = _check_kind(kind, f"process {name!r}")
+        ts_fn = getattr(self.node, "timestamps", None)
+        if isinstance(ts_fn, str):
+            ts_fn = None
+        node = self._then(name, lambda: ProcessOperator(name, fn, ts_fn), parallelism, kind)
+        node.side_tags = tags
+        return Stream(self.env, node)
+
+    def side_output(self, tag, *, name: str | None = None) -> "Stream":
+        """The stream of the records this stream's operator emitted to the
+        side output ``tag`` (``ctx.output(tag, value)``), of the tag's kind.
+        They travel as any output does (checkpointed, exactly once, across
+        workers). It may be taken before or after the main stream is used;
+        taking it again returns the same stream.
+
+        Returns a ``Stream``. A ``tag`` that is not an ``OutputTag`` is a
+        ``TypeError``; a tag the operator did not declare
+        (``side_outputs=``), one declared with another kind, or a stream
+        whose operator cannot emit side outputs (anything but a process
+        function) is a ``ConfigurationError``.
+
+        Example::
+
+            errors = fb.OutputTag("errors")
+            parsed = lines.process(parse, side_outputs=[errors])
+            parsed.side_output(errors).write_text("rejected")
+        """
+        tag = declared_tag(self.node, tag, "side_output")
+        return _side_stream(self, tag, name or f"{self.node.name}.{tag.name}", tag.kind)
+
     # ---- several inputs ----
     def union(self, *others: "Stream", parallelism: int | None = None, name: str = "union") -> "Stream":
         """The records of this stream and of ``others``, in arrival order.
@@ -358,7 +425,8 @@ class KeyedStream(Stream):
         return Stream(self.env, node)
 
     def process(self, fn: Callable, *, on_timer: Callable | None = None, on_end: Callable | None = None,
-                parallelism: int | None = None, name: str = "process", kind: Any = None) -> Stream:
+                side_outputs=None, parallelism: int | None = None, name: str = "process",
+                kind: Any = None) -> Stream:
         """``fn(key, record, state_dict) -> iterable of outputs (or None)``.
 
         A ``fn`` that takes a fourth argument gets a context
@@ -371,6 +439,9 @@ class KeyedStream(Stream):
         input every event-time timer fires (the watermark goes to +inf), then
         ``on_end(key, state, ctx)`` runs for every key with state. ``fn`` may
         also be a ``KeyedProcessFunction`` (process_element, on_timer, on_end).
+        ``ctx.output(tag, value)`` (in all three) emits to a side output
+        declared in ``side_outputs`` (``OutputTag``s): ``side_output(tag)``
+        is its stream.
 
         Returns a ``Stream``. A function that cannot take the arguments it will
         be called with is a ``ConfigurationError``, one that is not callable a
@@ -401,10 +472,16 @@ class KeyedStream(Stream):
             _callable(on_end, "process on_end")
             _check_arity(on_end, f"process {name!r} on_end", "on_end(key, state, ctx)", 3)
         kind = _check_kind(kind, f"process {name!r}")
+        tags = declare_side_outputs(side_outputs, f"process {name!r}")
         key_fn = self._key_fn
         with_ctx = is_class or takes_context(fn, 3)
+        if tags and not (with_ctx or on_timer or on_end):
+            raise ConfigurationError(
+                f"process {name!r} declares side outputs, but its function takes no ctx to emit to them: "
+                "fn(key, record, state, ctx), then ctx.output(tag, value)")
         if not (with_ctx or on_timer or on_end):
             node = self._then(name, lambda: ops.KeyedProcess(name, key_fn, fn), parallelism, kind)
+            node.side_tags = tags
             return Stream(self.env, node)
         ts_fn = getattr(self.node, "timestamps", None)
         if isinstance(ts_fn, str):
@@ -412,6 +489,7 @@ class KeyedStream(Stream):
         node = self._then(name, lambda: KeyedProcessOperator(name, key_fn, ts_fn, fn, on_timer, on_end,
                                                              with_ctx), parallelism, kind)
         node.event_time = True
+        node.side_tags = tags
         return Stream(self.env, node)
 
     def window(self, assigner, trigger=None) -> "Any":
@@ -502,14 +580,15 @@ class ConnectedStreams:
         return Stream(self.env, node)
 
     def process(self, fn1: Callable, fn2: Callable, *, on_timer: Callable | None = None,
-                on_end: Callable | None = None, parallelism: int | None = None,
+                on_end: Callable | None = None, side_outputs=None, parallelism: int | None = None,
                 name: str = "co_process", kind: Any = None) -> Stream:
         """Keyed: ``fn_i(key, record, state) -> iterable of outputs (or None)``,
         ``state`` the per-key dict both inputs share. Unkeyed:
         ``fn_i(record, state)`` with one ``state`` dict per subtask.
 
         Keyed, a ``fn_i`` taking a fourth argument gets the context of
-        ``KeyedStream.process`` (timestamps, watermark, timers), and
+        ``KeyedStream.process`` (timestamps, watermark, timers, and
+        ``ctx.output`` to the side outputs declared in ``side_outputs``), and
         ``on_timer(key, t, state, ctx)`` / ``on_end(key, state, ctx)`` work as
         there; the watermark is the minimum of the two inputs'.
 
@@ -552,6 +631,11 @@ class ConnectedStreams:
         if on_end is not None:
             _check_arity(on_end, f"process {name!r} on_end", "on_end(key, state, ctx)", 3)
         ctx = (takes_context(fn1, 3 if first_keyed else 2), takes_context(fn2, 3 if first_keyed else 2))
+        tags = declare_side_outputs(side_outputs, f"process {name!r}")
+        if tags and not (first_keyed and (any(ctx) or on_timer is not None or on_end is not None)):
+            raise ConfigurationError(
+                f"process {name!r} declares side outputs, which a function reaches through its ctx: key_by "
+                "both connected streams and take a ctx, fn_i(key, record, state, ctx)")
         if first_keyed and (any(ctx) or on_timer is not None or on_end is not None):
             k1, k2 = self.first._key_fn, self.second._key_fn
             ts = tuple(None if isinstance(t, str) else t
@@ -560,6 +644,7 @@ class ConnectedStreams:
                                                   on_end, ctx)
             stream = self._node(name, make, parallelism, kind)
             stream.node.event_time = True
+            stream.node.side_tags = tags
             return stream
         if on_timer is not None or on_end is not None:
             raise ConfigurationError(f"process {name!r}: timers are per key: key_by both connected streams")
@@ -608,6 +693,20 @@ def _key_by_column(stream, column):
     ks._partitioner = "hash"
     ks._key_column = column
     return ks
+
+
+def _side_stream(stream, tag, name, kind) -> Stream:
+    """The stream of ``tag``'s records of ``stream``'s node: a node reading
+    that side output (one per tag, made on first request)."""
+    up = stream.node
+    made = up.__dict__.setdefault("side_streams", {})
+    side = made.get(tag.name)
+    if side is None:
+        kind = _check_kind(kind, f"side_output {name!r}")
+        node = stream.env._add(name=name, parallelism=up.parallelism, make_operator=lambda: ops.Forward(name),
+                               inputs=[Input(up, "forward", None, tag=tag.name)], kind=kind)
+        side = made[tag.name] = Stream(stream.env, node)
+    return side
 
 
 def _same_env(env, stream, what):

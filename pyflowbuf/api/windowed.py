@@ -6,15 +6,20 @@ from typing import Any, Callable
 
 
 from pyflowbuf import errors
-from pyflowbuf._validation import _callable, _check_kind, _kind_identity
-from pyflowbuf.api.stream import Stream
+from pyflowbuf._validation import _callable, _check_arity, _check_kind, _kind_identity
+from pyflowbuf.api.side_outputs import LATE, OutputTag, declare_side_outputs
+from pyflowbuf.api.stream import Stream, _side_stream
 from pyflowbuf.runtime.timers import takes_context
 from pyflowbuf.runtime.watermarks import check_seconds
 from pyflowbuf.windows.aggregates import AggregateFunction, Sum, _identity
 from pyflowbuf.windows.arrow import ArrowWindowOperator, check_arrow_spec
 from pyflowbuf.windows.assigners import WindowAssigner
-from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, TagSelect, WindowSpec, window_operator_class
+from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, WindowSpec, window_operator_class
 from pyflowbuf.windows.triggers import EventTimeTrigger, ProcessingTimeTrigger, Trigger
+
+# the side output of every window operator that late() reads
+_LATE_TAG = OutputTag(LATE)
+_RESERVED = {LATE: "a window's late records are result.late()"}
 
 
 _NOT_NUMBERS = ("struct", "str", "bytes", "arrow", "pandas")
@@ -150,7 +155,7 @@ class WindowedStream:
     def _spec(self):
         return WindowSpec(self.assigner, self.keyed._key_fn, self.ts, self.lateness, self.trigger)
 
-    def _node(self, how, fn, window_function, parallelism, name, kind):
+    def _node(self, how, fn, window_function, parallelism, name, kind, tags=None):
         kind = _check_kind(kind, f"window {name!r}")
         user_fn = fn if how == PROCESS else window_function
         base = 2 if self._all else 3
@@ -166,15 +171,16 @@ class WindowedStream:
             elif window_function is not None:
                 window_function = _DropKey(window_function)
         spec = self._spec()
-        holder: dict = {"tagged": False}
         op_class = window_operator_class(spec)
-
-        def make():
-            return op_class(name, spec, how, fn, window_function, late_tagged=holder["tagged"], with_ctx=with_ctx)
-        node = self.keyed._then(name, make, parallelism, kind)
+        node = self.keyed._then(name, lambda: op_class(name, spec, how, fn, window_function, with_ctx=with_ctx),
+                                parallelism, kind)
         node.event_time = self.assigner.domain == "event"
-        res = WindowResult(self.keyed.env, node, holder, kind)
+        # late records leave through a side output, read when late() is taken
+        node.side_tags = {LATE: _LATE_TAG, **(tags or {})}
+        node.window_late = True
+        res = WindowResult(self.keyed.env, node)
         res._ts = self.ts
+        res._input_kind = self.keyed.node.kind
         return res
 
     def reduce(self, fn: Callable, *, window_function: Callable | None = None, parallelism=None,
@@ -231,7 +237,8 @@ class WindowedStream:
             _callable(window_function, "window_function")
         return self._node(AGGREGATE, agg, window_function, parallelism, name, kind)
 
-    def process(self, fn: Callable, *, parallelism=None, name: str = "window_process", kind: Any = None):
+    def process(self, fn: Callable, *, side_outputs=None, parallelism=None, name: str = "window_process",
+                kind: Any = None):
         """``fn(key, window, records) -> iterable of outputs`` once per window
         (and again per record arriving within the allowed lateness), or at
         each firing of the window's trigger.
@@ -239,10 +246,13 @@ class WindowedStream:
         ``window`` is a ``TimeWindow`` (a ``RecordRange`` for ``CountWindow``),
         ``records`` a list of the window's records. A ``fn`` that takes a
         fourth argument gets a ``WindowContext``: ``ctx.firing`` says which
-        kind of firing this is ("early", "on_time", "late", "partial").
-        The same holds for ``window_function`` of ``reduce`` and
-        ``aggregate``. Returns a ``WindowResult``; a ``fn`` that is not
-        callable is a ``TypeError``.
+        kind of firing this is ("early", "on_time", "late", "partial"), and
+        ``ctx.output(tag, value)`` emits to a side output declared in
+        ``side_outputs`` (``res.side_output(tag)`` is its stream). The
+        context also reaches ``window_function`` of ``reduce`` and
+        ``aggregate`` when it takes one more argument. Returns a
+        ``WindowResult``; a ``fn`` that is not callable is a ``TypeError``,
+        one that cannot take those arguments a ``ConfigurationError``.
 
         Example::
 
@@ -253,7 +263,13 @@ class WindowedStream:
             medians = keyed.window(fb.Tumbling(60)).process(median)
         """
         _callable(fn, "process")
-        return self._node(PROCESS, fn, None, parallelism, name, kind)
+        if self._all:
+            _check_arity(fn, f"window_all process {name!r}", "fn(window, records) or fn(window, records, ctx)", 2, 3)
+        else:
+            _check_arity(fn, f"window process {name!r}",
+                         "fn(key, window, records) or fn(key, window, records, ctx)", 3, 4)
+        tags = declare_side_outputs(side_outputs, f"window process {name!r}", reserved=_RESERVED)
+        return self._node(PROCESS, fn, None, parallelism, name, kind, tags)
 
     def _arrow_node(self, spec, parallelism, name):
         column_key = getattr(self.keyed, "_key_column", None)
@@ -331,7 +347,7 @@ class AllWindowedStream(WindowedStream):
         return super().aggregate(agg, window_function=window_function, parallelism=parallelism, name=name,
                                  kind=kind)
 
-    def process(self, fn: Callable, *, parallelism=None, name: str = "window_all_process",
+    def process(self, fn: Callable, *, side_outputs=None, parallelism=None, name: str = "window_all_process",
                 kind: Any = None) -> "WindowResult":
         """``fn(window, records) -> iterable of outputs`` per firing (a third
         argument, if ``fn`` takes one, is the ``WindowContext``). Runs in one
@@ -342,12 +358,13 @@ class AllWindowedStream(WindowedStream):
             top3 = timed.window_all(fb.Tumbling(60)).process(
                 lambda w, recs: [(w.start, sorted(recs, key=lambda r: -r["score"])[:3])])
         """
-        return super().process(fn, parallelism=parallelism, name=name, kind=kind)
+        return super().process(fn, side_outputs=side_outputs, parallelism=parallelism, name=name, kind=kind)
 
 
 class WindowResult(Stream):
     """The results of a window operator; ``late()`` is the stream of its
-    late records (Flink's ``side_output_late_data`` / ``get_side_output``).
+    late records (Flink's ``side_output_late_data`` / ``get_side_output``),
+    a side output of the window operator.
 
     Example::
 
@@ -356,19 +373,16 @@ class WindowResult(Stream):
         late = res.late().collect()
     """
 
-    def __init__(self, env, node, holder, kind):
+    def __init__(self, env, node):
         super().__init__(env, node)
-        self._window_node = node
-        self._holder = holder
-        self._result_kind = kind
         self._late = None
 
     def late(self, *, name: str = "late") -> Stream:
         """The records that came too late for every window they belong to
         (past the watermark plus the allowed lateness), instead of being
         dropped. It may be called before or after the results are used
-        (``res.collect(); late = res.late()``): what reads the results
-        keeps reading them.
+        (``res.collect(); late = res.late()``): the late records are a
+        side output of the window operator, beside its results.
 
         Returns a ``Stream`` of the late records as they came (with their
         timestamps); calling it again returns the same stream.
@@ -378,38 +392,10 @@ class WindowResult(Stream):
             res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
             res.late().write_text("late-records")
         """
-        if self._late is not None:
-            return self._late
-        wnode = self._window_node
-        env, p = self.env, wnode.parallelism
-        readers = list(wnode.consumers)
-        wnode.consumers.clear()
-        self._holder["tagged"] = True
-        # the window's output now carries (tag, record), a forward hop each
-        # (always within one process) to the two selectors that split it
-        wnode.kind = "pickle"
-        rname = wnode.name
-        main = Stream(env, wnode)._then(f"{rname}.results", lambda: TagSelect(f"{rname}.results", 0),
-                                         p, self._result_kind)
-        late = Stream(env, wnode)._then(name, lambda: TagSelect(name, 1), p, None)
-        late.timestamps = self._ts
-        # Operators declared on the results before this call read the
-        # selector of the results now, as does anything declared later on a
-        # stream taken from them (Environment._add follows split_into).
-        for reader in readers:
-            for inp in reader.inputs:
-                if inp.node is wnode:
-                    inp.node = main
-                    main.consumers.append(reader)
-        wnode.split_into = main
-        # the plan reads the nodes in declaration order, upstream first
-        nodes = env.nodes
-        for n in (main, late):
-            nodes.remove(n)
-        at = nodes.index(wnode) + 1
-        nodes[at:at] = [main, late]
-        self.node = main
-        self._late = Stream(env, late)
+        if self._late is None:
+            late = _side_stream(self, _LATE_TAG, name, self._input_kind)
+            late.node.timestamps = self._ts
+            self._late = late
         return self._late
 
     def collect(self, **kw):

@@ -47,7 +47,7 @@ from pyflowbuf.windows.assigners import (CountWindow, RecordRange, Session, Sess
                                          SlidingProcessingTime, TimeWindow, Tumbling, TumblingProcessingTime,
                                          WindowAssigner)
 from pyflowbuf.windows.joins import IntervalJoinOperator, WindowJoinOperator  # noqa: F401
-from pyflowbuf.windows.operator import (AGGREGATE, PROCESS, REDUCE, CountWindowOperator, TagSelect,  # noqa: F401
+from pyflowbuf.windows.operator import (AGGREGATE, PROCESS, REDUCE, CountWindowOperator,  # noqa: F401
                                         TriggerWindowOperator, WindowContext, WindowOperator, WindowSpec)
 from pyflowbuf.windows.triggers import (ContinuousEventTimeTrigger, CountTrigger, EventTimeTrigger,
                                         ProcessingTimeTrigger, PurgingTrigger, Trigger)

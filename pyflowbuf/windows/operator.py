@@ -9,6 +9,7 @@ import math
 import time
 
 from pyflowbuf.runtime.operators import Operator
+from pyflowbuf.runtime.side_outputs import LATE, unknown_tag
 from pyflowbuf.runtime.timers import TimerOperator, TimerQueue
 from pyflowbuf.runtime.watermarks import NO_WATERMARK, to_seconds
 from pyflowbuf.windows.aggregates import Count
@@ -85,6 +86,20 @@ class WindowContext:
         """
         return self._op.clock()
 
+    def output(self, tag, value) -> None:
+        """Emit ``value`` to the side output ``tag`` (declared with
+        ``process(fn, side_outputs=[tag])``).
+
+        Example::
+
+            ctx.output(big, (key, len(records)))     # big = fb.OutputTag("big")
+        """
+        side = self._op.side
+        if side is None or getattr(tag, "name", None) == LATE:    # late() is fed by the operator alone
+            raise unknown_tag(self._op.name, tag, () if side is None else
+                              [t for n, (t, _) in side.routes.items() if n != LATE])
+        side.output(tag, value)
+
     def __repr__(self):
         return f"WindowContext(key={self.key!r}, window={self.window!r}, firing={self.firing!r})"
 
@@ -105,7 +120,6 @@ class _WindowOutput:
     how: str
     fn = None
     window_function = None
-    late_tagged = False
     with_ctx = False
     ctx = None
     _result = None
@@ -115,32 +129,26 @@ class _WindowOutput:
         if ctx is not None:
             ctx.key, ctx.window, ctx.firing = k, window, firing
         if self.how == PROCESS:
-            res = self.fn(k, window, acc, ctx) if ctx is not None else self.fn(k, window, acc)
-            if self.late_tagged:
-                tmp: list = []
-                self._extend(tmp, res)
-                out.extend((0, r) for r in tmp)
-            else:
-                self._extend(out, res)
+            self._extend(out, self.fn(k, window, acc, ctx) if ctx is not None else self.fn(k, window, acc))
             return
         r = self._result(acc)
         if self.window_function is not None:
             r = self.window_function(k, window, r, ctx) if ctx is not None else self.window_function(k, window, r)
-        out.append((0, r) if self.late_tagged else r)
+        out.append(r)
 
 
 class WindowOperator(_WindowOutput, TimerOperator):
     """Keyed windows over records. ``how`` is reduce (``fn(a, b)``), aggregate
     (an AggregateFunction) or process (``fn(key, window, records)``);
     ``window_function(key, window, result)`` (reduce/aggregate) turns each
-    result into the output record. ``late_tagged``: results and late records
-    leave wrapped as (0, result) / (1, record), for ``late()``'s split.
-    ``with_ctx``: the function takes a ``WindowContext`` as its last argument."""
+    result into the output record. ``with_ctx``: the function takes a
+    ``WindowContext`` as its last argument (the firing kind; side outputs with
+    ``ctx.output(tag, value)``). Late records go to the side output ``LATE``
+    when a stream reads it (``late()``), else they are dropped and counted."""
 
     clock = staticmethod(time.time)     # processing time; an OperatorHarness sets its own
 
-    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, late_tagged=False,
-                 with_ctx=False):
+    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, with_ctx=False):
         super().__init__(name)
         self.with_ctx = with_ctx
         self.ctx = WindowContext(self) if with_ctx else None
@@ -152,13 +160,18 @@ class WindowOperator(_WindowOutput, TimerOperator):
         self.how = how
         self.fn = fn
         self.window_function = window_function
-        self.late_tagged = late_tagged
+        self._late = None               # the LATE side output's buffer when a stream reads it
         self.windows: dict = {}         # (key, start, end) -> accumulator   (non-merging)
         self.sessions: dict = {}        # key -> sorted [[start, end, acc], ...]  (merging)
         self.cleanup = TimerQueue()     # (key, start, end) at end + lateness
         self.late_dropped = 0
         self.late_out = 0
         self._create, self._add, self._result, self._merge = _functions(how, fn)
+
+    def open(self, subtask, parallelism):
+        super().open(subtask, parallelism)
+        if self.side is not None:
+            self._late = self.side.buffer(LATE)
 
     # ---- records ----
     def process_batch(self, batch):
@@ -242,12 +255,12 @@ class WindowOperator(_WindowOutput, TimerOperator):
 
     def _finish_batch(self, out, late):
         if late:
-            if self.late_tagged:
-                out.extend((1, x) for x in late)
+            if self._late is not None:
+                self._late.extend(late)
                 self.late_out += len(late)
             else:
                 self.late_dropped += len(late)
-        return self._checked(out) if not self.late_tagged else out
+        return self._checked(out)
 
     def _emit(self, k, start, end, acc, out, firing="late"):
         self._emit_window(k, TimeWindow(start, end), acc, out, firing)
@@ -315,7 +328,7 @@ class WindowOperator(_WindowOutput, TimerOperator):
             if due is None:
                 break
             self._purge(due[0])
-        return self._checked(out) if not self.late_tagged else out
+        return self._checked(out)
 
     def fire_processing(self, now):
         return []
@@ -378,9 +391,8 @@ class TriggerWindowOperator(WindowOperator):
     Event-time windows are dropped at end + allowed lateness, processing-time
     windows at their end."""
 
-    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, late_tagged=False,
-                 with_ctx=False):
-        super().__init__(name, spec, how, fn, window_function, late_tagged, with_ctx)
+    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, with_ctx=False):
+        super().__init__(name, spec, how, fn, window_function, with_ctx)
         trig = spec.trigger
         if trig is None:        # processing-time windows with their default trigger
             trig = ProcessingTimeTrigger()
@@ -557,7 +569,7 @@ class TriggerWindowOperator(WindowOperator):
             if entry is not None:
                 self.unfired_dropped += entry[3]
             self._purge(due[0])
-        return self._checked(out) if not self.late_tagged else out
+        return self._checked(out)
 
     def _new_window(self, wk, t, wm):
         end = wk[2]
@@ -620,7 +632,7 @@ class TriggerWindowOperator(WindowOperator):
                 break
             windows.pop(due[0], None)
             self.unfired_dropped += self.counts.pop(due[0], 0)
-        return self._checked(out) if not self.late_tagged else out
+        return self._checked(out)
 
     def fire_processing(self, now):
         out: list = []
@@ -640,7 +652,7 @@ class TriggerWindowOperator(WindowOperator):
                 self._fire(wk, "on_time", out)
             self.windows.pop(wk, None)
             self.unfired_dropped += self.counts.pop(wk, 0)
-        return self._checked(out) if not self.late_tagged else out
+        return self._checked(out)
 
     def finish(self):
         # end of a bounded input: processing-time windows still open fire now,
@@ -696,14 +708,12 @@ class CountWindowOperator(_WindowOutput, Operator):
 
     clock = staticmethod(time.time)
 
-    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, late_tagged=False,
-                 with_ctx=False):
+    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, with_ctx=False):
         super().__init__(name)
         a = spec.assigner
         self.size, self.slide, self.partial = a.size, a.slide, a.emit_partial
         self.key_fn = spec.key_fn
         self.how, self.fn, self.window_function = how, fn, window_function
-        self.late_tagged = late_tagged
         self.with_ctx = with_ctx
         self.ctx = WindowContext(self) if with_ctx else None
         self._create, self._add, self._result, _ = _functions(how, fn)
@@ -735,7 +745,7 @@ class CountWindowOperator(_WindowOutput, Operator):
                 n = st[0] = st[0] + 1
                 if n % slide == 0:
                     self._emit_window(k, RecordRange(n - len(buf), n), self._fold(buf), out, "on_time")
-        return self._checked(out) if not self.late_tagged else out
+        return self._checked(out)
 
     def _fold(self, buf):
         if self.how == PROCESS:
@@ -759,7 +769,7 @@ class CountWindowOperator(_WindowOutput, Operator):
                     self._emit_window(k, RecordRange(n - rest, n), held, out, "partial")
             elif n % self.slide and held:
                 self._emit_window(k, RecordRange(n - len(held), n), self._fold(held), out, "partial")
-        return self._checked(out) if not self.late_tagged else out
+        return self._checked(out)
 
     def snapshot_state(self):
         # a reduce's empty accumulator is a marker object: it goes in as None, flagged
@@ -807,15 +817,3 @@ def _copy_acc(acc):
     if t is list:
         return list(acc)
     return copy.deepcopy(acc)
-
-
-class TagSelect(Operator):
-    """One side of ``late()``'s split: the records of one tag, unwrapped."""
-
-    def __init__(self, name, tag):
-        super().__init__(name)
-        self.tag = tag
-
-    def process_batch(self, batch):
-        tag = self.tag
-        return self._checked([r for t, r in batch if t == tag])
