@@ -389,6 +389,17 @@ def test_partition_arrow_records_round_trip_through_segments(spec, writer, zero_
     del out, generic, raw
 
 
+def test_partition_arrow_large_batches_take_the_stream_writer_and_still_decode_by_message(monkeypatch):
+    ser, big = PartitionArrowSerializer(), spark_like(1, rows=20_000)[0]   # ~650 KB
+    calls = count_ipc_streams(monkeypatch)
+    recs = [ser.encode_one(b) for b in (big, big, spark_like(1)[0])]
+    assert calls["new_stream"] == 2            # no extra copy of a large message
+    reader = PartitionArrowSerializer()
+    out = [reader.decode_one(memoryview(r)) for r in recs]
+    assert out[0].equals(big) and out[1].equals(big) and out[2].num_rows == 1000
+    assert calls["open_stream"] == 1
+
+
 def test_partition_arrow_corrupt_records_are_typed_errors():
     ser = PartitionArrowSerializer()
     rec = bytes(ser.encode_one(_batch_of(0, 100)))

@@ -41,10 +41,20 @@ _LEN = struct.Struct("<I")
 
 
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"   # an IPC stream's end marker
+# Batches up to this size are serialized alone and joined to their header (one
+# more copy); above it opening a stream writer costs less than that copy.
+_SERIALIZE_MAX = 256 * 1024
 
 
 def _has_dictionary(t) -> bool:
     return pa.types.is_dictionary(t) or any(_has_dictionary(t.field(i).type) for i in range(t.num_fields))
+
+
+def _bytes_view(rec) -> memoryview:
+    """An unsigned-byte view (a pyarrow Buffer exports signed bytes, which
+    compare unequal to ``bytes`` wherever a byte is >= 0x80)."""
+    mv = rec if isinstance(rec, memoryview) else memoryview(rec)
+    return mv if mv.format == "B" else mv.cast("B")
 
 
 def _batch_message_schema(schema) -> bool:
@@ -59,7 +69,7 @@ class PartitionArrowSerializer(ArrowSerializer):
     Records have the ``arrow`` kind's layout: header, then an IPC stream of
     the schema, one batch and the end marker, so ``ArrowSerializer`` reads
     them and this class reads ``ArrowSerializer``'s. Writing serializes each
-    new schema once and the batch alone (``RecordBatch.serialize``); reading
+    new schema once and a batch up to 256 KiB alone (``RecordBatch.serialize``); reading
     compares the record's schema bytes with the last schema parsed and, when
     they match, decodes the batch message alone (``ipc.read_record_batch``).
     A new schema, dictionary columns or compression take ``ArrowSerializer``'s
@@ -102,7 +112,9 @@ class PartitionArrowSerializer(ArrowSerializer):
 
     def _encode(self, batch, flags: int = 0):
         sb = self._schema_bytes(batch.schema)
-        if sb is None:
+        if sb is None or pa.ipc.get_record_batch_size(batch) > _SERIALIZE_MAX:
+            # a large batch: the stream writer's fixed cost is small beside the
+            # copy that joining a serialized message to its header would add
             return super()._encode(batch, flags)
         msg = batch.serialize()
         dlen = len(sb) + msg.size + len(_EOS)
@@ -116,7 +128,7 @@ class PartitionArrowSerializer(ArrowSerializer):
         if cache is not None:
             sb, schema = cache
             n = len(sb)
-            mv = rec if isinstance(rec, memoryview) else memoryview(rec)
+            mv = _bytes_view(rec)
             if dlen > n + len(_EOS) and mv[off:off + n] == sb:
                 start, size = off + n, dlen - n - len(_EOS)
                 buf = pa.py_buffer(mv)
@@ -131,7 +143,7 @@ class PartitionArrowSerializer(ArrowSerializer):
         batch = super()._decode_at(rec, off, dlen)
         if _batch_message_schema(batch.schema):
             sb = batch.schema.serialize().to_pybytes()
-            if memoryview(rec)[off:off + len(sb)] == sb:   # a stream this class can take apart next time
+            if _bytes_view(rec)[off:off + len(sb)] == sb:   # a stream this class can take apart next time
                 self._decode_cache = (sb, batch.schema)
         return batch
 
