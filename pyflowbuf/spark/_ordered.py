@@ -33,6 +33,7 @@ from pyflowbuf.serializers import Serializer
 from pyflowbuf.serializers_arrow import (
     _HDR, _PAD, FLAG_PANDAS, MAGIC, TAG_ARROW, TAG_NUMPY, VERSION, ArrowSerializer, NumpySerializer,
     PandasSerializer, _check_header, _payload_offset, _tail_pad, pa)
+from pyflowbuf.spark._schema import to_record_batch
 
 TAG_SEQ = ord("S")
 TAG_PICKLE = ord("P")
@@ -96,9 +97,7 @@ class PartitionArrowSerializer(ArrowSerializer):
         if isinstance(rec, pa.Table):
             return super()._as_batch(rec, i)
         if self.accept_pandas:
-            from pyflowbuf.spark._schema import to_record_batch   # its error names what mapInArrow takes
-
-            return to_record_batch(rec, i)
+            return to_record_batch(rec, i)   # its error names what mapInArrow output may be
         return super()._as_batch(rec, i)
 
     def _schema_bytes(self, schema):
