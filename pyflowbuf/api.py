@@ -67,6 +67,8 @@ class Environment:
         warns with ``WorkerSideEffectWarning``). Bring results back with
         ``collect()`` or ``to_iterator()`` (``execute_iter``), or write them
         somewhere both can reach (``write_text``, a database).
+    cluster : run the workers elsewhere, e.g. ``pyflowbuf.spark.SparkCluster(spark,
+        workers=N)``: each worker a Spark barrier task (see docs/spark-cluster.md).
     allow_pickle : let streams of pickled Python objects cross processes
         (unpickling runs code the sender chose; only for trusted workers).
     bind_host : interface the workers' exchange listens on (loopback by default).
@@ -112,7 +114,8 @@ class Environment:
                  restart_attempts: int = 0, checkpointing_mode: str = "exactly_once",
                  checkpoint_mode: str = "aligned", alignment_timeout: float | None = None,
                  debloat: bool = False, debloat_target: float = 1.0, debloat_period: float = 0.2,
-                 debloat_samples: int = 20, debloat_threshold: float = 0.25, min_buffer_size: int = 256):
+                 debloat_samples: int = 20, debloat_threshold: float = 0.25, min_buffer_size: int = 256,
+                 cluster: Any = None):
         self.parallelism = parallelism
         self.segment_size = segment_size
         self.num_segments = num_segments
@@ -145,6 +148,7 @@ class Environment:
         self.debloat_samples = debloat_samples
         self.debloat_threshold = debloat_threshold
         self.min_buffer_size = min_buffer_size
+        self.cluster = cluster
         self._check_settings()
         _warn_milliseconds(self)
         self.buffer_timeout = float(buffer_timeout)
@@ -181,6 +185,14 @@ class Environment:
             raise ConfigurationError(f"max_record_size must be < 2**32, got {self.max_record_size}")
         if self.workers is not None:
             _positive_int("workers", self.workers)
+        if self.cluster is not None:
+            if not callable(getattr(self.cluster, "execution", None)):
+                raise ConfigurationError(
+                    f"cluster must be a cluster such as pyflowbuf.spark.SparkCluster, got {self.cluster!r}")
+            if self.workers is not None:
+                raise ConfigurationError(
+                    "give the number of workers to the cluster (SparkCluster(spark, workers=N)), not also "
+                    "Environment(workers=...)")
         if not _number(self.metrics_interval) or not 0 < self.metrics_interval < math.inf:
             raise ConfigurationError(f"metrics_interval must be > 0 seconds, got {self.metrics_interval!r}")
         port = self.prometheus_port
@@ -649,6 +661,8 @@ class Environment:
         self.last_execution = job
 
     def _execution(self):
+        if self.cluster is not None:
+            return self.cluster.execution(self)
         if self.workers:
             from pyflowbuf.runtime.cluster import ClusterExecution
             return ClusterExecution(self)
