@@ -24,13 +24,15 @@ It reads exactly one frame at a time, so a readable socket means a message
 Example::
 
     listener = ControlListener(secret, host="127.0.0.1")
-    host, port = listener.start()
-    # in the worker: ch = connect_control((host, port), secret); ch.send(("hello", 0))
+    address = listener.start()
+    worker = connect_control(address, secret)         # in the worker
+    worker.send(("hello", 0))
     ch = listener.accept(deadline=time.monotonic() + 10)
     ch.recv()            # ('hello', 0)
 """
 from __future__ import annotations
 
+import queue
 import select
 import socket
 import struct
@@ -158,13 +160,17 @@ def _check_nothing_staged(reader):
 
 class ControlListener:
     """The driver's end: listens on ``host`` (never a wildcard: the address
-    is what workers are told to connect to), authenticates each connection
-    under ``secret`` (``set_secret`` changes it for the next attempt) and
-    hands out ControlChannels. A connection that fails the handshake is
-    closed and counted in ``refused``; the listener goes on."""
+    is what workers are told to connect to). A thread authenticates each
+    connection under the current ``secret`` (``set_secret`` changes it for
+    the next attempt), one at a time and each within ``handshake_timeout``;
+    ``accept`` hands out the authenticated ones. A connection that fails the
+    handshake (a wrong secret, a stranger, a worker of an attempt given up)
+    is closed and counted in ``refused``; the listener goes on. Bounded: at
+    most ``backlog`` authenticated channels wait for ``accept``; more are
+    closed."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *, allow_pickle: bool = False,
-                 handshake_timeout: float = P.DEFAULT_HANDSHAKE_TIMEOUT):
+                 handshake_timeout: float = P.DEFAULT_HANDSHAKE_TIMEOUT, backlog: int = 1024):
         if host in ("", "0.0.0.0", "::"):
             raise ValueError(f"the control listener needs an address workers can connect to, not {host!r}")
         self.secret = P.check_secret(secret)
@@ -175,14 +181,23 @@ class ControlListener:
         self.refused = 0
         self.errors: list = []
         self._sock = None
+        self._thread = None
+        self._ready: queue.Queue = queue.Queue(backlog)
+        self._closed = threading.Event()
 
     def start(self):
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((self.host, self.port))
-        s.listen(64)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((self.host, self.port))
+            s.listen(64)
+        except BaseException:
+            s.close()
+            raise
         self._sock = s
+        self._thread = threading.Thread(target=self._accept_loop, name="pyflowbuf: control listener", daemon=True)
+        self._thread.start()
         return self.address
 
     @property
@@ -191,36 +206,60 @@ class ControlListener:
 
     def set_secret(self, secret: bytes) -> None:
         self.secret = P.check_secret(secret)
-
-    def accept(self, deadline: float) -> ControlChannel | None:
-        """The next authenticated connection, or None at ``deadline``
-        (time.monotonic()). Connections that fail the handshake are refused
-        and skipped."""
+        # what authenticated under the old secret and was not taken is stale
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            r, _, _ = select.select([self._sock], [], [], min(left, 0.2))
-            if not r:
-                continue
             try:
+                self._ready.get_nowait().close()
+            except queue.Empty:
+                break
+
+    def _accept_loop(self):
+        while not self._closed.is_set():
+            try:
+                r, _, _ = select.select([self._sock], [], [], 0.2)
+                if not r:
+                    continue
                 sock, peer = self._sock.accept()
-            except OSError:
+            except (OSError, ValueError):
+                if self._closed.is_set():
+                    return
                 continue
+            secret = self.secret
             try:
                 P.configure_socket(sock)
                 reader = P.FrameReader(sock, _NO_BUFFERS)
-                P.server_handshake(sock, reader, self.secret, _NO_BUFFERS,
+                P.server_handshake(sock, reader, secret, _NO_BUFFERS,
                                    deadline=time.monotonic() + self.handshake_timeout)
                 _check_nothing_staged(reader)
+                sock.settimeout(None)
             except (AuthenticationError, ProtocolError, OSError, socket.timeout) as e:
                 self.refused += 1
                 self.errors = (self.errors + [(peer, e)])[-16:]
                 sock.close()
                 continue
-            sock.settimeout(None)
-            return ControlChannel(sock, allow_pickle=self.allow_pickle, peer=peer)
+            if secret is not self.secret:
+                sock.close()        # the secret changed meanwhile: of an attempt given up
+                continue
+            try:
+                self._ready.put_nowait(ControlChannel(sock, allow_pickle=self.allow_pickle, peer=peer))
+            except queue.Full:
+                sock.close()
+
+    def accept(self, deadline: float) -> ControlChannel | None:
+        """The next authenticated connection, or None at ``deadline``
+        (time.monotonic())."""
+        left = deadline - time.monotonic()
+        if left <= 0 or self._closed.is_set():
+            return None
+        try:
+            return self._ready.get(timeout=left)
+        except queue.Empty:
+            return None
 
     def close(self) -> None:
+        self._closed.set()
         if self._sock is not None:
             self._sock.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.handshake_timeout + 1)
+        self.set_secret(self.secret)     # closes what was never taken

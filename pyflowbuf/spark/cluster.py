@@ -183,7 +183,7 @@ class SparkCluster:
                         "workers authenticates each connection and does not encrypt the records; pass "
                         "SparkCluster(..., allow_unencrypted=True) if the records may cross the network "
                         "in the clear")
-        master = self.sc.master
+        master = self._conf("spark.master", self.sc.master)
         if not _local_master(master):
             if env.checkpoint_dir is not None and _is_local_path(env.checkpoint_dir):
                 raise errors.ConfigurationError(
@@ -244,6 +244,13 @@ class _TaskSpec:
         for _ in iterator:
             pass
         yield run_barrier_task(self, ctx.partitionId(), [t.address for t in ctx.getTaskInfos()])
+
+    def task_addresses(self):
+        """This barrier task's index and every task's executor address."""
+        from pyspark import BarrierTaskContext
+
+        ctx = BarrierTaskContext.get()
+        return ctx.partitionId(), [t.address for t in ctx.getTaskInfos()]
 
 
 def control_secret(secret: bytes, attempt: int) -> bytes:
@@ -375,14 +382,7 @@ class SparkLauncher:
             sc.setInterruptOnCancel(True)
             sc.setJobDescription(f"pyflowbuf job {self.env.name!r}, attempt {attempt}: "
                                  f"{self.workers} workers")
-            rdd = sc.range(self.workers, numSlices=self.workers)
-            if self.cluster.task_cpus != int(sc.getConf().get("spark.task.cpus", "1")):
-                from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
-
-                profile = ResourceProfileBuilder().require(
-                    TaskResourceRequests().cpus(self.cluster.task_cpus)).build
-                rdd = rdd.withResources(profile)
-            rdd.barrier().mapPartitions(spec).collect()
+            self.submit(spec)
         except BaseException as exc:  # noqa: BLE001 - the driver reports it with the workers' failure
             text = str(exc)
             if len(text) > SPARK_ERROR_LIMIT:
@@ -394,6 +394,18 @@ class SparkLauncher:
                 sc.setJobDescription(None)
             except Exception:  # noqa: BLE001 - the session may be stopping
                 pass
+
+    def submit(self, spec):
+        """Run one attempt's barrier tasks; returns when they all ended (in
+        the launcher's background thread, under the attempt's job tag)."""
+        sc = self.sc
+        rdd = sc.range(self.workers, numSlices=self.workers)
+        if self.cluster.task_cpus != int(sc.getConf().get("spark.task.cpus", "1")):
+            from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+            profile = ResourceProfileBuilder().require(TaskResourceRequests().cpus(self.cluster.task_cpus)).build
+            rdd = rdd.withResources(profile)
+        rdd.barrier().mapPartitions(spec).collect()
 
     def exit_report(self, w):
         """Why worker ``w`` closed its control channel without a word: a lost
