@@ -624,6 +624,7 @@ class ClusterExecution(Execution):
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._conns: dict = {}
+        self.addresses: dict = {}            # worker -> (host, port) of its exchange server
         # Fencing: every message between driver and workers and every
         # connection between workers carries its attempt; what belongs to an
         # earlier attempt is ignored (messages) or refused (connections).
@@ -639,6 +640,7 @@ class ClusterExecution(Execution):
         self.network_pool = None
         self.sampler = None              # a MetricsRelay once started
         self.started = self.ended = None
+        self.startup_s = None
         # Every process checks its own pools too, but by then the others are
         # running: refuse a deadlocking setting here, before any fork.
         vertices, edges = env.plan()
@@ -674,6 +676,8 @@ class ClusterExecution(Execution):
             sink_outputs.prepare_outputs(self.env.nodes, restoring=restore_id is not None,
                                     checkpoint_dir=self.env.checkpoint_dir)
             self._start_workers(restore_id)
+            # from execute() to every worker running (forked, or Spark tasks scheduled and reporting)
+            self.startup_s = time.monotonic() - self.started
         except BaseException:
             close_listeners(self.sampler.listeners)
             if self.coordinator is not None:
@@ -702,6 +706,7 @@ class ClusterExecution(Execution):
                 if msg[0] != "ready":
                     raise errors.JobFailedError(f"worker {w} failed to start: {msg[3]}\n{msg[4]}")
                 addresses[w] = tuple(msg[1])
+            self.addresses = addresses      # what each worker's exchange server announced
             if any(v.is_iterator for v in self.env.plan()[0]):
                 self.local = JobExecution(self.env, placement(self.workers), DRIVER,
                                           RemoteContext(attempt_secret(self.secret, attempt), self.env))

@@ -137,8 +137,7 @@ def run_dataflow(df, build: Callable[[Any], Any], schema, workers: int = 2, *, t
     """Run ``build`` as one job over ``df``'s partitions on ``workers`` Spark
     barrier tasks; returns a DataFrame of its output rows.
 
-    ``df`` is brought to ``workers`` partitions first (``coalesce`` when it
-    has more, ``repartition`` when fewer); source subtask i reads partition
+    ``df`` is brought to ``workers`` partitions first (``repartition``); source subtask i reads partition
     i as ``pyarrow.RecordBatch`` records. ``build(stream)`` returns the
     stream whose records are the result: RecordBatches (or pandas
     DataFrames) fitted to ``schema``, or rows (tuples or dicts) in its
@@ -191,10 +190,9 @@ def _is_batch(rec) -> bool:
 
 
 def _with_partitions(df, n: int):
-    have = df.rdd.getNumPartitions()
-    if have > n:
-        return df.coalesce(n)
-    if have < n:
+    # not coalesce(): a barrier stage may not narrow its parents' partitions
+    # (SPARK-24820); a repartition puts a shuffle between them
+    if df.rdd.getNumPartitions() != n:
         return df.repartition(n)
     return df
 

@@ -1,0 +1,210 @@
+"""One job across Spark executors (``SparkCluster``), against the same job
+with ``Environment(workers=N)``: what placing workers through Spark costs.
+
+All on one SparkSession with ``local-cluster[2,1,1024]`` (two executor JVMs,
+their own Python workers, everything on loopback), measured in one run:
+
+spark_cluster_vs_workers
+    records/s of the windows benchmark's job (a Python map, a key_by, a 1 s
+    tumbling count, parallelism 2) on ``SparkCluster(workers=2)`` / the same
+    job with ``Environment(workers=2)``, each excluding its start-up (from
+    every worker running to the end). Goal >= 0.9.
+spark_cluster_two_vs_one
+    a CPU-bound Python map then a keyed count: 2 barrier tasks / 1 (goal
+    >= 1.6 on 2 cores; the machine's other load counts against it).
+spark_cluster_startup_s
+    from execute() to every worker task running and connected (a Spark
+    job's scheduling and Python worker start).
+spark_cluster_recovery_s
+    from a task's failure (after a checkpoint) to the first record the
+    restored job processes: cancel, a new attempt, restore.
+
+Run: ``python benchmarks/run.py spark_cluster [--quick] [--json]``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import Goal  # noqa: E402
+
+import pyflowbuf as fb  # noqa: E402
+from pyflowbuf.spark import SparkCluster  # noqa: E402
+
+KEYS = 100
+EVENTS_PER_S = 10_000
+WORK = 60       # inner loop of the CPU-bound map: a few us of Python per record
+
+
+def session():
+    from pyflowbuf.spark.session import worker_python_env
+
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    worker_python_env()
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("bench-spark-cluster")
+             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.python.worker.reuse", "true")
+             .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def window_records(n):
+    return [(f"k{i % KEYS}", i / EVENTS_PER_S) for i in range(n)]
+
+
+def window_job(env, records):
+    return (env.from_collection(records)
+               .map(lambda r: (r[0], r[1]), name="python map")
+               .assign_timestamps(lambda r: r[1], out_of_orderness=0.5)
+               .key_by(lambda r: r[0])
+               .window(fb.Tumbling(1.0))
+               .aggregate(fb.Count(), window_function=lambda k, w, c: (k, float(w.start), c))
+               .collect())
+
+
+def _run_rate(env, out, n_expected_windows=None):
+    env.execute(timeout=600)
+    ex = env.last_execution
+    running_s = (ex.ended - ex.started) - ex.startup_s
+    if n_expected_windows is not None and len(out.result) != n_expected_windows:
+        raise AssertionError(f"{len(out.result)} windows, expected {n_expected_windows}")
+    return running_s, ex.startup_s
+
+
+def cpu_work(x: int) -> int:
+    acc = x
+    for i in range(WORK):
+        acc = (acc * 31 + i) & 0xFFFF
+    return acc
+
+
+def main(quick: bool = False) -> dict:
+    n = 200_000 if quick else 1_000_000
+    n_cpu = 100_000 if quick else 400_000
+    reps = 2 if quick else 5
+    rep = common.Report("spark_cluster", quick, params={"records": n, "cpu_records": n_cpu, "repeats": reps,
+                                                        "master": "local-cluster[2,1,1024]"})
+    # the functions of this module travel to the executors by value: they cannot import it
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    t0 = time.perf_counter()
+    spark = session()
+    session_s = time.perf_counter() - t0
+    records = window_records(n)
+    windows = KEYS * int(n / EVENTS_PER_S)
+    startups = []
+
+    def spark_window():
+        env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=2), name="windows")
+        running, startup = _run_rate(env, window_job(env, records), windows)
+        startups.append(startup)
+        return n / running
+
+    def workers_window():
+        env = fb.Environment(parallelism=2, workers=2, name="windows")
+        running, _ = _run_rate(env, window_job(env, records), windows)
+        return n / running
+
+    def cpu_job(workers):
+        def run():
+            env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=workers), name="cpu")
+            out = (env.from_sequence(0, n_cpu)
+                      .map(cpu_work, name="cpu map", kind="int64", parallelism=2)
+                      .key_by(lambda x: x % 16)
+                      .reduce(lambda a, b: a + b, kind="int64")
+                      .collect())
+            running, _ = _run_rate(env, out)
+            if len(out.result) != n_cpu:
+                raise AssertionError(f"{len(out.result)} of {n_cpu} records")
+            return n_cpu / running
+        return run
+
+    try:
+        spark_window()      # warm-up: the executors' Python workers start
+        rep.section("keyed 1 s tumbling count with a Python map, parallelism 2")
+        with common.progress("windows", reps) as adv:
+            s = common.interleaved({"spark_cluster": spark_window, "workers": workers_window}, reps, advance=adv)
+        rep.add("spark_cluster_records_per_s", s.median("spark_cluster"), "records/s",
+                spread=s.spread("spark_cluster"))
+        rep.add("workers_records_per_s", s.median("workers"), "records/s", spread=s.spread("workers"))
+        rep.add("spark_cluster_vs_workers", s.ratio("spark_cluster", "workers"), "x", goal=Goal(">=", 0.9, "x"))
+
+        rep.section("CPU-bound Python map then a keyed count: 2 barrier tasks vs 1")
+        with common.progress("cpu", reps) as adv:
+            c = common.interleaved({"two": cpu_job(2), "one": cpu_job(1)}, reps, advance=adv)
+        rep.add("spark_cluster_two_records_per_s", c.median("two"), "records/s", spread=c.spread("two"))
+        rep.add("spark_cluster_one_records_per_s", c.median("one"), "records/s", spread=c.spread("one"))
+        rep.add("spark_cluster_two_vs_one", c.ratio("two", "one"), "x", goal=Goal(">=", 1.6, "x"),
+                note="ideal 2 on 2 cores")
+
+        rep.section("start-up and recovery")
+        rep.add("spark_session_start_s", session_s, "s", note="local-cluster[2,1,1024], once")
+        startups.sort()
+        rep.add("spark_cluster_startup_s", startups[len(startups) // 2], "s",
+                note="execute() to every worker task running (median)")
+        rep.add("spark_cluster_recovery_s", recovery_s(spark), "s", goal=Goal("<=", 10.0, "s"),
+                note="a task's failure to the first record processed after the restore")
+    finally:
+        spark.stop()
+    return rep.as_dict()
+
+
+def recovery_s(spark) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        failed, recovered, ckdir = (os.path.join(tmp, name) for name in ("failed", "recovered", "checkpoints"))
+
+        def fn(x):
+            if os.path.exists(failed):
+                if not os.path.exists(recovered):
+                    with open(recovered, "w") as f:
+                        f.write(repr(time.time()))
+                return x
+            if x % 100 == 0 and any(n.startswith("chk-") for n in _ls(ckdir)) and _completed(ckdir):
+                with open(failed, "w") as f:
+                    f.write(repr(time.time()))
+                raise RuntimeError("injected failure")
+            return x
+
+        env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=2), checkpoint_interval=0.5,
+                             checkpoint_dir=ckdir, restart_attempts=1, name="recovery")
+        out = (env.from_sequence(0, 20_000, rate_limit=4000).map(fn, name="fails once")
+                  .key_by(lambda x: x % 7).map(lambda x: x, parallelism=2).collect())
+        env.execute(timeout=600)
+        if sorted(out.result) != list(range(20_000)) or env.last_execution.restarts != 1:
+            raise AssertionError("the recovery run was not exactly once with one restart")
+        with open(failed) as f:
+            t_fail = float(f.read())
+        with open(recovered) as f:
+            t_rec = float(f.read())
+        return t_rec - t_fail
+
+
+def _ls(path):
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _completed(ckdir) -> bool:
+    from pyflowbuf.checkpoint import CheckpointStorage
+    from pyflowbuf.runtime.checkpointing import latest_checkpoint
+
+    return latest_checkpoint(CheckpointStorage(ckdir), verify=False) is not None
+
+
+if __name__ == "__main__":
+    result = main(quick="--quick" in sys.argv[1:])
+    sys.stdout.write(json.dumps(common.jsonable(result), allow_nan=False, separators=(",", ":")) + "\n")
