@@ -179,7 +179,8 @@ def recovery_s(spark) -> float:
 
         env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=2), checkpoint_interval=0.5,
                              checkpoint_dir=ckdir, restart_attempts=1, name="recovery")
-        out = (env.from_sequence(0, 20_000, rate_limit=4000).map(fn, name="fails once")
+        # parallelism 1: the next call of fn after the failure is the restored job's
+        out = (env.from_sequence(0, 20_000, rate_limit=4000).map(fn, name="fails once", parallelism=1)
                   .key_by(lambda x: x % 7).map(lambda x: x, parallelism=2).collect())
         env.execute(timeout=600)
         if sorted(out.result) != list(range(20_000)) or env.last_execution.restarts != 1:

@@ -40,6 +40,7 @@ import threading
 import time
 
 from pyflowbuf.checkpoint import container
+from pyflowbuf.checkpoint.errors import UnsupportedStateError
 from pyflowbuf.errors import AuthenticationError, ProtocolError
 from pyflowbuf.net import protocol as P
 
@@ -64,7 +65,14 @@ class ControlChannel:
         return self._sock.fileno()
 
     def send(self, msg) -> None:
-        data = container.dumps(msg, allow_pickle=self.allow_pickle)
+        try:
+            data = container.dumps(msg, allow_pickle=self.allow_pickle)
+        except UnsupportedStateError as e:
+            kind = msg[1][0] if isinstance(msg, tuple) and len(msg) > 1 and isinstance(msg[1], tuple) else msg
+            raise ProtocolError(
+                f"a {kind!r} message to the driver holds a value that is not plain data ({e}); what a "
+                "worker on another host sends to the driver (collect() records, task state, metrics) must be "
+                "plain: convert it, or pass Environment(allow_pickle=True) if every host is trusted") from e
         if len(data) > MAX_MESSAGE:
             raise ProtocolError(f"a control message of {len(data)} bytes is over the limit of {MAX_MESSAGE}")
         with self._send_lock:

@@ -589,6 +589,11 @@ class ForkLauncher:
                 p.kill()
                 p.join(5)
 
+    def lost(self):
+        """(text, traceback) once the attempt was lost in a way its channels
+        do not show; a forked worker's death closes its pipe, so never."""
+        return None
+
     def end_attempt(self):
         """After stop(): forget the attempt's processes (a restart follows)."""
         self._close_crash_logs()
@@ -765,6 +770,10 @@ class ClusterExecution(Execution):
         while conns:
             ready = mp.connection.wait(list(conns), timeout=min(0.5, relay.seconds_to_next()))
             relay.tick()
+            lost = self.launcher.lost()
+            if lost is not None and not self.cancelled:
+                # the workers' platform ended the attempt while channels stay open
+                self._fail("driver", "worker launcher", *lost, secondary=False, attempt=attempt)
             for c in ready:
                 w = conns[c]
                 try:

@@ -202,9 +202,12 @@ class SparkCluster:
     def free_slots(self) -> int:
         """Task slots for tasks of ``task_cpus`` cores that no task uses now."""
         jsc = self.sc._jsc.sc()
-        profile = jsc.resourceProfileManager().defaultResourceProfile()
-        slots = int(jsc.maxNumConcurrentTasks(profile))
         spark_cpus = int(self._conf("spark.task.cpus", "1"))
+        try:
+            profile = jsc.resourceProfileManager().defaultResourceProfile()
+            slots = int(jsc.maxNumConcurrentTasks(profile))
+        except Exception:  # noqa: BLE001 - an internal API another Spark version may lack
+            slots = int(self.sc.defaultParallelism) // spark_cpus
         slots = slots * spark_cpus // self.task_cpus
         running = 0
         tracker = jsc.statusTracker()
@@ -298,6 +301,7 @@ class SparkLauncher:
         self._thread = None
         self._tag = None
         self._error = None              # the Spark job's error, as text
+        self._lost_reported = False
         self._lock = threading.Lock()
 
     def check(self, execution):
@@ -334,6 +338,7 @@ class SparkLauncher:
         self._tag = tag
         self.attempts.append(tag)
         self._error = None
+        self._lost_reported = False
         self.tasks = {}
         self._thread = threading.Thread(target=self._run_spark_job, args=(spec, tag, attempt),
                                         name="pyflowbuf: spark job", daemon=True)
@@ -432,6 +437,15 @@ class SparkLauncher:
             except Exception:  # noqa: BLE001 - a stopped session: its jobs are gone
                 pass
             thread.join(CANCEL_WAIT_S)
+
+    def lost(self):
+        """The attempt's Spark job ended with an error (an executor lost,
+        the stage aborted) although some control channels are still open."""
+        thread = self._thread
+        if thread is None or thread.is_alive() or self._error is None or self._lost_reported:
+            return None
+        self._lost_reported = True
+        return (f"the Spark job of the attempt ({self._tag}) failed", f"Spark reported: {self._error}")
 
     def end_attempt(self):
         self._thread = None
