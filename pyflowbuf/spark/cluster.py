@@ -327,7 +327,23 @@ class SparkLauncher:
         raise errors.PortUnavailableError(
             f"no free port in port_range={port_range!r} on {host} for the driver's control listener")
 
+    def _wait_for_slots(self, attempt):
+        """After a failure the lost executor may still be coming back: a
+        barrier job submitted without the slots would fail (or wait) in Spark."""
+        deadline = time.monotonic() + self.start_timeout
+        free = self.cluster.free_slots()
+        while free < self.workers:
+            if time.monotonic() >= deadline:
+                raise errors.FlowBufError(
+                    f"attempt {attempt} cannot start: the cluster has {max(free, 0)} free task slots for "
+                    f"{self.workers} workers, and no executor came back within start_timeout="
+                    f"{self.start_timeout} s")
+            time.sleep(0.25)
+            free = self.cluster.free_slots()
+
     def launch(self, execution, attempt) -> dict:
+        if attempt > 0:
+            self._wait_for_slots(attempt)
         if self._listener is None:
             self._listener = self._start_listener()
         secret = execution.secret
