@@ -269,3 +269,43 @@ def test_run_dataflow_with_key_by_across_partitions_equals_pandas(spark):
     ref = (pdf.assign(start=(pdf["t"] // 1.0).astype(float)).groupby(["key", "start"]).size()
               .rename("n").reset_index().sort_values(["key", "start"]).reset_index(drop=True))
     pd.testing.assert_frame_equal(got, ref, check_dtype=False)
+
+
+# ---------------------------------------------------------------- a lost executor (last: it replaces one)
+
+def _parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _executor_jvm(python_worker_pid):
+    """The executor JVM a Spark Python worker belongs to (worker -> daemon -> JVM)."""
+    pid = python_worker_pid
+    while pid > 1:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"java" in f.read().split(b"\0")[0]:
+                return pid
+        pid = _parent(pid)
+    raise AssertionError(f"no JVM above Python worker {python_worker_pid}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="finds the executor's JVM through /proc")
+def test_sigkill_of_an_executor_jvm_recovers_exactly_once(spark, tmp_path):
+    n = 15_000
+    env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=2, start_timeout=120),
+                         checkpoint_interval=0.3, checkpoint_dir=str(tmp_path / "ck"), restart_attempts=2)
+    out = (env.from_sequence(0, n, rate_limit=3000)
+              .key_by(lambda x: x % 7).map(lambda x: x, parallelism=2).collect())
+    job = env.execute_async()
+    deadline = time.monotonic() + 120
+    while not (job.launcher.tasks and any(c["status"] == "completed" for c in env.checkpoints())):
+        assert time.monotonic() < deadline and not job.done, "no checkpoint completed"
+        time.sleep(0.1)
+    victim = _executor_jvm(job.launcher.tasks[1]["pid"])
+    assert victim != os.getpid()
+    os.kill(victim, 9)
+    job.join(300)
+    assert job.restarts == 1
+    assert "lost its control channel" in job.restart_failures[0][2] or "Spark job" in job.restart_failures[0][2]
+    assert job.restored_from is not None
+    assert sorted(out.result) == list(range(n))
