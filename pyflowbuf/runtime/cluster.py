@@ -19,6 +19,15 @@ died) the driver stops every worker and forks a new set restoring the latest
 complete checkpoint, up to ``restart_attempts``. ``collect()`` records reach
 the driver ahead of each acknowledgement (``CollectShipper``), so the driver
 holds every record a checkpoint covers and keeps exactly those on a restore.
+
+Launchers: ``ClusterExecution`` is the driver's part (coordinator, fencing,
+restarts, metrics, collect) and takes the workers from a launcher:
+``ForkLauncher`` (the above: forked processes, pipes) or
+``pyflowbuf.spark.cluster.SparkLauncher`` (Spark barrier tasks on executors,
+talking to the driver over ``pyflowbuf.net.control``: authenticated TCP,
+no pickle). A launcher has ``check``, ``launch`` (one attempt's workers as
+``{channel: worker}``), ``exit_report``, ``lost``, ``stop``, ``end_attempt``
+and ``close``; ``run_worker`` is the worker's part under either.
 """
 from __future__ import annotations
 
