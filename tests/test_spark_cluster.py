@@ -250,12 +250,15 @@ def test_task_failure_after_a_checkpoint_restarts_once_exactly_once(spark, tmp_p
 
 def test_run_dataflow_with_key_by_across_partitions_equals_pandas(spark):
     import pandas as pd
+    from pyspark.sql import functions as F
 
     from pyflowbuf.spark import run_dataflow
 
     n = 20_000
+    # 3 partitions (brought to 2 workers), every key's rows in each of them
+    df = spark.range(0, n, numPartitions=3).select(
+        F.concat(F.lit("k"), (F.col("id") * 7 % 11).cast("string")).alias("key"), (F.col("id") / 1000.0).alias("t"))
     pdf = pd.DataFrame({"key": [f"k{(i * 7) % 11}" for i in range(n)], "t": [i / 1000.0 for i in range(n)]})
-    df = spark.createDataFrame(pdf).repartition(3, "t")     # a key's rows in every partition
 
     def build(batches):
         return (batches.flat_map(lambda b: zip(b.column("key").to_pylist(), b.column("t").to_pylist()))
