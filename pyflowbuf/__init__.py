@@ -44,6 +44,9 @@ _MOVED = {
 
 
 def __getattr__(name):
+    if name == "spark":
+        # optional (needs pyspark at run time): loaded when first asked for
+        return importlib.import_module("pyflowbuf.spark")
     module = _MOVED.get(name)
     if module is None:
         raise AttributeError(f"module 'pyflowbuf' has no attribute {name!r}")

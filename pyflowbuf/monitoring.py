@@ -48,6 +48,8 @@ _GAUGES = (
     ("bytes_out", "bytes_out", "Bytes written to the network stack since the task started"),
     ("buffers_out", "buffers_out", "Buffers shipped since the task started (far more than bytes_out "
      "/ segment size means a flush per record)"),
+    ("remote_buffers_in", "remote_buffers_in", "Buffers received over TCP from other workers since the "
+     "task started"),
     ("bytes_in_per_s", "bytes_in_per_s", "Bytes read per second over the last sample"),
     ("bytes_out_per_s", "bytes_out_per_s", "Bytes written per second over the last sample"),
     ("in_pool_usage", "in_pool_usage", "Input buffers queued / input capacity (0..1)"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,8 @@ class Environment(SourceDeclarations):
         warns with ``WorkerSideEffectWarning``). Bring results back with
         ``collect()`` or ``to_iterator()`` (``execute_iter``), or write them
         somewhere both can reach (``write_text``, a database).
+    cluster : run the workers elsewhere, e.g. ``pyflowbuf.spark.SparkCluster(spark,
+        workers=N)``: each worker a Spark barrier task (see docs/spark-cluster.md).
     allow_pickle : let streams of pickled Python objects cross processes
         (unpickling runs code the sender chose; only for trusted workers).
     bind_host : interface the workers' exchange listens on (loopback by default).
@@ -112,7 +115,8 @@ class Environment(SourceDeclarations):
                  restart_attempts: int = 0, checkpointing_mode: str = "exactly_once",
                  checkpoint_mode: str = "aligned", alignment_timeout: float | None = None,
                  debloat: bool = False, debloat_target: float = 1.0, debloat_period: float = 0.2,
-                 debloat_samples: int = 20, debloat_threshold: float = 0.25, min_buffer_size: int = 256):
+                 debloat_samples: int = 20, debloat_threshold: float = 0.25, min_buffer_size: int = 256,
+                 cluster: Any = None):
         self.parallelism = parallelism
         self.segment_size = segment_size
         self.num_segments = num_segments
@@ -145,6 +149,7 @@ class Environment(SourceDeclarations):
         self.debloat_samples = debloat_samples
         self.debloat_threshold = debloat_threshold
         self.min_buffer_size = min_buffer_size
+        self.cluster = cluster
         # `pyflowbuf run --parallelism/--workers`: in place before any stream is declared
         for setting, value in _overrides.current().items():
             setattr(self, setting, value)
@@ -183,6 +188,14 @@ class Environment(SourceDeclarations):
             raise ConfigurationError(f"max_record_size must be < 2**32, got {self.max_record_size}")
         if self.workers is not None:
             _positive_int("workers", self.workers)
+        if self.cluster is not None:
+            if not callable(getattr(self.cluster, "execution", None)):
+                raise ConfigurationError(
+                    f"cluster must be a cluster such as pyflowbuf.spark.SparkCluster, got {self.cluster!r}")
+            if self.workers is not None:
+                raise ConfigurationError(
+                    "give the number of workers to the cluster (SparkCluster(spark, workers=N)), not also "
+                    "Environment(workers=...)")
         if not _number(self.metrics_interval) or not 0 < self.metrics_interval < math.inf:
             raise ConfigurationError(f"metrics_interval must be > 0 seconds, got {self.metrics_interval!r}")
         port = self.prometheus_port
@@ -450,6 +463,8 @@ class Environment(SourceDeclarations):
         self.last_execution = job
 
     def _execution(self):
+        if self.cluster is not None:
+            return self.cluster.execution(self)
         if self.workers:
             return ClusterExecution(self)
         return JobExecution(self)

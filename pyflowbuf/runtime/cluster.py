@@ -19,6 +19,15 @@ died) the driver stops every worker and forks a new set restoring the latest
 complete checkpoint, up to ``restart_attempts``. ``collect()`` records reach
 the driver ahead of each acknowledgement (``CollectShipper``), so the driver
 holds every record a checkpoint covers and keeps exactly those on a restore.
+
+Launchers: ``ClusterExecution`` is the driver's part (coordinator, fencing,
+restarts, metrics, collect) and takes the workers from a launcher:
+``ForkLauncher`` (the above: forked processes, pipes) or
+``pyflowbuf.spark.cluster.SparkLauncher`` (Spark barrier tasks on executors,
+talking to the driver over ``pyflowbuf.net.control``: authenticated TCP,
+no pickle). A launcher has ``check``, ``launch`` (one attempt's workers as
+``{channel: worker}``), ``exit_report``, ``lost``, ``stop``, ``end_attempt``
+and ``close``; ``run_worker`` is the worker's part under either.
 """
 from __future__ import annotations
 
@@ -70,20 +79,38 @@ class RemoteContext:
     (started only if something is exported) and a ConnectionManager for its
     remote input channels."""
 
-    def __init__(self, secret, env, exclusive_buffers=EXCLUSIVE_BUFFERS, floating_buffers=FLOATING_BUFFERS):
+    def __init__(self, secret, env, exclusive_buffers=EXCLUSIVE_BUFFERS, floating_buffers=FLOATING_BUFFERS,
+                 *, host=None, port_range=None):
         self.secret = secret
         self.env = env
         self.exclusive_buffers = exclusive_buffers
         self.floating_buffers = floating_buffers
+        self.host = env.bind_host if host is None else host
+        self.port_range = port_range
         # the handshake announces this as the largest buffer a consumer must take
-        self.server = NetworkServer(secret, host=env.bind_host, max_buffer_size=env.segment_size)
+        self.server = NetworkServer(secret, host=self.host, max_buffer_size=env.segment_size)
         self.manager = ConnectionManager(secret, credit_based=env.credit_based)
         self.addresses: dict = {}
         self.exports: list = []
         self.collected = None        # the worker's CollectShipper (checkpoints need it before tasks run)
 
     def start_server(self):
-        return self.server.start()
+        if self.port_range is None:
+            return self.server.start()
+        # a firewall lets only these ports through: take the first free one
+        lo, hi = self.port_range
+        for port in range(lo, hi + 1):
+            server = NetworkServer(self.secret, host=self.host, port=port, max_buffer_size=self.env.segment_size)
+            try:
+                address = server.start()
+            except OSError:
+                server.close()
+                continue
+            self.server.close()
+            self.server = server
+            return address
+        raise errors.PortUnavailableError(
+            f"no free port in port_range={self.port_range!r} on {self.host} for the exchange's server")
 
     def _check_kind(self, kind):
         from pyflowbuf.serializers import get_serializer
@@ -369,6 +396,7 @@ class WorkerCoordinator:
 
 
 def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, output=None):
+    """A forked worker process: its part of the job, then exit."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
     if crash_log is not None:
@@ -377,10 +405,43 @@ def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, outp
         faulthandler.enable(file=crash_log, all_threads=True)
     if output is not None:
         _print_to_pipe(*output)
-    remote = None
-    send = _Sender(conn, attempt)
     try:
-        remote = RemoteContext(attempt_secret(secret, attempt), env)
+        run_worker(env, me, workers, secret, conn, attempt)
+    finally:
+        try:
+            sys.stdout.flush()      # os._exit skips it: what was printed must reach the relay
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(0)
+
+
+def run_worker(env, me, workers, secret, conn, attempt=0, *, host=None, port_range=None, info=None,
+               join_control=False):
+    """Worker ``me``'s part of a job, talking to the driver on ``conn`` (a
+    pipe, or a ``pyflowbuf.net.control.ControlChannel``): announce the
+    exchange's address, wait for every worker's and the checkpoint to
+    restore, run the tasks placed here, answer the driver's control
+    messages, report the end. Returns once everything it started (task
+    threads, the exchange's sockets and threads, the control thread) is
+    gone and ``conn`` is closed, so a process that runs worker after worker
+    (a Spark Python worker) starts each one clean. ``info`` (executor,
+    host) is added to every task's metrics. ``join_control``: wait for the
+    control thread (a pipe's recv() is not woken by close(), so a forked
+    worker, which exits at once, does not wait)."""
+    remote = None
+    listener = None
+    send = _Sender(conn, attempt)
+
+    def metrics(job):
+        m = job.metrics()
+        if info:
+            for task in m.values():
+                if isinstance(task, dict):
+                    task.update(info)
+        return m
+
+    try:
+        remote = RemoteContext(attempt_secret(secret, attempt), env, host=host, port_range=port_range)
         remote.collected = shipper = CollectShipper(env, send)
         job = JobExecution(env, placement(workers), me, remote)
         config = ckpt.CheckpointConfig.from_env(env)
@@ -395,7 +456,7 @@ def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, outp
         sent_attempt, msg = conn.recv()
         if msg[0] != "go" or sent_attempt != attempt:
             return
-        remote.addresses = msg[1]
+        remote.addresses = {int(w): tuple(a) for w, a in msg[1].items()}
         job.restore_from = msg[2]       # a checkpoint id the driver chose, or None
         job.start()
 
@@ -404,7 +465,7 @@ def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, outp
                 while True:
                     sent_attempt, (what, *args) = conn.recv()
                     if sent_attempt != attempt:
-                        continue        # (cannot happen: one pipe per attempt) not ours
+                        continue        # (cannot happen: one channel per attempt) not ours
                     if what == "cancel":
                         job.cancel()
                     elif what == "trigger":
@@ -415,16 +476,17 @@ def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, outp
                         job.abort_checkpoint(*args)
                     elif what == "unaligned":
                         job.switch_to_unaligned(*args)
-            except (EOFError, OSError):
+            except (EOFError, OSError, errors.ProtocolError):
                 job.cancel()   # the driver is gone
-        threading.Thread(target=listen, name="pyflowbuf: worker control", daemon=True).start()
+        listener = threading.Thread(target=listen, name="pyflowbuf: worker control", daemon=True)
+        listener.start()
         while not job._done.wait(env.metrics_interval):
-            send(("metrics", job.metrics()))
+            send(("metrics", metrics(job)))
         try:
             job.join()
         except errors.JobFailedError:
             task, op, exc, tb = job.failure
-            send(("failed", task, op, f"{type(exc).__name__}: {exc}", tb, _secondary(exc, op), job.metrics()))
+            send(("failed", task, op, f"{type(exc).__name__}: {exc}", tb, _secondary(exc, op), metrics(job)))
             return
         # consumers elsewhere may still be reading our exports
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
@@ -432,7 +494,7 @@ def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, outp
             time.sleep(0.01)
         # job.metrics() is the final sample now: join() returned after it
         with send.lock:
-            send(("done", shipper.increments(), job.summary(), job.metrics()))
+            send(("done", shipper.increments(), job.summary(), metrics(job)))
     except BaseException as exc:  # noqa: BLE001 - report everything to the driver
         try:
             # (a peer lost while connecting is secondary: the peer's own death says why)
@@ -443,34 +505,140 @@ def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, outp
     finally:
         if remote is not None:
             remote.close()
-        try:
-            conn.close()
-        finally:
-            try:
-                sys.stdout.flush()      # os._exit skips it: what was printed must reach the relay
-            except Exception:  # noqa: BLE001
-                pass
-            os._exit(0)
+        conn.close()
+        if listener is not None and join_control:
+            listener.join(CANCEL_GRACE_S)   # the closed channel ends its recv()
 
 
-class ClusterExecution(Execution):
-    """Same surface as JobExecution (start/join/cancel/iterate/metrics/summary/done)."""
+class ForkLauncher:
+    """Starts a job's workers as processes forked from the driver, each
+    talking to it on a ``multiprocessing`` pipe (the job needs no pickling:
+    the children inherit it). What the workers print reaches the caller's
+    ``sys.stdout`` (OutputRelay); a worker that dies is reported with its
+    exit status and faulthandler output."""
+
+    what = "worker processes"
 
     def __init__(self, env):
         if "fork" not in mp.get_all_start_methods():
             raise RuntimeError("workers= needs the 'fork' start method (Linux, macOS)")
         self.env = env
         self.workers = env.workers
+        self.start_timeout = START_TIMEOUT_S
+        self._ctx = mp.get_context("fork")
+        self._procs: list = []
+        self._outputs: list = []             # an OutputRelay per set of workers started
+        self._crash_logs: list = []          # per worker: its faulthandler file (shared through fork)
+
+    def check(self, execution):
+        """Refusals before anything starts (none for forked workers)."""
+
+    def launch(self, execution, attempt) -> dict:
+        """Fork one attempt's workers; returns ``{channel: worker index}``."""
+        conns = {}
+        pipes = []
+        try:
+            pipes = [os.pipe() for _ in range(self.workers)]
+            every_end = [fd for pair in pipes for fd in pair]
+            for w in range(self.workers):
+                parent, child = self._ctx.Pipe()
+                out = pipes[w][1]
+                crash_log = tempfile.TemporaryFile(prefix=f"pyflowbuf-worker-{w}-")
+                self._crash_logs.append(crash_log)
+                proc = self._ctx.Process(target=_worker_main,
+                                         args=(self.env, w, self.workers, execution.secret, child, attempt,
+                                               crash_log, (out, [fd for fd in every_end if fd != out])),
+                                         name=f"pyflowbuf-worker-{w}", daemon=True)
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                conns[parent] = w
+            for _, write_end in pipes:
+                os.close(write_end)     # each worker holds its own; EOF once it exits
+            relay = OutputRelay(r for r, _ in pipes)
+            pipes = []                  # the relay closes the read ends
+            relay.start()
+            self._outputs.append(relay)
+            return conns
+        except BaseException:
+            self.stop(graceful=False)
+            for c in conns:
+                c.close()
+            for pair in pipes:
+                for fd in pair:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            raise
+
+    def exit_report(self, w):
+        """Why worker ``w`` ended without saying goodbye: its exit status (a
+        signal by name) and what faulthandler wrote of its threads' stacks."""
+        proc, crash_log = self._procs[w], self._crash_logs[w]
+        proc.join(EXIT_STATUS_WAIT_S)     # its pipe closed as it died: the status follows at once
+        text = f"worker {w} exited unexpectedly: {describe_exit(proc.exitcode)}"
+        tb = ""
+        try:
+            crash_log.seek(0)
+            out = crash_log.read(CRASH_LOG_LIMIT + 1).decode("utf-8", "replace")
+        except (OSError, ValueError):
+            out = ""
+        if out.strip():
+            cut = "\n[... cut]" if len(out) > CRASH_LOG_LIMIT else ""
+            tb = f"faulthandler output of worker {w}:\n{out[:CRASH_LOG_LIMIT]}{cut}"
+        return text, tb
+
+    def stop(self, graceful: bool):
+        """Every worker of the attempt has ended when this returns (killed
+        after the grace period if need be)."""
+        for p in self._procs:
+            p.join(CANCEL_GRACE_S if p.is_alive() and graceful else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    def lost(self):
+        """(text, traceback) once the attempt was lost in a way its channels
+        do not show; a forked worker's death closes its pipe, so never."""
+        return None
+
+    def end_attempt(self):
+        """After stop(): forget the attempt's processes (a restart follows)."""
+        self._close_crash_logs()
+        self._procs = []
+
+    def _close_crash_logs(self):
+        for f in self._crash_logs:
+            f.close()
+        self._crash_logs = []
+
+    def close(self):
+        """After stop(): every worker has exited, so its output is all in the pipe."""
+        relays, self._outputs = self._outputs, []
+        for relay in relays:
+            relay.close(5.0)
+        self._close_crash_logs()
+
+
+class ClusterExecution(Execution):
+    """Same surface as JobExecution (start/join/cancel/iterate/metrics/summary/done)."""
+
+    def __init__(self, env, launcher=None):
+        # how the workers start: forked here (workers=N), or elsewhere (a
+        # pyflowbuf.spark.SparkCluster's barrier tasks); the driver's part
+        # (coordinator, fencing, restarts, metrics, collect) is the same
+        self.launcher = launcher if launcher is not None else ForkLauncher(env)
+        self.env = env
+        self.workers = self.launcher.workers
         self.secret = new_secret()
         self.cancelled = False
         self.failure = None
         self._failure_secondary = True
         self._lock = threading.Lock()
         self._done = threading.Event()
-        self._procs: list = []
         self._conns: dict = {}
-        self._outputs: list = []             # an OutputRelay per set of workers started
-        self._crash_logs: list = []          # per worker: its faulthandler file (shared through fork)
+        self.addresses: dict = {}            # worker -> (host, port) of its exchange server
         # Fencing: every message between driver and workers and every
         # connection between workers carries its attempt; what belongs to an
         # earlier attempt is ignored (messages) or refused (connections).
@@ -486,6 +654,7 @@ class ClusterExecution(Execution):
         self.network_pool = None
         self.sampler = None              # a MetricsRelay once started
         self.started = self.ended = None
+        self.startup_s = None
         # Every process checks its own pools too, but by then the others are
         # running: refuse a deadlocking setting here, before any fork.
         vertices, edges = env.plan()
@@ -506,6 +675,7 @@ class ClusterExecution(Execution):
         self.restart_failures: list = []   # (task, operator, error text) of each failure recovered
         self._user_cancelled = False
         self._task_keys = ckpt.graph_task_keys(vertices)
+        self.launcher.check(self)
 
     # ---- lifecycle ----
     def start(self):
@@ -513,14 +683,15 @@ class ClusterExecution(Execution):
         # one log, one live view for the whole job; a busy port is refused
         # before any worker is forked.
         self.sampler = MetricsRelay(self.env.metrics_interval, make_listeners(self.env))
-        self._ctx = mp.get_context("fork")
         self.started = time.monotonic()
         try:
             restore_id = self._start_checkpointing() if self.checkpoint_config is not None else None
             # before the fork: the workers' sinks inherit what it decided
             sink_outputs.prepare_outputs(self.env.nodes, restoring=restore_id is not None,
                                     checkpoint_dir=self.env.checkpoint_dir)
-            self._start_workers(self._ctx, restore_id)
+            self._start_workers(restore_id)
+            # from execute() to every worker running (forked, or Spark tasks scheduled and reporting)
+            self.startup_s = time.monotonic() - self.started
         except BaseException:
             close_listeners(self.sampler.listeners)
             if self.coordinator is not None:
@@ -532,43 +703,24 @@ class ClusterExecution(Execution):
         self._monitor.start()
         return self
 
-    def _start_workers(self, ctx, restore_id=None):
+    def _start_workers(self, restore_id=None):
         addresses = {}
-        pipes = []
         attempt = self.attempt
+        launcher = self.launcher
         try:
-            pipes = [os.pipe() for _ in range(self.workers)]
-            every_end = [fd for pair in pipes for fd in pair]
-            for w in range(self.workers):
-                parent, child = ctx.Pipe()
-                out = pipes[w][1]
-                crash_log = tempfile.TemporaryFile(prefix=f"pyflowbuf-worker-{w}-")
-                self._crash_logs.append(crash_log)
-                proc = ctx.Process(target=_worker_main,
-                                   args=(self.env, w, self.workers, self.secret, child, attempt, crash_log,
-                                         (out, [fd for fd in every_end if fd != out])),
-                                   name=f"pyflowbuf-worker-{w}", daemon=True)
-                proc.start()
-                child.close()
-                self._procs.append(proc)
-                self._conns[parent] = w
-            for _, write_end in pipes:
-                os.close(write_end)     # each worker holds its own; EOF once it exits
-            relay = OutputRelay(r for r, _ in pipes)
-            pipes = []                  # the relay closes the read ends
-            relay.start()
-            self._outputs.append(relay)
-            deadline = time.monotonic() + START_TIMEOUT_S
+            self._conns = launcher.launch(self, attempt)
+            deadline = time.monotonic() + launcher.start_timeout
             for c, w in self._conns.items():
                 if not c.poll(max(0.0, deadline - time.monotonic())):
-                    raise errors.FlowBufError(f"worker {w} did not start within {START_TIMEOUT_S} s")
+                    raise errors.FlowBufError(f"worker {w} did not start within {launcher.start_timeout} s")
                 try:
                     _, msg = c.recv()
                 except (EOFError, OSError):
                     raise self._died_starting(w) from None
                 if msg[0] != "ready":
                     raise errors.JobFailedError(f"worker {w} failed to start: {msg[3]}\n{msg[4]}")
-                addresses[w] = msg[1]
+                addresses[w] = tuple(msg[1])
+            self.addresses = addresses      # what each worker's exchange server announced
             if any(v.is_iterator for v in self.env.plan()[0]):
                 self.local = JobExecution(self.env, placement(self.workers), DRIVER,
                                           RemoteContext(attempt_secret(self.secret, attempt), self.env))
@@ -584,16 +736,10 @@ class ClusterExecution(Execution):
                 self.coordinator.attach(self, self._task_keys)
         except BaseException:
             self.cancelled = True     # the workers are not part of a job: no grace period
-            self._kill()
+            launcher.stop(graceful=False)
             for c in self._conns:
                 c.close()
-            for pair in pipes:
-                for fd in pair:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-            self._close_outputs()
+            launcher.close()
             if self.local is not None:
                 self.local.remote.close()
             raise
@@ -628,12 +774,15 @@ class ClusterExecution(Execution):
     def _watch_attempt(self):
         """Relay one attempt's messages until every worker of it has ended."""
         conns = dict(self._conns)
-        procs, crash_logs = list(self._procs), list(self._crash_logs)
         attempt = self.attempt
         relay = self.sampler
         while conns:
             ready = mp.connection.wait(list(conns), timeout=min(0.5, relay.seconds_to_next()))
             relay.tick()
+            lost = self.launcher.lost()
+            if lost is not None and not self.cancelled:
+                # the workers' platform ended the attempt while channels stay open
+                self._fail("driver", "worker launcher", *lost, secondary=False, attempt=attempt)
             for c in ready:
                 w = conns[c]
                 try:
@@ -641,7 +790,7 @@ class ClusterExecution(Execution):
                 except (EOFError, OSError):
                     del conns[c]
                     if w not in self._finished_workers:
-                        text, tb = self._exit_report(w, procs[w], crash_logs[w])
+                        text, tb = self.launcher.exit_report(w)
                         self._fail(f"worker {w}", "worker process", text, tb, secondary=False, attempt=attempt)
                     continue
                 try:
@@ -651,24 +800,8 @@ class ClusterExecution(Execution):
                                traceback.format_exc(), secondary=False, attempt=attempt)
 
     def _died_starting(self, w):
-        text, tb = self._exit_report(w, self._procs[w], self._crash_logs[w])
+        text, tb = self.launcher.exit_report(w)
         return errors.FlowBufError(f"{text}, before the job started" + (f"\n{tb}" if tb else ""))
-
-    def _exit_report(self, w, proc, crash_log):
-        """Why worker ``w`` ended without saying goodbye: its exit status (a
-        signal by name) and what faulthandler wrote of its threads' stacks."""
-        proc.join(EXIT_STATUS_WAIT_S)     # its pipe closed as it died: the status follows at once
-        text = f"worker {w} exited unexpectedly: {describe_exit(proc.exitcode)}"
-        tb = ""
-        try:
-            crash_log.seek(0)
-            out = crash_log.read(CRASH_LOG_LIMIT + 1).decode("utf-8", "replace")
-        except (OSError, ValueError):
-            out = ""
-        if out.strip():
-            cut = "\n[... cut]" if len(out) > CRASH_LOG_LIMIT else ""
-            tb = f"faulthandler output of worker {w}:\n{out[:CRASH_LOG_LIMIT]}{cut}"
-        return text, tb
 
     def _handle(self, w, msg, attempt=None):
         if attempt is not None and attempt != self.attempt:
@@ -815,8 +948,7 @@ class ClusterExecution(Execution):
             for c in self._conns:
                 c.close()
             self._conns = {}
-        self._close_crash_logs()
-        self._procs = []
+        self.launcher.end_attempt()
         self._finished_workers = set()
         meta = ckpt.latest_checkpoint(coordinator.storage, verify=False)
         restore_id = self._restore_point(meta)
@@ -824,10 +956,13 @@ class ClusterExecution(Execution):
             if self._user_cancelled:
                 return False        # cancelled while recovering: the job ends with its failure
             self.attempt += 1       # from here on, what the stopped attempt says is ignored
+            # a new secret too: a worker of the stopped attempt (a task Spark
+            # has not ended yet) cannot derive the new attempt's
+            self.secret = new_secret()
             self.failure = None
             self._failure_secondary = True
             self.cancelled = False
-        self._start_workers(self._ctx, restore_id)
+        self._start_workers(restore_id)
         return True
 
     def trigger_sources(self, checkpoint_id):
@@ -846,28 +981,13 @@ class ClusterExecution(Execution):
         return [] if self.coordinator is None else self.coordinator.checkpoints()
 
     def _kill(self):
-        for p in self._procs:
-            p.join(CANCEL_GRACE_S if p.is_alive() and not self.cancelled else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-    def _close_outputs(self):
-        relays, self._outputs = self._outputs, []
-        for relay in relays:
-            relay.close(5.0)
-
-    def _close_crash_logs(self):
-        for f in self._crash_logs:
-            f.close()
-        self._crash_logs = []
+        self.launcher.stop(graceful=not self.cancelled)
 
     def _close(self):
         self._kill()
         for c in self._conns:
             c.close()
-        self._close_outputs()       # every worker has exited: its output is all in the pipe
-        self._close_crash_logs()
+        self.launcher.close()       # every worker has ended: its output is all in
         monitor = getattr(self, "_monitor", None)
         if monitor is not None and self._done.is_set() and monitor is not threading.current_thread():
             monitor.join(CANCEL_GRACE_S)    # it has set _done: only its last lines are left

@@ -42,6 +42,7 @@ def _rates(prev: dict, cur: dict, dt_ns: int) -> dict:
         "bytes_in": cur["bytes_in"],
         "bytes_out": cur["bytes_out"],
         "buffers_out": cur.get("buffers_out", 0),
+        "remote_buffers_in": cur.get("remote_buffers_in", 0),
         # checkpoints: the last one this task acknowledged and its alignment time
         "last_checkpoint": cur.get("last_checkpoint", 0),
         "checkpoint_alignment_ms": cur.get("checkpoint_alignment_ms", 0.0),

@@ -693,6 +693,9 @@ class Subtask(threading.Thread):
             "bytes_out": sum(o.bytes for o in self.outputs),
             # buffers shipped: with bytes_out it shows a per-record flush at once
             "buffers_out": sum(o.writer.buffers_out for o in self.outputs if o.writer is not None),
+            # buffers that came over TCP from another worker (0 with every producer local)
+            "remote_buffers_in": sum(ch.buffers_received for side in getattr(inp, "sides", (inp,))
+                                     for ch in getattr(side, "remote_channels", ())),
             "last_checkpoint": self.last_checkpoint,
             "checkpoint_alignment_ms": self.last_alignment_ms,
             "in_pool_usage": inp.in_pool_usage if inp is not None else 0.0,

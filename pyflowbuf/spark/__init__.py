@@ -21,8 +21,14 @@ between the operators through bounded segment pools with backpressure.
 * ``run_partition``: the engine, an iterator in and out, usable without Spark.
 * ``MetricsCollector``: per-partition pipeline metrics back on the driver.
 * ``local_session``: a small local SparkSession (examples, tests).
+* ``SparkCluster``: one job across executors, ``Environment(cluster=SparkCluster(spark, workers=N))``
+  (docs/spark-cluster.md).
+* ``run_dataflow``: one job over a DataFrame's partitions on SparkCluster workers, with
+  exchanges between them; returns a DataFrame.
 """
 from pyflowbuf.spark._schema import SchemaMismatchError, conform_batch, resolve_schema
+from pyflowbuf.spark.cluster import JobDescription, SparkCluster
+from pyflowbuf.spark.dataflow import run_dataflow
 from pyflowbuf.spark.adapters import (
     DEFAULT_ENV, arrow_udf, map_in_arrow, map_in_pandas, pandas_udf_fn, pipeline_udf, run_partition)
 from pyflowbuf.spark.metrics import MetricsCollector, PartitionStats, aggregate_stages, summarize
@@ -31,5 +37,6 @@ from pyflowbuf.spark.session import local_session
 __all__ = [
     "arrow_udf", "map_in_arrow", "pandas_udf_fn", "map_in_pandas", "pipeline_udf", "run_partition",
     "MetricsCollector", "PartitionStats", "aggregate_stages", "summarize", "SchemaMismatchError",
-    "conform_batch", "resolve_schema", "local_session", "DEFAULT_ENV",
+    "conform_batch", "resolve_schema", "local_session", "DEFAULT_ENV", "SparkCluster", "JobDescription",
+    "run_dataflow",
 ]

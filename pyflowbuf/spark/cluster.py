@@ -1,0 +1,478 @@
+"""One pyflowbuf job across Spark executors: ``SparkCluster``.
+
+``Environment(cluster=SparkCluster(spark, workers=N))`` runs a job the way
+``Environment(workers=N)`` does (subtask i of every operator in worker
+i % N, pyflowbuf's credit-based TCP exchange between workers, the checkpoint
+coordinator, restarts and metrics in the driver), but each worker is a Spark
+barrier task on whichever executor Spark picks instead of a forked process.
+Spark places the tasks; pyflowbuf moves the records between them.
+
+How one attempt runs:
+
+1. the driver listens for control connections on ``spark.driver.host``
+   (``pyflowbuf.net.control``: HMAC-SHA256 handshake under a secret drawn
+   for this attempt, then MessagePack frames; nothing is unpickled);
+2. from a background thread it submits ``N`` barrier tasks under a job tag
+   (``sc.range(N, numSlices=N).barrier().mapPartitions(...)``); the job
+   (a ``JobDescription``: the settings and the graph) travels in the task
+   closure, Spark's own trusted path;
+3. each task starts a ``NetworkServer`` on its executor's address, connects
+   to the driver, announces the server, receives every worker's address and
+   the checkpoint to restore, and runs its share of the job
+   (``pyflowbuf.runtime.cluster.run_worker``);
+4. a failure (a task's error, or a control channel that closes early: a
+   lost executor or Python worker) cancels the attempt's Spark job by its
+   tag; the driver restores the latest complete checkpoint in a new attempt
+   with a new secret, up to ``restart_attempts``.
+
+Before anything is submitted the driver refuses, each with a
+``ConfigurationError`` naming the setting: dynamic allocation, more workers
+than free task slots, Spark network encryption without
+``allow_unencrypted=True`` (the exchange authenticates but does not
+encrypt), and a local checkpoint or sink path with a master whose executors
+may run on other hosts.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import inspect
+import os
+import socket
+import threading
+import time
+import uuid
+
+from pyflowbuf import errors
+from pyflowbuf.api import Environment
+from pyflowbuf.net.control import ControlListener, connect_control
+from pyflowbuf.net.protocol import new_secret
+from pyflowbuf.runtime.cluster import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution, run_worker
+
+# how long the pre-submit check waits for executors to register (a session
+# just started has none yet) before it counts the free slots
+SLOTS_WAIT_S = 10.0
+# after cancelJobsWithTag: how long the driver waits for Spark to end the job
+CANCEL_WAIT_S = 30.0
+# what of Spark's error message goes into a worker's failure
+SPARK_ERROR_LIMIT = 8 * 1024
+
+
+def _settings(env) -> dict:
+    """The Environment's constructor arguments, as it holds them now."""
+    names = [p for p in inspect.signature(Environment.__init__).parameters if p not in ("self", "cluster")]
+    return {name: getattr(env, name) for name in names}
+
+
+class JobDescription:
+    """What a worker on another host needs to run its part of a job: the
+    Environment's settings and its graph (the nodes, with their functions).
+    An Environment itself does not travel (it holds a lock and the state of
+    a running job); this does, pickled with cloudpickle inside Spark's task
+    closure. ``environment()`` rebuilds an Environment around the graph on
+    the executor, listening on the executor's address.
+
+    Example::
+
+        desc = JobDescription(env, workers=2)
+        worker_env = desc.environment(bind_host="10.0.0.7")
+    """
+
+    def __init__(self, env, workers: int):
+        self.settings = _settings(env)
+        self.nodes = env.nodes
+        self.workers = workers
+
+    def environment(self, bind_host: str) -> Environment:
+        # the driver serves metrics (log, Prometheus, live view) for the whole job
+        settings = {**self.settings, "workers": None, "bind_host": bind_host, "metrics_log": None,
+                    "prometheus_port": None, "live_view": False}
+        env = Environment(**settings)
+        env.nodes = self.nodes
+        return env
+
+
+def _local_master(master: str) -> bool:
+    """True when every executor runs on the driver's host."""
+    return master.startswith("local")
+
+
+def _is_local_path(location) -> bool:
+    import fsspec
+
+    fs, _ = fsspec.core.url_to_fs(os.fspath(location))
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in ("file", "local") for p in protocols)
+
+
+class SparkCluster:
+    """Run a job's workers as Spark barrier tasks: pass it as
+    ``Environment(cluster=...)``.
+
+    Parameters
+    ----------
+    spark : the SparkSession (or its SparkContext) whose executors run the job.
+    workers : worker tasks; subtask i of every operator runs in worker i % workers.
+    task_cpus : cores each worker task asks Spark for (stage-level scheduling
+        when it differs from ``spark.task.cpus``).
+    port_range : ``(first, last)``: the ports the exchange's servers on the
+        executors and the driver's control listener may take (for firewalls);
+        None: any free port.
+    start_timeout : seconds for every worker task to start and report to the
+        driver; after a failure, for the new attempt to start.
+    allow_unencrypted : run although Spark's network encryption is on
+        (pyflowbuf's exchange authenticates each connection but does not
+        encrypt the records).
+
+    Example::
+
+        import pyflowbuf as fb
+        from pyflowbuf.spark import SparkCluster
+
+        env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=2))
+        counts = (env.from_collection(words).key_by(lambda w: w)
+                     .reduce(lambda a, b: a, name="first").collect())
+        env.execute()
+    """
+
+    def __init__(self, spark, workers: int, *, task_cpus: int = 1, port_range: tuple | None = None,
+                 start_timeout: float = 60.0, allow_unencrypted: bool = False):
+        self.sc = getattr(spark, "sparkContext", spark)
+        for name, value in (("workers", workers), ("task_cpus", task_cpus)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise errors.ConfigurationError(f"SparkCluster: {name} must be an int >= 1, got {value!r}")
+        if port_range is not None:
+            ok = (isinstance(port_range, (tuple, list)) and len(port_range) == 2
+                  and all(isinstance(p, int) and not isinstance(p, bool) for p in port_range)
+                  and 1 <= port_range[0] <= port_range[1] <= 65535)
+            if not ok:
+                raise errors.ConfigurationError(
+                    f"SparkCluster: port_range must be (first, last) ports in 1..65535, got {port_range!r}")
+            port_range = (int(port_range[0]), int(port_range[1]))
+        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
+            raise errors.ConfigurationError(f"SparkCluster: start_timeout must be seconds > 0, got {start_timeout!r}")
+        self.workers = workers
+        self.task_cpus = task_cpus
+        self.port_range = port_range
+        self.start_timeout = float(start_timeout)
+        self.allow_unencrypted = bool(allow_unencrypted)
+
+    def __repr__(self):
+        return f"SparkCluster(workers={self.workers}, master={self.sc.master!r})"
+
+    def execution(self, env) -> ClusterExecution:
+        """The job's execution (Environment calls this at execute())."""
+        return ClusterExecution(env, SparkLauncher(self, env))
+
+    # ---- the checks before submission ----
+    def _conf(self, key, default=None):
+        return self.sc.getConf().get(key, default)
+
+    def check(self, env) -> None:
+        """Raise ConfigurationError naming the setting when the job cannot
+        run as asked; nothing is submitted before this passed."""
+        if self._conf("spark.dynamicAllocation.enabled", "false").lower() == "true":
+            raise errors.ConfigurationError(
+                "spark.dynamicAllocation.enabled=true: barrier tasks cannot run with dynamic allocation "
+                "(Spark refuses them, SPARK-24942); run the pyflowbuf job on a session without it")
+        if not self.allow_unencrypted:
+            for key in ("spark.network.crypto.enabled", "spark.ssl.enabled", "spark.ssl.rpc.enabled"):
+                if self._conf(key, "false").lower() == "true":
+                    raise errors.ConfigurationError(
+                        f"{key}=true: Spark encrypts its traffic, but pyflowbuf's exchange between the "
+                        "workers authenticates each connection and does not encrypt the records; pass "
+                        "SparkCluster(..., allow_unencrypted=True) if the records may cross the network "
+                        "in the clear")
+        master = self._conf("spark.master", self.sc.master)
+        if not _local_master(master):
+            if env.checkpoint_dir is not None and _is_local_path(env.checkpoint_dir):
+                raise errors.ConfigurationError(
+                    f"checkpoint_dir={os.fspath(env.checkpoint_dir)!r} is a local path, but with master "
+                    f"{master!r} the workers may run on other hosts, which cannot reach it: give an fsspec "
+                    "URL every host reaches (s3://, gs://, hdfs://, abfs://, a shared mount as file:// only "
+                    "if it is mounted on every host)")
+            for node in env.nodes:
+                if node.file_output is not None:
+                    raise errors.ConfigurationError(
+                        f"sink {node.name!r} writes to the local path {node.file_output.path!r}, but with "
+                        f"master {master!r} its subtasks may run on other hosts: collect() the records, or "
+                        "write them where every host reaches (a sink(fn) to a database or object store)")
+        self._check_slots()
+
+    def free_slots(self) -> int:
+        """Task slots for tasks of ``task_cpus`` cores that no task uses now."""
+        jsc = self.sc._jsc.sc()
+        spark_cpus = int(self._conf("spark.task.cpus", "1"))
+        try:
+            profile = jsc.resourceProfileManager().defaultResourceProfile()
+            slots = int(jsc.maxNumConcurrentTasks(profile))
+        except Exception:  # noqa: BLE001 - an internal API another Spark version may lack
+            slots = int(self.sc.defaultParallelism) // spark_cpus
+        slots = slots * spark_cpus // self.task_cpus
+        running = 0
+        tracker = jsc.statusTracker()
+        for info in tracker.getExecutorInfos():
+            running += int(info.numRunningTasks())
+        return slots - running * max(1, self.task_cpus // spark_cpus)
+
+    def _check_slots(self) -> None:
+        deadline = time.monotonic() + min(SLOTS_WAIT_S, self.start_timeout)
+        free = self.free_slots()
+        while free < self.workers and time.monotonic() < deadline:
+            time.sleep(0.25)        # executors of a session just started are still registering
+            free = self.free_slots()
+        if free < self.workers:
+            raise errors.ConfigurationError(
+                f"SparkCluster(workers={self.workers}): the cluster has {max(free, 0)} free task slots for "
+                f"tasks of task_cpus={self.task_cpus}, and all workers must run at once (barrier tasks); "
+                "lower workers, or give the session more executors or spark.executor.cores")
+
+
+class _TaskSpec:
+    """What one attempt's barrier tasks carry (pickled into the closure)."""
+
+    def __init__(self, description, driver, secret, attempt, port_range, start_timeout, allow_pickle):
+        self.description = description
+        self.driver = driver
+        self.secret = secret
+        self.attempt = attempt
+        self.port_range = port_range
+        self.start_timeout = start_timeout
+        self.allow_pickle = allow_pickle
+
+    def __call__(self, iterator):
+        from pyspark import BarrierTaskContext
+
+        ctx = BarrierTaskContext.get()
+        for _ in iterator:
+            pass
+        yield run_barrier_task(self, ctx.partitionId(), [t.address for t in ctx.getTaskInfos()])
+
+    def task_addresses(self):
+        """This barrier task's index and every task's executor address."""
+        from pyspark import BarrierTaskContext
+
+        ctx = BarrierTaskContext.get()
+        return ctx.partitionId(), [t.address for t in ctx.getTaskInfos()]
+
+
+def control_secret(secret: bytes, attempt: int) -> bytes:
+    """The control channel's secret of one attempt (the exchange's is
+    ``attempt_secret``): a connection of another attempt fails the handshake."""
+    return hmac.new(secret, b"pyflowbuf control %d" % attempt, hashlib.sha256).digest()
+
+
+def run_barrier_task(spec, w, addresses, host=None):
+    """Worker ``w`` of a job, in a Spark Python worker: returns its pid once
+    its share of the job ended, leaving nothing of it behind."""
+    if host is None:
+        host = addresses[w].rsplit(":", 1)[0]
+    host = socket.gethostbyname(host) if host and not host[0].isdigit() and ":" not in host else host
+    info = {"executor": addresses[w], "host": host, "pid": os.getpid()}
+    conn = connect_control(spec.driver, control_secret(spec.secret, spec.attempt), timeout=spec.start_timeout,
+                           allow_pickle=spec.allow_pickle)
+    try:
+        conn.send((spec.attempt, ("hello", w, info)))
+        env = spec.description.environment(bind_host=host)
+        run_worker(env, w, spec.description.workers, spec.secret, conn, spec.attempt, host=host,
+                   port_range=spec.port_range, info=info, join_control=True)
+    finally:
+        conn.close()
+    return os.getpid()
+
+
+class SparkLauncher:
+    """Starts a job's workers as Spark barrier tasks (see the module's
+    docstring); ClusterExecution drives them as it drives forked ones."""
+
+    what = "Spark barrier tasks"
+
+    def __init__(self, cluster: SparkCluster, env):
+        self.cluster = cluster
+        self.env = env
+        self.sc = cluster.sc
+        self.workers = cluster.workers
+        self.start_timeout = cluster.start_timeout
+        self.description = JobDescription(env, cluster.workers)
+        self.job_id = uuid.uuid4().hex[:12]
+        self.tasks: dict = {}           # worker -> {executor, host, pid} of the current attempt
+        self.attempts: list = []        # per attempt: its job tag
+        self._listener = None
+        self._thread = None
+        self._tag = None
+        self._error = None              # the Spark job's error, as text
+        self._lost_reported = False
+        self._lock = threading.Lock()
+
+    def check(self, execution):
+        self.cluster.check(self.env)
+
+    # ---- one attempt ----
+    def _driver_host(self) -> str:
+        host = self.sc.getConf().get("spark.driver.host", None) or "127.0.0.1"
+        return host
+
+    def _start_listener(self):
+        host = self._driver_host()
+        port_range = self.cluster.port_range
+        ports = [0] if port_range is None else range(port_range[0], port_range[1] + 1)
+        for port in ports:
+            listener = ControlListener(new_secret(), host=host, port=port, allow_pickle=self.env.allow_pickle)
+            try:
+                listener.start()
+            except OSError:
+                listener.close()
+                continue
+            return listener
+        raise errors.PortUnavailableError(
+            f"no free port in port_range={port_range!r} on {host} for the driver's control listener")
+
+    def _wait_for_slots(self, attempt):
+        """After a failure the lost executor may still be coming back: a
+        barrier job submitted without the slots would fail (or wait) in Spark."""
+        deadline = time.monotonic() + self.start_timeout
+        free = self.cluster.free_slots()
+        while free < self.workers:
+            if time.monotonic() >= deadline:
+                raise errors.FlowBufError(
+                    f"attempt {attempt} cannot start: the cluster has {max(free, 0)} free task slots for "
+                    f"{self.workers} workers, and no executor came back within start_timeout="
+                    f"{self.start_timeout} s")
+            time.sleep(0.25)
+            free = self.cluster.free_slots()
+
+    def launch(self, execution, attempt) -> dict:
+        if attempt > 0:
+            self._wait_for_slots(attempt)
+        if self._listener is None:
+            self._listener = self._start_listener()
+        secret = execution.secret
+        self._listener.set_secret(control_secret(secret, attempt))
+        spec = _TaskSpec(self.description, self._listener.address, secret, attempt, self.cluster.port_range,
+                         self.start_timeout, self.env.allow_pickle)
+        tag = f"pyflowbuf-{self.job_id}-attempt-{attempt}"
+        self._tag = tag
+        self.attempts.append(tag)
+        self._error = None
+        self._lost_reported = False
+        self.tasks = {}
+        self._thread = threading.Thread(target=self._run_spark_job, args=(spec, tag, attempt),
+                                        name="pyflowbuf: spark job", daemon=True)
+        self._thread.start()
+        conns: dict = {}
+        try:
+            deadline = time.monotonic() + self.start_timeout
+            while len(conns) < self.workers:
+                if not self._thread.is_alive():
+                    raise errors.JobFailedError(
+                        f"the Spark job of attempt {attempt} ended before all {self.workers} workers started: "
+                        f"{self._error or 'no error reported'}")
+                ch = self._listener.accept(min(deadline, time.monotonic() + 0.5))
+                if ch is None:
+                    if time.monotonic() >= deadline:
+                        raise errors.FlowBufError(
+                            f"{self.workers - len(conns)} of {self.workers} Spark worker tasks did not start "
+                            f"within start_timeout={self.start_timeout} s (running: {sorted(conns.values())})")
+                    continue
+                if not ch.poll(self.start_timeout):
+                    ch.close()
+                    continue
+                try:
+                    sent_attempt, msg = ch.recv()
+                except (EOFError, errors.ProtocolError):
+                    ch.close()
+                    continue
+                w = msg[1] if msg[0] == "hello" else None
+                if sent_attempt != attempt or not isinstance(w, int) or not 0 <= w < self.workers \
+                        or w in conns.values():
+                    ch.close()
+                    continue
+                conns[ch] = w
+                self.tasks[w] = dict(msg[2])
+            return conns
+        except BaseException:
+            for ch in conns:
+                ch.close()
+            self.stop(graceful=False)
+            raise
+
+    def _run_spark_job(self, spec, tag, attempt):
+        sc = self.sc
+        try:
+            sc.addJobTag(tag)
+            sc.setInterruptOnCancel(True)
+            sc.setJobDescription(f"pyflowbuf job {self.env.name!r}, attempt {attempt}: "
+                                 f"{self.workers} workers")
+            self.submit(spec)
+        except BaseException as exc:  # noqa: BLE001 - the driver reports it with the workers' failure
+            text = str(exc)
+            if len(text) > SPARK_ERROR_LIMIT:
+                text = text[:SPARK_ERROR_LIMIT] + "\n[... cut]"
+            self._error = f"{type(exc).__name__}: {text}"
+        finally:
+            try:
+                sc.removeJobTag(tag)
+                sc.setJobDescription(None)
+            except Exception:  # noqa: BLE001 - the session may be stopping
+                pass
+
+    def submit(self, spec):
+        """Run one attempt's barrier tasks; returns when they all ended (in
+        the launcher's background thread, under the attempt's job tag)."""
+        sc = self.sc
+        rdd = sc.range(self.workers, numSlices=self.workers)
+        if self.cluster.task_cpus != int(sc.getConf().get("spark.task.cpus", "1")):
+            from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+            profile = ResourceProfileBuilder().require(TaskResourceRequests().cpus(self.cluster.task_cpus)).build
+            rdd = rdd.withResources(profile)
+        rdd.barrier().mapPartitions(spec).collect()
+
+    def exit_report(self, w):
+        """Why worker ``w`` closed its control channel without a word: a lost
+        executor or Python worker; Spark's error, once the job has ended."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(EXIT_STATUS_WAIT_S)
+        task = self.tasks.get(w, {})
+        text = (f"worker {w} (Spark task on executor {task.get('executor', '?')}, pid {task.get('pid', '?')}) "
+                "lost its control channel to the driver: its Python worker or executor ended")
+        return text, (f"Spark reported: {self._error}" if self._error else "")
+
+    def stop(self, graceful: bool):
+        """The attempt's Spark job has ended when this returns: waited for
+        (the workers were told to stop, or finished), then cancelled by its tag."""
+        thread = self._thread
+        if thread is None:
+            return
+        if graceful:
+            thread.join(CANCEL_GRACE_S)
+        if thread.is_alive():
+            try:
+                self.sc.cancelJobsWithTag(self._tag)
+            except Exception:  # noqa: BLE001 - a stopped session: its jobs are gone
+                pass
+            thread.join(CANCEL_WAIT_S)
+
+    def lost(self):
+        """The attempt's Spark job ended with an error (an executor lost,
+        the stage aborted) although some control channels are still open."""
+        thread = self._thread
+        if thread is None or thread.is_alive() or self._error is None or self._lost_reported:
+            return None
+        self._lost_reported = True
+        return (f"the Spark job of the attempt ({self._tag}) failed", f"Spark reported: {self._error}")
+
+    def end_attempt(self):
+        self._thread = None
+
+    def close(self):
+        self.stop(graceful=False)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    @property
+    def refused(self) -> int:
+        """Control connections refused at the handshake (a wrong secret)."""
+        return 0 if self._listener is None else self._listener.refused
