@@ -7,7 +7,7 @@ crosses from Python into C once per call.
 
 One extension module, written in parts by concept (each ``include``d below):
 serde_kinds.pxi (record kinds and what a stream of a kind carries),
-serde_hash.pxi (the stable key hash), serde_struct.pxi (the struct codec),
+serde_hash.pxi (the stable key hash), serde_ts.pxi (a batch's timestamps), serde_struct.pxi (the struct codec),
 record_writer.pxi, record_deserializer.pxi (the per-channel half of the
 reader) and record_reader.pxi. serde.pxd declares the classes for cimporters.
 """
@@ -88,6 +88,7 @@ cdef object _at_index(BaseException exc, Py_ssize_t i, str msg):
 # The module's parts, by concept; the order matters only for module-level
 # names used when a later part is executed (KINDS, the DEFAULT_* sizes).
 include "serde_kinds.pxi"
+include "serde_ts.pxi"
 include "serde_hash.pxi"
 include "serde_struct.pxi"
 include "record_writer.pxi"
