@@ -2,7 +2,11 @@
 operators with equal parallelism fused into one JobVertex (operator chaining).
 
 A node reads any number of inputs (none for a source, several for union and
-connect); each input says how records reach the node from its upstream node."""
+connect); each input says how records reach the node from its upstream node.
+
+Timestamps travel with the records of a stream once ``assign_timestamps`` gave
+them (``has_timestamps``): decided per node when the graph is declared, so a
+stream without them pays nothing, and the plan marks each edge."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,6 +40,7 @@ class Node:
     user_sink: bool = False                          # sink(fn): its effects stay in the process running it
     file_output: Any = None                          # write_text/write_parquet: its outputs.FileOutput
     consumers: list = field(default_factory=list)
+    timestamped: bool = False                        # its records carry timestamps (set by plan())
 
     # The single-input view most of the code needs; a node with several inputs
     # has no one answer, so asking it is a bug, not a silent first-input pick.
@@ -96,10 +101,44 @@ class JobEdge:
     key_fn: Callable | None
     kind: Any                      # resolved record kind (a Serializer or a NumPy dtype) or None
     input_index: int = 0           # which input of the target's head node this edge feeds
+    timestamped: bool = False      # every record travels with its event time
+
 
     @property
     def pointwise(self) -> bool:
         return self.partitioner == "forward"
+
+
+def has_timestamps(node: Node) -> bool:
+    """Whether the records of ``node``'s output carry event timestamps: those
+    of ``assign_timestamps(fn)``, and then of every operator after it whose
+    inputs all carry them (map, filter, flat_map, process, union, connect,
+    windows, joins: each gives its outputs a time). Not a source's, not an
+    Arrow/pandas stream timed by a column (the windows read the column), not
+    rows of a NumPy dtype (fixed-width, no room for one)."""
+    import numpy as np
+
+    seen: dict = {}
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if id(n) in seen:
+            stack.pop()
+            continue
+        ts = getattr(n, "timestamps", None)
+        if isinstance(n.kind, np.dtype) or isinstance(ts, str) or not n.inputs \
+                or getattr(n, "drops_timestamps", False):
+            seen[id(n)] = False
+        elif ts is not None:
+            seen[id(n)] = True
+        else:
+            todo = [i.node for i in n.inputs if id(i.node) not in seen]
+            if todo:
+                stack.extend(todo)
+                continue
+            seen[id(n)] = all(seen[id(i.node)] for i in n.inputs)
+        stack.pop()
+    return seen[id(node)]
 
 
 def plan(nodes: list, chaining: bool) -> tuple[list, list]:
@@ -110,6 +149,8 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
     vertex_of: dict = {}
     vertices: list = []
     edges: list = []
+    for node in nodes:
+        node.timestamped = has_timestamps(node)
     for node in nodes:
         for inp in node.inputs:
             up = inp.node
@@ -131,6 +172,6 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
             vertices.append(v)
             for k, inp in enumerate(node.inputs):
                 edges.append(JobEdge(vertex_of[inp.node.id], v, inp.partitioner, inp.key_fn,
-                                     inp.node.kind, input_index=k))
+                                     inp.node.kind, input_index=k, timestamped=inp.node.timestamped))
         vertex_of[node.id] = v
     return vertices, edges

@@ -6,12 +6,19 @@ several inputs (union, connect) reads a MultiInput and hands each batch, and
 each event, to its chain with the index of the input it came from. Time is
 accounted as Flink does: idle = waiting for input, backpressured = waiting for
 an output buffer, busy = the rest.
+
+A chain that carries timestamps (an operator of it, or an input, is
+timestamped: ``Node.timestamped``) runs the ``_ts`` variants of the batch
+paths, which hand each operator the batch's times beside it
+(``Operator.process_ts``); any other chain runs the plain ones and pays
+nothing for timestamps.
 """
 from __future__ import annotations
 
 import collections
 import threading
 import time
+from array import array as _array
 
 import numpy as np
 
@@ -29,6 +36,27 @@ from pyflowbuf.runtime.sources import payload_nbytes
 
 def _no_op(key):
     pass
+
+
+def _joined_ts(ts, n, op, more):
+    """The times of ``n`` records (``ts``) followed by ``more``, which ``op``
+    made outside of a batch (fired windows and timers, its end) with their
+    times in ``op.fired_ts``; None where the operator's output carries none."""
+    if not getattr(op, "timestamped", False):
+        return None
+    fired = op.fired_ts
+    op.fired_ts = None
+    if fired is None or len(fired) != len(more):
+        raise errors.FlowBufError(
+            f"operator {op.name!r} emitted {len(more)} record(s) without their timestamps on a stream "
+            "that carries them")
+    if not n:
+        return fired if isinstance(fired, _array) else _array("d", fired)
+    if ts is None:
+        return None
+    out = _array("d", ts)
+    out.extend(fired)
+    return out
 
 
 def _parse_channel(name):
@@ -101,6 +129,13 @@ class Subtask(threading.Thread):
         # Source records handed to a chained operator are never serialized:
         # check them here, against the source's kind, as a writer would.
         self._source_misfit = None if source is None or not operators else _SourceCheck(vertex.head)
+        # decided once: does this chain carry timestamps?
+        self.timestamped = (any(getattr(op, "timestamped", False) for op in operators)
+                            or any(getattr(side, "timestamped", False) for side in self._sides))
+        if self.timestamped:
+            self._process = self._process_ts
+            self._process_input = self._process_input_ts
+            self._watermark_through = self._watermark_through_ts
 
     # ---- mailbox ----
     notifier = None         # set when tasks wait for output buffers (unaligned checkpoints)
@@ -207,7 +242,7 @@ class Subtask(threading.Thread):
                 except Exception:
                     pass
 
-    def _process(self, batch: list) -> None:
+    def _process(self, batch: list, ts=None) -> None:
         for op in self.operators:
             self.current_operator = op.name
             batch = op.process_batch(batch)
@@ -216,7 +251,18 @@ class Subtask(threading.Thread):
         for out in self.outputs:
             out.emit(batch)
 
-    def _process_input(self, batch: list, input_index: int) -> None:
+    def _process_ts(self, batch: list, ts=None) -> None:
+        """``_process`` of a chain that carries timestamps: ``ts`` (the batch's
+        times, an array('d'), or None before an assigner) goes along."""
+        for op in self.operators:
+            self.current_operator = op.name
+            batch, ts = op.process_ts(batch, ts)
+            if not batch:
+                return
+        for out in self.outputs:
+            out.emit(batch, ts)
+
+    def _process_input(self, batch: list, input_index: int, ts=None) -> None:
         """``_process`` for a task with several inputs: the head operator learns
         which input the batch came from; the operators chained after it do not."""
         ops = self.operators
@@ -232,6 +278,21 @@ class Subtask(threading.Thread):
                 return
         for out in self.outputs:
             out.emit(batch)
+
+    def _process_input_ts(self, batch: list, input_index: int, ts=None) -> None:
+        ops = self.operators
+        head = ops[0]
+        self.current_operator = head.name
+        batch, ts = head.process_input_ts(batch, ts, input_index)
+        if not batch:
+            return
+        for op in ops[1:]:
+            self.current_operator = op.name
+            batch, ts = op.process_ts(batch, ts)
+            if not batch:
+                return
+        for out in self.outputs:
+            out.emit(batch, ts)
 
     def _flush_if_due(self, now_ns: int) -> None:
         if now_ns >= self._next_flush:
@@ -331,13 +392,14 @@ class Subtask(threading.Thread):
                 if not batch:
                     continue
             self.records_in += len(batch)
+            ts = inp.ts
             if per_record:
-                for rec in batch:
-                    self._process([rec])
+                for i, rec in enumerate(batch):
+                    self._process([rec], None if ts is None else ts[i:i + 1])
                     for out in self.outputs:
                         out.flush()
             else:
-                self._process(batch)
+                self._process(batch, ts)
                 self._flush_if_due(time.monotonic_ns())
 
     def _run_multi_input(self):
@@ -369,13 +431,14 @@ class Subtask(threading.Thread):
                 if not batch:
                     continue
             self.records_in += len(batch)
+            ts = inp.sides[index].ts
             if per_record:
-                for rec in batch:
-                    self._process_input([rec], index)
+                for i, rec in enumerate(batch):
+                    self._process_input([rec], index, None if ts is None else ts[i:i + 1])
                     for out in self.outputs:
                         out.flush()
             else:
-                self._process_input(batch, index)
+                self._process_input(batch, index, ts)
                 self._flush_if_due(time.monotonic_ns())
 
     def _on_event(self, event, input_index: int = 0):
@@ -410,14 +473,27 @@ class Subtask(threading.Thread):
             # end of input: every window fires, every event-time timer too
             self._watermark_through(END_OF_TIME, 0)
         tail: list = []
-        for op in self.operators:
-            self.current_operator = op.name
+        if not self.timestamped:
+            for op in self.operators:
+                self.current_operator = op.name
+                if tail:
+                    tail = op.process_batch(tail)
+                tail = tail + op.finish()
             if tail:
-                tail = op.process_batch(tail)
-            tail = tail + op.finish()
-        if tail:
-            for out in self.outputs:
-                out.emit(tail)
+                for out in self.outputs:
+                    out.emit(tail)
+        else:
+            ts = None
+            for op in self.operators:
+                self.current_operator = op.name
+                if tail:
+                    tail, ts = op.process_ts(tail, ts)
+                more = op.finish()
+                if more:
+                    tail, ts = tail + more, _joined_ts(ts, len(tail), op, more)
+            if tail:
+                for out in self.outputs:
+                    out.emit(tail, ts)
         if self.checkpointing is not None:
             if self.aligner is not None:
                 self._check_channel_ends()
@@ -712,6 +788,31 @@ class Subtask(threading.Thread):
             self._idle_out = False
             self._broadcast(EVT_WATERMARK, _wm.encode(self._wm_out))
 
+    def _watermark_through_ts(self, wm, start, force=False):
+        """``_watermark_through`` of a chain that carries timestamps: what an
+        operator fires comes with its times (``op.fired_ts``)."""
+        ops = self.operators
+        batch: list = []
+        ts = None
+        for k in range(start, len(ops)):
+            op = ops[k]
+            self.current_operator = op.name
+            if batch:
+                batch, ts = op.process_ts(batch, ts)
+            if wm is not None:
+                handler = getattr(op, "on_watermark", None)
+                if handler is not None:
+                    more, wm = handler(wm)
+                    if more:
+                        batch, ts = batch + more, _joined_ts(ts, len(batch), op, more)
+        if batch:
+            for out in self.outputs:
+                out.emit(batch, ts)
+        if wm is not None and (wm > self._wm_out or force):
+            self._wm_out = max(wm, self._wm_out)
+            self._idle_out = False
+            self._broadcast(EVT_WATERMARK, _wm.encode(self._wm_out))
+
     def emit_watermark_after(self, op, wm, force=False):
         """Operator ``op`` of this chain made watermark ``wm`` (an assigner)."""
         self._watermark_through(wm, self.operators.index(op) + 1, force=force)
@@ -726,6 +827,16 @@ class Subtask(threading.Thread):
         """Records an operator made outside of a batch (a processing-time
         timer): through the operators after it, then to the outputs."""
         ops = self.operators
+        if self.timestamped:
+            ts = _joined_ts(None, 0, op, records)
+            for nxt in ops[ops.index(op) + 1:]:
+                self.current_operator = nxt.name
+                records, ts = nxt.process_ts(records, ts)
+                if not records:
+                    return
+            for out in self.outputs:
+                out.emit(records, ts)
+            return
         for nxt in ops[ops.index(op) + 1:]:
             self.current_operator = nxt.name
             records = nxt.process_batch(records)

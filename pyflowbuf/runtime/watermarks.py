@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+from array import array as _array
 import numbers
 import struct
 import time
@@ -236,8 +237,14 @@ class TimestampsAssigner(Operator):
 
     # ---- records ----
     def process_batch(self, batch):
+        return self.process_ts(batch, None)[0]
+
+    def process_ts(self, batch, ts_in):
+        """The records as they are, and (on a stream whose timestamps travel)
+        their times from ``ts_fn``, replacing any they came with."""
         if not batch:
-            return batch
+            return batch, None
+        stamps = None
         if self.column is not None:
             high = _batch_max(batch, self.column, self.name)
         else:
@@ -253,6 +260,11 @@ class TimestampsAssigner(Operator):
                 self._refuse_nan(batch, ts)
             if type(high) is not float:
                 high = to_seconds(high)
+            if self.timestamped:
+                try:
+                    stamps = _array("d", ts)
+                except TypeError:   # numbers array() does not take (Decimal, NumPy scalars)
+                    stamps = _array("d", [to_seconds(t) for t in ts])
         if not self._unit_checked:
             self._check_unit(high)
         if high > self.max_ts:
@@ -264,7 +276,7 @@ class TimestampsAssigner(Operator):
         elif self.watermark > self.emitted and (
                 self.interval == 0 or now - self._last_emit_ns >= self.interval * 1e9):
             self._post_emit()
-        return batch
+        return batch, stamps
 
     def _refuse_nan(self, batch, ts):
         for x, t in zip(batch, ts):
