@@ -12,7 +12,8 @@ import warnings
 from pyflowbuf._version import __version__
 from pyflowbuf._core.serde import stable_hash
 from pyflowbuf import errors
-from pyflowbuf.api import CollectSink, ConnectedStreams, Environment, IteratorSink, KeyedStream, Stream
+from pyflowbuf.api import (CollectSink, ConnectedStreams, Environment, IntervalJoin, IteratorSink, JoinedStreams,
+                           KeyedStream, Stream, WindowedStream, WindowResult)
 from pyflowbuf.runtime.sources import RateLimiter
 from pyflowbuf import windows
 from pyflowbuf.windows import AggregateFunction, Count, Session, Sliding, Sum, TimeWindow, Tumbling
@@ -21,6 +22,7 @@ from pyflowbuf.runtime.timers import KeyedProcessFunction
 __all__ = [
     "__version__", "errors", "stable_hash",
     "Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink", "RateLimiter",
+    "WindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin",
     "windows", "Tumbling", "Sliding", "Session", "TimeWindow", "AggregateFunction", "Count", "Sum",
     "KeyedProcessFunction",
 ]

@@ -59,8 +59,8 @@ def test_unknown_attribute_is_attribute_error():
 _DOCUMENTED = [
     api.Environment, api.Stream, api.KeyedStream, api.ConnectedStreams, api.CollectSink, api.IteratorSink,
     windows.TimeWindow, windows.WindowAssigner, windows.Tumbling, windows.Sliding, windows.Session,
-    windows.AggregateFunction, windows.Count, windows.Sum, windows.WindowedStream, windows.WindowResult,
-    windows.JoinedStreams, windows.IntervalJoin, testing.OperatorHarness,
+    windows.AggregateFunction, windows.Count, windows.Sum, api.WindowedStream, api.WindowResult,
+    api.JoinedStreams, api.IntervalJoin, testing.OperatorHarness,
 ]
 _OURS = ("pyflowbuf.api", "pyflowbuf.windows", "pyflowbuf.testing")
 
@@ -73,7 +73,7 @@ def _public(cls):
             continue
         owner = next(k for k in cls.__mro__ if name in vars(k))
         raw = vars(owner)[name]
-        if owner.__module__ not in _OURS or not (callable(raw) or isinstance(raw, property)):
+        if not owner.__module__.startswith(_OURS) or not (callable(raw) or isinstance(raw, property)):
             continue
         yield name, inspect.getdoc(getattr(cls, name))
 

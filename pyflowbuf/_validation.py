@@ -1,0 +1,182 @@
+"""Checks of the job API's arguments, shared by the environment, the stream
+classes and the window vocabulary: each names the argument and what it takes.
+Below the API layer, so that the windows package can use them too."""
+from __future__ import annotations
+
+import inspect
+import numbers
+import os
+import warnings
+
+import numpy as np
+
+from pyflowbuf.errors import ConfigurationError, UnitWarning
+from pyflowbuf.runtime.job import check_timeout
+from pyflowbuf.serializers import get_serializer, kind_label
+
+_UNSET = object()
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+_FIXED_WIDTH = {"int64": 8, "float64": 8}
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# Settings in seconds, and the value from which each only makes sense as
+# milliseconds (Flink's unit for all of them): 1000 is "1 s" in Flink and
+# "17 minutes" here. A user who does mean that many seconds can filter
+# UnitWarning.
+_SECONDS_SETTINGS = {"checkpoint_interval": 1000, "checkpoint_timeout": 100_000, "buffer_timeout": 10,
+                     "alignment_timeout": 1000, "debloat_target": 100, "debloat_period": 60,
+                     "metrics_interval": 1000}
+
+
+def _warn_milliseconds(env) -> None:
+    for name, limit in _SECONDS_SETTINGS.items():
+        v = getattr(env, name)
+        if v is not None and v >= limit:
+            warnings.warn(UnitWarning(
+                f"{name}={v!r} is in seconds ({v / 60:.4g} minutes); values this large are usually "
+                f"milliseconds: for {v / 1000:g} s pass {name}={v / 1000:g}. (If you mean seconds, "
+                "filter pyflowbuf.errors.UnitWarning.)"), stacklevel=3)
+
+
+def _number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _positive_int(name, v):
+    if not _int(v) or v < 1:
+        raise ConfigurationError(f"{name} must be a positive int, got {v!r}")
+
+
+def _output_path(path, name):
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigurationError(f"{name!r}: path must be a directory path, got {path!r}")
+    return os.fspath(path)
+
+
+def _parallelism(env, parallelism) -> int:
+    if parallelism is None:
+        return env.parallelism
+    _positive_int("parallelism", parallelism)
+    return parallelism
+
+
+def _kind_identity(kind):
+    """What makes two declared kinds the same: a dtype itself, else the
+    serializer's name ('int64' and get_serializer('int64') are one kind)."""
+    if isinstance(kind, np.dtype):
+        return kind
+
+    return get_serializer(kind).name
+
+
+def _common_kind(streams, what):
+    """The kind the streams declare (None when none does); streams declaring
+    different kinds are refused, as they would be at their first record."""
+
+    known = [s for s in streams if s.node.kind is not None]
+    if not known:
+        return None
+    first = known[0]
+    for s in known[1:]:
+        if _kind_identity(s.node.kind) != _kind_identity(first.node.kind):
+            raise ConfigurationError(
+                f"{what}: the streams carry different record kinds: {first.node.name!r} carries "
+                f"{kind_label(first.node.kind)} and {s.node.name!r} carries {kind_label(s.node.kind)}; "
+                "a union carries one kind: map the streams to one kind first, or connect() them")
+    return first.node.kind
+
+
+def _job_name(param, v, optional=False):
+    if v is None and optional:
+        return
+    if not isinstance(v, str) or not v:
+        raise ConfigurationError(f"{param} must be a non-empty str, got {v!r}")
+
+
+def _check_kind(kind, what):
+    """kind= as a declaration takes it: None (inferred from the first record),
+    a NumPy dtype (a rows stream), a Serializer instance or a registered name.
+    The serializers' registry decides what a name means."""
+    if kind is None or isinstance(kind, np.dtype):
+        return kind
+    if isinstance(kind, type) and issubclass(kind, np.generic):
+        raise ConfigurationError(
+            f"{what}: kind={kind.__name__} is a NumPy scalar type; a rows stream takes a dtype: "
+            f"kind=np.dtype(np.{kind.__name__})")
+
+    try:
+        get_serializer(kind)
+    except ValueError as exc:
+        raise ConfigurationError(f"{what}: kind={kind!r} is not a record kind: {exc}") from None
+    except TypeError:        # unhashable: no name can match it
+        raise ConfigurationError(
+            f"{what}: kind={kind!r} is not a record kind: give None (inferred), a NumPy dtype, a "
+            "Serializer instance or a registered name such as 'int64', 'str', 'bytes'") from None
+    return kind
+
+
+def _sequence_args(start, stop, step):
+    def as_int(name, v):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ConfigurationError(f"from_sequence: {name} must be an int, got {v!r}")
+        return int(v)
+
+    start = as_int("start", start)
+    step = as_int("step", step)
+    if stop is not None:
+        stop = as_int("stop", stop)
+    if step == 0:
+        raise ConfigurationError("from_sequence: step must not be 0")
+    lo, hi = _INT64
+    if not lo <= start <= hi:
+        raise ConfigurationError(f"from_sequence: start={start} does not fit the stream's kind, int64")
+    if stop is not None:
+        r = range(start, stop, step)
+        if r and not lo <= r[-1] <= hi:
+            raise ConfigurationError(
+                f"from_sequence: stop={stop} makes values up to {r[-1]}, which do not fit the "
+                "stream's kind, int64")
+    return start, stop, step
+
+
+def _execute_args(job_name, timeout):
+    """execute(job_name=None, timeout=None), where a number in job_name's place
+    is the timeout: execute(30) has always meant execute(timeout=30)."""
+    if _number(job_name):
+        if timeout is not None:
+            raise ConfigurationError(
+                f"execute() got a timeout twice ({job_name!r} and timeout={timeout!r}); "
+                "execute(job_name, timeout) takes the name first")
+        job_name, timeout = None, job_name
+    _job_name("job_name", job_name, optional=True)
+    return job_name, check_timeout(timeout)
+
+
+def _callable(fn, what):
+    if not callable(fn):
+        raise TypeError(f"{what} takes a function, got {type(fn).__name__}")
+
+
+def _check_arity(fn, what, call, *counts):
+    """Refuse, where the operator is declared, a function that cannot take the
+    positional arguments its operator will pass (``counts``: the accepted
+    numbers; ``call`` shows them); otherwise its first record fails the job.
+    A callable without a signature (some builtins) is left to that call."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    for n in counts:
+        try:
+            sig.bind(*range(n))
+            return
+        except TypeError:
+            pass
+    label = getattr(fn, "__qualname__", None) or type(fn).__name__
+    raise ConfigurationError(f"{what}: the function is called as {call}, but {label}{sig} cannot take "
+                             f"{' or '.join(map(str, counts))} positional arguments")

@@ -1,0 +1,29 @@
+"""The job API: build a graph of sources, operators and sinks, then run it.
+
+    env = Environment(parallelism=2)
+    counts = (env.from_collection(["a b", "b c"])
+                 .flat_map(str.split)
+                 .key_by(lambda w: w)
+                 .reduce(lambda a, b: a)          # any rolling reduce
+                 .collect())
+    env.execute()
+    counts.result
+
+What lives where:
+
+- ``environment``: ``Environment``, its settings, the graph, running it;
+- ``sources``: the source declarations of the environment (``from_*``, ``read_*``);
+- ``stream``: ``Stream``, ``KeyedStream``, ``ConnectedStreams``;
+- ``sinks``: the sink declarations of a stream and their handles;
+- ``windowed``: ``WindowedStream`` and ``WindowResult`` (``KeyedStream.window``);
+- ``joined``: ``JoinedStreams`` and ``IntervalJoin``;
+- ``_validation``: the argument checks they share.
+"""
+from pyflowbuf.api.environment import Environment
+from pyflowbuf.api.joined import IntervalJoin, JoinedStreams
+from pyflowbuf.api.sinks import CollectSink, IteratorSink
+from pyflowbuf.api.stream import ConnectedStreams, KeyedStream, Stream
+from pyflowbuf.api.windowed import WindowedStream, WindowResult
+
+__all__ = ["Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink",
+           "WindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin"]

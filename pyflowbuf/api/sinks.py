@@ -1,0 +1,223 @@
+"""The sink declarations of ``Stream`` (``collect``, ``sink``, ``print``,
+``write_text``, ``write_parquet``, ``to_iterator``) and the handles they
+return."""
+from __future__ import annotations
+
+from typing import Callable
+
+
+from pyflowbuf._validation import _callable, _output_path, _positive_int
+from pyflowbuf.connectors import PrintSink
+from pyflowbuf.errors import ConfigurationError
+from pyflowbuf.runtime import operators as ops
+from pyflowbuf.runtime.graph import Node
+from pyflowbuf.runtime.outputs import FileOutput, check_mode
+
+
+class SinkDeclarations:
+    """The ``Stream``'s methods that end it in a sink."""
+
+    def collect(self, *, parallelism: int | None = None, name: str = "collect") -> "CollectSink":
+        """A sink that keeps every record in memory and hands them to the caller
+        once the job ends (also from worker processes).
+
+        Returns a ``CollectSink``: its ``result`` is the list of records after
+        ``execute()`` returns, subtask by subtask (in arrival order within a
+        subtask). Meant for results that fit in memory; use ``write_text`` or
+        ``to_iterator`` for more.
+
+        Example::
+
+            out = env.from_collection([3, 1, 2]).map(lambda x: x * 10).collect()
+            env.execute()
+            out.result          # [30, 10, 20]
+        """
+        handle = CollectSink()
+        node = self._then(name, lambda: ops.CollectSink(name, handle._parts), parallelism, None, sink=True)
+        node.collect_parts = handle._parts
+        return handle
+
+    def sink(self, fn: Callable, *, batched: bool = False, parallelism: int | None = None,
+             name: str = "sink") -> None:
+        """Call ``fn(record)`` (or ``fn(batch)`` with batched=True) in the sink task.
+
+        With ``Environment(workers=N)`` the sink task runs in a worker process:
+        what ``fn`` does to the caller's objects happens to the worker's copy
+        (use ``collect()`` or ``to_iterator()`` to bring records back).
+
+        Returns None (a sink ends the stream). A ``fn`` that is not callable is a
+        ``TypeError``.
+
+        Example::
+
+            stream.sink(lambda r: db.insert(r))
+            stream.sink(lambda batch: db.insert_many(batch), batched=True)
+        """
+        _callable(fn, "sink")
+        node = self._then(name, lambda: ops.FunctionSink(name, fn, batched), parallelism, None, sink=True)
+        node.user_sink = True
+
+    def print(self, prefix: str | None = None, *, parallelism: int | None = None, name: str = "print") -> None:
+        """Each record on stdout as ``str(record)``, as PyFlink's print():
+        after ``"<subtask>> "`` (from 1) when the sink has several subtasks,
+        ``"<prefix>> "`` / ``"<prefix>:<subtask>> "`` with a prefix. With
+        ``workers=`` what the workers print (here, or with ``print()`` in an
+        operator's function) is carried to the caller's ``sys.stdout``, so a
+        notebook or ``redirect_stdout`` sees it, whole lines in order per
+        worker, all of it before ``execute()`` returns. Not transactional:
+        after a restore, records since the checkpoint print again.
+
+        A ``prefix`` that is not a str is a ``ConfigurationError``.
+
+        Example::
+
+            stream.print()                  # one line per record
+            stream.print("debug")           # "debug> record"
+        """
+        if prefix is not None and not isinstance(prefix, str):
+            raise ConfigurationError(f"print: prefix must be a str or None, got {prefix!r}")
+
+        self._then(name, lambda: PrintSink(name, prefix), parallelism, None, sink=True)
+
+    def write_text(self, path, *, parallelism: int | None = None, name: str = "write_text",
+                   mode: str = "error") -> None:
+        """One line per record (``str(record)``) in the directory ``path``:
+        ``part-<subtask>-<seq>.txt`` files (one per subtask without
+        checkpoints; read them back with ``read_text`` on each, or
+        ``sorted(glob.glob(f"{path}/part-*"))``).
+
+        Each part is written under a hidden name (``.part-...inprogress``)
+        and renamed into place when committed: when the job ends, or with
+        checkpointing on when a checkpoint covering it completes: exactly
+        once across failures. ``mode``: ``"error"`` (default) refuses a
+        directory that already holds output (other than the parts of the
+        checkpoint being restored), ``"overwrite"`` removes it first,
+        ``"append"`` adds new parts beside it (``OutputExistsError``).
+
+        A bad ``mode`` is a ``ConfigurationError`` here; output already in the
+        directory with ``mode="error"`` is ``OutputExistsError`` from
+        ``execute()``, before anything runs.
+
+        Example::
+
+            counts.write_text("out/counts", mode="overwrite")
+        """
+
+        path = _output_path(path, name)
+        output = FileOutput(path, ".txt", check_mode(mode, f"write_text {name!r}"), f"write_text {name!r}",
+                            legacy_suffixes=("",))
+        env = self.env
+        node = self._then(name, lambda: ops.TextFileSink(name, path, output=output,
+                                                         transactional=env.checkpoint_interval is not None),
+                          parallelism, None, sink=True)
+        output.parallelism = node.parallelism
+        node.file_output = output
+
+    def write_parquet(self, path, *, parallelism: int | None = None, name: str = "write_parquet",
+                      schema=None, row_group_size: int | None = None, compression="snappy",
+                      mode: str = "error") -> None:
+        """Parquet files in the directory ``path``: ``part-<subtask>-<seq>.parquet``
+        (pyarrow, the ``arrow`` extra), one per subtask without checkpoints.
+
+        Records may be Arrow RecordBatches/Tables, pandas DataFrames, NumPy
+        rows, dicts (a key per column), tuples (columns ``f0``, ``f1``.. or
+        the schema's, in order) or single values (one column, ``value``). The
+        schema is ``schema`` (a ``pyarrow.Schema``) or the first batch's, per
+        subtask; a later batch that does not fit it raises ``RecordTypeError``
+        naming the column. Pass ``schema`` when a column of the first batch
+        may be all None, or for one schema across subtasks. Rows are buffered
+        into row groups of ``row_group_size`` rows (default 131072).
+
+        Parts are committed as ``write_text``'s are (hidden until committed;
+        with checkpointing on, exactly once across failures; readers skip
+        names starting with ``.``), and ``mode`` works the same way.
+
+        Example::
+
+            rows.write_parquet("out/events", row_group_size=65536, compression="zstd")
+        """
+
+        if row_group_size is not None:
+            _positive_int("row_group_size", row_group_size)
+        path = _output_path(path, name)
+        output = FileOutput(path, ".parquet", check_mode(mode, f"write_parquet {name!r}"),
+                            f"write_parquet {name!r}")
+        schema = ops.parquet_settings(schema, compression)
+        env = self.env
+        node = self._then(name, lambda: ops.ParquetFileSink(name, path, schema=schema,
+                                                            row_group_size=row_group_size,
+                                                            compression=compression, output=output,
+                                                            transactional=env.checkpoint_interval is not None),
+                          parallelism, None, sink=True)
+        output.parallelism = node.parallelism
+        node.file_output = output
+
+    def to_iterator(self, *, name: str = "iterator", zero_copy: bool = False) -> "IteratorSink":
+        """A sink read by ``Environment.execute_iter`` in the caller's thread.
+
+        Records own their memory by default, so the caller may keep them. With
+        ``zero_copy=True`` large records come as views over segments: each one
+        held keeps a segment from the pool, and holding a pool's worth stalls
+        the job, so only use it when records are dropped promptly.
+
+        Returns an ``IteratorSink`` handle to pass to ``execute_iter``; the sink
+        has parallelism 1. A job with such a sink runs only with
+        ``execute_iter`` (``execute()`` refuses it).
+
+        Example::
+
+            handle = env.from_sequence(0, 5).to_iterator()
+            print(list(env.execute_iter(handle)))      # [0, 1, 2, 3, 4]
+        """
+        node = self.env._add(name=name, parallelism=1, make_operator=None, inputs=[self._input_to(1)],
+                             kind=None, is_sink=True)
+        node.is_iterator = True
+        node.zero_copy = zero_copy
+        return IteratorSink(node)
+
+
+
+class CollectSink:
+    """Handle of a ``collect()`` sink; ``result`` is filled when the job ends.
+
+    Example::
+
+        handle = stream.collect()
+        env.execute()
+        print(handle.result)
+    """
+
+    def __init__(self):
+        self._parts: dict = {}
+
+    @property
+    def result(self) -> list:
+        """The collected records as a new list: subtask 0's in arrival order, then
+        subtask 1's, and so on. Complete once ``execute()`` has returned (or the
+        job is ``done``); while the job runs it holds what has arrived so far.
+
+        Example::
+
+            out = env.from_collection(["x", "y"]).collect()
+            env.execute()
+            assert out.result == ["x", "y"]
+        """
+        out = []
+        for k in sorted(self._parts):
+            out.extend(self._parts[k])
+        return out
+
+
+class IteratorSink:
+    """Handle of a ``to_iterator()`` sink: pass it to
+    ``Environment.execute_iter`` to read the records in the caller's thread.
+
+    Example::
+
+        handle = stream.to_iterator()
+        for record in env.execute_iter(handle):
+            ...
+    """
+    def __init__(self, node: Node):
+        self.node = node
+

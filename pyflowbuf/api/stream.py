@@ -1,0 +1,584 @@
+"""The stream classes: ``Stream``, ``KeyedStream`` and ``ConnectedStreams``."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+
+from pyflowbuf._validation import _callable, _check_arity, _check_kind, _common_kind, _parallelism
+from pyflowbuf.api.sinks import SinkDeclarations
+from pyflowbuf.errors import ConfigurationError, UnitWarning
+from pyflowbuf.runtime import operators as ops
+from pyflowbuf.runtime.graph import Input, Node
+from pyflowbuf.runtime.timers import KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator, takes_context
+from pyflowbuf.runtime.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
+from pyflowbuf.serializers import get_serializer
+
+
+class Stream(SinkDeclarations):
+    """A stream of records produced by one node of the graph.
+
+    Streams are declared, not run: each method adds an operator to the
+    Environment's graph and returns the stream of its output;
+    ``env.execute()`` runs the whole graph.
+
+    Example::
+
+        doubled = env.from_sequence(0, 10).map(lambda x: 2 * x, name="double")
+    """
+
+    def __init__(self, env, node: Node, key_fn: Callable | None = None):
+        self.env = env
+        self.node = node
+        self._partitioner = None  # None: forward when parallelism matches, else rebalance
+        self._key_fn = key_fn
+
+    def _input_to(self, parallelism: int) -> Input:
+        """How this stream feeds an operator of ``parallelism``: the partitioner
+        set on it, else forward when the parallelism matches, else rebalance."""
+        part = self._partitioner or ("forward" if parallelism == self.node.parallelism else "rebalance")
+        return Input(self.node, part, self._key_fn)
+
+    def _then(self, name, make_operator, parallelism, kind, *, sink=False) -> Node:
+        p = _parallelism(self.env, parallelism)
+        return self.env._add(name=name, parallelism=p, make_operator=make_operator,
+                             inputs=[self._input_to(p)], kind=kind, is_sink=sink)
+
+    # ---- partitioning ----
+    def _with(self, partitioner, key_fn=None) -> "Stream":
+        s = Stream(self.env, self.node, key_fn)
+        s._partitioner = partitioner
+        return s
+
+    def forward(self) -> "Stream":
+        """Send each record to the subtask of the same index in the next operator
+        (no exchange across subtasks; chained when possible). The next operator
+        must have the same parallelism: otherwise ``execute()`` (and ``plan()``)
+        raise ``ValueError``. Returns a ``Stream`` to declare that operator on.
+
+        Example::
+
+            s.forward().map(fn)        # same parallelism as s
+        """
+        return self._with("forward")
+
+    def rebalance(self) -> "Stream":
+        """Spread the records over the next operator's subtasks round-robin, to
+        even out skewed subtasks or change parallelism. Returns a ``Stream``.
+
+        Example::
+
+            s.rebalance().map(expensive, parallelism=8)
+        """
+        return self._with("rebalance")
+
+    def broadcast(self) -> "Stream":
+        """Send every record to every subtask of the next operator. Returns a
+        ``Stream``.
+
+        Example::
+
+            rules.broadcast().connect(events).process(on_rule, on_event)
+        """
+        return self._with("broadcast")
+
+    def key_by(self, key_fn: Callable) -> "KeyedStream":
+        """Partition by ``key_fn(record)``: records with equal keys reach the same
+        subtask (a stable hash, the same in every process), where keyed
+        operators keep per-key state.
+
+        ``key_fn`` may be a column name (a str) only on a stream of Arrow or
+        pandas batches, for the vectorized windows. Returns a ``KeyedStream``.
+        A ``key_fn`` that is not callable (or a column name on another stream)
+        is a ``TypeError``.
+
+        Example::
+
+            totals = orders.key_by(lambda o: o["customer"]).reduce(
+                lambda a, b: {**a, "amount": a["amount"] + b["amount"]})
+        """
+        if isinstance(key_fn, str):
+            return _key_by_column(self, key_fn)
+        if not callable(key_fn):
+            raise TypeError("key_by takes a function record -> key")
+        ks = KeyedStream(self.env, self.node, key_fn)
+        ks._partitioner = "hash"
+        return ks
+
+    # ---- event time ----
+    def assign_timestamps(self, fn: Callable | str, out_of_orderness: float = 0.0,
+                          idle_timeout: float | None = None, *, watermark_interval: float = 0.2,
+                          unit: str = "s", parallelism: int | None = None,
+                          name: str = "timestamps") -> "Stream":
+        """Event time for this stream: ``fn(record)`` is a record's timestamp in
+        seconds (a float or int; a datetime is converted), or in ``unit``
+        ("ms", "us", "ns" since 1970) when given; timestamps that look like
+        milliseconds while read as seconds warn once (``UnitWarning``), and a
+        NaN timestamp is an ``InvalidTimestampError``. Watermarks follow
+        the records: the highest timestamp seen minus ``out_of_orderness``,
+        sent every ``watermark_interval`` seconds (Flink's 200 ms; 0: after
+        every batch). A subtask that gets no records for ``idle_timeout``
+        seconds is marked idle, so it does not hold back the watermark of
+        the tasks it feeds. On an Arrow/pandas stream ``fn`` may be a column
+        name. See ``pyflowbuf.windows``.
+
+        Returns a ``Stream`` with timestamps (the same records). Bad durations
+        or ``unit`` are a ``ConfigurationError``, a ``fn`` that is not callable
+        a ``TypeError``.
+
+        Example::
+
+            timed = events.assign_timestamps(lambda e: e["ts"], out_of_orderness=2.0, idle_timeout=30)
+            in_ms = events.assign_timestamps(lambda e: e["ts_ms"], unit="ms")
+        """
+
+        if not isinstance(fn, str):
+            _callable(fn, "assign_timestamps")
+        if not isinstance(unit, str) or unit not in UNITS:
+            raise ConfigurationError(f"unit must be one of {', '.join(map(repr, UNITS))}, got {unit!r}")
+        if unit != "s":
+            if isinstance(fn, str):
+                raise ConfigurationError(
+                    f"unit={unit!r} applies to a timestamp function; the column {fn!r} is read as seconds, "
+                    "or as an Arrow timestamp column, whose type carries its unit (pa.timestamp('ms'))")
+            fn = in_unit(fn, unit)
+        ooo = check_seconds("out_of_orderness", out_of_orderness)
+        idle = check_seconds("idle_timeout", idle_timeout, optional=True, positive=True)
+        interval = check_seconds("watermark_interval", watermark_interval)
+        if interval >= 60:
+            warnings.warn(UnitWarning(
+                f"assign_timestamps {name!r}: watermark_interval={watermark_interval!r} is in seconds; "
+                f"values this large are usually milliseconds: for {interval / 1000:g} s pass "
+                f"watermark_interval={interval / 1000:g}"), stacklevel=2)
+        shared: dict = {}
+        node = self._then(name, lambda: TimestampsAssigner(name, fn, ooo, idle, interval, unit, shared),
+                          parallelism, self.node.kind)
+        node.timestamps = fn
+        node.event_time = True
+        return Stream(self.env, node)
+
+    # ---- operators ----
+    def map(self, fn: Callable, *, parallelism: int | None = None, name: str = "map", kind: Any = None) -> "Stream":
+        """One output record ``fn(record)`` per input record.
+
+        ``kind`` declares the output record kind (None: inferred from the first
+        output); ``parallelism`` defaults to the Environment's. Returns a
+        ``Stream``. A ``fn`` that is not callable is a ``TypeError``, a bad
+        ``kind`` a ``ConfigurationError``; an output that does not fit the kind
+        fails the job with ``RecordTypeError`` naming the operator.
+
+        Example::
+
+            lengths = words.map(len, kind="int64")
+            pairs = words.map(lambda w: (w, 1), name="pair")
+        """
+        _callable(fn, "map")
+        kind = _check_kind(kind, f"map {name!r}")
+        return Stream(self.env, self._then(name, lambda: ops.Map(name, fn), parallelism, kind))
+
+    def filter(self, fn: Callable, *, parallelism: int | None = None, name: str = "filter") -> "Stream":
+        """The records for which ``fn(record)`` is true, unchanged (they keep
+        their kind and their timestamps). Returns a ``Stream``. A ``fn`` that is
+        not callable is a ``TypeError``.
+
+        Example::
+
+            errors_only = lines.filter(lambda line: line.startswith("ERROR"))
+        """
+        _callable(fn, "filter")
+        node = self._then(name, lambda: ops.Filter(name, fn), parallelism, self.node.kind)
+        node.timestamps = getattr(self.node, "timestamps", None)    # the records stay as they were
+        return Stream(self.env, node)
+
+    def flat_map(self, fn: Callable, *, parallelism: int | None = None, name: str = "flat_map",
+                 kind: Any = None) -> "Stream":
+        """Zero or more output records per input record: ``fn(record)`` returns an
+        iterable of them (a list, a generator, a set).
+
+        A str, bytes, tuple, dict or None returned by ``fn`` is never taken
+        apart: the job fails with ``RecordTypeError`` (return ``[record]`` for
+        one record). ``kind`` as for ``map``. Returns a ``Stream``. A ``fn`` that
+        is not callable is a ``TypeError``.
+
+        Example::
+
+            words = lines.flat_map(str.split)
+            pairs = lines.flat_map(lambda line: [(w, 1) for w in line.split()])
+        """
+        _callable(fn, "flat_map")
+        kind = _check_kind(kind, f"flat_map {name!r}")
+        return Stream(self.env, self._then(name, lambda: ops.FlatMap(name, fn), parallelism, kind))
+
+    def map_batches(self, fn: Callable, *, parallelism: int | None = None, name: str = "map_batches",
+                    kind: Any = None) -> "Stream":
+        """Apply ``fn`` to whole batches: to NumPy array chunks on a rows stream
+        (``from_arrays``), to each RecordBatch/DataFrame on an arrow/pandas stream.
+
+        ``fn`` returns the output batch (an array chunk, a RecordBatch or a
+        DataFrame). On a rows stream the output keeps the input's dtype unless
+        ``kind`` says otherwise. Returns a ``Stream``. A ``fn`` that is not
+        callable is a ``TypeError``.
+
+        Example::
+
+            scaled = rows.map_batches(lambda chunk: chunk * 2)             # a rows stream
+            big = batches.map_batches(lambda df: df[df["amount"] > 100])   # pandas batches
+        """
+        _callable(fn, "map_batches")
+        kind = _check_kind(kind, f"map_batches {name!r}")
+        per_record = not isinstance(self.node.kind, np.dtype)
+        if kind is None and not per_record:
+            kind = self.node.kind
+        return Stream(self.env, self._then(name, lambda: ops.MapBatch(name, fn, per_record), parallelism, kind))
+
+    # ---- several inputs ----
+    def union(self, *others: "Stream", parallelism: int | None = None, name: str = "union") -> "Stream":
+        """The records of this stream and of ``others``, in arrival order.
+
+        Every stream must belong to this Environment, and the kinds the streams
+        declare (or that their sources fixed) must agree: the union carries
+        that kind. Each input is partitioned as its stream says (forward when
+        the parallelism matches, else rebalance, or what key_by / rebalance /
+        broadcast set on it). The union is a task of its own, reading one gate
+        per input; the operators after it chain to it.
+
+        Returns a ``Stream``. A stream of another Environment or of another kind
+        is a ``ConfigurationError``, something that is not a Stream a
+        ``TypeError``.
+
+        Example::
+
+            everything = clicks.union(views, purchases)
+        """
+        streams = (self,) + others
+        for s in others:
+            _same_env(self.env, s, "union")
+        kind = _common_kind(streams, f"union {name!r}")
+        p = _parallelism(self.env, parallelism)
+        node = self.env._add(name=name, parallelism=p, make_operator=lambda: ops.Union(name),
+                             inputs=[s._input_to(p) for s in streams], kind=kind)
+        return Stream(self.env, node)
+
+    def join(self, other: "Stream"):
+        """A window join: ``a.join(b).where(key_a).equal_to(key_b)
+        .window(Tumbling(5)).apply(fn(left, right))``, one output per pair
+        of records with equal keys in the same window (Flink's join).
+
+        Returns a ``JoinedStreams`` to finish with ``where``, ``equal_to``,
+        ``window`` and ``apply``. Both streams need timestamps. A stream of
+        another Environment is a ``ConfigurationError``.
+
+        Example::
+
+            pairs = (orders.join(payments)
+                           .where(lambda o: o["id"]).equal_to(lambda p: p["order"])
+                           .window(fb.Tumbling(60))
+                           .apply(lambda o, p: (o["id"], p["amount"])))
+        """
+        from pyflowbuf.api.joined import JoinedStreams
+        _same_env(self.env, other, "join")
+        return JoinedStreams(self, other)
+
+    def connect(self, other: "Stream") -> "ConnectedStreams":
+        """Two streams read by one operator with a function per input
+        (``.process(fn1, fn2)``, ``.map(fn1, fn2)``); the inputs may carry
+        different kinds. Connect two KeyedStreams for per-key state that both
+        inputs share.
+
+        Returns ``ConnectedStreams``. A stream of another Environment is a
+        ``ConfigurationError``.
+
+        Example::
+
+            out = commands.connect(readings).map(lambda c: ("cmd", c), lambda r: ("reading", r))
+        """
+        _same_env(self.env, other, "connect")
+        return ConnectedStreams(self, other)
+
+
+class KeyedStream(Stream):
+    """A stream partitioned by key; keyed operators keep per-key state in their task.
+
+    Made by ``Stream.key_by``; besides the ``Stream`` methods it has the
+    keyed operators ``reduce``, ``process``, ``window`` and
+    ``interval_join``.
+
+    Example::
+
+        keyed = words.key_by(lambda w: w)
+    """
+
+    def reduce(self, fn: Callable, *, parallelism: int | None = None, name: str = "reduce",
+               kind: Any = None) -> Stream:
+        """A rolling reduce per key: each record is folded into its key's value
+        with ``fn(previous, record)``, and every updated value is emitted (the
+        first record of a key as it is).
+
+        ``kind`` declares the output kind. The per-key values live in the task
+        and go into checkpoints. Returns a ``Stream``. A ``fn`` that is not
+        callable is a ``TypeError``.
+
+        Example::
+
+            counts = (words.map(lambda w: (w, 1))
+                           .key_by(lambda kv: kv[0])
+                           .reduce(lambda a, b: (a[0], a[1] + b[1])))
+            # "a", "b", "a" -> ("a", 1), ("b", 1), ("a", 2)
+        """
+        _callable(fn, "reduce")
+        kind = _check_kind(kind, f"reduce {name!r}")
+        key_fn = self._key_fn
+        node = self._then(name, lambda: ops.KeyedReduce(name, key_fn, fn), parallelism, kind)
+        return Stream(self.env, node)
+
+    def process(self, fn: Callable, *, on_timer: Callable | None = None, on_end: Callable | None = None,
+                parallelism: int | None = None, name: str = "process", kind: Any = None) -> Stream:
+        """``fn(key, record, state_dict) -> iterable of outputs (or None)``.
+
+        A ``fn`` that takes a fourth argument gets a context
+        (``pyflowbuf.runtime.timers.Context``): ``ctx.timestamp`` (the
+        record's event time), ``ctx.watermark``,
+        ``ctx.register_event_time_timer(t)``,
+        ``ctx.register_processing_time_timer(t)``. Timers call
+        ``on_timer(key, t, state, ctx)``; they are per key, deduplicated, fire
+        in time order in the task's thread, and go into checkpoints. At end of
+        input every event-time timer fires (the watermark goes to +inf), then
+        ``on_end(key, state, ctx)`` runs for every key with state. ``fn`` may
+        also be a ``KeyedProcessFunction`` (process_element, on_timer, on_end).
+
+        Returns a ``Stream``. A function that cannot take the arguments it will
+        be called with is a ``ConfigurationError``, one that is not callable a
+        ``TypeError``, both raised here.
+
+        Example::
+
+            def count(key, record, state):
+                state["n"] = state.get("n", 0) + 1
+                return [(key, state["n"])]
+
+            def alarm(key, record, state, ctx):
+                ctx.register_event_time_timer(ctx.timestamp + 60)    # seconds
+
+            counts = events.key_by(lambda e: e["user"]).process(count)
+            alarms = timed.key_by(lambda e: e["user"]).process(
+                alarm, on_timer=lambda key, t, state, ctx: [(key, t)])
+        """
+
+        is_class = isinstance(fn, KeyedProcessFunction)
+        if not is_class:
+            _callable(fn, "process")
+            _check_arity(fn, f"process {name!r}", "fn(key, record, state) or fn(key, record, state, ctx)", 3, 4)
+        if on_timer is not None:
+            _callable(on_timer, "process on_timer")
+            _check_arity(on_timer, f"process {name!r} on_timer", "on_timer(key, t, state, ctx)", 4)
+        if on_end is not None:
+            _callable(on_end, "process on_end")
+            _check_arity(on_end, f"process {name!r} on_end", "on_end(key, state, ctx)", 3)
+        kind = _check_kind(kind, f"process {name!r}")
+        key_fn = self._key_fn
+        with_ctx = is_class or takes_context(fn, 3)
+        if not (with_ctx or on_timer or on_end):
+            node = self._then(name, lambda: ops.KeyedProcess(name, key_fn, fn), parallelism, kind)
+            return Stream(self.env, node)
+        ts_fn = getattr(self.node, "timestamps", None)
+        if isinstance(ts_fn, str):
+            ts_fn = None
+        node = self._then(name, lambda: KeyedProcessOperator(name, key_fn, ts_fn, fn, on_timer, on_end,
+                                                             with_ctx), parallelism, kind)
+        node.event_time = True
+        return Stream(self.env, node)
+
+    def window(self, assigner) -> "Any":
+        """Event-time windows per key: ``Tumbling(size)``, ``Sliding(size,
+        slide)`` or ``Session(gap)``; then ``.reduce``, ``.aggregate`` or
+        ``.process`` (``allowed_lateness(s)`` first, if wanted). The stream
+        needs timestamps (``assign_timestamps``). See ``pyflowbuf.windows``.
+
+        Returns a ``WindowedStream``. An ``assigner`` that is not one of those
+        is a ``TypeError``, a stream without timestamps a
+        ``ConfigurationError``.
+
+        Example::
+
+            per_minute = (timed.key_by(lambda e: e["page"])
+                               .window(fb.Tumbling(60))
+                               .aggregate(fb.Count(), window_function=lambda page, w, n: (page, w.start, n)))
+        """
+        from pyflowbuf.api.windowed import WindowedStream
+        return WindowedStream(self, assigner)
+
+    def interval_join(self, other: "KeyedStream", lower: float | None = None, upper: float | None = None):
+        """Join each record of this stream with the records of ``other`` of
+        the same key whose time lies in [t + lower, t + upper]:
+        ``a.interval_join(b).between(lower, upper).process(fn)``, or
+        ``a.interval_join(b, lower, upper).process(fn)``.
+
+        ``lower`` and ``upper`` are seconds of event time (finite, ``lower <=
+        upper``, either sign). Returns an ``IntervalJoin`` (finish it with
+        ``process``). Streams that are not both keyed are a
+        ``ConfigurationError``.
+
+        Example::
+
+            matched = (clicks.key_by(lambda c: c["ad"])
+                             .interval_join(views.key_by(lambda v: v["ad"]), -5.0, 0.0)
+                             .process(lambda click, view: [(click["ad"], view["ts"], click["ts"])]))
+        """
+        from pyflowbuf.api.joined import IntervalJoin
+        join = IntervalJoin(self, other)
+        return join if lower is None and upper is None else join.between(lower, upper)
+
+
+class ConnectedStreams:
+    """Two streams connected for one operator with two inputs (``Stream.connect``).
+
+    ``fn1`` handles the records of the first stream, ``fn2`` those of the
+    second. When both streams are keyed (``a.key_by(k1).connect(b.key_by(k2))``)
+    both are hash partitioned with the same stable hash, so records with equal
+    keys from either side reach the same subtask and share its per-key state.
+
+    Example::
+
+        a = orders.key_by(lambda o: o["id"])
+        b = payments.key_by(lambda p: p["order"])
+        both = a.connect(b)
+    """
+
+    def __init__(self, first: Stream, second: Stream):
+        self.env = first.env
+        self.first = first
+        self.second = second
+
+    @property
+    def keyed(self) -> bool:
+        """Whether both connected streams are keyed (``key_by``), so the inputs
+        share per-key state.
+
+        Example::
+
+            assert orders.key_by(k1).connect(payments.key_by(k2)).keyed
+        """
+        return isinstance(self.first, KeyedStream) and isinstance(self.second, KeyedStream)
+
+    def _node(self, name, make_operator, parallelism, kind) -> Stream:
+        p = _parallelism(self.env, parallelism)
+        node = self.env._add(name=name, parallelism=p, make_operator=make_operator,
+                             inputs=[self.first._input_to(p), self.second._input_to(p)], kind=kind)
+        return Stream(self.env, node)
+
+    def process(self, fn1: Callable, fn2: Callable, *, on_timer: Callable | None = None,
+                on_end: Callable | None = None, parallelism: int | None = None,
+                name: str = "co_process", kind: Any = None) -> Stream:
+        """Keyed: ``fn_i(key, record, state) -> iterable of outputs (or None)``,
+        ``state`` the per-key dict both inputs share. Unkeyed:
+        ``fn_i(record, state)`` with one ``state`` dict per subtask.
+
+        Keyed, a ``fn_i`` taking a fourth argument gets the context of
+        ``KeyedStream.process`` (timestamps, watermark, timers), and
+        ``on_timer(key, t, state, ctx)`` / ``on_end(key, state, ctx)`` work as
+        there; the watermark is the minimum of the two inputs'.
+
+        Returns a ``Stream``. One input keyed and the other not, timers on
+        unkeyed inputs, or functions that cannot take their arguments are a
+        ``ConfigurationError``; a function that is not callable a ``TypeError``.
+
+        Example::
+
+            def on_order(key, order, state):
+                state["order"] = order
+
+            def on_payment(key, payment, state):
+                order = state.pop("order", None)
+                return None if order is None else [(key, order["amount"], payment["amount"])]
+
+            paid = (orders.key_by(lambda o: o["id"])
+                          .connect(payments.key_by(lambda p: p["order"]))
+                          .process(on_order, on_payment))
+        """
+        _callable(fn1, "process (fn1, for the first input)")
+        _callable(fn2, "process (fn2, for the second input)")
+        kind = _check_kind(kind, f"process {name!r}")
+        first_keyed = isinstance(self.first, KeyedStream)
+        if first_keyed != isinstance(self.second, KeyedStream):
+            keyed, plain = ("first", "second") if first_keyed else ("second", "first")
+            raise ConfigurationError(
+                f"process {name!r}: the {keyed} connected stream is keyed and the {plain} is not, so "
+                "records with equal keys would not meet in one subtask and the per-key state could not "
+                "be shared: key_by both streams, or neither for one state dict per subtask")
+
+        for i, f in ((1, fn1), (2, fn2)):
+            if first_keyed:
+                _check_arity(f, f"process {name!r} (fn{i})",
+                             f"fn{i}(key, record, state) or fn{i}(key, record, state, ctx)", 3, 4)
+            else:
+                _check_arity(f, f"process {name!r} (fn{i})", f"fn{i}(record, state)", 2)
+        if on_timer is not None:
+            _check_arity(on_timer, f"process {name!r} on_timer", "on_timer(key, t, state, ctx)", 4)
+        if on_end is not None:
+            _check_arity(on_end, f"process {name!r} on_end", "on_end(key, state, ctx)", 3)
+        ctx = (takes_context(fn1, 3 if first_keyed else 2), takes_context(fn2, 3 if first_keyed else 2))
+        if first_keyed and (any(ctx) or on_timer is not None or on_end is not None):
+            k1, k2 = self.first._key_fn, self.second._key_fn
+            ts = tuple(None if isinstance(t, str) else t
+                       for t in (getattr(s.node, "timestamps", None) for s in (self.first, self.second)))
+            make = lambda: KeyedCoProcessOperator(name, (k1, k2), ts, (fn1, fn2), on_timer,  # noqa: E731
+                                                  on_end, ctx)
+            stream = self._node(name, make, parallelism, kind)
+            stream.node.event_time = True
+            return stream
+        if on_timer is not None or on_end is not None:
+            raise ConfigurationError(f"process {name!r}: timers are per key: key_by both connected streams")
+        if first_keyed:
+            k1, k2 = self.first._key_fn, self.second._key_fn
+            make = lambda: ops.KeyedCoProcess(name, k1, k2, fn1, fn2)  # noqa: E731
+        else:
+            make = lambda: ops.CoProcess(name, fn1, fn2)  # noqa: E731
+        return self._node(name, make, parallelism, kind)
+
+    def map(self, fn1: Callable, fn2: Callable, *, parallelism: int | None = None,
+            name: str = "co_map", kind: Any = None) -> Stream:
+        """One output per record: ``fn1(record)`` for the first input,
+        ``fn2(record)`` for the second.
+
+        Returns a ``Stream``; a function that is not callable is a ``TypeError``.
+
+        Example::
+
+            tagged = clicks.connect(views).map(lambda c: ("click", c), lambda v: ("view", v))
+        """
+        _callable(fn1, "map (fn1, for the first input)")
+        _callable(fn2, "map (fn2, for the second input)")
+        kind = _check_kind(kind, f"map {name!r}")
+        return self._node(name, lambda: ops.CoMap(name, fn1, fn2), parallelism, kind)
+
+
+
+def _key_by_column(stream, column):
+    """``key_by("column")`` of an Arrow/pandas batch stream: for the
+    vectorized windows (``window(...).aggregate({...})``), which group rows
+    by that column themselves."""
+    kind = stream.node.kind
+    name = None
+    if kind is not None and not isinstance(kind, np.dtype):
+        name = get_serializer(kind).name
+    if name not in ("arrow", "pandas"):
+        raise TypeError(f"key_by takes a function record -> key; a column name ({column!r}) keys only a stream "
+                        "declared as Arrow or pandas batches (kind='arrow' / 'pandas')")
+
+    def no_record_key(batch):
+        raise ConfigurationError(
+            f"key_by({column!r}) names a column of Arrow/pandas batches; it keys the vectorized windows "
+            "(window(...).aggregate({...})) only: key other operators with a function")
+    ks = KeyedStream(stream.env, stream.node, no_record_key)
+    ks._partitioner = "hash"
+    ks._key_column = column
+    return ks
+
+
+def _same_env(env, stream, what):
+    if not isinstance(stream, Stream):
+        raise TypeError(f"{what} takes Streams, got {type(stream).__name__}")
+    if stream.env is not env:
+        raise ConfigurationError(f"{what}: the streams belong to different Environments; "
+                                 "a job reads streams of its own Environment only")

@@ -1,0 +1,141 @@
+"""The Parquet file source: a row group is the unit of work."""
+from __future__ import annotations
+
+
+
+from pyflowbuf import errors
+from pyflowbuf.errors import FileFormatError
+from pyflowbuf.runtime.sources import file_fingerprint
+from pyflowbuf.connectors.files import DEFAULT_BATCH_ROWS, _FileSource, _check_common, _kind, _pyarrow, list_files
+
+# ---------------------------------------------------------------- Parquet
+
+class ParquetPlan:
+    """What a Parquet source reads, checked when the stream is declared: the
+    files, their row groups and one schema (of ``columns`` when given)."""
+
+    def __init__(self, path, columns, what):
+        pa, pq, _ = _pyarrow()
+        self.what = what
+        self.files = list_files(path, what)
+        self.row_groups = []      # rows per row group, per file
+        self.schema = None
+        for f in self.files:
+            pf = _parquet_file(pq, f, what)
+            meta, schema = pf.metadata, pf.schema_arrow
+            _close(pf)
+            if columns is not None:
+                missing = [c for c in columns if schema.get_field_index(c) < 0]
+                if missing:
+                    raise errors.ConfigurationError(
+                        f"{what}: {f} has no column {missing[0]!r}; its columns: {schema.names}")
+                schema = pa.schema([schema.field(c) for c in columns])
+            if self.schema is None:
+                self.schema, first = schema, f
+            elif not schema.equals(self.schema):
+                raise FileFormatError(
+                    f"{what}: {f} has the schema {_schema_str(schema)}, {first} has "
+                    f"{_schema_str(self.schema)}: the files of one source share a schema "
+                    "(or pick common columns with columns=)")
+            self.row_groups.append([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+        self.columns = columns
+        self._identity = None
+
+    def identity(self) -> dict:
+        if self._identity is None:
+            self._identity = {"kind": "read_parquet", "files": [file_fingerprint(f) for f in self.files],
+                              "columns": self.columns, "row_groups": self.row_groups}
+        return self._identity
+
+
+def _close(pf):
+    close = getattr(pf, "close", None)
+    if close is not None:
+        close()
+
+
+def _schema_str(schema) -> str:
+    return "(" + ", ".join(f"{f.name}: {f.type}" for f in schema) + ")"
+
+
+def _parquet_file(pq, path, what):
+    try:
+        return pq.ParquetFile(path)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise FileFormatError(f"{what}: {path} is not a readable Parquet file: {exc}") from None
+
+
+class ParquetFileSource(_FileSource):
+    """Rows of Parquet files; see the module's docstring for the split and
+    the position."""
+
+    def __init__(self, plan: ParquetPlan, as_, batch_size):
+        super().__init__(plan.what, plan.files, as_, batch_size)
+        self.plan = plan
+        self._file = None       # (index, ParquetFile) of the file being read
+
+    def open(self, subtask, parallelism):
+        every = [(f, g) for f, groups in enumerate(self.plan.row_groups) for g in range(len(groups))]
+        self._units = every[subtask::parallelism]
+        self._index = {u: i for i, u in enumerate(self._units)}
+        super().open(subtask, parallelism)
+
+    def _start(self):
+        return self._units[0] if self._units else None
+
+    def _after(self, f, g):
+        i = self._index[(f, g)] + 1
+        return self._units[i] if i < len(self._units) else None
+
+    def _unit_name(self, g):
+        return f"row group {g}"
+
+    def _check_position(self, f, g):
+        if (f, g) not in self._index:
+            raise errors.ConfigurationError(
+                f"{self.what}: the checkpoint's position (file {f}, row group {g}) is not one this subtask "
+                f"reads ({self.subtask} of {self.parallelism}): restore with the parallelism and the files "
+                "of the run that took the checkpoint")
+
+    def _batches(self, f, g):
+        pf = self._open_file(f)
+        return pf.iter_batches(batch_size=self.batch_size, row_groups=[g], columns=self.plan.columns,
+                               use_threads=False)
+
+    def _open_file(self, f):
+        if self._file is None or self._file[0] != f:
+            self._close_file()
+            pf = _parquet_file(self._pq, self.files[f], self.what)
+            schema = pf.schema_arrow
+            if self.plan.columns is not None:
+                if any(schema.get_field_index(c) < 0 for c in self.plan.columns):
+                    schema = None
+                else:
+                    schema = self._pa.schema([schema.field(c) for c in self.plan.columns])
+            if schema is None or not schema.equals(self.plan.schema):
+                raise FileFormatError(f"{self.what}: {self.files[f]} changed its schema since the stream "
+                                      "was declared")
+            self._file = (f, pf)
+        return self._file[1]
+
+    def _close_file(self):
+        if self._file is not None:
+            _close(self._file[1])
+            self._file = None
+
+    def close(self):
+        super().close()
+        self._close_file()
+
+
+def parquet_source(path, *, columns=None, batch_size=DEFAULT_BATCH_ROWS, as_="records",
+                   what="read_parquet"):
+    """``(factory, kind)`` for ``Environment.read_parquet``: the files are
+    listed and their footers read now, so a missing or broken file is an
+    error where the stream is declared."""
+    columns = _check_common(what, as_, batch_size, columns)
+    plan = ParquetPlan(path, columns, what)
+    pa, _, _ = _pyarrow()
+    return (lambda: ParquetFileSource(plan, as_, batch_size)), _kind(pa, plan.schema, as_)

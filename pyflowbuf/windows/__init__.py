@@ -1,0 +1,52 @@
+"""Event-time windows: assigners, aggregate functions, and the operators.
+
+    env = fb.Environment()
+    counts = (env.from_iterable(words)                        # (word, seconds)
+                .assign_timestamps(lambda r: r[1], out_of_orderness=0.5)
+                .key_by(lambda r: r[0])
+                .window(fb.Tumbling(60.0))
+                .aggregate(fb.windows.Count(), window_function=lambda k, w, n: (k, w.start, n))
+                .collect())
+
+A window is ``TimeWindow(start, end)``, holding timestamps ``start <= t < end``.
+It fires once the watermark reaches ``end``; with ``allowed_lateness(s)`` its
+state is kept until the watermark reaches ``end + s``, and each record that
+arrives in between fires it again with the updated result (Flink's
+EventTimeTrigger). A record whose every window is past that point is late:
+dropped and counted (``late_records_dropped`` in ``env.metrics()``), or sent to
+the stream ``result.late()`` returns.
+
+Windows over Arrow/pandas batch streams are computed a batch at a time with
+pyarrow compute (``key_by("column")`` with ``assign_timestamps("column")``,
+then ``aggregate({"out": ("column", "sum"), ...})``): see ``ArrowWindowOperator``.
+
+What lives where: ``assigners`` (``TimeWindow``, ``Tumbling``, ``Sliding``,
+``Session``), ``aggregates`` (``AggregateFunction``, ``Count``, ``Sum``), and the
+runtime operators: ``operator`` (``WindowOperator``), ``arrow``
+(``ArrowWindowOperator``), ``joins`` (``WindowJoinOperator``,
+``IntervalJoinOperator``). The API side (``WindowedStream``, ``WindowResult``,
+``JoinedStreams``, ``IntervalJoin``) is in ``pyflowbuf.api``.
+"""
+import importlib
+import warnings
+
+from pyflowbuf.windows.aggregates import AggregateFunction, Count, Sum
+from pyflowbuf.windows.arrow import ArrowWindowOperator, check_arrow_spec  # noqa: F401
+from pyflowbuf.windows.assigners import Session, Sliding, TimeWindow, Tumbling, WindowAssigner
+from pyflowbuf.windows.joins import IntervalJoinOperator, WindowJoinOperator  # noqa: F401
+from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, TagSelect, WindowOperator, WindowSpec  # noqa: F401
+
+__all__ = ["TimeWindow", "WindowAssigner", "Tumbling", "Sliding", "Session", "AggregateFunction", "Count", "Sum"]
+
+# The API classes of windows and joins were importable from here before
+# issue 19; for one release the old spelling works, with a warning. (Looked up
+# by name at run time: the API layer sits above this one.)
+_MOVED = ("WindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin")
+
+
+def __getattr__(name):
+    if name not in _MOVED:
+        raise AttributeError(f"module 'pyflowbuf.windows' has no attribute {name!r}")
+    warnings.warn(f"pyflowbuf.windows.{name} moved to pyflowbuf.api.{name} (also pyflowbuf.{name}); the old "
+                  "spelling will be removed in the next release", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module("pyflowbuf.api"), name)
