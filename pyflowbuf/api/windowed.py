@@ -8,6 +8,7 @@ from typing import Any, Callable
 from pyflowbuf import errors
 from pyflowbuf._validation import _callable, _check_kind, _kind_identity
 from pyflowbuf.api.stream import Stream
+from pyflowbuf.runtime.graph import has_timestamps
 from pyflowbuf.runtime.watermarks import check_seconds
 from pyflowbuf.windows.aggregates import AggregateFunction, Sum, _identity
 from pyflowbuf.windows.arrow import ArrowWindowOperator, check_arrow_spec
@@ -40,13 +41,24 @@ def _check_aggregate(agg, merging, kind=None):
             raise errors.ConfigurationError(
                 f"Session windows merge accumulators: {type(agg).__name__} needs a merge(a, b) method")
 
+def _carried(record):
+    raise errors.FlowBufError(
+        "this stream's timestamps travel with its records: an operator asked for a timestamp function")
+
+
 def _stream_timestamps(stream, what):
+    """What an event-time operator reads a record's time with: the assigner's
+    function or column, or (timestamps that travel with the records, as after
+    a map or a window) a marker; a ConfigurationError on a stream without."""
     ts = getattr(stream.node, "timestamps", None)
+    if ts is None and has_timestamps(stream.node):
+        return _carried
     if ts is None:
         raise errors.ConfigurationError(
             f"{what} works in event time, and the stream {stream.node.name!r} has no timestamps: call "
-            "assign_timestamps(fn, out_of_orderness=...) on it first (a map, flat_map or process after "
-            "assign_timestamps makes new records whose timestamps it cannot know: assign them after it)")
+            "assign_timestamps(fn, out_of_orderness=...) on it, or on a stream it comes from (timestamps "
+            "travel through map, filter, flat_map, process, union, connect, key_by, windows and joins; "
+            "a source has none, and a union or connect has them only when all its inputs do)")
     return ts
 
 

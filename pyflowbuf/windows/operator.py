@@ -1,14 +1,22 @@
-"""The keyed event-time window operator (records a record at a time)."""
+"""The keyed event-time window operator (records a record at a time).
+
+On a stream whose timestamps travel, the operator reads each record's time
+from the batch's times (no function call per record) and gives every result
+the window's ``max_timestamp`` (its end less the smallest step: the largest
+time inside it, as Flink's end - 1 ms), a late record its own time.
+"""
 from __future__ import annotations
 
 import bisect
 import copy
+from array import array as _array
 
+from pyflowbuf._core.serde import ts_select
 from pyflowbuf.runtime.operators import Operator
 from pyflowbuf.runtime.timers import TimerOperator, TimerQueue
 from pyflowbuf.runtime.watermarks import to_seconds
 from pyflowbuf.windows.aggregates import Count
-from pyflowbuf.windows.assigners import TimeWindow, Tumbling
+from pyflowbuf.windows.assigners import TimeWindow, Tumbling, max_timestamp
 
 
 REDUCE, AGGREGATE, PROCESS = "reduce", "aggregate", "process"
@@ -65,27 +73,38 @@ class WindowOperator(TimerOperator):
             self._merge = lambda a, b: a + b
 
     # ---- records ----
+    _ots = None     # the times of the output being built (a timestamped output)
+
     def process_batch(self, batch):
-        key_fn, ts_fn = self.key_fn, self.ts_fn
+        return self._records(batch, map(self.ts_fn, batch))[0]
+
+    def process_ts(self, batch, ts):
+        if ts is None:
+            return self.process_batch(batch), None
+        return self._records(batch, ts)
+
+    def _records(self, batch, times):
+        """The window results (and tagged late records) of ``batch``, whose
+        records' times ``times`` gives in order; (records, their times or None)."""
+        key_fn = self.key_fn
         wm = self.timers.watermark
         out: list = []
-        late: list = []
+        late: list = []         # (record, time)
+        self._ots = [] if self.timestamped else None
         if self.merging:
-            for x in batch:
-                t = ts_fn(x)
+            for x, t in zip(batch, times):
                 if type(t) is not float:
                     t = to_seconds(t)
                 if not self._add_to_session(key_fn(x), t, x, wm, out):
-                    late.append(x)
+                    late.append((x, t))
             return self._finish_batch(out, late)
         windows, add, create, lateness = self.windows, self._add, self._create, self.lateness
         assign = self.assigner.assign
         register = self.timers.event.register
         if type(self.assigner) is Tumbling:
-            self._tumbling_batch(batch, out, late)
+            self._tumbling_batch(batch, times, out, late)
             return self._finish_batch(out, late)
-        for x in batch:
-            t = ts_fn(x)
+        for x, t in zip(batch, times):
             if type(t) is not float:
                 t = to_seconds(t)
             k = None
@@ -108,13 +127,13 @@ class WindowOperator(TimerOperator):
                 if end <= wm:                   # fired before: fire again with this record
                     self._emit(k, start, end, windows[wk], out)
             if not placed:
-                late.append(x)
+                late.append((x, t))
         return self._finish_batch(out, late)
 
-    def _tumbling_batch(self, batch, out, late):
+    def _tumbling_batch(self, batch, times, out, late):
         """``process_batch`` for tumbling windows, the common case: one window
         per record, its start computed inline, and a count kept inline."""
-        key_fn, ts_fn = self.key_fn, self.ts_fn
+        key_fn = self.key_fn
         wm, lateness = self.timers.watermark, self.lateness
         windows, add, create = self.windows, self._add, self._create
         get = windows.get
@@ -122,14 +141,13 @@ class WindowOperator(TimerOperator):
         size, offset = self.assigner.size, self.assigner.offset
         count = type(self.fn) is Count and self.how == AGGREGATE
         missing = _MISSING
-        for x in batch:
-            t = ts_fn(x)
+        for x, t in zip(batch, times):
             if type(t) is not float:
                 t = to_seconds(t)
             start = t - (t - offset) % size
             end = start + size
             if end + lateness <= wm:
-                late.append(x)
+                late.append((x, t))
                 continue
             wk = (key_fn(x), start, end)
             acc = get(wk, missing)
@@ -145,15 +163,21 @@ class WindowOperator(TimerOperator):
                 self._emit(wk[0], start, end, acc, out)
 
     def _finish_batch(self, out, late):
+        ots = self._ots
+        self._ots = None
         if late:
             if self.late_tagged:
-                out.extend((1, x) for x in late)
+                out.extend((1, x) for x, _ in late)
+                if ots is not None:
+                    ots.extend(t for _, t in late)
                 self.late_out += len(late)
             else:
                 self.late_dropped += len(late)
-        return self._checked(out) if not self.late_tagged else out
+        out = self._checked(out) if not self.late_tagged else out
+        return out, (None if ots is None else _array("d", ots))
 
     def _emit(self, k, start, end, acc, out):
+        n = len(out)
         if self.how == PROCESS:
             res = self.fn(k, TimeWindow(start, end), acc)
             if self.late_tagged:
@@ -162,11 +186,14 @@ class WindowOperator(TimerOperator):
                 out.extend((0, r) for r in tmp)
             else:
                 self._extend(out, res)
-            return
-        r = self._result(acc)
-        if self.window_function is not None:
-            r = self.window_function(k, TimeWindow(start, end), r)
-        out.append((0, r) if self.late_tagged else r)
+        else:
+            r = self._result(acc)
+            if self.window_function is not None:
+                r = self.window_function(k, TimeWindow(start, end), r)
+            out.append((0, r) if self.late_tagged else r)
+        ots = self._ots
+        if ots is not None and len(out) > n:
+            ots.extend([max_timestamp(end)] * (len(out) - n))
 
     # ---- sessions ----
     def _add_to_session(self, k, t, x, wm, out) -> bool:
@@ -205,6 +232,7 @@ class WindowOperator(TimerOperator):
     # ---- time ----
     def fire_event(self, watermark):
         out: list = []
+        self._ots = [] if self.timestamped else None
         pop, lateness = self.timers.event.pop_due, self.lateness
         while True:
             due = pop(watermark)
@@ -225,6 +253,7 @@ class WindowOperator(TimerOperator):
             if due is None:
                 break
             self._purge(due[0])
+        self.fired_ts, self._ots = self._ots, None
         return self._checked(out) if not self.late_tagged else out
 
     def fire_processing(self, now):
@@ -306,3 +335,10 @@ class TagSelect(Operator):
     def process_batch(self, batch):
         tag = self.tag
         return self._checked([r for t, r in batch if t == tag])
+
+    def process_ts(self, batch, ts):
+        if ts is None:
+            return self.process_batch(batch), None
+        tag = self.tag
+        keep = [t == tag for t, _ in batch]
+        return self._checked([r for t, r in batch if t == tag]), ts_select(ts, keep)
