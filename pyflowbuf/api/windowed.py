@@ -42,8 +42,13 @@ def _check_aggregate(agg, merging, kind=None):
                 f"Session windows merge accumulators: {type(agg).__name__} needs a merge(a, b) method")
 
 def _carried(record):
-    raise errors.FlowBufError(
-        "this stream's timestamps travel with its records: an operator asked for a timestamp function")
+    """The timestamp "function" of a stream whose times travel with its
+    records: a job hands the operator the times, so only an operator run
+    without them (an OperatorHarness) ever calls it."""
+    raise errors.ConfigurationError(
+        "this stream's timestamps travel with its records (assign_timestamps came before a map, flat_map, "
+        "process, union or window), and this operator was fed records without their times: in an "
+        "OperatorHarness, declare the stream with assign_timestamps right before the operator")
 
 
 def _stream_timestamps(stream, what):
