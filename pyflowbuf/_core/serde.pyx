@@ -27,7 +27,7 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
-from libc.math cimport floor, isfinite
+from libc.math cimport INFINITY, floor, isfinite
 from libc.string cimport memcpy
 
 from pyflowbuf._core.channel cimport BufferQueue, InputGate

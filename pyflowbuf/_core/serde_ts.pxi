@@ -6,6 +6,7 @@
 
 from cpython cimport array as carray
 import array as _array_mod
+from numbers import Real as _Real
 
 cdef carray.array _TS_TEMPLATE = _array_mod.array("d")
 
@@ -86,3 +87,57 @@ def ts_fill(double value, Py_ssize_t n):
     for i in range(n):
         dst[i] = value
     return out
+
+
+def ts_apply(fn, list batch):
+    """``fn(record)`` of each record of ``batch`` as an array('d'), and the
+    highest of them (NaN if one is NaN): what an assigner makes of a batch,
+    in one C loop. A time that is no real number (a datetime) raises
+    TypeError: the caller converts those one by one.
+
+    Example::
+
+        ts_apply(lambda r: r[1], [("a", 2.0), ("b", 1)])    # (array('d', [2.0, 1.0]), 2.0)
+    """
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(batch)
+    cdef carray.array out = carray.clone(_TS_TEMPLATE, n, False)
+    cdef double *dst = out.data.as_doubles
+    cdef double high = -INFINITY, t
+    cdef bint nan = False
+    for i in range(n):
+        v = fn(<object>PyList_GET_ITEM(batch, i))
+        if type(v) is float:
+            t = PyFloat_AS_DOUBLE(v)
+        elif type(v) is int:
+            t = PyFloat_AsDouble(v)
+        elif isinstance(v, _Real) and not isinstance(v, bool):
+            t = PyFloat_AsDouble(v)     # NumPy numbers; not datetime64, whose float() is in its unit
+        else:
+            raise TypeError(f"a timestamp of {type(v).__name__}")
+        dst[i] = t
+        if t != t:
+            nan = True
+        elif t > high:
+            high = t
+    return out, (float("nan") if nan else high)
+
+
+def ts_max(timestamps):
+    """The highest of a batch's times, NaN if any is NaN (-inf for none): an
+    assigner's watermark and its check for records without a time, in one
+    C loop.
+
+    Example::
+
+        ts_max(array('d', [3.0, 1.0]))      # 3.0
+    """
+    cdef const double[::1] src = timestamps
+    cdef Py_ssize_t i, n = src.shape[0]
+    cdef double high = -INFINITY, t
+    for i in range(n):
+        t = src[i]
+        if t != t:
+            return t
+        if t > high:
+            high = t
+    return high

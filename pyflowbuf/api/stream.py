@@ -123,6 +123,11 @@ class Stream(SinkDeclarations):
         the tasks it feeds. On an Arrow/pandas stream ``fn`` may be a column
         name. See ``pyflowbuf.windows``.
 
+        The timestamps then travel with the records through map, filter,
+        flat_map, process, union, connect, key_by and windows (see
+        docs/event-time.md). Right after a source (same parallelism) the
+        assigner runs in the source's task, even with ``chaining=False``.
+
         Returns a ``Stream`` with timestamps (the same records). Bad durations
         or ``unit`` are a ``ConfigurationError``, a ``fn`` that is not callable
         a ``TypeError``.
@@ -155,6 +160,7 @@ class Stream(SinkDeclarations):
         node = self._then(name, lambda: TimestampsAssigner(name, fn, ooo, idle, interval, unit, shared),
                           parallelism, self.node.kind)
         node.timestamps = fn
+        node.assigns_timestamps = True      # chained to a source it follows (runtime.graph.plan)
         node.event_time = True
         return Stream(self.env, node)
 

@@ -160,8 +160,12 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
                     f"{node.name!r} (parallelism {node.parallelism}) needs equal parallelism; "
                     "use rebalance() or set the same parallelism")
         up = node.inputs[0].node if len(node.inputs) == 1 else None
+        # An assigner right after a source runs in the source's task even
+        # without chaining: timestamps are assigned at the source, as by a
+        # Flink source given a WatermarkStrategy, not in a task of their own.
+        at_source = up is not None and up.source is not None and getattr(node, "assigns_timestamps", False)
         chainable = (
-            chaining and up is not None and node.inputs[0].partitioner == "forward"
+            (chaining or at_source) and up is not None and node.inputs[0].partitioner == "forward"
             and len(up.consumers) == 1 and not node.is_iterator and not up.is_sink
         )
         if chainable:

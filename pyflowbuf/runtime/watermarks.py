@@ -33,6 +33,7 @@ from typing import Hashable, Iterable
 import numpy as np
 
 from pyflowbuf import errors
+from pyflowbuf._core.serde import ts_apply, ts_max
 from pyflowbuf.runtime.operators import Operator
 from pyflowbuf.runtime.processing_time import schedule
 from pyflowbuf.serializers import short_repr
@@ -247,6 +248,16 @@ class TimestampsAssigner(Operator):
         stamps = None
         if self.column is not None:
             high = _batch_max(batch, self.column, self.name)
+        elif self.timestamped:
+            # the times the records travel with: one array, its max (NaN if a
+            # time is NaN) in one C loop, no list of floats on the way
+            try:
+                stamps, high = ts_apply(self.ts_fn, batch)
+            except TypeError:   # datetimes (and bools): converted (or refused) one by one
+                stamps = _array("d", [to_seconds(t) for t in map(self.ts_fn, batch)])
+                high = ts_max(stamps)
+            if high != high:
+                self._refuse_nan(batch, stamps)
         else:
             ts = list(map(self.ts_fn, batch))
             try:
@@ -260,11 +271,6 @@ class TimestampsAssigner(Operator):
                 self._refuse_nan(batch, ts)
             if type(high) is not float:
                 high = to_seconds(high)
-            if self.timestamped:
-                try:
-                    stamps = _array("d", ts)
-                except TypeError:   # numbers array() does not take (Decimal, NumPy scalars)
-                    stamps = _array("d", [to_seconds(t) for t in ts])
         if not self._unit_checked:
             self._check_unit(high)
         if high > self.max_ts:
