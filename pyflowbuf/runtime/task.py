@@ -129,6 +129,14 @@ class Subtask(threading.Thread):
         # Source records handed to a chained operator are never serialized:
         # check them here, against the source's kind, as a writer would.
         self._source_misfit = None if source is None or not operators else _SourceCheck(vertex.head)
+        if self._source_misfit is not None and outputs and all(
+                getattr(op, "passes_records", False) for op in operators):
+            # an assigner at the source hands its records to the writers as
+            # they came, and a writer checks each one: the source's check
+            # would be paid twice (the writer's errors name the source)
+            self._source_misfit = None
+            for out in outputs:
+                out.producer = vertex.head.name
         # decided once: does this chain carry timestamps?
         self.timestamped = (any(getattr(op, "timestamped", False) for op in operators)
                             or any(getattr(side, "timestamped", False) for side in self._sides))

@@ -200,6 +200,7 @@ class TimestampsAssigner(Operator):
     """
 
     event_time = True
+    passes_records = True       # its output is its input, unchanged (see Subtask)
 
     def __init__(self, name, ts_fn, out_of_orderness: float, idle_timeout: float | None, interval: float,
                  unit: str = "s", shared: dict | None = None):
