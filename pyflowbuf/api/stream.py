@@ -346,7 +346,9 @@ class KeyedStream(Stream):
         (``pyflowbuf.runtime.timers.Context``): ``ctx.timestamp`` (the
         record's event time), ``ctx.watermark``,
         ``ctx.register_event_time_timer(t)``,
-        ``ctx.register_processing_time_timer(t)``. Timers call
+        ``ctx.register_processing_time_timer(t)``. On a stream with
+        timestamps, the records a call returns carry ``ctx.timestamp``
+        (the input's time unless the function set another). Timers call
         ``on_timer(key, t, state, ctx)``; they are per key, deduplicated, fire
         in time order in the task's thread, and go into checkpoints. At end of
         input every event-time timer fires (the watermark goes to +inf), then
