@@ -418,3 +418,29 @@ def test_random_chains_match_the_reference(values, steps, parallelism, chaining)
     out = observe(s)
     env.execute(timeout=60)
     assert sorted(out.result) == sorted(items)
+
+
+def test_processing_time_timer_outputs_carry_the_timer_time():
+    registered = {}
+
+    def fn(key, r, state, ctx):
+        if "t" not in state:
+            state["t"] = ctx.current_processing_time() + 0.05
+            registered[key] = state["t"]
+            ctx.register_processing_time_timer(state["t"])
+
+    def on_timer(key, t, state, ctx):
+        return [("timer", key)]
+
+    env = fb.Environment(parallelism=1)
+    s = env.from_iterable([(i, float(i)) for i in range(40)], rate_limit=100).assign_timestamps(lambda r: r[1])
+    out = observe(s.key_by(lambda r: 0).process(fn, on_timer=on_timer))
+    env.execute(timeout=60)
+    assert out.result == [(("timer", 0), registered[0])]
+
+
+def test_times_survive_flushing_after_every_record():
+    env = fb.Environment(parallelism=2, chaining=False, buffer_timeout=0)
+    out = observe(timed(env, 30).map(lambda r: r[0]).filter(lambda i: i % 2 == 0))
+    env.execute(timeout=60)
+    assert sorted(out.result) == sorted((i, time_of(i)) for i in range(0, 30, 2))
