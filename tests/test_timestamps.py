@@ -444,3 +444,13 @@ def test_times_survive_flushing_after_every_record():
     out = observe(timed(env, 30).map(lambda r: r[0]).filter(lambda i: i % 2 == 0))
     env.execute(timeout=60)
     assert sorted(out.result) == sorted((i, time_of(i)) for i in range(0, 30, 2))
+
+
+@pytest.mark.parametrize("chaining", [True, False])
+def test_a_connect_of_a_timestamped_and_a_plain_stream_carries_none_chained_or_not(chaining):
+    env = fb.Environment(parallelism=1, chaining=chaining)
+    a = timed(env, 5).map(lambda r: r[0])
+    b = env.from_collection([100, 101])
+    out = observe(a.connect(b).map(lambda x: x, lambda x: x).forward())
+    env.execute(timeout=60)
+    assert sorted(out.result) == [(i, None) for i in (0, 1, 2, 3, 4, 100, 101)]

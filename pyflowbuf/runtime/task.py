@@ -267,6 +267,8 @@ class Subtask(threading.Thread):
             batch, ts = op.process_ts(batch, ts)
             if not batch:
                 return
+            if not op.timestamped:
+                ts = None       # its output carries none, chained or not
         for out in self.outputs:
             out.emit(batch, ts)
 
@@ -294,11 +296,15 @@ class Subtask(threading.Thread):
         batch, ts = head.process_input_ts(batch, ts, input_index)
         if not batch:
             return
+        if not head.timestamped:
+            ts = None
         for op in ops[1:]:
             self.current_operator = op.name
             batch, ts = op.process_ts(batch, ts)
             if not batch:
                 return
+            if not op.timestamped:
+                ts = None
         for out in self.outputs:
             out.emit(batch, ts)
 
@@ -496,6 +502,8 @@ class Subtask(threading.Thread):
                 self.current_operator = op.name
                 if tail:
                     tail, ts = op.process_ts(tail, ts)
+                    if not op.timestamped:
+                        ts = None
                 more = op.finish()
                 if more:
                     tail, ts = tail + more, _joined_ts(ts, len(tail), op, more)
@@ -807,6 +815,8 @@ class Subtask(threading.Thread):
             self.current_operator = op.name
             if batch:
                 batch, ts = op.process_ts(batch, ts)
+                if not op.timestamped:
+                    ts = None
             if wm is not None:
                 handler = getattr(op, "on_watermark", None)
                 if handler is not None:
@@ -842,6 +852,8 @@ class Subtask(threading.Thread):
                 records, ts = nxt.process_ts(records, ts)
                 if not records:
                     return
+                if not nxt.timestamped:
+                    ts = None
             for out in self.outputs:
                 out.emit(records, ts)
             return
