@@ -406,7 +406,7 @@ class Subtask(threading.Thread):
                 if not batch:
                     continue
             self.records_in += len(batch)
-            ts = inp.ts
+            ts = inp.ts if self.timestamped else None
             if per_record:
                 for i, rec in enumerate(batch):
                     self._process([rec], None if ts is None else ts[i:i + 1])
@@ -445,7 +445,7 @@ class Subtask(threading.Thread):
                 if not batch:
                     continue
             self.records_in += len(batch)
-            ts = inp.sides[index].ts
+            ts = inp.sides[index].ts if self.timestamped else None
             if per_record:
                 for i, rec in enumerate(batch):
                     self._process_input([rec], index, None if ts is None else ts[i:i + 1])
