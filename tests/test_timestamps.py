@@ -12,7 +12,9 @@ that emits ``(record, ctx.timestamp)``.
 """
 from __future__ import annotations
 
+import glob
 import math
+import os
 import threading
 import time
 from array import array
@@ -454,3 +456,35 @@ def test_a_connect_of_a_timestamped_and_a_plain_stream_carries_none_chained_or_n
     out = observe(a.connect(b).map(lambda x: x, lambda x: x).forward())
     env.execute(timeout=60)
     assert sorted(out.result) == [(i, None) for i in (0, 1, 2, 3, 4, 100, 101)]
+
+
+class FailInWorker:
+    """Raises once (a marker file, since workers are processes) from the
+    ``at``-th record on, once a checkpoint in ``chk`` is complete."""
+
+    def __init__(self, marker, at, chk):
+        self.marker, self.at, self.chk = str(marker), at, str(chk)
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        if self.calls >= self.at and self.calls % 25 == 0 and glob.glob(os.path.join(self.chk, "chk-*", "_metadata")):
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return x
+            raise RuntimeError("injected failure in a worker")
+        return x
+
+
+def test_a_restore_with_workers_keeps_the_times(tmp_path):
+    n = 3000
+    fail = FailInWorker(tmp_path / "fired", 400, tmp_path / "chk")
+    env = fb.Environment(workers=2, parallelism=2, chaining=False, checkpoint_interval=0.05,
+                         checkpoint_dir=tmp_path / "chk", restart_attempts=2, checkpoint_mode="unaligned")
+    s = env.from_iterable(records(n), rate_limit=6000).assign_timestamps(lambda r: r[1])
+    s = s.map(lambda r: (r[0], r[0] % 7)).key_by(lambda r: r[1]).map(fail)
+    out = observe(s, parallelism=1)
+    env.execute(timeout=120)
+    assert os.path.exists(tmp_path / "fired") and env.last_execution.restored_from is not None
+    assert sorted(out.result) == sorted(((i, i % 7), time_of(i)) for i in range(n))
