@@ -406,14 +406,20 @@ class Subtask(threading.Thread):
                 if not batch:
                     continue
             self.records_in += len(batch)
-            ts = inp.ts if self.timestamped else None
             if per_record:
+                ts = inp.ts if self.timestamped else None
                 for i, rec in enumerate(batch):
-                    self._process([rec], None if ts is None else ts[i:i + 1])
+                    if ts is None:
+                        self._process([rec])
+                    else:
+                        self._process([rec], ts[i:i + 1])
                     for out in self.outputs:
                         out.flush()
             else:
-                self._process(batch, ts)
+                if self.timestamped:
+                    self._process(batch, inp.ts)
+                else:
+                    self._process(batch)
                 self._flush_if_due(time.monotonic_ns())
 
     def _run_multi_input(self):
@@ -445,14 +451,20 @@ class Subtask(threading.Thread):
                 if not batch:
                     continue
             self.records_in += len(batch)
-            ts = inp.sides[index].ts if self.timestamped else None
             if per_record:
+                ts = inp.sides[index].ts if self.timestamped else None
                 for i, rec in enumerate(batch):
-                    self._process_input([rec], index, None if ts is None else ts[i:i + 1])
+                    if ts is None:
+                        self._process_input([rec], index)
+                    else:
+                        self._process_input([rec], index, ts[i:i + 1])
                     for out in self.outputs:
                         out.flush()
             else:
-                self._process_input(batch, index, ts)
+                if self.timestamped:
+                    self._process_input(batch, index, inp.sides[index].ts)
+                else:
+                    self._process_input(batch, index)
                 self._flush_if_due(time.monotonic_ns())
 
     def _on_event(self, event, input_index: int = 0):
