@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 PARTITIONERS = ("forward", "rebalance", "hash", "broadcast")
 
 
@@ -109,6 +111,18 @@ class JobEdge:
         return self.partitioner == "forward"
 
 
+def _own_timestamps(n: Node) -> bool | None:
+    """Whether ``n`` decides its output's timestamps itself (True: it assigns
+    them, False: there are none); None: as its inputs."""
+    ts = getattr(n, "timestamps", None)
+    if isinstance(n.kind, np.dtype) or isinstance(ts, str) or not n.inputs \
+            or getattr(n, "drops_timestamps", False):
+        return False
+    if ts is not None:
+        return True
+    return None
+
+
 def has_timestamps(node: Node) -> bool:
     """Whether the records of ``node``'s output carry event timestamps: those
     of ``assign_timestamps(fn)``, and then of every operator after it whose
@@ -116,8 +130,6 @@ def has_timestamps(node: Node) -> bool:
     windows, joins: each gives its outputs a time). Not a source's, not an
     Arrow/pandas stream timed by a column (the windows read the column), not
     rows of a NumPy dtype (fixed-width, no room for one)."""
-    import numpy as np
-
     seen: dict = {}
     stack = [node]
     while stack:
@@ -125,18 +137,14 @@ def has_timestamps(node: Node) -> bool:
         if id(n) in seen:
             stack.pop()
             continue
-        ts = getattr(n, "timestamps", None)
-        if isinstance(n.kind, np.dtype) or isinstance(ts, str) or not n.inputs \
-                or getattr(n, "drops_timestamps", False):
-            seen[id(n)] = False
-        elif ts is not None:
-            seen[id(n)] = True
-        else:
+        own = _own_timestamps(n)
+        if own is None:
             todo = [i.node for i in n.inputs if id(i.node) not in seen]
             if todo:
                 stack.extend(todo)
                 continue
-            seen[id(n)] = all(seen[id(i.node)] for i in n.inputs)
+            own = all(seen[id(i.node)] for i in n.inputs)
+        seen[id(n)] = own
         stack.pop()
     return seen[id(node)]
 
@@ -149,8 +157,9 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
     vertex_of: dict = {}
     vertices: list = []
     edges: list = []
-    for node in nodes:
-        node.timestamped = has_timestamps(node)
+    for node in nodes:        # declaration order: a node's inputs come before it
+        own = _own_timestamps(node)
+        node.timestamped = own if own is not None else all(i.node.timestamped for i in node.inputs)
     for node in nodes:
         for inp in node.inputs:
             up = inp.node
