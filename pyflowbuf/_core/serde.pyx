@@ -1,7 +1,9 @@
 """RecordWriter and RecordReader: records serialized straight into segments.
 
 Records are a 4-byte little-endian length and the payload, spanning buffers
-freely. Fixed-width records (NumPy arrays) go into their own buffers, back to
+freely. On a timestamped stream (``timestamped=True`` on both ends, decided
+per stream) the length also covers the record's event time, a little-endian
+float64 ahead of the payload. Fixed-width records (NumPy arrays) go into their own buffers, back to
 back, one memcpy per buffer, and come back as NumPy views. Every batch API
 crosses from Python into C once per call.
 
