@@ -488,3 +488,21 @@ def test_a_restore_with_workers_keeps_the_times(tmp_path):
     env.execute(timeout=120)
     assert os.path.exists(tmp_path / "fired") and env.last_execution.restored_from is not None
     assert sorted(out.result) == sorted(((i, i % 7), time_of(i)) for i in range(n))
+
+
+def test_an_operator_harness_feeds_and_shows_times():
+    from pyflowbuf.testing import OperatorHarness
+
+    env = fb.Environment()
+    counts = (timed(env, 3).map(lambda r: ("k", r[0]))         # times travel: no timestamp function here
+                           .key_by(lambda r: r[0]).window(fb.Tumbling(10.0)).aggregate(fb.Count()))
+    h = OperatorHarness(counts)
+    with pytest.raises(errors.ConfigurationError, match="timestamps="):
+        h.process([("k", 1)])
+    assert h.process([("k", 1), ("k", 2), ("k", 3)], timestamps=[1.0, 4.0, 12.0]) == []
+    assert h.process_watermark(10.0) == [2]
+    assert h.output_timestamps == [math.nextafter(10.0, -math.inf)]
+    assert h.finish() == [1]
+    assert h.output_timestamps[-1] == math.nextafter(20.0, -math.inf)
+    with pytest.raises(errors.ConfigurationError, match="2 records but 1 timestamps"):
+        OperatorHarness(counts).process([("k", 1), ("k", 2)], timestamps=[1.0])

@@ -48,7 +48,7 @@ def _carried(record):
     raise errors.ConfigurationError(
         "this stream's timestamps travel with its records (assign_timestamps came before a map, flat_map, "
         "process, union or window), and this operator was fed records without their times: in an "
-        "OperatorHarness, declare the stream with assign_timestamps right before the operator")
+        "OperatorHarness, pass them with process(records, timestamps=[...])")
 
 
 def _stream_timestamps(stream, what):
