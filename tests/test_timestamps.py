@@ -187,15 +187,24 @@ def test_window_results_carry_max_timestamp_and_a_second_window_needs_no_new_ass
     assert TimeWindow(0.0, 10.0).max_timestamp == math.nextafter(10.0, -math.inf)
 
 
-def test_late_records_keep_their_own_times():
+@pytest.mark.parametrize("after_map", [False, True])
+def test_late_records_a_side_output_carries_no_times(after_map):
+    """late() is a side output, and side outputs carry no times (yet): its
+    records' time is read again with the assigner's function where the
+    window reads the assigner's stream, and is None after a map."""
     data = [(0, 10.0), (1, 11.0), (2, 30.0), (3, 1.0), (4, 31.0)]    # (3, 1.0) is late
     env = fb.Environment(parallelism=1, max_batch=1)
-    res = (env.from_collection(data).assign_timestamps(lambda r: r[1], watermark_interval=0)
-              .key_by(lambda r: 0).window(fb.Tumbling(10.0)).aggregate(fb.Count()))
+    s = env.from_collection(data).assign_timestamps(lambda r: r[1], watermark_interval=0)
+    if after_map:
+        s = s.map(lambda r: r)
+    res = s.key_by(lambda r: 0).window(fb.Tumbling(10.0)).aggregate(fb.Count())
     late = observe(res.late())
     results = observe(res)
+    if after_map:
+        with pytest.raises(errors.ConfigurationError, match="side output"):
+            res.late().key_by(lambda r: 0).window(fb.Tumbling(1.0))
     env.execute(timeout=60)
-    assert late.result == [((3, 1.0), 1.0)]
+    assert late.result == [((3, 1.0), None if after_map else 1.0)]
     assert sorted(results.result) == [(2, math.nextafter(20.0, -math.inf)), (2, math.nextafter(40.0, -math.inf))]
 
 
@@ -506,3 +515,31 @@ def test_an_operator_harness_feeds_and_shows_times():
     assert h.output_timestamps[-1] == math.nextafter(20.0, -math.inf)
     with pytest.raises(errors.ConfigurationError, match="2 records but 1 timestamps"):
         OperatorHarness(counts).process([("k", 1), ("k", 2)], timestamps=[1.0])
+
+
+
+def test_unkeyed_process_reads_and_sets_the_time():
+    def fn(r, ctx):
+        assert ctx.timestamp == time_of(r[0])
+        ctx.timestamp = ctx.timestamp + 1000.0
+        return [r[0]]
+
+    env = fb.Environment(parallelism=2)
+    out = observe(timed(env, 30).process(fn))
+    env.execute(timeout=60)
+    assert sorted(out.result) == sorted((i, time_of(i) + 1000.0) for i in range(30))
+
+
+def test_trigger_windows_carry_max_timestamp_and_count_windows_carry_none():
+    env = fb.Environment(parallelism=1)
+    s = timed(env, 40).map(lambda r: (0, r[0]))
+    early = observe(s.key_by(lambda r: r[0])
+                     .window(fb.Tumbling(10.0), trigger=fb.ContinuousEventTimeTrigger(2.0))
+                     .aggregate(fb.Count()))
+    counted = s.key_by(lambda r: r[0]).window(fb.CountWindow(5)).aggregate(fb.Count())
+    plain = observe(counted)
+    with pytest.raises(errors.ConfigurationError, match="no timestamps"):
+        counted.key_by(lambda n: 0).window(fb.Tumbling(1.0))
+    env.execute(timeout=60)
+    assert early.result and all(t in {math.nextafter(e, -math.inf) for e in (10.0, 20.0)} for _, t in early.result)
+    assert plain.result == [(5, None)] * 8

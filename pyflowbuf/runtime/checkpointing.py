@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsspec.implementations.local import LocalFileSystem
+
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpointError, IncompatibleCheckpointError,
                                           UnsupportedStateError)
@@ -89,6 +91,9 @@ class _Pending:
     commits: list = field(default_factory=list)       # sink commit actions the checkpoint covers
     alignment: str = "aligned"    # aligned | unaligned | switched (by the alignment timeout)
     timer: Any = None
+    # checkpoint (periodic, the job's own) | savepoint (the user's): in the history,
+    # _metadata's properties and `pyflowbuf checkpoints list`
+    kind: str = "checkpoint"
 
 
 class CheckpointCoordinator:
@@ -287,8 +292,8 @@ class CheckpointCoordinator:
         try:
             meta = self.storage.complete(
                 p.checkpoint_id, list(p.handles.values()), trigger_time=p.trigger_time, duration=duration,
-                properties={"job": self.job_name, "alignment_ms": p.alignment_ms, "mode": self.config.mode,
-                            "alignment": p.alignment, "commits": p.commits})
+                properties={"job": self.job_name, "kind": p.kind, "alignment_ms": p.alignment_ms,
+                            "mode": self.config.mode, "alignment": p.alignment, "commits": p.commits})
         except Exception as exc:
             log.warning("pyflowbuf: completing checkpoint %d failed: %s", p.checkpoint_id, exc)
             self._record(p, "failed", duration, reason=str(exc))
@@ -338,7 +343,7 @@ class CheckpointCoordinator:
         run_commits(commits, self.outputs)
 
     def _record(self, p: _Pending, status, duration, **extra) -> None:
-        entry = {"id": p.checkpoint_id, "status": status, "trigger_time": p.trigger_time,
+        entry = {"id": p.checkpoint_id, "kind": p.kind, "status": status, "trigger_time": p.trigger_time,
                  "duration_s": round(duration, 6), "alignment": p.alignment,
                  "alignment_ms": dict(p.alignment_ms), "acknowledged": len(p.handles),
                  "tasks": len(p.expected), **extra}
@@ -589,11 +594,27 @@ def restore_plan(storage, restore_from, *, verify: bool = True):
         return latest_checkpoint(storage, verify=verify)
     if isinstance(restore_from, int) and not isinstance(restore_from, bool):
         return storage.load_metadata(restore_from, verify=verify)
-    name = os.path.basename(os.fspath(restore_from).rstrip("/"))
+    path = os.fspath(restore_from).rstrip("/")
+    name = os.path.basename(path)
     if name.startswith("chk-") and name[4:].isdigit():
-        return storage.load_metadata(int(name[4:]), verify=verify)
+        cid = int(name[4:])
+        if os.path.dirname(path) and not _same_path(storage, path, storage.checkpoint_path(cid)):
+            # only the name was read once, so another job's chk-5 restored this job's own
+            raise errors.ConfigurationError(
+                f"restore_from={restore_from!r} is a checkpoint of another directory than this job's "
+                f"checkpoint_dir ({storage.url}); restore it with checkpoint_dir set to its directory, "
+                "or give its id or name (chk-<id>) to restore this job's own")
+        return storage.load_metadata(cid, verify=verify)
     raise errors.ConfigurationError(
         f"restore_from must be 'latest', a checkpoint id or a chk-<id> directory, got {restore_from!r}")
+
+
+def _same_path(storage, given: str, own: str) -> bool:
+    strip = storage.fs._strip_protocol
+    a, b = strip(given).rstrip("/"), strip(own).rstrip("/")
+    if isinstance(storage.fs, LocalFileSystem):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a == b
 
 
 def latest_checkpoint(storage, *, verify: bool = True):
@@ -698,6 +719,9 @@ def check_sources(meta, states, sources) -> None:
 def check_rewindable(config: CheckpointConfig, name, source) -> None:
     """Exactly-once recovery replays the sources from their recorded positions."""
     if config.mode == "exactly_once" and not source.rewindable:
+        why = getattr(source, "not_rewindable_because", None)     # a source that explains itself
+        if why is not None:
+            raise errors.ConfigurationError(why)
         raise errors.ConfigurationError(
             f"source {name!r} cannot rewind (a plain iterator or generator), so a "
             "recovery could not replay it and exactly-once checkpoints are impossible: pass a "

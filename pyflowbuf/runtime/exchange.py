@@ -71,6 +71,11 @@ class OutputSide:
     """One ResultPartition of a subtask: a LocalBufferPool, one BufferQueue per
     subpartition, and the partitioner deciding where each record goes."""
 
+    # a side output's partition: the tag's name and the id of the node that
+    # emits to it (None: the chain's main output)
+    tag = None
+    source_node = None
+
     def __init__(self, pool, queues, partitioner, key_fn, kind: EdgeKind, max_record_size, timestamped=False):
         self.pool = pool
         self.timestamped = timestamped

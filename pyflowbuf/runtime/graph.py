@@ -2,7 +2,8 @@
 operators with equal parallelism fused into one JobVertex (operator chaining).
 
 A node reads any number of inputs (none for a source, several for union and
-connect); each input says how records reach the node from its upstream node.
+connect); each input says how records reach the node from its upstream node:
+from its main output, or from one of its side outputs (``tag``).
 
 Timestamps travel with the records of a stream once ``assign_timestamps`` gave
 them (``has_timestamps``): decided per node when the graph is declared, so a
@@ -14,6 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pyflowbuf import errors
+
 PARTITIONERS = ("forward", "rebalance", "hash", "broadcast")
 
 
@@ -23,6 +26,7 @@ class Input:
     node: "Node"
     partitioner: str = "forward"
     key_fn: Callable | None = None                   # for the hash partitioner
+    tag: str | None = None                           # a side output of the node (its name), or the main output
 
 
 @dataclass(eq=False)
@@ -41,6 +45,7 @@ class Node:
     collect_parts: dict | None = None                # a collect() sink's results, by subtask
     user_sink: bool = False                          # sink(fn): its effects stay in the process running it
     file_output: Any = None                          # write_text/write_parquet: its outputs.FileOutput
+    side_tags: dict | None = None                    # name -> OutputTag: the side outputs it may emit to
     consumers: list = field(default_factory=list)
     timestamped: bool = False                        # its records carry timestamps (set by plan())
 
@@ -104,7 +109,8 @@ class JobEdge:
     kind: Any                      # resolved record kind (a Serializer or a NumPy dtype) or None
     input_index: int = 0           # which input of the target's head node this edge feeds
     timestamped: bool = False      # every record travels with its event time
-
+    tag: str | None = None         # a side output: its name, and the node of the source's chain emitting it
+    source_node: "Node | None" = None
 
     @property
     def pointwise(self) -> bool:
@@ -116,11 +122,21 @@ def _own_timestamps(n: Node) -> bool | None:
     them, False: there are none); None: as its inputs."""
     ts = getattr(n, "timestamps", None)
     if isinstance(n.kind, np.dtype) or isinstance(ts, str) or not n.inputs \
-            or getattr(n, "drops_timestamps", False):
-        return False
-    if ts is not None:
+            or getattr(n, "drops_timestamps", False) or any(i.tag is not None for i in n.inputs):
+        return False    # (a side output carries no times yet)
+    if ts is not None and getattr(n, "assigns_timestamps", False):
         return True
-    return None
+    return None     # (a filter's or a late() stream's timestamp function is its input's)
+
+
+def carried_timestamps(record):
+    """The timestamp "function" of a stream whose times travel with its
+    records: a job hands its operators the times, so only an operator run
+    without them (an OperatorHarness) ever calls it."""
+    raise errors.ConfigurationError(
+        "this stream's timestamps travel with its records (assign_timestamps came before a map, flat_map, "
+        "process, union or window), and this operator was fed records without their times: in an "
+        "OperatorHarness, pass them with process(records, timestamps=[...])")
 
 
 def has_timestamps(node: Node) -> bool:
@@ -153,7 +169,10 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
     """Group nodes into JobVertices and connect them with JobEdges.
 
     A node with several inputs always heads a vertex of its own (its task
-    reads one gate per input); operators after it chain to it as usual."""
+    reads one gate per input); operators after it chain to it as usual. So
+    does a node reading a side output: a chain is a line, and the side
+    output of a node inside one leaves its vertex through an edge of its own
+    (``JobEdge.tag``), while the node's main output may go on chaining."""
     vertex_of: dict = {}
     vertices: list = []
     edges: list = []
@@ -175,7 +194,8 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
         at_source = up is not None and up.source is not None and getattr(node, "assigns_timestamps", False)
         chainable = (
             (chaining or at_source) and up is not None and node.inputs[0].partitioner == "forward"
-            and len(up.consumers) == 1 and not node.is_iterator and not up.is_sink
+            and node.inputs[0].tag is None and _main_readers(up) == 1
+            and not node.is_iterator and not up.is_sink
         )
         if chainable:
             v = vertex_of[up.id]
@@ -184,7 +204,18 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
             v = JobVertex(len(vertices), [node], node.parallelism)
             vertices.append(v)
             for k, inp in enumerate(node.inputs):
-                edges.append(JobEdge(vertex_of[inp.node.id], v, inp.partitioner, inp.key_fn,
-                                     inp.node.kind, input_index=k, timestamped=inp.node.timestamped))
+                if inp.tag is None:
+                    edges.append(JobEdge(vertex_of[inp.node.id], v, inp.partitioner, inp.key_fn,
+                                         inp.node.kind, input_index=k,
+                                         timestamped=inp.node.timestamped))
+                else:   # a side output's reader carries the tag's kind
+                    edges.append(JobEdge(vertex_of[inp.node.id], v, inp.partitioner, inp.key_fn,
+                                         node.kind, input_index=k, tag=inp.tag, source_node=inp.node))
         vertex_of[node.id] = v
     return vertices, edges
+
+
+def _main_readers(node: Node) -> int:
+    """How many inputs read ``node``'s main output (its side outputs' readers
+    do not keep it from chaining)."""
+    return sum(1 for c in node.consumers for inp in c.inputs if inp.node is node and inp.tag is None)

@@ -29,6 +29,7 @@ from pyflowbuf.runtime.alignment import (CAPTURE, INFLIGHT_DONE, SNAPSHOT, SNAPS
 from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error
 from pyflowbuf.runtime.exchange import MultiInput
 from pyflowbuf.runtime.pull import PullPolicy
+from pyflowbuf.runtime.side_outputs import SideOutputs
 from pyflowbuf.runtime import watermarks as _wm
 from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK
 from pyflowbuf.runtime.sources import payload_nbytes
@@ -119,12 +120,17 @@ class Subtask(threading.Thread):
         self.started_ns = 0
         self.finished_ns = 0
         self.state = "CREATED"
+        # Every output carries barriers, watermarks and the end of input; the
+        # chain's records go to the main ones, side records (ctx.output) to
+        # the outputs of their operator's tags (_route_side_outputs).
+        self.main_outputs = [o for o in outputs if o.tag is None]
+        self._side_routes = self._route_side_outputs(vertex, operators, outputs)
         # The writer checks every record it serializes: the operator feeding
         # it need not check again, and the writer's errors name that operator.
         producer = operators[-1] if operators else None
-        if producer is not None and outputs:
+        if producer is not None and self.main_outputs:
             producer.check_output = False
-        for out in outputs:
+        for out in self.main_outputs:
             out.producer = producer.name if producer is not None else vertex.head.name
         # Source records handed to a chained operator are never serialized:
         # check them here, against the source's kind, as a writer would.
@@ -135,7 +141,7 @@ class Subtask(threading.Thread):
             # they came, and a writer checks each one: the source's check
             # would be paid twice (the writer's errors name the source)
             self._source_misfit = None
-            for out in outputs:
+            for out in self.main_outputs:
                 out.producer = vertex.head.name
         # decided once: does this chain carry timestamps?
         self.timestamped = (any(getattr(op, "timestamped", False) for op in operators)
@@ -144,6 +150,43 @@ class Subtask(threading.Thread):
             self._process = self._process_ts
             self._process_input = self._process_input_ts
             self._watermark_through = self._watermark_through_ts
+        # An unbounded source that waits for input (a socket, a watched
+        # directory) wakes up for a mail or a cancel instead of polling
+        self._source_wakeup = getattr(source, "wakeup", None)
+
+    @staticmethod
+    def _route_side_outputs(vertex, operators, outputs) -> list:
+        """Give each operator whose node declares side outputs its
+        ``SideOutputs``; the routes [(buffer, [outputs])] of the tags some
+        stream reads, which ``_ship_side_outputs`` empties."""
+        nodes = {n.id: n for n in getattr(vertex, "nodes", ())}
+        routes: list = []
+        for op in operators:
+            node = nodes.get(getattr(op, "node_id", None))
+            tags = getattr(node, "side_tags", None)
+            if not tags:
+                continue
+            table = {}
+            for name, tag in tags.items():
+                outs = [o for o in outputs if o.tag == name and o.source_node == node.id]
+                buf = [] if outs else None
+                table[name] = (tag, buf)
+                if outs:
+                    routes.append((buf, outs))
+                    for o in outs:
+                        o.producer = f"{op.name} (side output {name!r})"
+            op.side = SideOutputs(op.name, table)
+        return routes
+
+    def _ship_side_outputs(self) -> None:
+        """Side records collected since the last call, to their outputs: after
+        each batch, watermark and timer, so they precede any barrier."""
+        for buf, outs in self._side_routes:
+            if buf:
+                batch = buf[:]
+                buf.clear()
+                for out in outs:
+                    out.emit(batch)
 
     # ---- mailbox ----
     notifier = None         # set when tasks wait for output buffers (unaligned checkpoints)
@@ -156,6 +199,8 @@ class Subtask(threading.Thread):
             self.input.notifier.notify()
         elif self.notifier is not None:
             self.notifier.notify()
+        if self._source_wakeup is not None:
+            self._source_wakeup()
 
     def _output_blocked(self) -> bool:
         """Unaligned checkpoints: whether an output has no buffer to give now.
@@ -255,9 +300,12 @@ class Subtask(threading.Thread):
             self.current_operator = op.name
             batch = op.process_batch(batch)
             if not batch:
-                return
-        for out in self.outputs:
-            out.emit(batch)
+                break
+        else:
+            for out in self.main_outputs:
+                out.emit(batch)
+        if self._side_routes:
+            self._ship_side_outputs()
 
     def _process_ts(self, batch: list, ts=None) -> None:
         """``_process`` of a chain that carries timestamps: ``ts`` (the batch's
@@ -266,11 +314,14 @@ class Subtask(threading.Thread):
             self.current_operator = op.name
             batch, ts = op.process_ts(batch, ts)
             if not batch:
-                return
+                break
             if not op.timestamped:
                 ts = None       # its output carries none, chained or not
-        for out in self.outputs:
-            out.emit(batch, ts)
+        else:
+            for out in self.main_outputs:
+                out.emit(batch, ts)
+        if self._side_routes:
+            self._ship_side_outputs()
 
     def _process_input(self, batch: list, input_index: int, ts=None) -> None:
         """``_process`` for a task with several inputs: the head operator learns
@@ -279,34 +330,38 @@ class Subtask(threading.Thread):
         head = ops[0]
         self.current_operator = head.name
         batch = head.process_input(batch, input_index)
-        if not batch:
-            return
-        for op in ops[1:]:
-            self.current_operator = op.name
-            batch = op.process_batch(batch)
-            if not batch:
-                return
-        for out in self.outputs:
-            out.emit(batch)
+        if batch:
+            for op in ops[1:]:
+                self.current_operator = op.name
+                batch = op.process_batch(batch)
+                if not batch:
+                    break
+            else:
+                for out in self.main_outputs:
+                    out.emit(batch)
+        if self._side_routes:
+            self._ship_side_outputs()
 
     def _process_input_ts(self, batch: list, input_index: int, ts=None) -> None:
         ops = self.operators
         head = ops[0]
         self.current_operator = head.name
         batch, ts = head.process_input_ts(batch, ts, input_index)
-        if not batch:
-            return
-        if not head.timestamped:
-            ts = None
-        for op in ops[1:]:
-            self.current_operator = op.name
-            batch, ts = op.process_ts(batch, ts)
-            if not batch:
-                return
-            if not op.timestamped:
+        if batch:
+            if not head.timestamped:
                 ts = None
-        for out in self.outputs:
-            out.emit(batch, ts)
+            for op in ops[1:]:
+                self.current_operator = op.name
+                batch, ts = op.process_ts(batch, ts)
+                if not batch:
+                    break
+                if not op.timestamped:
+                    ts = None
+            else:
+                for out in self.main_outputs:
+                    out.emit(batch, ts)
+        if self._side_routes:
+            self._ship_side_outputs()
 
     def _flush_if_due(self, now_ns: int) -> None:
         if now_ns >= self._next_flush:
@@ -350,6 +405,14 @@ class Subtask(threading.Thread):
             pulled_ns = time.monotonic_ns() - t0
             if batch is None:
                 break
+            if not batch:
+                # an unbounded source waited (a bounded time) and nothing
+                # came: ship what is buffered, then see to the mailbox
+                self.source_idle_ns += pulled_ns
+                for out in outputs:
+                    out.flush()
+                self._next_flush = time.monotonic_ns() + self._timeout_ns
+                continue
             self.pulls += 1
             if self._source_misfit is not None:
                 self._source_misfit(batch)
@@ -506,7 +569,7 @@ class Subtask(threading.Thread):
                     tail = op.process_batch(tail)
                 tail = tail + op.finish()
             if tail:
-                for out in self.outputs:
+                for out in self.main_outputs:
                     out.emit(tail)
         else:
             ts = None
@@ -520,8 +583,10 @@ class Subtask(threading.Thread):
                 if more:
                     tail, ts = tail + more, _joined_ts(ts, len(tail), op, more)
             if tail:
-                for out in self.outputs:
+                for out in self.main_outputs:
                     out.emit(tail, ts)
+        if self._side_routes:
+            self._ship_side_outputs()
         if self.checkpointing is not None:
             if self.aligner is not None:
                 self._check_channel_ends()
@@ -718,6 +783,8 @@ class Subtask(threading.Thread):
             self.input.cancel()
         if self.rate_limiter is not None:
             self.rate_limiter.cancel()
+        if self._source_wakeup is not None:
+            self._source_wakeup()
 
     # ---- counters for metrics ----
     def counters(self) -> dict:
@@ -809,8 +876,10 @@ class Subtask(threading.Thread):
                     if more:
                         batch = batch + more if batch else more
         if batch:
-            for out in self.outputs:
+            for out in self.main_outputs:
                 out.emit(batch)
+        if self._side_routes:
+            self._ship_side_outputs()
         if wm is not None and (wm > self._wm_out or force):
             self._wm_out = max(wm, self._wm_out)
             self._idle_out = False
@@ -836,8 +905,10 @@ class Subtask(threading.Thread):
                     if more:
                         batch, ts = batch + more, _joined_ts(ts, len(batch), op, more)
         if batch:
-            for out in self.outputs:
+            for out in self.main_outputs:
                 out.emit(batch, ts)
+        if self._side_routes:
+            self._ship_side_outputs()
         if wm is not None and (wm > self._wm_out or force):
             self._wm_out = max(wm, self._wm_out)
             self._idle_out = False
@@ -855,27 +926,32 @@ class Subtask(threading.Thread):
 
     def emit_after(self, op, records):
         """Records an operator made outside of a batch (a processing-time
-        timer): through the operators after it, then to the outputs."""
+        timer): through the operators after it, then to the outputs; and the
+        side records it made meanwhile."""
         ops = self.operators
-        if self.timestamped:
+        if records and self.timestamped:
             ts = _joined_ts(None, 0, op, records)
             for nxt in ops[ops.index(op) + 1:]:
                 self.current_operator = nxt.name
                 records, ts = nxt.process_ts(records, ts)
                 if not records:
-                    return
+                    break
                 if not nxt.timestamped:
                     ts = None
-            for out in self.outputs:
-                out.emit(records, ts)
-            return
-        for nxt in ops[ops.index(op) + 1:]:
-            self.current_operator = nxt.name
-            records = nxt.process_batch(records)
-            if not records:
-                return
-        for out in self.outputs:
-            out.emit(records)
+            else:
+                for out in self.main_outputs:
+                    out.emit(records, ts)
+        elif records:
+            for nxt in ops[ops.index(op) + 1:]:
+                self.current_operator = nxt.name
+                records = nxt.process_batch(records)
+                if not records:
+                    break
+            else:
+                for out in self.main_outputs:
+                    out.emit(records)
+        if self._side_routes:
+            self._ship_side_outputs()
 
     def operator_metrics(self) -> dict:
         """Counters of the chain's operators (late records of windows), summed."""
