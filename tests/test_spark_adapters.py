@@ -1,6 +1,7 @@
 """The Spark adapters' engine without a JVM: run_partition (order, errors,
 cancellation, backpressure), the order-keeping envelopes, and the checks of
 pipeline output against a declared schema."""
+import collections
 import gc
 import random
 import threading
@@ -19,9 +20,11 @@ from pyflowbuf import errors  # noqa: E402
 from pyflowbuf._core.memory import NetworkBufferPool  # noqa: E402
 from pyflowbuf._core.channel import BufferQueue  # noqa: E402
 from pyflowbuf._core.serde import RecordReader, RecordWriter  # noqa: E402
+from pyflowbuf.serializers_arrow import ArrowSerializer  # noqa: E402
 from pyflowbuf.spark import (  # noqa: E402
-    DEFAULT_ENV, SchemaMismatchError, aggregate_stages, conform_batch, run_partition, summarize)
-from pyflowbuf.spark._ordered import OrderedStream, SequencedSerializer, reorder  # noqa: E402
+    DEFAULT_ENV, SchemaMismatchError, aggregate_stages, arrow_udf, conform_batch, run_partition, summarize)
+from pyflowbuf.spark._ordered import (  # noqa: E402
+    OrderedStream, PartitionArrowSerializer, SequencedSerializer, reorder)
 from pyflowbuf.spark._schema import check_pandas_frame, resolve_schema  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -265,6 +268,153 @@ def test_ordered_stream_knows_when_to_sequence():
     assert s.map(len, parallelism=2).needs_sequencing(1)
     assert s.map(len).needs_sequencing(2)
     assert not s.rebalance().forward().needs_sequencing(1)
+
+
+# ---------------------------------------------------------------- per-batch work of the arrow adapter
+
+def spark_like(n, rows=1000):
+    """Batches like the spark benchmark's: 1,000 rows of (long, int, double,
+    string) are ~32 KB, so nearly every record straddles two 32 KiB segments."""
+    out = []
+    for k in range(n):
+        ids = np.arange(k * rows, (k + 1) * rows, dtype=np.int64)
+        out.append(pa.record_batch({"id": ids, "k": (ids % 1000).astype(np.int32), "x": ids * 0.5,
+                                    "s": [f"name-{i % 997}" for i in ids]}))
+    return out
+
+
+def count_ipc_streams(monkeypatch):
+    """Counts the Arrow IPC stream writers and readers opened."""
+    calls = collections.Counter()
+    for name in ("new_stream", "open_stream"):
+        def counted(*a, _orig=getattr(pa.ipc, name), _name=name, **k):
+            calls[_name] += 1
+            return _orig(*a, **k)
+        monkeypatch.setattr(pa.ipc, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("parallelism, most", [(1, 1), (2, 8)])
+def test_arrow_udf_parses_a_partitions_schema_once_not_per_batch(monkeypatch, parallelism, most):
+    """Opening an IPC stream writer and reader for every batch cost more than
+    the rest of a 1,000-row batch's trip through the pipeline (the spark
+    benchmark's overhead_vs_mapinarrow_1k). A partition's batches share their
+    schema: it is written and parsed once per reader, not once per batch."""
+    data = spark_like(120)
+    fn = arrow_udf(lambda s: s.map(lambda b: b, parallelism=parallelism).map(lambda b: b), data[0].schema)
+    calls = count_ipc_streams(monkeypatch)
+    out = list(fn(iter(data)))
+    assert [b.column("id")[0].as_py() for b in out] == [k * 1000 for k in range(120)]
+    assert all(a.equals(b) for a, b in zip(out, data))
+    assert calls["new_stream"] == 0
+    assert calls["open_stream"] <= most, dict(calls)
+
+
+def test_arrow_udf_output_may_change_schema_and_be_pandas_or_tables():
+    def vary(b):
+        k = b.column("id")[0].as_py() // 100
+        if k % 3 == 0:
+            return b.to_pandas()
+        if k % 3 == 1:
+            return pa.Table.from_batches([pa.record_batch({"id": b.column("id").cast(pa.int32())})])
+        return b.select(["id"])
+
+    out_schema = pa.schema([("id", pa.int64())])
+    fn = arrow_udf(lambda s: s.map(vary), out_schema)
+    out = list(fn(iter(batches(30))))
+    assert [b.schema for b in out] == [out_schema] * 30
+    assert first_ids(out) == [k * 100 for k in range(30)]
+
+
+def test_arrow_udf_output_of_another_type_names_the_operator():
+    fn = arrow_udf(lambda s: s.map(lambda b: b.num_rows, name="count"), pa.schema([("n", pa.int64())]))
+    with pytest.raises(errors.JobFailedError, match=r"'count'.*must end in pyarrow.RecordBatch"):
+        list(fn(iter(batches(3))))
+
+
+SCHEMAS = [
+    pa.schema([("i", pa.int64()), ("s", pa.string())]),
+    pa.schema([("i", pa.int64()), ("s", pa.string())], metadata={b"k": b"v"}),
+    pa.schema([("f", pa.float32()), ("l", pa.list_(pa.int16())), ("b", pa.bool_())]),
+    pa.schema([("d", pa.dictionary(pa.int8(), pa.string())), ("i", pa.int64())]),
+    pa.schema([("st", pa.struct([("d", pa.dictionary(pa.int8(), pa.string()))]))]),
+]
+
+
+def _batch_of(schema_index, n):
+    sch = SCHEMAS[schema_index]
+    cols = []
+    for f in sch:
+        t = f.type
+        if pa.types.is_struct(t):
+            cols.append(pa.StructArray.from_arrays(
+                [pa.array([str(i % 3) for i in range(n)]).dictionary_encode().cast(t.field(0).type)],
+                fields=[t.field(0)]))
+        elif pa.types.is_dictionary(t):
+            cols.append(pa.array([str(i % 5) for i in range(n)]).dictionary_encode().cast(t))
+        elif pa.types.is_list(t):
+            cols.append(pa.array([[i, None] if i % 4 else None for i in range(n)], t))
+        elif pa.types.is_string(t):
+            cols.append(pa.array([None if i % 7 == 0 else "v" * (i % 13) for i in range(n)], t))
+        else:
+            cols.append(pa.array([i % 2 if t == pa.bool_() else i for i in range(n)]).cast(t))
+    return pa.RecordBatch.from_arrays(cols, schema=sch)
+
+
+@given(spec=st.lists(st.tuples(st.integers(0, len(SCHEMAS) - 1), st.integers(0, 3000)), min_size=1, max_size=12),
+       writer=st.sampled_from(["partition", "arrow"]), zero_copy=st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_partition_arrow_records_round_trip_through_segments(spec, writer, zero_copy):
+    """Whatever the schema changes, dictionaries, sizes (in one segment or
+    straddling several) and which serializer wrote the records, the partition
+    serializer decodes the batches written, their values aligned; and
+    ArrowSerializer reads what it writes (the records keep the arrow layout)."""
+    data = [_batch_of(i, n) for i, n in spec]
+    enc = (PartitionArrowSerializer() if writer == "partition" else ArrowSerializer()).encode_batch(data)
+    nbp = NetworkBufferPool(512, 32 * 1024)
+    pool = nbp.create_pool(1, 512)
+    q = BufferQueue(nbp)
+    w = RecordWriter(pool, [q])
+    w.write_batch(enc)
+    w.end_input()
+    raw = list(RecordReader(q, zero_copy_min=0))
+    reader = PartitionArrowSerializer(zero_copy=zero_copy)
+    out = reader.decode_batch(raw)
+    generic = ArrowSerializer().decode_batch(raw)
+    for a, b, c in zip(data, out, generic):
+        assert a.equals(b) and b.schema.equals(a.schema, check_metadata=True) and c.equals(a)
+        for col in b.columns:   # values aligned as their type needs: Arrow never reads them misaligned
+            if pa.types.is_primitive(col.type) and col.type.bit_width >= 8 and len(col):
+                assert col.buffers()[1].address % (col.type.bit_width // 8) == 0
+    del out, generic, raw
+
+
+def test_partition_arrow_large_batches_take_the_stream_writer_and_still_decode_by_message(monkeypatch):
+    ser, big = PartitionArrowSerializer(), spark_like(1, rows=20_000)[0]   # ~650 KB
+    calls = count_ipc_streams(monkeypatch)
+    recs = [ser.encode_one(b) for b in (big, big, spark_like(1)[0])]
+    assert calls["new_stream"] == 2            # no extra copy of a large message
+    reader = PartitionArrowSerializer()
+    out = [reader.decode_one(memoryview(r)) for r in recs]
+    assert out[0].equals(big) and out[1].equals(big) and out[2].num_rows == 1000
+    assert calls["open_stream"] == 1
+
+
+def test_partition_arrow_corrupt_records_are_typed_errors():
+    ser = PartitionArrowSerializer()
+    rec = bytes(ser.encode_one(_batch_of(0, 100)))
+    ser.decode_one(rec)   # the schema is known from here on: the batch-message path
+    schema_len = len(ser._decode_cache[0])
+    off = int.from_bytes(rec[4:8], "little")
+    for bad in (rec[:off + schema_len] + bytes(len(rec) - off - schema_len),          # no message
+                rec[:off + schema_len + 8] + bytes(len(rec) - off - schema_len - 8),  # garbage message
+                rec[:off + schema_len + 4] + (1 << 30).to_bytes(4, "little") + rec[off + schema_len + 8:]):
+        with pytest.raises(errors.CorruptRecordError):
+            ser.decode_one(bad)
+    with pytest.raises(TypeError, match="an 'arrow' stream takes pyarrow.RecordBatch"):
+        ser.encode_one(pd.DataFrame({"a": [1]}))
+    assert PartitionArrowSerializer(accept_pandas=True).decode_one(
+        PartitionArrowSerializer(accept_pandas=True).encode_one(pd.DataFrame({"a": [1]}))).to_pydict() == {"a": [1]}
 
 
 # ---------------------------------------------------------------- schemas

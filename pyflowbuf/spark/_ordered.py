@@ -14,6 +14,13 @@ the source once its subtask's channel is full.
 Envelopes use ``SequencedSerializer``: each record inside is encoded by the
 Arrow / pandas / NumPy serializers (self-describing, zero-copy decode) or by
 pickle for anything else.
+
+Arrow batches of one partition share one schema. ``PartitionArrowSerializer``
+keeps the ``arrow`` kind's record layout (a self-describing IPC stream) but
+serializes a schema once and, when reading, parses it once: a record whose
+schema bytes equal the last ones seen is decoded from its batch message alone.
+Opening an IPC stream writer and reader per record cost more than the rest of
+a 1,000-row batch's trip through the pipeline.
 """
 from __future__ import annotations
 
@@ -25,12 +32,119 @@ from pyflowbuf import errors as _errors
 from pyflowbuf.serializers import Serializer
 from pyflowbuf.serializers_arrow import (
     _HDR, _PAD, FLAG_PANDAS, MAGIC, TAG_ARROW, TAG_NUMPY, VERSION, ArrowSerializer, NumpySerializer,
-    PandasSerializer, _check_header, _tail_pad)
+    PandasSerializer, _check_header, _payload_offset, _tail_pad, pa)
+from pyflowbuf.spark._schema import to_record_batch
 
 TAG_SEQ = ord("S")
 TAG_PICKLE = ord("P")
 _SEQ_HDR = struct.Struct("<BBBBQ")   # magic, tag, version, flags, seq  (12 bytes)
 _LEN = struct.Struct("<I")
+
+
+_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"   # an IPC stream's end marker
+# Batches up to this size are serialized alone and joined to their header (one
+# more copy); above it opening a stream writer costs less than that copy.
+_SERIALIZE_MAX = 256 * 1024
+
+
+def _has_dictionary(t) -> bool:
+    return pa.types.is_dictionary(t) or any(_has_dictionary(t.field(i).type) for i in range(t.num_fields))
+
+
+def _bytes_view(rec) -> memoryview:
+    """An unsigned-byte view (a pyarrow Buffer exports signed bytes, which
+    compare unequal to ``bytes`` wherever a byte is >= 0x80)."""
+    mv = rec if isinstance(rec, memoryview) else memoryview(rec)
+    return mv if mv.format == "B" else mv.cast("B")
+
+
+def _batch_message_schema(schema) -> bool:
+    """Whether a batch of ``schema`` travels as one batch message: dictionary
+    columns need their own messages (the stream path)."""
+    return not any(_has_dictionary(f.type) for f in schema)
+
+
+class PartitionArrowSerializer(ArrowSerializer):
+    """Arrow RecordBatches whose schema rarely changes (a Spark partition's).
+
+    Records have the ``arrow`` kind's layout: header, then an IPC stream of
+    the schema, one batch and the end marker, so ``ArrowSerializer`` reads
+    them and this class reads ``ArrowSerializer``'s. Writing serializes each
+    new schema once and a batch up to 256 KiB alone (``RecordBatch.serialize``); reading
+    compares the record's schema bytes with the last schema parsed and, when
+    they match, decodes the batch message alone (``ipc.read_record_batch``).
+    A new schema, dictionary columns or compression take ``ArrowSerializer``'s
+    path. Records are decoded in place as ``ArrowSerializer``'s are; a payload
+    that is not 8-byte aligned (a record that straddled segments) is copied
+    once so that Arrow's buffers are aligned.
+
+    ``accept_pandas=True`` also takes ``pandas.DataFrame`` records, converted
+    as ``mapInArrow`` output is (``RecordBatch.from_pandas``, no index).
+    """
+
+    name = "spark-arrow"   # not "arrow": with accept_pandas it takes DataFrames too
+
+    def __init__(self, segment_size: int = 32 * 1024, *, accept_pandas: bool = False, zero_copy: bool = True):
+        super().__init__(segment_size, None, zero_copy)
+        self.accept_pandas = bool(accept_pandas)
+        # each cache is one attribute replaced whole: safe when subtasks share the instance
+        self._encode_cache = None   # (schema, its IPC bytes or None when the batch path cannot serve it)
+        self._decode_cache = None   # (schema IPC bytes, schema)
+
+    def _as_batch(self, rec, i: int):
+        if isinstance(rec, pa.RecordBatch):
+            return rec
+        if isinstance(rec, pa.Table):
+            return super()._as_batch(rec, i)
+        if self.accept_pandas:
+            return to_record_batch(rec, i)   # its error names what mapInArrow output may be
+        return super()._as_batch(rec, i)
+
+    def _schema_bytes(self, schema):
+        last = self._encode_cache
+        if last is not None and (schema is last[0] or schema.equals(last[0], check_metadata=True)):
+            return last[1]
+        # a batch message alone cannot carry dictionaries: those batches take the stream path
+        sb = schema.serialize().to_pybytes() if _batch_message_schema(schema) else None
+        self._encode_cache = (schema, sb)
+        return sb
+
+    def _encode(self, batch, flags: int = 0):
+        sb = self._schema_bytes(batch.schema)
+        if sb is None or pa.ipc.get_record_batch_size(batch) > _SERIALIZE_MAX:
+            # a large batch: the stream writer's fixed cost is small beside the
+            # copy that joining a serialized message to its header would add
+            return super()._encode(batch, flags)
+        msg = batch.serialize()
+        dlen = len(sb) + msg.size + len(_EOS)
+        off = _payload_offset(_HDR.size, _HDR.size + dlen, self.segment_size)
+        hdr = bytearray(off)
+        _HDR.pack_into(hdr, 0, MAGIC, TAG_ARROW, VERSION, flags, off, dlen)
+        return b"".join([hdr, sb, msg, _EOS, _PAD[:_tail_pad(off + dlen)]])
+
+    def _decode_at(self, rec, off, dlen):
+        cache = self._decode_cache
+        if cache is not None:
+            sb, schema = cache
+            n = len(sb)
+            mv = _bytes_view(rec)
+            if dlen > n + len(_EOS) and mv[off:off + n] == sb:
+                start, size = off + n, dlen - n - len(_EOS)
+                buf = pa.py_buffer(mv)
+                if (buf.address + start) % 8 or (not self.zero_copy and isinstance(rec, memoryview)):
+                    # own, aligned memory: one copy of the message (bytes data is 16-aligned)
+                    buf, start = pa.py_buffer(mv[start:start + size].tobytes()), 0
+                try:
+                    return pa.ipc.read_record_batch(buf.slice(start, size), schema)
+                except (pa.ArrowException, OSError, EOFError, ValueError) as exc:
+                    raise _errors.CorruptRecordError(
+                        f"arrow record of {dlen} payload bytes holds no valid batch message: {exc}") from exc
+        batch = super()._decode_at(rec, off, dlen)
+        if _batch_message_schema(batch.schema):
+            sb = batch.schema.serialize().to_pybytes()
+            if _bytes_view(rec)[off:off + len(sb)] == sb:   # a stream this class can take apart next time
+                self._decode_cache = (sb, batch.schema)
+        return batch
 
 
 class SequencedSerializer(Serializer):
@@ -45,7 +159,7 @@ class SequencedSerializer(Serializer):
     in_process_only = True   # may carry pickled records
 
     def __init__(self):
-        self.arrow = ArrowSerializer()
+        self.arrow = PartitionArrowSerializer()
         self.numpy = NumpySerializer()
         self._pandas = None
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator
 
-from pyflowbuf.spark._ordered import OrderedStream, SequencedSerializer, reorder
+from pyflowbuf.serializers_arrow import DEFAULT_SEGMENT_SIZE
+from pyflowbuf.spark._ordered import OrderedStream, PartitionArrowSerializer, SequencedSerializer, reorder
 from pyflowbuf.spark._schema import (SchemaMismatchError, check_pandas_frame, conform_batch, resolve_schema,
                                      session_timezone)
 from pyflowbuf.spark.metrics import MetricsCollector, PartitionStats
@@ -61,11 +62,14 @@ def _apply_build(build: Build, stream, expected_type, hint: str):
 
 def run_partition(records: Iterable, build: Build, *, kind: Any = "arrow", preserve_order: bool = True,
                   env_kwargs: dict | None = None, convert: Callable[[Any, int], Any] | None = None,
-                  stats: PartitionStats | None = None, on_done: Callable[[dict], None] | None = None
-                  ) -> Iterator:
+                  stats: PartitionStats | None = None, on_done: Callable[[dict], None] | None = None,
+                  output_kind: Any = None) -> Iterator:
     """Generator: ``records`` through the pipeline that ``build`` makes,
     yielded in this thread (``convert(record, index)`` applied). Closing it
-    cancels the pipeline. The engine of every adapter; usable without Spark."""
+    cancels the pipeline. The engine of every adapter; usable without Spark.
+
+    ``kind`` is the input records' kind; ``output_kind``, when given, is the
+    kind of the stream ``build`` returns if ``build`` declared none."""
     from pyflowbuf import Environment, Stream
 
     env = Environment(**(env_kwargs if env_kwargs is not None else DEFAULT_ENV))
@@ -88,6 +92,10 @@ def run_partition(records: Iterable, build: Build, *, kind: Any = "arrow", prese
     else:
         src = env.from_iterable(records, kind=kind, name="spark-input")
         out = _apply_build(build, src, Stream, "")
+    if output_kind is not None and not sequenced and out.node.kind is None:
+        # declared, not inferred from the first record: the records reaching
+        # this thread cross with the kind the adapter chose
+        out.node.kind = output_kind
     inner = env.execute_iter(out.to_iterator(name="spark-output"))
     gen = reorder(inner) if sequenced else inner
     try:
@@ -137,9 +145,13 @@ def arrow_udf(build: Build, schema: Any, *, preserve_order: bool = True, cast: b
     def convert(rec, i):
         return conform_batch(rec, arrow_schema, cast=cast)
 
+    segment_size = kw.get("segment_size", DEFAULT_SEGMENT_SIZE)
+
     def pyflowbuf_map_in_arrow(batches: Iterator) -> Iterator:
-        return run_partition(batches, build, kind="arrow", preserve_order=preserve_order, env_kwargs=kw,
-                             convert=convert, on_done=on_done)
+        # made here, in the worker: the kinds keep per-partition schema caches
+        return run_partition(batches, build, kind=PartitionArrowSerializer(segment_size),
+                             preserve_order=preserve_order, env_kwargs=kw, convert=convert, on_done=on_done,
+                             output_kind=PartitionArrowSerializer(segment_size, accept_pandas=True))
 
     pyflowbuf_map_in_arrow.spark_schema = struct
     pyflowbuf_map_in_arrow.arrow_schema = arrow_schema
