@@ -9,6 +9,15 @@ per_record_vs_queue_pipeline
 python_map_records_per_s
     ints from ``from_sequence`` through ``map(lambda x: x + 1)`` into a batched
     counting sink (the per-record-sink variant is reported too).
+timestamped_python_map_vs_plain
+    the same Python map job with timestamps assigned at the source
+    (``assign_timestamps(float)`` right after it, which runs in the source's
+    task, so every record travels with its time through both exchanges) /
+    the job without them, interleaved in one run (issue 22: >= 0.85). The
+    extractor is a C function so that the figure is the cost of carrying
+    timestamps; ``timestamped_python_map_lambda_vs_plain`` (no goal) has a
+    Python lambda instead, which adds one Python call per record, as much
+    as the map itself.
 batch_records_per_s_16b
     16-byte NumPy rows: ``from_arrays`` -> ``map_batches(identity)`` -> batched
     sink; 256 KiB segments (32 KiB reported too).
@@ -51,6 +60,7 @@ GOALS = {
     "python_map_records_per_s": Goal(">=", 2.3e6, "records/s"),
     "batch_records_per_s_16b": Goal(">=", 100e6, "records/s"),
     "slowest_stage_efficiency": Goal(">=", 0.9, "x"),
+    "timestamped_python_map_vs_plain": Goal(">=", 0.85, "x"),
     "overload_rss_over_pool_mib": Goal("<=", 20.0, "MiB"),
     "overload_lost_records": Goal("<=", 0, "records"),
 }
@@ -159,6 +169,24 @@ def python_map(n: int, batched_sink: bool = True):
             def one(x):
                 seen[0] += 1
             s.sink(one)
+        dt = _execute(env)
+        assert seen[0] == n
+        return rate(n, dt)
+    return case
+
+
+def timestamped_python_map(n: int, extractor=float):
+    """``python_map`` with event timestamps assigned right after the source
+    (in its task): it writes each record with its time, the map's task
+    passes the times along, the sink's task reads them."""
+    def case():
+        env = fb.Environment(chaining=False)
+        seen = [0]
+
+        def count(batch):
+            seen[0] += len(batch)
+        (env.from_sequence(0, n).assign_timestamps(extractor)
+            .map(lambda x: x + 1).sink(count, batched=True))
         dt = _execute(env)
         assert seen[0] == n
         return rate(n, dt)
@@ -342,6 +370,21 @@ def main(quick: bool = False) -> dict:
             note="against the issue's 228 k/s (not measured here)")
     rep.add("python_map_vs_pyflink_process_mode", m / PYFLINK_PROCESS_MODE, "x",
             note="against the issue's 60 k/s (not measured here)")
+
+    # ---------------------------------------------------------------- timestamps that travel
+    rep.section("timestamps: the Python map job with timestamps assigned after the source / without")
+    with common.progress("timestamped map", reps) as adv:
+        s = common.interleaved({
+            "plain": python_map(p["n_map"], True),
+            "timestamped": timestamped_python_map(p["n_map"]),
+            "lambda": timestamped_python_map(p["n_map"], lambda x: x * 1e-3),
+        }, reps, advance=adv)
+    rep.add("timestamped_python_map_records_per_s", s.median("timestamped"), "records/s",
+            spread=s.spread("timestamped"), note="assign_timestamps(float) after the source")
+    rep.add("timestamped_python_map_vs_plain", s.ratio("timestamped", "plain"), "x",
+            goal=GOALS["timestamped_python_map_vs_plain"], note="the same job without timestamps, interleaved")
+    rep.add("timestamped_python_map_lambda_vs_plain", s.ratio("lambda", "plain"), "x",
+            note="assign_timestamps(lambda x: x * 1e-3): one more Python call per record")
 
     # ---------------------------------------------------------------- batch API, 16-byte rows
     rep.section("batch API: from_arrays -> map_batches(identity) -> sink, 16-byte NumPy rows")

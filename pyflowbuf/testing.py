@@ -39,6 +39,7 @@ still reads ``time.time()``), and a
 from __future__ import annotations
 
 import math
+from array import array
 from typing import Any
 
 from pyflowbuf import errors
@@ -72,7 +73,10 @@ class OperatorHarness:
 
     Every feeding method returns the records that call made (those of the
     main output: ``side_output(tag)`` holds a side output's, for the tags
-    the stream declared); ``output`` holds them all in emission order, ``watermarks`` the watermarks the
+    the stream declared); ``output`` holds them all in emission order
+    (``output_timestamps`` their times, once records were fed with
+    ``timestamps=``: as on a stream whose timestamps travel with its
+    records), ``watermarks`` the watermarks the
     operator sent on, and ``events`` both, in order, as ``("record", r)``
     and ``("watermark", w)`` (``("idle", None)`` for an idle marker).
     Raises ``ConfigurationError`` for a stream with no operator (a source,
@@ -113,6 +117,7 @@ class OperatorHarness:
             op.side = SideOutputs(op.name, self._side)
         self.allow_pickle = allow_pickle
         self.output: list = []
+        self.output_timestamps: list = []
         self.watermarks: list = []
         self.events: list = []
         self.processing_time = NO_WATERMARK
@@ -138,20 +143,37 @@ class OperatorHarness:
         self._run_mail()
 
     # ---- feeding ----
-    def process(self, records, input: int | None = None) -> list:
+    def process(self, records, input: int | None = None, timestamps=None) -> list:
         """Feed a batch of records (to input 0 or 1 of a two-input operator:
         ``input=`` is required there); returns the records it emitted.
+
+        ``timestamps``: one time (seconds) per record, fed beside the records
+        as a job does on a stream whose timestamps travel with its records
+        (after a map or a window, say); the operator's output then carries
+        times too, in ``output_timestamps``. A count that does not match the
+        records is a ``ConfigurationError``.
 
         Example::
 
             h.process([("a", 1.0), ("b", 2.0)])
             join.process([("k", 0.5)], input=1)
+            h.process([("a", 1), ("b", 1)], timestamps=[1.0, 2.0])
         """
         self._check_open("process")
         batch = list(records)
         op = self.operator
-        out = op.process_batch(batch) if input is None else op.process_input(batch, input)
-        return self._after(out)
+        if timestamps is None:
+            out = op.process_batch(batch) if input is None else op.process_input(batch, input)
+            return self._after(out)
+        ts = array("d", [_seconds(t, "process") for t in timestamps])
+        if len(ts) != len(batch):
+            raise errors.ConfigurationError(
+                f"OperatorHarness.process: {len(batch)} records but {len(ts)} timestamps")
+        op.timestamped = True
+        out, out_ts = op.process_ts(batch, ts) if input is None else op.process_input_ts(batch, ts, input)
+        fired = self._emit(out, out_ts)
+        self._run_mail()
+        return fired
 
     def process_watermark(self, watermark: float) -> list:
         """Feed a watermark (seconds of event time) as the task's inputs
@@ -171,7 +193,7 @@ class OperatorHarness:
         out: list = []
         if handler is not None:
             out, wm = handler(wm)
-        fired = self._emit(out)
+        fired = self._emit(out, self._fired())
         if wm is not None:
             self._emit_watermark(wm)
         self._run_mail()
@@ -192,7 +214,7 @@ class OperatorHarness:
                 f"OperatorHarness: processing time goes forward only ({now} < {self.processing_time})")
         self.processing_time = now
         fire = getattr(self.operator, "fire_processing", None)
-        out = self._emit(fire(now)) if fire is not None else []
+        out = self._emit(fire(now), self._fired()) if fire is not None else []
         self._run_mail()
         return out
 
@@ -210,7 +232,7 @@ class OperatorHarness:
         out: list = []
         if getattr(self.operator, "event_time", False):
             out = self.process_watermark(END_OF_TIME)
-        out = out + self._emit(self.operator.finish())
+        out = out + self._emit(self.operator.finish(), self._fired())
         self._run_mail()
         self.finished = True
         return out
@@ -293,6 +315,7 @@ class OperatorHarness:
             assert h.take() == [("a", 0.0, 2)]
         """
         out, self.output = self.output, []
+        self.output_timestamps = []
         return out
 
     # ---- the task's side ----
@@ -312,8 +335,17 @@ class OperatorHarness:
         self._run_mail()
         return fired
 
-    def _emit(self, records) -> list:
+    def _fired(self):
+        """The times of what the operator made outside of a batch."""
+        op = self.operator
+        fired, op.fired_ts = op.fired_ts, None
+        return fired
+
+    def _emit(self, records, ts=None) -> list:
         records = list(records or ())
+        if getattr(self.operator, "timestamped", False) and records:
+            times = list(ts) if ts is not None else [None] * len(records)
+            self.output_timestamps.extend(times)
         self.output.extend(records)
         self.events.extend(("record", r) for r in records)
         return records
@@ -342,7 +374,7 @@ class _TaskStandIn:
         self._h._mail.append(mail)
 
     def emit_after(self, op, records) -> None:
-        self._h._emit(records)
+        self._h._emit(records, self._h._fired())
 
     def emit_watermark_after(self, op, wm, force=False) -> None:
         self._h._emit_watermark(wm, force)

@@ -24,6 +24,21 @@ cdef class _RecordDeserializer:
                 elif c.cur.pool is not NULL:
                     fb_pool_recycle(c.cur.pool, c.cur.seg)
         PyMem_Free(self.chs)
+        PyMem_Free(self.tsbuf)
+
+    @cython.final
+    cdef int _strip_ts(self, const char **p, uint32_t *n) except -1:
+        """A timestamped stream's record: its time (the first 8 bytes) into
+        ``last_ts``, and ``p``/``n`` moved past it to the payload."""
+        cdef uint64_t u
+        if n[0] < 8:
+            raise _errors.CorruptRecordError(
+                f"a record of {n[0]} bytes on a timestamped stream, which frames 8 bytes of time with each")
+        u = fb_load_le64(p[0])
+        memcpy(&self.last_ts, &u, 8)
+        p[0] += 8
+        n[0] -= 8
+        return 0
 
     @cython.final
     cdef int _release_current(self, ChanState *c) except -1:
@@ -107,6 +122,8 @@ cdef class _RecordDeserializer:
                 if rem - 4 >= n:
                     p = c.base + c.pos + 4
                     c.pos += 4 + n
+                    if self.timestamped:
+                        self._strip_ts(&p, &n)
                     return self._make(c, p, n)
                 return self._start_partial(c, n, c.base + c.pos + 4, rem - 4)
             memcpy(c.hdr, c.base + c.pos, rem)
@@ -129,6 +146,8 @@ cdef class _RecordDeserializer:
             if rem >= n:
                 p = c.base + c.pos
                 c.pos += n
+                if self.timestamped:
+                    self._strip_ts(&p, &n)
                 return self._make(c, p, n)
             return self._start_partial(c, n, c.base + c.pos, rem)
         take = c.partial_len - c.partial_have
@@ -142,6 +161,13 @@ cdef class _RecordDeserializer:
         obj = <object>c.partial
         Py_DECREF(obj)  # drop the reference the state held; `obj` keeps one
         c.partial = NULL
+        if self.timestamped:
+            p = PyBytes_AS_STRING(obj)
+            n = <uint32_t>PyBytes_GET_SIZE(obj)
+            self._strip_ts(&p, &n)
+            if self.kind == KIND_BYTES:
+                return PyBytes_FromStringAndSize(p, n)
+            return self._make_from_ptr(p, n)
         if self.kind == KIND_BYTES:
             return obj
         return self._make_from_assembled(obj)
@@ -158,6 +184,11 @@ cdef class _RecordDeserializer:
     @cython.final
     cdef object _make_from_assembled(self, object b):
         # only for typed kinds: _make decodes them without looking at the channel
+        return self._make_from_ptr(PyBytes_AS_STRING(b), <uint32_t>PyBytes_GET_SIZE(b))
+
+    @cython.final
+    cdef object _make_from_ptr(self, const char *p, uint32_t n):
         cdef ChanState tmp
         tmp.cur_buf = NULL
-        return self._make(&tmp, PyBytes_AS_STRING(b), <uint32_t>PyBytes_GET_SIZE(b))
+        tmp.cur.pool = NULL
+        return self._make(&tmp, p, n)

@@ -12,13 +12,18 @@ cdef class RecordReader(_RecordDeserializer):
     segment (the segment is not recycled while the view lives), smaller ones as
     ``bytes`` because copying a few bytes costs less than creating a view. A
     record spanning buffers is assembled once into a new ``bytes``.
+
+    ``timestamped=True`` reads a stream a timestamped RecordWriter wrote:
+    after ``read_batch`` the attribute ``timestamps`` holds the batch's times
+    (an ``array('d')``, one per record), after a per-record read
+    ``last_timestamp`` the record's.
     """
     # The deserializer's methods are called as _RecordDeserializer.<name>(self, ...):
     # a direct C call on the per-record path, where self.<name>(...) would go
     # through the vtable (Cython does not treat them as final from a subclass).
 
     def __cinit__(self, gate, kind="bytes", zero_copy_min=DEFAULT_ZERO_COPY_MIN,
-                  max_record_size=DEFAULT_MAX_RECORD_SIZE):
+                  max_record_size=DEFAULT_MAX_RECORD_SIZE, timestamped=False):
         if isinstance(gate, BufferQueue):
             gate = InputGate([gate])
         if not isinstance(gate, InputGate):
@@ -27,6 +32,7 @@ cdef class RecordReader(_RecordDeserializer):
             raise ValueError(f"zero_copy_min must be >= 0, got {zero_copy_min}")
         self.gate = gate
         self.kind = _kind_code(kind)
+        self.timestamped = bool(timestamped)
         if not isinstance(max_record_size, int) or not 0 < max_record_size < (1 << 32):
             raise ValueError(f"max_record_size must be in 1..2**32-1, got {max_record_size!r}")
         self.zero_copy_min = zero_copy_min
@@ -273,11 +279,20 @@ cdef class RecordReader(_RecordDeserializer):
         cdef list out = []
         cdef int64_t t = _timeout_ns(timeout)
         cdef ChanState *c
+        cdef bint stamped = self.timestamped
+        cdef double *grown
+        if stamped and self.tscap < max_records:
+            grown = <double *>PyMem_Realloc(self.tsbuf, max(max_records, 1) * sizeof(double))
+            if grown is NULL:
+                raise MemoryError()
+            self.tsbuf, self.tscap = grown, max(max_records, 1)
         while PyList_GET_SIZE(out) < max_records:
             if self.cur_ch >= 0:
                 c = &self.chs[self.cur_ch]
                 rec = _RecordDeserializer._decode_one(self, c)
                 if rec is not _NEED_MORE:
+                    if stamped:
+                        self.tsbuf[PyList_GET_SIZE(out)] = self.last_ts
                     PyList_Append(out, rec)
                     if c.pos < c.cur.size:
                         continue
@@ -287,7 +302,15 @@ cdef class RecordReader(_RecordDeserializer):
             if not self._next_buffer(0 if PyList_GET_SIZE(out) else t):
                 break
         self.records_in += PyList_GET_SIZE(out)
+        if stamped:
+            self.timestamps = _ts_array(self.tsbuf, PyList_GET_SIZE(out))
         return out
+
+    @property
+    def last_timestamp(self):
+        """A timestamped reader: the time of the record read last (read, poll,
+        iteration); None on a reader without timestamps."""
+        return self.last_ts if self.timestamped else None
 
     def read_array(self, dtype, timeout=None):
         """The rest of the next fixed-width buffer as a read-only NumPy view
@@ -306,6 +329,8 @@ cdef class RecordReader(_RecordDeserializer):
                 self.cur_ch = -1
             if not self._next_buffer(t):
                 return None
+        if self.timestamped:
+            raise TypeError("read_array() on a timestamped reader: fixed-width rows carry no timestamps")
         if c.cur.type != FB_DATA_FIXED:
             raise TypeError("read_array() got a buffer of variable-size records; use read_batch()")
         if c.cur.width != dt.itemsize:

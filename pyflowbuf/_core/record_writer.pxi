@@ -17,10 +17,17 @@ cdef class RecordWriter:
     pool is dry the writer parks (GIL released) until the consumer recycles a
     buffer: that is the backpressure; the time is counted in
     ``backpressure_ns``.
+
+    ``timestamped=True``: every record travels with its event time (a float64
+    of seconds framed ahead of the payload, inside the length): the batch
+    calls then take ``timestamps``, a buffer of doubles (``array('d')``,
+    a float64 NumPy array) with one time per record, and a RecordReader made
+    with ``timestamped=True`` hands them back. Decided per stream when the
+    writer is made: a stream without timestamps pays nothing.
     """
 
     def __cinit__(self, LocalBufferPool pool not None, queues, kind="bytes",
-                  max_record_size=DEFAULT_MAX_RECORD_SIZE, request_timeout=None):
+                  max_record_size=DEFAULT_MAX_RECORD_SIZE, request_timeout=None, timestamped=False):
         queues = list(queues)
         if not queues:
             raise ValueError("a RecordWriter needs at least one subpartition queue")
@@ -32,6 +39,7 @@ cdef class RecordWriter:
         if not isinstance(max_record_size, int) or not 0 < max_record_size < (1 << 32):
             raise ValueError(f"max_record_size must be in 1..2**32-1, got {max_record_size!r}")
         self.kind = _kind_code(kind)
+        self.timestamped = bool(timestamped)
         self.pool = pool
         self.p = pool.p
         self.a = pool.a
@@ -138,14 +146,20 @@ cdef class RecordWriter:
     cdef int _write_span(self, int ch, const char *data, uint32_t n) except -1:
         cdef Builder *b = &self.builders[ch]
         cdef char hdr[4]
+        cdef char tsb[8]
+        cdef uint64_t bits
         if self._is_broken:
             raise _errors.ChannelClosedError(self.broken)
         if b.active and b.type != FB_DATA_RECORDS:
             self._finish(ch)
-        fb_store_le32(hdr, n)
+        fb_store_le32(hdr, n + 8 if self.timestamped else n)
         self._copied = 0
         try:
             self._copy_chunks(ch, hdr, 4)
+            if self.timestamped:
+                memcpy(&bits, &self._ts, 8)
+                fb_store_le64(tsb, bits)
+                self._copy_chunks(ch, tsb, 8)
             self._copy_chunks(ch, data, n)
         except BaseException as exc:
             if self._copied:
@@ -154,16 +168,27 @@ cdef class RecordWriter:
                 # still works, so the consumer sees a truncated stream, not garbage.
                 self._is_broken = True
                 self.broken = (f"subpartition {ch} holds a half-written record ({self._copied} of "
-                               f"{n + 4} bytes) after {type(exc).__name__}: {exc}; the writer cannot "
+                               f"{n + 4 + 8 * self.timestamped} bytes) after {type(exc).__name__}: {exc}; the writer cannot "
                                "take more records")
             raise
         self.records_out += 1
-        self.bytes_out += n
+        self.bytes_out += n + 8 * self.timestamped
         return 0
 
     cdef inline int _write_raw(self, int ch, const char *data, uint32_t n) except -1:
         cdef Builder *b = &self.builders[ch]
-        if b.active and b.type == FB_DATA_RECORDS and b.cap - b.pos > n + 4 and not self._is_broken:
+        cdef uint64_t bits
+        if self.timestamped:
+            if b.active and b.type == FB_DATA_RECORDS and b.cap - b.pos > n + 12 and not self._is_broken:
+                fb_store_le32(b.base + b.pos, n + 8)
+                memcpy(&bits, &self._ts, 8)
+                fb_store_le64(b.base + b.pos + 4, bits)
+                memcpy(b.base + b.pos + 12, data, n)
+                b.pos += n + 12
+                self.records_out += 1
+                self.bytes_out += n + 8
+                return 0
+        elif b.active and b.type == FB_DATA_RECORDS and b.cap - b.pos > n + 4 and not self._is_broken:
             fb_store_le32(b.base + b.pos, n)
             memcpy(b.base + b.pos + 4, data, n)
             b.pos += n + 4
@@ -259,52 +284,79 @@ cdef class RecordWriter:
             raise IndexError(f"subpartition {ch} out of range (writer has {self.num_channels})")
         return ch
 
-    def write(self, record):
-        """Write one record to subpartition 0."""
+    cdef int _set_one_ts(self, timestamp) except -1:
+        if self.timestamped:
+            if timestamp is None:
+                raise TypeError("this writer is timestamped: give each record its timestamp")
+            self._ts = timestamp
+        elif timestamp is not None:
+            raise ValueError("a timestamp for a writer made without timestamped=True")
+        return 0
+
+    def write(self, record, timestamp=None):
+        """Write one record to subpartition 0 (with its ``timestamp`` when the
+        writer is timestamped)."""
+        self._set_one_ts(timestamp)
         return self._write_obj(0, record)
 
-    def write_to(self, record, int channel):
+    def write_to(self, record, int channel, timestamp=None):
         """Write one record to ``channel``."""
+        self._set_one_ts(timestamp)
         return self._write_obj(self._channel(channel), record)
 
-    def write_batch(self, records, int channel=0):
+    def write_batch(self, records, int channel=0, timestamps=None):
         """Write a list of records to one subpartition in a single call.
 
         On a bad record the records before it are written, nothing of it is,
-        and the error says which index failed."""
+        and the error says which index failed. ``timestamps``: one float64
+        per record, for a timestamped writer (and only for one)."""
         self._channel(channel)
-        return self._write_many(records, 0, channel, None)
+        return self._write_many(records, 0, channel, None, timestamps)
 
-    def write_batch_rebalance(self, records):
+    def write_batch_rebalance(self, records, timestamps=None):
         """Round-robin over subpartitions, record by record (Flink's rebalance)."""
-        return self._write_many(records, 1, 0, None)
+        return self._write_many(records, 1, 0, None, timestamps)
 
-    def write_batch_keyed(self, records, keys):
+    def write_batch_keyed(self, records, keys, timestamps=None):
         """Send each record to ``stable_hash(key) % num_channels``."""
-        return self._write_many(records, 2, 0, keys)
+        return self._write_many(records, 2, 0, keys, timestamps)
 
-    def write_batch_broadcast(self, records):
+    def write_batch_broadcast(self, records, timestamps=None):
         """Write every record to every subpartition."""
-        return self._write_many(records, 3, 0, None)
+        return self._write_many(records, 3, 0, None, timestamps)
 
-    def write_batch_to(self, records, channels):
+    def write_batch_to(self, records, channels, timestamps=None):
         """Write record i to subpartition ``channels[i]``."""
-        return self._write_many(records, 4, 0, channels)
+        return self._write_many(records, 4, 0, channels, timestamps)
 
-    cdef object _write_many(self, records, int mode, int channel, object keys):
+    cdef object _write_many(self, records, int mode, int channel, object keys, object timestamps):
         if not isinstance(records, list):
             records = list(records)
         cdef Py_ssize_t i = 0, n = PyList_GET_SIZE(records)
         cdef int ch = channel, j
         cdef int nch = self.num_channels
+        cdef const double[::1] tsv
+        cdef const double *tsp = NULL
         if keys is not None:
             if not isinstance(keys, list):
                 keys = list(keys)
             if len(keys) != n:
                 raise ValueError(f"got {n} records but {len(keys)} keys/channels")
+        if self.timestamped:
+            if timestamps is None:
+                raise TypeError(f"this writer is timestamped: a batch of {n} records needs its timestamps")
+            tsv = timestamps
+            if tsv.shape[0] != n:
+                raise ValueError(f"got {n} records but {tsv.shape[0]} timestamps")
+            if n:
+                tsp = &tsv[0]
+        elif timestamps is not None:
+            raise ValueError("timestamps for a writer made without timestamped=True")
         try:
             for i in range(n):
                 rec = <object>PyList_GET_ITEM(records, i)
+                if tsp is not NULL:
+                    self._ts = tsp[i]
                 if mode == 1:
                     ch = self.rr_next
                     self.rr_next = ch + 1 if ch + 1 < nch else 0
@@ -329,6 +381,8 @@ cdef class RecordWriter:
         self._channel(channel)
         if self._is_broken:
             raise _errors.ChannelClosedError(self.broken)
+        if self.timestamped:
+            raise TypeError("fixed-width rows carry no timestamps: write_array on a timestamped writer")
         a = np.ascontiguousarray(arr)
         cdef Py_ssize_t w = a.itemsize
         cdef Py_ssize_t count = a.size if a.ndim <= 1 else a.shape[0]

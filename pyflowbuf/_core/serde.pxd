@@ -68,6 +68,10 @@ cdef class RecordWriter:
     cdef bint _is_broken
     cdef uint64_t _copied
     cdef Packbuf pack
+    # a timestamped stream: every record is framed with its event time (8
+    # bytes, float64) ahead of the payload; _ts is the one being written
+    cdef readonly bint timestamped
+    cdef double _ts
     cdef int _new_segment(self, int ch, uint16_t type, uint32_t width) except -1
     cdef int _finish(self, int ch) except -1
     cdef int _write_raw(self, int ch, const char *data, uint32_t n) except -1
@@ -75,7 +79,8 @@ cdef class RecordWriter:
     cdef int _copy_chunks(self, int ch, const char *src, uint32_t n) except -1
     cdef int _write_obj(self, int ch, object rec) except -1
     cdef int _channel(self, int ch) except -1
-    cdef object _write_many(self, records, int mode, int channel, object keys)
+    cdef int _set_one_ts(self, timestamp) except -1
+    cdef object _write_many(self, records, int mode, int channel, object keys, object timestamps)
 
 
 cdef class _RecordDeserializer:
@@ -88,6 +93,14 @@ cdef class _RecordDeserializer:
     cdef readonly uint32_t zero_copy_min
     cdef readonly uint32_t max_record_size
     cdef object _replay_cur     # the bytes of a replayed buffer being read
+    # a timestamped stream: the time framed with the last record decoded, and
+    # the times of the batch being read (grown to the batch's size)
+    cdef readonly bint timestamped
+    cdef double last_ts
+    cdef double *tsbuf
+    cdef Py_ssize_t tscap
+    @cython.final
+    cdef int _strip_ts(self, const char **p, uint32_t *n) except -1
     @cython.final
     cdef object _decode_one(self, ChanState *c)
     @cython.final
@@ -98,6 +111,8 @@ cdef class _RecordDeserializer:
     cdef object _start_partial(self, ChanState *c, uint32_t n, const char *src, uint32_t have)
     @cython.final
     cdef object _make_from_assembled(self, object b)
+    @cython.final
+    cdef object _make_from_ptr(self, const char *p, uint32_t n)
     @cython.final
     cdef int _release_current(self, ChanState *c) except -1
 
@@ -110,6 +125,7 @@ cdef class RecordReader(_RecordDeserializer):
     cdef readonly uint64_t records_in
     cdef readonly uint64_t bytes_in
     cdef readonly uint64_t buffers_in
+    cdef readonly object timestamps     # timestamped: the times of the last read_batch, array('d')
     # unaligned checkpoints: the mark of the last priority event, channels
     # whose buffers are being recorded as in-flight input, and in-flight
     # input to read again after a restore before anything from the gate

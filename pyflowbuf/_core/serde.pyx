@@ -1,13 +1,15 @@
 """RecordWriter and RecordReader: records serialized straight into segments.
 
 Records are a 4-byte little-endian length and the payload, spanning buffers
-freely. Fixed-width records (NumPy arrays) go into their own buffers, back to
+freely. On a timestamped stream (``timestamped=True`` on both ends, decided
+per stream) the length also covers the record's event time, a little-endian
+float64 ahead of the payload. Fixed-width records (NumPy arrays) go into their own buffers, back to
 back, one memcpy per buffer, and come back as NumPy views. Every batch API
 crosses from Python into C once per call.
 
 One extension module, written in parts by concept (each ``include``d below):
 serde_kinds.pxi (record kinds and what a stream of a kind carries),
-serde_hash.pxi (the stable key hash), serde_struct.pxi (the struct codec),
+serde_hash.pxi (the stable key hash), serde_ts.pxi (a batch's timestamps), serde_struct.pxi (the struct codec),
 record_writer.pxi, record_deserializer.pxi (the per-channel half of the
 reader) and record_reader.pxi. serde.pxd declares the classes for cimporters.
 """
@@ -27,7 +29,7 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
-from libc.math cimport floor, isfinite
+from libc.math cimport INFINITY, floor, isfinite
 from libc.string cimport memcpy
 
 from pyflowbuf._core.channel cimport BufferQueue, InputGate
@@ -88,6 +90,7 @@ cdef object _at_index(BaseException exc, Py_ssize_t i, str msg):
 # The module's parts, by concept; the order matters only for module-level
 # names used when a later part is executed (KINDS, the DEFAULT_* sizes).
 include "serde_kinds.pxi"
+include "serde_ts.pxi"
 include "serde_hash.pxi"
 include "serde_struct.pxi"
 include "record_writer.pxi"

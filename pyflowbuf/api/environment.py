@@ -43,7 +43,9 @@ class Environment(SourceDeclarations):
         output pool at its cap, so memory is bounded by construction.
     buffer_timeout : seconds after which a partly filled buffer is shipped
         (Flink's execution.buffer-timeout, default 0.1); 0 ships per record.
-    chaining : fuse forward operators of equal parallelism into one task.
+    chaining : fuse forward operators of equal parallelism into one task
+        (an ``assign_timestamps`` right after a source is in the source's
+        task either way: timestamps are assigned at the source).
     output_buffers : (min, max) segments per output pool; default Flink's
         (subpartitions + 1, 2 * subpartitions + 8). A RecordWriter holds one
         buffer per subpartition, so a job whose max is below an edge's

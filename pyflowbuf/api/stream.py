@@ -11,7 +11,7 @@ from pyflowbuf.api.side_outputs import declare_side_outputs, declared_tag
 from pyflowbuf.api.sinks import SinkDeclarations
 from pyflowbuf.errors import ConfigurationError, UnitWarning
 from pyflowbuf.runtime import operators as ops
-from pyflowbuf.runtime.graph import Input, Node
+from pyflowbuf.runtime.graph import Input, Node, carried_timestamps
 from pyflowbuf.runtime.timers import (KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator,
                                       ProcessOperator, takes_context)
 from pyflowbuf.runtime.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
@@ -125,6 +125,11 @@ class Stream(SinkDeclarations):
         the tasks it feeds. On an Arrow/pandas stream ``fn`` may be a column
         name. See ``pyflowbuf.windows``.
 
+        The timestamps then travel with the records through map, filter,
+        flat_map, process, union, connect, key_by and windows (see
+        docs/event-time.md). Right after a source (same parallelism) the
+        assigner runs in the source's task, even with ``chaining=False``.
+
         Returns a ``Stream`` with timestamps (the same records). Bad durations
         or ``unit`` are a ``ConfigurationError``, a ``fn`` that is not callable
         a ``TypeError``.
@@ -157,6 +162,7 @@ class Stream(SinkDeclarations):
         node = self._then(name, lambda: TimestampsAssigner(name, fn, ooo, idle, interval, unit, shared),
                           parallelism, self.node.kind)
         node.timestamps = fn
+        node.assigns_timestamps = True      # chained to a source it follows (runtime.graph.plan)
         node.event_time = True
         return Stream(self.env, node)
 
@@ -270,7 +276,7 @@ class Stream(SinkDeclarations):
         _check_arity(fn, f"process {name!r}", "fn(record, ctx)", 2)
         tags = declare_side_outputs(side_outputs, f"process {name!r}")
         kind = _check_kind(kind, f"process {name!r}")
-        ts_fn = getattr(self.node, "timestamps", None)
+        ts_fn = _timestamp_fn(self.node)
         if isinstance(ts_fn, str):
             ts_fn = None
         node = self._then(name, lambda: ProcessOperator(name, fn, ts_fn), parallelism, kind)
@@ -433,7 +439,9 @@ class KeyedStream(Stream):
         (``pyflowbuf.runtime.timers.Context``): ``ctx.timestamp`` (the
         record's event time), ``ctx.watermark``,
         ``ctx.register_event_time_timer(t)``,
-        ``ctx.register_processing_time_timer(t)``. Timers call
+        ``ctx.register_processing_time_timer(t)``. On a stream with
+        timestamps, the records a call returns carry ``ctx.timestamp``
+        (the input's time unless the function set another). Timers call
         ``on_timer(key, t, state, ctx)``; they are per key, deduplicated, fire
         in time order in the task's thread, and go into checkpoints. At end of
         input every event-time timer fires (the watermark goes to +inf), then
@@ -483,7 +491,7 @@ class KeyedStream(Stream):
             node = self._then(name, lambda: ops.KeyedProcess(name, key_fn, fn), parallelism, kind)
             node.side_tags = tags
             return Stream(self.env, node)
-        ts_fn = getattr(self.node, "timestamps", None)
+        ts_fn = _timestamp_fn(self.node)
         if isinstance(ts_fn, str):
             ts_fn = None
         node = self._then(name, lambda: KeyedProcessOperator(name, key_fn, ts_fn, fn, on_timer, on_end,
@@ -639,7 +647,7 @@ class ConnectedStreams:
         if first_keyed and (any(ctx) or on_timer is not None or on_end is not None):
             k1, k2 = self.first._key_fn, self.second._key_fn
             ts = tuple(None if isinstance(t, str) else t
-                       for t in (getattr(s.node, "timestamps", None) for s in (self.first, self.second)))
+                       for t in (_timestamp_fn(s.node) for s in (self.first, self.second)))
             make = lambda: KeyedCoProcessOperator(name, (k1, k2), ts, (fn1, fn2), on_timer,  # noqa: E731
                                                   on_end, ctx)
             stream = self._node(name, make, parallelism, kind)
@@ -715,3 +723,10 @@ def _same_env(env, stream, what):
     if stream.env is not env:
         raise ConfigurationError(f"{what}: the streams belong to different Environments; "
                                  "a job reads streams of its own Environment only")
+
+
+def _timestamp_fn(node):
+    """The function a process operator reads record times with where none
+    travel with the records (None: no times, or times that travel)."""
+    ts = getattr(node, "timestamps", None)
+    return None if ts is carried_timestamps else ts

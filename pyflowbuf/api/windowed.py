@@ -10,6 +10,8 @@ from pyflowbuf._validation import _callable, _check_arity, _check_kind, _kind_id
 from pyflowbuf.api.side_outputs import LATE, OutputTag, declare_side_outputs
 from pyflowbuf.api.stream import Stream, _side_stream
 from pyflowbuf.runtime.timers import takes_context
+from pyflowbuf.runtime.graph import carried_timestamps as _carried
+from pyflowbuf.runtime.graph import has_timestamps
 from pyflowbuf.runtime.watermarks import check_seconds
 from pyflowbuf.windows.aggregates import AggregateFunction, Sum, _identity
 from pyflowbuf.windows.arrow import ArrowWindowOperator, check_arrow_spec
@@ -48,12 +50,20 @@ def _check_aggregate(agg, merging, kind=None):
                 f"Session windows merge accumulators: {type(agg).__name__} needs a merge(a, b) method")
 
 def _stream_timestamps(stream, what):
+    """What an event-time operator reads a record's time with: the assigner's
+    function or column, or (timestamps that travel with the records, as after
+    a map or a window) a marker; a ConfigurationError on a stream without."""
     ts = getattr(stream.node, "timestamps", None)
-    if ts is None:
+    carried = has_timestamps(stream.node)
+    if (ts is None or ts is _carried) and carried:
+        return _carried
+    if ts is None or ts is _carried:
         raise errors.ConfigurationError(
             f"{what} works in event time, and the stream {stream.node.name!r} has no timestamps: call "
-            "assign_timestamps(fn, out_of_orderness=...) on it first (a map, flat_map or process after "
-            "assign_timestamps makes new records whose timestamps it cannot know: assign them after it)")
+            "assign_timestamps(fn, out_of_orderness=...) on it, or on a stream it comes from (timestamps "
+            "travel through map, filter, flat_map, process, union, connect, key_by, windows and joins; "
+            "a source has none, nor has a side output or a count window's result, and a union or "
+            "connect has them only when all its inputs do)")
     return ts
 
 
@@ -175,6 +185,9 @@ class WindowedStream:
         node = self.keyed._then(name, lambda: op_class(name, spec, how, fn, window_function, with_ctx=with_ctx),
                                 parallelism, kind)
         node.event_time = self.assigner.domain == "event"
+        # a count window has no time to give its results (Flink's GlobalWindow
+        # gives them the end of time): its stream carries no timestamps
+        node.drops_timestamps = self.assigner.domain == "count"
         # late records leave through a side output, read when late() is taken
         node.side_tags = {LATE: _LATE_TAG, **(tags or {})}
         node.window_late = True

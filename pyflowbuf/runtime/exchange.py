@@ -1,7 +1,12 @@
 """The two sides of an exchange inside a task: OutputSide (a ResultPartition
 with its RecordWriter) and InputSide (an InputGate with its RecordReader).
 Both decide the record encoding once per stream, not per record. A task with
-several inputs reads them through a MultiInput: one InputSide per input."""
+several inputs reads them through a MultiInput: one InputSide per input.
+
+On a timestamped stream (``JobEdge.timestamped``) both ends frame each record
+with its event time: ``OutputSide.emit(batch, ts)`` takes the batch's times (an
+array('d')), and after ``InputSide.read`` the side's ``ts`` holds the times of
+the batch read; a stream without timestamps carries none and pays nothing."""
 from __future__ import annotations
 
 import copy
@@ -71,8 +76,9 @@ class OutputSide:
     tag = None
     source_node = None
 
-    def __init__(self, pool, queues, partitioner, key_fn, kind: EdgeKind, max_record_size):
+    def __init__(self, pool, queues, partitioner, key_fn, kind: EdgeKind, max_record_size, timestamped=False):
         self.pool = pool
+        self.timestamped = timestamped
         self.queues = queues
         self.partitioner = partitioner
         self.key_fn = key_fn
@@ -99,7 +105,8 @@ class OutputSide:
     def _open_writer(self, first):
         kind = self.kind.resolve_from(first)
         core = "bytes" if isinstance(kind, np.dtype) else kind.core_kind
-        self.writer = RecordWriter(self.pool, self.queues, kind=core, max_record_size=self.max_record_size)
+        self.writer = RecordWriter(self.pool, self.queues, kind=core, max_record_size=self.max_record_size,
+                                   timestamped=self.timestamped)
         self.serializer = None if isinstance(kind, np.dtype) else kind
         self.dtype = kind if isinstance(kind, np.dtype) else None
         if self.dtype is not None and self.partitioner == "hash":
@@ -107,7 +114,9 @@ class OutputSide:
         if not self.kind.fixed:
             self.writer.broadcast_event(EVT_KIND, kind_code(kind.name))
 
-    def emit(self, batch: list) -> None:
+    def emit(self, batch: list, ts=None) -> None:
+        """Write ``batch`` (``ts``: its records' times, for a timestamped stream;
+        ignored on one without)."""
         w = self.writer
         if w is None:
             self._open_writer(batch[0])
@@ -128,15 +137,21 @@ class OutputSide:
                 raise self._key_by_failed(exc)
         if type(ser) is not CoreSerializer:
             batch = ser.encode_batch(batch)
+        if not self.timestamped:
+            ts = None
+        elif ts is None:
+            raise errors.FlowBufError(
+                f"operator {self.producer!r} emitted {len(batch)} record(s) without timestamps on a "
+                "stream that carries them")
         try:
             if part == "forward" or w.num_channels == 1:
-                w.write_batch(batch)
+                w.write_batch(batch, 0, ts)
             elif part == "rebalance":
-                w.write_batch_rebalance(batch)
+                w.write_batch_rebalance(batch, ts)
             elif part == "hash":
-                w.write_batch_keyed(batch, keys)
+                w.write_batch_keyed(batch, keys, ts)
             else:
-                w.write_batch_broadcast(batch)
+                w.write_batch_broadcast(batch, ts)
         except errors.KeyTypeError as exc:
             raise self._key_by_failed(exc)
         except TypeError as exc:
@@ -269,8 +284,10 @@ class InputSide:
     so nothing is decoded before the kind is known."""
 
     def __init__(self, gate, kind: EdgeKind, max_record_size, producer_pools,
-                 remote_channels=(), allow_pickle=False, owned=False):
+                 remote_channels=(), allow_pickle=False, owned=False, timestamped=False):
         self.gate = gate
+        self.timestamped = timestamped
+        self.ts = None          # timestamped: the times of the batch read last
         # owned: hand out records that own their memory (no views pinning
         # segments), for consumers that keep records (the iterator sink)
         self.owned = owned
@@ -278,7 +295,8 @@ class InputSide:
         self.remote_channels = tuple(remote_channels)
         self.allow_pickle = allow_pickle
         self.reader = RecordReader(gate, max_record_size=max_record_size,
-                                   zero_copy_min=_NEVER if owned else DEFAULT_ZERO_COPY_MIN)
+                                   zero_copy_min=_NEVER if owned else DEFAULT_ZERO_COPY_MIN,
+                                   timestamped=timestamped)
         self.kind = None
         self.decode = None
         self.dtype = None
@@ -313,7 +331,7 @@ class InputSide:
                 # nothing has been decoded yet, so a fresh reader loses nothing
                 old = self.reader
                 self.reader = RecordReader(self.gate, kind=kind.core_kind, zero_copy_min=kind.zero_copy_min,
-                                           max_record_size=old.max_record_size)
+                                           max_record_size=old.max_record_size, timestamped=self.timestamped)
                 self.reader.take_over(old)
                 return
         self.reader.set_kind(kind.core_kind)
@@ -328,6 +346,8 @@ class InputSide:
             else:
                 batch = self.reader.read_batch(max_records, timeout=timeout)
                 if batch:
+                    if self.timestamped:
+                        self.ts = self.reader.timestamps
                     return self.decode(batch) if self.decode is not None else batch
             event = self.reader.take_event()
             if event is None:

@@ -3,11 +3,19 @@ operators with equal parallelism fused into one JobVertex (operator chaining).
 
 A node reads any number of inputs (none for a source, several for union and
 connect); each input says how records reach the node from its upstream node:
-from its main output, or from one of its side outputs (``tag``)."""
+from its main output, or from one of its side outputs (``tag``).
+
+Timestamps travel with the records of a stream once ``assign_timestamps`` gave
+them (``has_timestamps``): decided per node when the graph is declared, so a
+stream without them pays nothing, and the plan marks each edge."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import numpy as np
+
+from pyflowbuf import errors
 
 PARTITIONERS = ("forward", "rebalance", "hash", "broadcast")
 
@@ -39,6 +47,7 @@ class Node:
     file_output: Any = None                          # write_text/write_parquet: its outputs.FileOutput
     side_tags: dict | None = None                    # name -> OutputTag: the side outputs it may emit to
     consumers: list = field(default_factory=list)
+    timestamped: bool = False                        # its records carry timestamps (set by plan())
 
     # The single-input view most of the code needs; a node with several inputs
     # has no one answer, so asking it is a bug, not a silent first-input pick.
@@ -99,12 +108,61 @@ class JobEdge:
     key_fn: Callable | None
     kind: Any                      # resolved record kind (a Serializer or a NumPy dtype) or None
     input_index: int = 0           # which input of the target's head node this edge feeds
+    timestamped: bool = False      # every record travels with its event time
     tag: str | None = None         # a side output: its name, and the node of the source's chain emitting it
     source_node: "Node | None" = None
 
     @property
     def pointwise(self) -> bool:
         return self.partitioner == "forward"
+
+
+def _own_timestamps(n: Node) -> bool | None:
+    """Whether ``n`` decides its output's timestamps itself (True: it assigns
+    them, False: there are none); None: as its inputs."""
+    ts = getattr(n, "timestamps", None)
+    if isinstance(n.kind, np.dtype) or isinstance(ts, str) or not n.inputs \
+            or getattr(n, "drops_timestamps", False) or any(i.tag is not None for i in n.inputs):
+        return False    # (a side output carries no times yet)
+    if ts is not None and getattr(n, "assigns_timestamps", False):
+        return True
+    return None     # (a filter's or a late() stream's timestamp function is its input's)
+
+
+def carried_timestamps(record):
+    """The timestamp "function" of a stream whose times travel with its
+    records: a job hands its operators the times, so only an operator run
+    without them (an OperatorHarness) ever calls it."""
+    raise errors.ConfigurationError(
+        "this stream's timestamps travel with its records (assign_timestamps came before a map, flat_map, "
+        "process, union or window), and this operator was fed records without their times: in an "
+        "OperatorHarness, pass them with process(records, timestamps=[...])")
+
+
+def has_timestamps(node: Node) -> bool:
+    """Whether the records of ``node``'s output carry event timestamps: those
+    of ``assign_timestamps(fn)``, and then of every operator after it whose
+    inputs all carry them (map, filter, flat_map, process, union, connect,
+    windows, joins: each gives its outputs a time). Not a source's, not an
+    Arrow/pandas stream timed by a column (the windows read the column), not
+    rows of a NumPy dtype (fixed-width, no room for one)."""
+    seen: dict = {}
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if id(n) in seen:
+            stack.pop()
+            continue
+        own = _own_timestamps(n)
+        if own is None:
+            todo = [i.node for i in n.inputs if id(i.node) not in seen]
+            if todo:
+                stack.extend(todo)
+                continue
+            own = all(seen[id(i.node)] for i in n.inputs)
+        seen[id(n)] = own
+        stack.pop()
+    return seen[id(node)]
 
 
 def plan(nodes: list, chaining: bool) -> tuple[list, list]:
@@ -118,6 +176,9 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
     vertex_of: dict = {}
     vertices: list = []
     edges: list = []
+    for node in nodes:        # declaration order: a node's inputs come before it
+        own = _own_timestamps(node)
+        node.timestamped = own if own is not None else all(i.node.timestamped for i in node.inputs)
     for node in nodes:
         for inp in node.inputs:
             up = inp.node
@@ -127,8 +188,12 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
                     f"{node.name!r} (parallelism {node.parallelism}) needs equal parallelism; "
                     "use rebalance() or set the same parallelism")
         up = node.inputs[0].node if len(node.inputs) == 1 else None
+        # An assigner right after a source runs in the source's task even
+        # without chaining: timestamps are assigned at the source, as by a
+        # Flink source given a WatermarkStrategy, not in a task of their own.
+        at_source = up is not None and up.source is not None and getattr(node, "assigns_timestamps", False)
         chainable = (
-            chaining and up is not None and node.inputs[0].partitioner == "forward"
+            (chaining or at_source) and up is not None and node.inputs[0].partitioner == "forward"
             and node.inputs[0].tag is None and _main_readers(up) == 1
             and not node.is_iterator and not up.is_sink
         )
@@ -141,7 +206,8 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
             for k, inp in enumerate(node.inputs):
                 if inp.tag is None:
                     edges.append(JobEdge(vertex_of[inp.node.id], v, inp.partitioner, inp.key_fn,
-                                         inp.node.kind, input_index=k))
+                                         inp.node.kind, input_index=k,
+                                         timestamped=inp.node.timestamped))
                 else:   # a side output's reader carries the tag's kind
                     edges.append(JobEdge(vertex_of[inp.node.id], v, inp.partitioner, inp.key_fn,
                                          node.kind, input_index=k, tag=inp.tag, source_node=inp.node))

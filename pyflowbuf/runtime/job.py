@@ -255,7 +255,8 @@ class JobExecution(Execution):
                 if self._gate_output:
                     waker = notifiers.setdefault((up.id, i), Notifier())
                 pools[i] = pool = net.create_pool(lo, hi, waker)
-                side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, env.max_record_size)
+                side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, env.max_record_size,
+                                  timestamped=e.timestamped)
                 side.consumer = down.head.name
                 if e.tag is not None:       # the task routes that node's side records here
                     side.tag, side.source_node = e.tag, e.source_node.id
@@ -282,7 +283,7 @@ class JobExecution(Execution):
                 sides[e.input_index] = InputSide(
                     gate, kind, env.max_record_size, [pools[i] for i in producers if i in pools],
                     remote_channels=remote_channels, allow_pickle=env.allow_pickle,
-                    owned=down.is_iterator and not down.head.zero_copy)
+                    owned=down.is_iterator and not down.head.zero_copy, timestamped=e.timestamped)
 
         for v in self.vertices:
             for i in range(v.parallelism):
@@ -296,6 +297,7 @@ class JobExecution(Execution):
                 for n, op in zip([n for n in v.nodes if n.make_operator is not None], ops):
                     op.node_id = n.id
                     op.out_kind = n.kind
+                    op.timestamped = n.timestamped
                 source = head.source() if head.source is not None else None
                 limiter = rate_limiter(head.rate_limit)
                 if limiter is not None:

@@ -8,17 +8,26 @@ Every operator that makes records checks its output batch against its output
 stream's kind (declared, or inferred from its first record), whether the next
 step is a chained operator or a RecordWriter: a record that does not fit fails
 the same way with chaining on or off, naming the operator and the value.
+
+On a stream that carries timestamps the task calls ``process_ts(batch, ts)``
+instead, ``ts`` the batch's times (an array('d'), one per record): it returns
+the output and its times. One output per input keeps the times as they are
+(no work per record); a filter, a flat_map or a process function derive
+them in one C loop (``ts_select``, ``ts_repeat``): each output record gets the
+time of the input it came from.
 """
 from __future__ import annotations
 
 import os
 import types
 from collections.abc import Mapping
+from itertools import compress
 from typing import Any, Callable
 
 import numpy as np
 
 from pyflowbuf import errors
+from pyflowbuf._core.serde import ts_repeat, ts_select
 from pyflowbuf.runtime.outputs import FileOutput
 from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error, short_repr
 
@@ -48,6 +57,10 @@ class Operator:
     out_kind: Any = None
     check_output = True
     _find_misfit: Any = None
+    # set by the job: whether the output stream carries timestamps; and the
+    # times of what on_watermark / finish / a timer made (see task._joined_ts)
+    timestamped = False
+    fired_ts: Any = None
     # the side outputs it declared (a runtime.side_outputs.SideOutputs), set
     # by its task; None for the operators that declare none
     side: Any = None
@@ -67,6 +80,19 @@ class Operator:
         inputs (union, connect); only the operator heading such a task gets
         these. One-input operators do not care where a batch came from."""
         return self.process_batch(batch)
+
+    def process_ts(self, batch: list, ts) -> tuple:
+        """``process_batch`` on a chain that carries timestamps: ``ts`` holds the
+        batch's times (None where its input has none); returns ``(output,
+        its times)``. This default gives the output none: an operator whose
+        output stream is timestamped overrides it."""
+        return self.process_batch(batch), None
+
+    def process_input_ts(self, batch: list, ts, input_index: int) -> tuple:
+        """``process_input`` with the batch's times (see ``process_ts``)."""
+        if type(self).process_input is Operator.process_input:
+            return self.process_ts(batch, ts)
+        return self.process_input(batch, input_index), None
 
     def finish(self) -> list:
         """Records to emit at end of input."""
@@ -168,6 +194,10 @@ class Map(Operator):
         fn = self.fn
         return self._checked([fn(x) for x in batch])
 
+    def process_ts(self, batch, ts):
+        fn = self.fn
+        return self._checked([fn(x) for x in batch]), ts
+
 
 class Filter(Operator):
     def __init__(self, name, fn):
@@ -177,6 +207,13 @@ class Filter(Operator):
     def process_batch(self, batch):
         fn = self.fn
         return [x for x in batch if fn(x)]
+
+    def process_ts(self, batch, ts):
+        if ts is None:
+            return self.process_batch(batch), None
+        fn = self.fn
+        keep = [fn(x) for x in batch]
+        return list(compress(batch, keep)), ts_select(ts, keep)
 
 
 class FlatMap(Operator):
@@ -194,6 +231,21 @@ class FlatMap(Operator):
             add(out, res)
         return self._checked(out)
 
+    def process_ts(self, batch, ts):
+        if ts is None:
+            return self.process_batch(batch), None
+        fn, add = self.fn, self._extend
+        out: list = []
+        counts: list = []
+        for x in batch:
+            res = fn(x)
+            if res is None:
+                raise self._not_records(res)
+            n = len(out)
+            add(out, res)
+            counts.append(len(out) - n)
+        return self._checked(out), ts_repeat(ts, counts)
+
 
 class MapBatch(Operator):
     """Calls ``fn`` once per whole batch (a NumPy array chunk of a rows stream,
@@ -209,6 +261,9 @@ class MapBatch(Operator):
         # stream's a list of RecordBatches/DataFrames: fn sees each one.
         fn = self.fn
         return self._checked([fn(b) for b in batch])
+
+    def process_ts(self, batch, ts):
+        return self.process_batch(batch), ts      # one output per record (a chunk, a batch)
 
 
 class _Keyed(Operator):
@@ -235,6 +290,9 @@ class KeyedReduce(_Keyed):
             out.append(x)
         return self._checked(out)
 
+    def process_ts(self, batch, ts):
+        return self.process_batch(batch), ts
+
     def snapshot_state(self):
         return dict(self.state)
 
@@ -249,6 +307,11 @@ class KeyedProcess(_Keyed):
     def process_batch(self, batch):
         return _process_per_key(self, batch, self.key_fn, self.fn)
 
+    def process_ts(self, batch, ts):
+        if ts is None:
+            return self.process_batch(batch), None
+        return _process_per_key(self, batch, self.key_fn, self.fn, ts)
+
     def snapshot_state(self):
         return _copy_key_dicts(self.state)
 
@@ -256,18 +319,31 @@ class KeyedProcess(_Keyed):
         self.state = _copy_key_dicts(state)
 
 
-def _process_per_key(op, batch, key_fn, fn):
+def _process_per_key(op, batch, key_fn, fn, ts=None):
     """``fn(key, record, state)`` for each record, ``state`` the key's dict in
-    ``op.state`` (created on first use); the records it returns, checked."""
+    ``op.state`` (created on first use); the records it returns, checked.
+    With ``ts`` (the batch's times): ``(records, their times)``, each record
+    the time of the input it came from."""
     state, add = op.state, op._extend
     out: list = []
+    if ts is None:
+        for x in batch:
+            k = key_fn(x)
+            st = state.get(k)
+            if st is None:
+                st = state[k] = {}
+            add(out, fn(k, x, st))
+        return op._checked(out)
+    counts: list = []
     for x in batch:
         k = key_fn(x)
         st = state.get(k)
         if st is None:
             st = state[k] = {}
+        n = len(out)
         add(out, fn(k, x, st))
-    return op._checked(out)
+        counts.append(len(out) - n)
+    return op._checked(out), ts_repeat(ts, counts)
 
 
 def _copy_key_dicts(state) -> dict:
@@ -294,6 +370,12 @@ class Union(Operator):
     def process_batch(self, batch):
         return self._checked(batch)
 
+    def process_ts(self, batch, ts):
+        return self._checked(batch), ts
+
+    def process_input_ts(self, batch, ts, input_index):
+        return self._checked(batch), ts
+
 
 class _TwoInput(Operator):
     """``fns[i]`` handles the records of input ``i``."""
@@ -311,6 +393,9 @@ class CoMap(_TwoInput):
         fn = self.fns[input_index]
         return self._checked([fn(x) for x in batch])
 
+    def process_input_ts(self, batch, ts, input_index):
+        return self.process_input(batch, input_index), ts
+
 
 class CoProcess(_TwoInput):
     """``fn_i(record, state) -> iterable`` with one ``state`` dict per
@@ -326,6 +411,18 @@ class CoProcess(_TwoInput):
         for x in batch:
             self._extend(out, fn(x, state))
         return self._checked(out)
+
+    def process_input_ts(self, batch, ts, input_index):
+        if ts is None:
+            return self.process_input(batch, input_index), None
+        fn, state = self.fns[input_index], self.state
+        out: list = []
+        counts: list = []
+        for x in batch:
+            n = len(out)
+            self._extend(out, fn(x, state))
+            counts.append(len(out) - n)
+        return self._checked(out), ts_repeat(ts, counts)
 
     def snapshot_state(self):
         return dict(self.state)
@@ -346,6 +443,11 @@ class KeyedCoProcess(_TwoInput):
 
     def process_input(self, batch, input_index):
         return _process_per_key(self, batch, self.key_fns[input_index], self.fns[input_index])
+
+    def process_input_ts(self, batch, ts, input_index):
+        if ts is None:
+            return self.process_input(batch, input_index), None
+        return _process_per_key(self, batch, self.key_fns[input_index], self.fns[input_index], ts)
 
     def snapshot_state(self):
         return _copy_key_dicts(self.state)

@@ -6,12 +6,19 @@ several inputs (union, connect) reads a MultiInput and hands each batch, and
 each event, to its chain with the index of the input it came from. Time is
 accounted as Flink does: idle = waiting for input, backpressured = waiting for
 an output buffer, busy = the rest.
+
+A chain that carries timestamps (an operator of it, or an input, is
+timestamped: ``Node.timestamped``) runs the ``_ts`` variants of the batch
+paths, which hand each operator the batch's times beside it
+(``Operator.process_ts``); any other chain runs the plain ones and pays
+nothing for timestamps.
 """
 from __future__ import annotations
 
 import collections
 import threading
 import time
+from array import array as _array
 
 import numpy as np
 
@@ -30,6 +37,27 @@ from pyflowbuf.runtime.sources import payload_nbytes
 
 def _no_op(key):
     pass
+
+
+def _joined_ts(ts, n, op, more):
+    """The times of ``n`` records (``ts``) followed by ``more``, which ``op``
+    made outside of a batch (fired windows and timers, its end) with their
+    times in ``op.fired_ts``; None where the operator's output carries none."""
+    if not getattr(op, "timestamped", False):
+        return None
+    fired = op.fired_ts
+    op.fired_ts = None
+    if fired is None or len(fired) != len(more):
+        raise errors.FlowBufError(
+            f"operator {op.name!r} emitted {len(more)} record(s) without their timestamps on a stream "
+            "that carries them")
+    if not n:
+        return fired if isinstance(fired, _array) else _array("d", fired)
+    if ts is None:
+        return None
+    out = _array("d", ts)
+    out.extend(fired)
+    return out
 
 
 def _parse_channel(name):
@@ -107,6 +135,21 @@ class Subtask(threading.Thread):
         # Source records handed to a chained operator are never serialized:
         # check them here, against the source's kind, as a writer would.
         self._source_misfit = None if source is None or not operators else _SourceCheck(vertex.head)
+        if self._source_misfit is not None and outputs and all(
+                getattr(op, "passes_records", False) for op in operators):
+            # an assigner at the source hands its records to the writers as
+            # they came, and a writer checks each one: the source's check
+            # would be paid twice (the writer's errors name the source)
+            self._source_misfit = None
+            for out in self.main_outputs:
+                out.producer = vertex.head.name
+        # decided once: does this chain carry timestamps?
+        self.timestamped = (any(getattr(op, "timestamped", False) for op in operators)
+                            or any(getattr(side, "timestamped", False) for side in self._sides))
+        if self.timestamped:
+            self._process = self._process_ts
+            self._process_input = self._process_input_ts
+            self._watermark_through = self._watermark_through_ts
         # An unbounded source that waits for input (a socket, a watched
         # directory) wakes up for a mail or a cancel instead of polling
         self._source_wakeup = getattr(source, "wakeup", None)
@@ -252,7 +295,7 @@ class Subtask(threading.Thread):
                 except Exception:
                     pass
 
-    def _process(self, batch: list) -> None:
+    def _process(self, batch: list, ts=None) -> None:
         for op in self.operators:
             self.current_operator = op.name
             batch = op.process_batch(batch)
@@ -264,7 +307,23 @@ class Subtask(threading.Thread):
         if self._side_routes:
             self._ship_side_outputs()
 
-    def _process_input(self, batch: list, input_index: int) -> None:
+    def _process_ts(self, batch: list, ts=None) -> None:
+        """``_process`` of a chain that carries timestamps: ``ts`` (the batch's
+        times, an array('d'), or None before an assigner) goes along."""
+        for op in self.operators:
+            self.current_operator = op.name
+            batch, ts = op.process_ts(batch, ts)
+            if not batch:
+                break
+            if not op.timestamped:
+                ts = None       # its output carries none, chained or not
+        else:
+            for out in self.main_outputs:
+                out.emit(batch, ts)
+        if self._side_routes:
+            self._ship_side_outputs()
+
+    def _process_input(self, batch: list, input_index: int, ts=None) -> None:
         """``_process`` for a task with several inputs: the head operator learns
         which input the batch came from; the operators chained after it do not."""
         ops = self.operators
@@ -280,6 +339,27 @@ class Subtask(threading.Thread):
             else:
                 for out in self.main_outputs:
                     out.emit(batch)
+        if self._side_routes:
+            self._ship_side_outputs()
+
+    def _process_input_ts(self, batch: list, input_index: int, ts=None) -> None:
+        ops = self.operators
+        head = ops[0]
+        self.current_operator = head.name
+        batch, ts = head.process_input_ts(batch, ts, input_index)
+        if batch:
+            if not head.timestamped:
+                ts = None
+            for op in ops[1:]:
+                self.current_operator = op.name
+                batch, ts = op.process_ts(batch, ts)
+                if not batch:
+                    break
+                if not op.timestamped:
+                    ts = None
+            else:
+                for out in self.main_outputs:
+                    out.emit(batch, ts)
         if self._side_routes:
             self._ship_side_outputs()
 
@@ -390,12 +470,19 @@ class Subtask(threading.Thread):
                     continue
             self.records_in += len(batch)
             if per_record:
-                for rec in batch:
-                    self._process([rec])
+                ts = inp.ts if self.timestamped else None
+                for i, rec in enumerate(batch):
+                    if ts is None:
+                        self._process([rec])
+                    else:
+                        self._process([rec], ts[i:i + 1])
                     for out in self.outputs:
                         out.flush()
             else:
-                self._process(batch)
+                if self.timestamped:
+                    self._process(batch, inp.ts)
+                else:
+                    self._process(batch)
                 self._flush_if_due(time.monotonic_ns())
 
     def _run_multi_input(self):
@@ -428,12 +515,19 @@ class Subtask(threading.Thread):
                     continue
             self.records_in += len(batch)
             if per_record:
-                for rec in batch:
-                    self._process_input([rec], index)
+                ts = inp.sides[index].ts if self.timestamped else None
+                for i, rec in enumerate(batch):
+                    if ts is None:
+                        self._process_input([rec], index)
+                    else:
+                        self._process_input([rec], index, ts[i:i + 1])
                     for out in self.outputs:
                         out.flush()
             else:
-                self._process_input(batch, index)
+                if self.timestamped:
+                    self._process_input(batch, index, inp.sides[index].ts)
+                else:
+                    self._process_input(batch, index)
                 self._flush_if_due(time.monotonic_ns())
 
     def _on_event(self, event, input_index: int = 0):
@@ -468,14 +562,29 @@ class Subtask(threading.Thread):
             # end of input: every window fires, every event-time timer too
             self._watermark_through(END_OF_TIME, 0)
         tail: list = []
-        for op in self.operators:
-            self.current_operator = op.name
+        if not self.timestamped:
+            for op in self.operators:
+                self.current_operator = op.name
+                if tail:
+                    tail = op.process_batch(tail)
+                tail = tail + op.finish()
             if tail:
-                tail = op.process_batch(tail)
-            tail = tail + op.finish()
-        if tail:
-            for out in self.main_outputs:
-                out.emit(tail)
+                for out in self.main_outputs:
+                    out.emit(tail)
+        else:
+            ts = None
+            for op in self.operators:
+                self.current_operator = op.name
+                if tail:
+                    tail, ts = op.process_ts(tail, ts)
+                    if not op.timestamped:
+                        ts = None
+                more = op.finish()
+                if more:
+                    tail, ts = tail + more, _joined_ts(ts, len(tail), op, more)
+            if tail:
+                for out in self.main_outputs:
+                    out.emit(tail, ts)
         if self._side_routes:
             self._ship_side_outputs()
         if self.checkpointing is not None:
@@ -779,6 +888,35 @@ class Subtask(threading.Thread):
             self._idle_out = False
             self._broadcast(EVT_WATERMARK, _wm.encode(self._wm_out))
 
+    def _watermark_through_ts(self, wm, start, force=False):
+        """``_watermark_through`` of a chain that carries timestamps: what an
+        operator fires comes with its times (``op.fired_ts``)."""
+        ops = self.operators
+        batch: list = []
+        ts = None
+        for k in range(start, len(ops)):
+            op = ops[k]
+            self.current_operator = op.name
+            if batch:
+                batch, ts = op.process_ts(batch, ts)
+                if not op.timestamped:
+                    ts = None
+            if wm is not None:
+                handler = getattr(op, "on_watermark", None)
+                if handler is not None:
+                    more, wm = handler(wm)
+                    if more:
+                        batch, ts = batch + more, _joined_ts(ts, len(batch), op, more)
+        if batch:
+            for out in self.main_outputs:
+                out.emit(batch, ts)
+        if self._side_routes:
+            self._ship_side_outputs()
+        if wm is not None and (wm > self._wm_out or force):
+            self._wm_out = max(wm, self._wm_out)
+            self._idle_out = False
+            self._broadcast(EVT_WATERMARK, _wm.encode(self._wm_out))
+
     def emit_watermark_after(self, op, wm, force=False):
         """Operator ``op`` of this chain made watermark ``wm`` (an assigner)."""
         self._watermark_through(wm, self.operators.index(op) + 1, force=force)
@@ -794,7 +932,19 @@ class Subtask(threading.Thread):
         timer): through the operators after it, then to the outputs; and the
         side records it made meanwhile."""
         ops = self.operators
-        if records:
+        if records and self.timestamped:
+            ts = _joined_ts(None, 0, op, records)
+            for nxt in ops[ops.index(op) + 1:]:
+                self.current_operator = nxt.name
+                records, ts = nxt.process_ts(records, ts)
+                if not records:
+                    break
+                if not nxt.timestamped:
+                    ts = None
+            else:
+                for out in self.main_outputs:
+                    out.emit(records, ts)
+        elif records:
             for nxt in ops[ops.index(op) + 1:]:
                 self.current_operator = nxt.name
                 records = nxt.process_batch(records)

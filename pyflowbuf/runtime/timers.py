@@ -15,6 +15,7 @@ import heapq
 import inspect
 import math
 import time
+from array import array as _array
 from typing import Callable
 
 from pyflowbuf import errors
@@ -113,6 +114,20 @@ class TimerService:
         self.processing = TimerQueue.restored(snap["processing"])
 
 
+def _stamp(t, operator) -> float:
+    """``ctx.timestamp`` as the time of the records a call returned."""
+    if type(t) is float:
+        return t
+    if t is None:
+        raise errors.ConfigurationError(
+            f"operator {operator!r}: records it emits on a stream with timestamps need a time, and "
+            "ctx.timestamp is None: set ctx.timestamp (seconds) before returning them")
+    t = to_seconds(t)
+    if t != t:
+        raise errors.InvalidTimestampError(f"operator {operator!r}: ctx.timestamp is NaN")
+    return t
+
+
 def _seconds(t, what) -> float:
     t = to_seconds(t)
     if math.isnan(t):
@@ -125,7 +140,10 @@ class Context:
 
     timestamp
         The record's event time (None when the stream has no timestamps), or
-        in ``on_timer`` the timer's time.
+        in ``on_timer`` the timer's time. On a stream with timestamps, the
+        records a call returns carry ``ctx.timestamp`` as it stands when the
+        call is done: set it (seconds) to give them another time. In
+        ``on_end`` it starts as the highest time the operator saw.
     watermark
         The operator's current watermark (-inf before the first).
     key
@@ -221,6 +239,22 @@ class ProcessOperator(Operator):
                 ctx.timestamp = t if type(t) is float else to_seconds(t)
                 add(out, fn(x, ctx))
         return self._checked(out)
+
+    def process_ts(self, batch, ts):
+        """On a stream with timestamps: ``ctx.timestamp`` is each record's time,
+        and what a call returns carries ``ctx.timestamp`` as the call left it."""
+        if ts is None:
+            return self.process_batch(batch), None
+        fn, ctx, add = self.fn, self.ctx, self._extend
+        out: list = []
+        out_ts: list = []
+        for x, t in zip(batch, ts):
+            ctx.timestamp = t
+            n = len(out)
+            add(out, fn(x, ctx))
+            if len(out) > n:
+                out_ts.extend([_stamp(ctx.timestamp, self.name)] * (len(out) - n))
+        return self._checked(out), _array("d", out_ts)
 
 
 class KeyedProcessFunction:
@@ -336,6 +370,7 @@ class KeyedProcessOperator(TimerOperator):
         self.on_end_fn = on_end
         self.state: dict = {}
         self.ctx = Context(self)
+        self._high = NO_WATERMARK      # the highest record time seen: on_end's default time
 
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
@@ -365,6 +400,31 @@ class KeyedProcessOperator(TimerOperator):
             add(out, fn(k, x, st, ctx))
         return self._checked(out)
 
+    def process_ts(self, batch, ts):
+        if ts is None:
+            return self.process_batch(batch), None
+        key_fn, fn, add = self.key_fn, self.fn, self._extend
+        state, ctx = self.state, self.ctx
+        ctx.time_domain = None
+        out: list = []
+        out_ts: list = []
+        for x, t in zip(batch, ts):
+            k = key_fn(x)
+            st = state.get(k)
+            if st is None:
+                st = state[k] = {}
+            ctx.key = k
+            ctx.timestamp = t
+            n = len(out)
+            add(out, fn(k, x, st, ctx))
+            if len(out) > n:
+                out_ts.extend([_stamp(ctx.timestamp, self.name)] * (len(out) - n))
+        if ts:
+            high = max(ts)
+            if high > self._high:
+                self._high = high
+        return self._checked(out), _array("d", out_ts)
+
     def _fire(self, queue, limit, domain):
         if self.on_timer_fn is None:
             if len(queue):
@@ -373,6 +433,7 @@ class KeyedProcessOperator(TimerOperator):
                     "process(fn, on_timer=...) or a KeyedProcessFunction with on_timer")
             return []
         out: list = []
+        out_ts: list = []
         ctx, on_timer = self.ctx, self.on_timer_fn
         ctx.time_domain = domain
         while True:
@@ -381,8 +442,13 @@ class KeyedProcessOperator(TimerOperator):
                 break
             k, t = due
             ctx.key, ctx.timestamp = k, t
+            n = len(out)
             self._extend(out, on_timer(k, t, self._key_state(k), ctx))
+            if self.timestamped and len(out) > n:
+                out_ts.extend([_stamp(ctx.timestamp, self.name)] * (len(out) - n))
         ctx.time_domain = None
+        if self.timestamped:
+            self.fired_ts = out_ts
         return self._checked(out)
 
     def fire_event(self, watermark):
@@ -396,20 +462,29 @@ class KeyedProcessOperator(TimerOperator):
         if self.on_end_fn is None:
             return []
         out: list = []
+        out_ts: list = []
         ctx = self.ctx
-        ctx.timestamp, ctx.time_domain = None, None
+        ctx.time_domain = None
+        high = self._high if self._high > NO_WATERMARK else None
         for k in list(self.state):
             ctx.key = k
+            ctx.timestamp = high
+            n = len(out)
             self._extend(out, self.on_end_fn(k, self.state[k], ctx))
+            if self.timestamped and len(out) > n:
+                out_ts.extend([_stamp(ctx.timestamp, self.name)] * (len(out) - n))
+        if self.timestamped:
+            self.fired_ts = out_ts
         return self._checked(out)
 
     def snapshot_state(self):
-        return {"state": _copy_key_dicts(self.state), "timers": self.timers.snapshot()}
+        return {"state": _copy_key_dicts(self.state), "timers": self.timers.snapshot(), "high": self._high}
 
     def restore_state(self, state):
         if state:
             self.state = _copy_key_dicts(state["state"])
             self.timers.restore(state["timers"])
+            self._high = state.get("high", NO_WATERMARK)
 
 
 
@@ -430,3 +505,9 @@ class KeyedCoProcessOperator(KeyedProcessOperator):
     def process_input(self, batch, input_index):
         self.key_fn, self.ts_fn, self.fn = self.inputs[input_index]
         return KeyedProcessOperator.process_batch(self, batch)
+
+    def process_input_ts(self, batch, ts, input_index):
+        self.key_fn, self.ts_fn, self.fn = self.inputs[input_index]
+        if ts is None:
+            return KeyedProcessOperator.process_batch(self, batch), None
+        return KeyedProcessOperator.process_ts(self, batch, ts)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+from array import array as _array
 import numbers
 import struct
 import time
@@ -32,6 +33,7 @@ from typing import Hashable, Iterable
 import numpy as np
 
 from pyflowbuf import errors
+from pyflowbuf._core.serde import ts_apply, ts_max
 from pyflowbuf.runtime.operators import Operator
 from pyflowbuf.runtime.processing_time import schedule
 from pyflowbuf.serializers import short_repr
@@ -198,6 +200,7 @@ class TimestampsAssigner(Operator):
     """
 
     event_time = True
+    passes_records = True       # its output is its input, unchanged (see Subtask)
 
     def __init__(self, name, ts_fn, out_of_orderness: float, idle_timeout: float | None, interval: float,
                  unit: str = "s", shared: dict | None = None):
@@ -236,10 +239,26 @@ class TimestampsAssigner(Operator):
 
     # ---- records ----
     def process_batch(self, batch):
+        return self.process_ts(batch, None)[0]
+
+    def process_ts(self, batch, ts_in):
+        """The records as they are, and (on a stream whose timestamps travel)
+        their times from ``ts_fn``, replacing any they came with."""
         if not batch:
-            return batch
+            return batch, None
+        stamps = None
         if self.column is not None:
             high = _batch_max(batch, self.column, self.name)
+        elif self.timestamped:
+            # the times the records travel with: one array, its max (NaN if a
+            # time is NaN) in one C loop, no list of floats on the way
+            try:
+                stamps, high = ts_apply(self.ts_fn, batch)
+            except TypeError:   # datetimes (and bools): converted (or refused) one by one
+                stamps = _array("d", [to_seconds(t) for t in map(self.ts_fn, batch)])
+                high = ts_max(stamps)
+            if high != high:
+                self._refuse_nan(batch, stamps)
         else:
             ts = list(map(self.ts_fn, batch))
             try:
@@ -264,7 +283,7 @@ class TimestampsAssigner(Operator):
         elif self.watermark > self.emitted and (
                 self.interval == 0 or now - self._last_emit_ns >= self.interval * 1e9):
             self._post_emit()
-        return batch
+        return batch, stamps
 
     def _refuse_nan(self, batch, ts):
         for x, t in zip(batch, ts):

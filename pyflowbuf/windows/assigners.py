@@ -4,6 +4,7 @@ time (``TumblingProcessingTime``, ``SlidingProcessingTime``,
 ``SessionProcessingTime``) and counts (``CountWindow``)."""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from pyflowbuf import errors
@@ -23,17 +24,25 @@ class TimeWindow(NamedTuple):
 
     @property
     def max_timestamp(self) -> float:
-        """The window's ``end`` in seconds: the watermark at which it fires (its
-        records' timestamps are all below it).
+        """The largest time inside the window: ``end`` less the smallest step
+        of a float (Flink's ``end - 1`` ms, for seconds as floats). The
+        window's results carry it as their timestamp, so a second window
+        of the same size puts them into the window they came from; the
+        window fires once the watermark reaches ``end``.
 
         Example::
 
-            TimeWindow(0.0, 10.0).max_timestamp      # 10.0
+            TimeWindow(0.0, 10.0).max_timestamp      # 9.999999999999998
         """
-        return self.end
+        return max_timestamp(self.end)
 
     def __repr__(self):
         return f"TimeWindow({self.start!r}, {self.end!r})"
+
+
+def max_timestamp(end: float) -> float:
+    """The largest float below ``end``: the time of a window's results."""
+    return math.nextafter(end, -math.inf)
 
 
 # ---- assigners ----

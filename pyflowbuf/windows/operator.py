@@ -1,13 +1,22 @@
 """The keyed window operators (records a record at a time): event time with
 the default trigger (``WindowOperator``), other triggers and processing time
-(``TriggerWindowOperator``), and count windows (``CountWindowOperator``)."""
+(``TriggerWindowOperator``), and count windows (``CountWindowOperator``).
+
+On a stream whose timestamps travel, an operator reads each record's time
+from the batch's times (no function call per record) and gives every result
+the window's ``max_timestamp`` (its end less the smallest step: the largest
+time inside it, as Flink's end - 1 ms). Count windows give their results no
+time (``CountWindow`` streams carry none).
+"""
 from __future__ import annotations
 
 import bisect
 import copy
 import math
 import time
+from array import array as _array
 
+from pyflowbuf._core.serde import ts_select
 from pyflowbuf.runtime.operators import Operator
 from pyflowbuf.runtime.side_outputs import LATE, unknown_tag
 from pyflowbuf.runtime.timers import TimerOperator, TimerQueue
@@ -124,17 +133,24 @@ class _WindowOutput:
     ctx = None
     _result = None
 
+    _ots = None         # a timestamped output: the times of the records being built
+    _last_ts = None     # ... and of the last batch's, once built
+
     def _emit_window(self, k, window, acc, out, firing):
         ctx = self.ctx
+        n = len(out)
         if ctx is not None:
             ctx.key, ctx.window, ctx.firing = k, window, firing
         if self.how == PROCESS:
             self._extend(out, self.fn(k, window, acc, ctx) if ctx is not None else self.fn(k, window, acc))
-            return
-        r = self._result(acc)
-        if self.window_function is not None:
-            r = self.window_function(k, window, r, ctx) if ctx is not None else self.window_function(k, window, r)
-        out.append(r)
+        else:
+            r = self._result(acc)
+            if self.window_function is not None:
+                r = self.window_function(k, window, r, ctx) if ctx is not None else self.window_function(k, window, r)
+            out.append(r)
+        ots = self._ots
+        if ots is not None and len(out) > n:
+            ots.extend([window.max_timestamp] * (len(out) - n))
 
 
 class WindowOperator(_WindowOutput, TimerOperator):
@@ -175,26 +191,35 @@ class WindowOperator(_WindowOutput, TimerOperator):
 
     # ---- records ----
     def process_batch(self, batch):
-        key_fn, ts_fn = self.key_fn, self.ts_fn
+        return self._records(batch, map(self.ts_fn, batch))[0]
+
+    def process_ts(self, batch, ts):
+        if ts is None:
+            return self.process_batch(batch), None
+        return self._records(batch, ts)
+
+    def _records(self, batch, times):
+        """The window results (and tagged late records) of ``batch``, whose
+        records' times ``times`` gives in order; (records, their times or None)."""
+        key_fn = self.key_fn
         wm = self.timers.watermark
         out: list = []
-        late: list = []
+        late: list = []         # (record, time)
+        self._ots = [] if self.timestamped else None
         if self.merging:
-            for x in batch:
-                t = ts_fn(x)
+            for x, t in zip(batch, times):
                 if type(t) is not float:
                     t = to_seconds(t)
                 if not self._add_to_session(key_fn(x), t, x, wm, out):
-                    late.append(x)
-            return self._finish_batch(out, late)
+                    late.append((x, t))
+            return self._finish_batch(out, late), self._last_ts
         windows, add, create, lateness = self.windows, self._add, self._create, self.lateness
         assign = self.assigner.assign
         register = self.timers.event.register
         if type(self.assigner) is Tumbling:
-            self._tumbling_batch(batch, out, late)
-            return self._finish_batch(out, late)
-        for x in batch:
-            t = ts_fn(x)
+            self._tumbling_batch(batch, times, out, late)
+            return self._finish_batch(out, late), self._last_ts
+        for x, t in zip(batch, times):
             if type(t) is not float:
                 t = to_seconds(t)
             k = None
@@ -217,13 +242,13 @@ class WindowOperator(_WindowOutput, TimerOperator):
                 if end <= wm:                   # fired before: fire again with this record
                     self._emit(k, start, end, windows[wk], out)
             if not placed:
-                late.append(x)
-        return self._finish_batch(out, late)
+                late.append((x, t))
+        return self._finish_batch(out, late), self._last_ts
 
-    def _tumbling_batch(self, batch, out, late):
+    def _tumbling_batch(self, batch, times, out, late):
         """``process_batch`` for tumbling windows, the common case: one window
         per record, its start computed inline, and a count kept inline."""
-        key_fn, ts_fn = self.key_fn, self.ts_fn
+        key_fn = self.key_fn
         wm, lateness = self.timers.watermark, self.lateness
         windows, add, create = self.windows, self._add, self._create
         get = windows.get
@@ -231,14 +256,13 @@ class WindowOperator(_WindowOutput, TimerOperator):
         size, offset = self.assigner.size, self.assigner.offset
         count = type(self.fn) is Count and self.how == AGGREGATE
         missing = _MISSING
-        for x in batch:
-            t = ts_fn(x)
+        for x, t in zip(batch, times):
             if type(t) is not float:
                 t = to_seconds(t)
             start = t - (t - offset) % size
             end = start + size
             if end + lateness <= wm:
-                late.append(x)
+                late.append((x, t))
                 continue
             wk = (key_fn(x), start, end)
             acc = get(wk, missing)
@@ -254,12 +278,15 @@ class WindowOperator(_WindowOutput, TimerOperator):
                 self._emit(wk[0], start, end, acc, out)
 
     def _finish_batch(self, out, late):
+        ots = self._ots
+        self._ots = None
         if late:
             if self._late is not None:
-                self._late.extend(late)
+                self._late.extend(x for x, _ in late)   # (a side output carries no times yet)
                 self.late_out += len(late)
             else:
                 self.late_dropped += len(late)
+        self._last_ts = None if ots is None else _array("d", ots)
         return self._checked(out)
 
     def _emit(self, k, start, end, acc, out, firing="late"):
@@ -308,6 +335,7 @@ class WindowOperator(_WindowOutput, TimerOperator):
     # ---- time ----
     def fire_event(self, watermark):
         out: list = []
+        self._ots = [] if self.timestamped else None
         pop, lateness = self.timers.event.pop_due, self.lateness
         while True:
             due = pop(watermark)
@@ -328,6 +356,7 @@ class WindowOperator(_WindowOutput, TimerOperator):
             if due is None:
                 break
             self._purge(due[0])
+        self.fired_ts, self._ots = self._ots, None
         return self._checked(out)
 
     def fire_processing(self, now):
@@ -407,6 +436,20 @@ class TriggerWindowOperator(WindowOperator):
         self.unfired_dropped = 0
 
     # ---- records ----
+    def process_ts(self, batch, ts):
+        self._ots = [] if self.timestamped else None
+        if ts is None or self.processing:
+            return self.process_batch(batch), self._last_ts
+        # process_batch asks ts_fn once per record, in order: the times that
+        # travel with the records answer instead
+        nxt, saved = iter(ts).__next__, self.ts_fn
+        self.ts_fn = lambda x: nxt()
+        try:
+            out = self.process_batch(batch)
+        finally:
+            self.ts_fn = saved
+        return out, self._last_ts
+
     def process_batch(self, batch):
         key_fn, ts_fn = self.key_fn, self.ts_fn
         out: list = []
@@ -427,7 +470,7 @@ class TriggerWindowOperator(WindowOperator):
                 if type(t) is not float:
                     t = to_seconds(t)
                 if not self._add_to_triggered_session(key_fn(x), t, x, wm, out):
-                    late.append(x)
+                    late.append((x, t))
             return self._finish_batch(out, late)
         late = []
         windows, add, create, lateness = self.windows, self._add, self._create, self.lateness
@@ -464,7 +507,7 @@ class TriggerWindowOperator(WindowOperator):
                 elif at_end and end <= wm:      # fired before: fire again with this record
                     self._fire(wk, "late", out)
             if not placed:
-                late.append(x)
+                late.append((x, t))
         return self._finish_batch(out, late)
 
     # ---- event-time sessions with a trigger ----
@@ -604,6 +647,18 @@ class TriggerWindowOperator(WindowOperator):
 
     # ---- time ----
     def fire_event(self, watermark):
+        self._ots = [] if self.timestamped else None
+        out = self._fire_event(watermark)
+        self.fired_ts, self._ots = self._ots, None
+        return out
+
+    def fire_processing(self, now):
+        self._ots = [] if self.timestamped else None
+        out = self._fire_processing(now)
+        self.fired_ts, self._ots = self._ots, None
+        return out
+
+    def _fire_event(self, watermark):
         if self.processing:
             return []
         if self.merging:
@@ -634,7 +689,7 @@ class TriggerWindowOperator(WindowOperator):
             self.unfired_dropped += self.counts.pop(due[0], 0)
         return self._checked(out)
 
-    def fire_processing(self, now):
+    def _fire_processing(self, now):
         out: list = []
         pop = self.timers.processing.pop_due
         while True:
