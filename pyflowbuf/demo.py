@@ -221,11 +221,11 @@ def run_demo(quick: bool = False) -> int:
     report = {}
     t_start = time.perf_counter()
 
-    print("[1/5] local pipeline with a slow stage (threads, bounded pools)")
+    print("[1/6] local pipeline with a slow stage (threads, bounded pools)")
     report["local"] = local_pipeline_demo(500_000 if quick else 2_000_000)
     _print_stages("local pipeline", report["local"])
 
-    print("\n[2/5] PySpark (local[*]): a DataFrame through a pyflowbuf pipeline in mapInArrow")
+    print("\n[2/6] PySpark (local[*]): a DataFrame through a pyflowbuf pipeline in mapInArrow")
     try:
         from pyflowbuf.spark.demo import run_spark_demo
     except ImportError as exc:
@@ -233,13 +233,22 @@ def run_demo(quick: bool = False) -> int:
     else:
         report["spark"] = run_spark_demo(rows=500_000 if quick else 3_000_000, quick=quick)
 
-    print("\n[3/5] checkpoints: a keyed count fails once and recovers, exactly once")
+    print("\n[3/6] checkpoints: a keyed count fails once and recovers, exactly once")
     report["checkpoints"] = checkpoint_demo(out, 100_000 if quick else 200_000)
 
-    print("\n[4/5] event time: a windowed word count over Parquet, unaligned checkpoints, one failure")
+    print("\n[4/6] event time: a windowed word count over Parquet, unaligned checkpoints, one failure")
     report["windows"] = windows_demo(out, 10_000 if quick else 20_000)
 
-    print("\n[5/5] the backpressure experiment (Flink blog, 2 buffers of 4 KiB)")
+    print("\n[5/6] Spark executors: the windowed word count as one dataflow over two Spark barrier tasks, "
+          "one failure, exactly once")
+    try:
+        from pyflowbuf.spark.cluster_demo import run_cluster_demo
+    except ImportError as exc:
+        print(f"  skipped: {exc}")
+    else:
+        report["spark_cluster"] = run_cluster_demo(out, quick=quick)
+
+    print("\n[6/6] the backpressure experiment (Flink blog, 2 buffers of 4 KiB)")
     try:
         from pyflowbuf.experiments.backpressure import run_experiment
     except ImportError as exc:
@@ -251,4 +260,8 @@ def run_demo(quick: bool = False) -> int:
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "demo_report.json").write_text(json.dumps(report, indent=2, default=str))
     print(f"\ndone in {report['total_seconds']} s; report: {out / 'demo_report.json'}")
+    wrong = [step for step, res in report.items() if isinstance(res, dict) and res.get("exactly_once") is False]
+    if wrong:
+        print(f"NOT exactly once: {', '.join(wrong)}", file=sys.stderr)
+        return 1
     return 0

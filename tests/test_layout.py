@@ -40,6 +40,7 @@ KNOWN_LAZY = {
     ("pyflowbuf.demo", "pyflowbuf"),
     ("pyflowbuf.demo", "pyflowbuf.experiments.backpressure"),
     ("pyflowbuf.demo", "pyflowbuf.spark.demo"),
+    ("pyflowbuf.demo", "pyflowbuf.spark.cluster_demo"),     # pyspark is optional, as above
     ("pyflowbuf.api.stream", "pyflowbuf.api.joined"),        # the circle above
     ("pyflowbuf.api.stream", "pyflowbuf.api.windowed"),      # the circle above
     ("pyflowbuf.demo", "pyflowbuf.windows"),
