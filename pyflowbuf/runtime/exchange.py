@@ -66,6 +66,10 @@ class OutputSide:
     """One ResultPartition of a subtask: a LocalBufferPool, one BufferQueue per
     subpartition, and the partitioner deciding where each record goes."""
 
+    # key_by: route by key group (pyflowbuf.runtime.keygroups); 0 routes by
+    # hash modulo the subpartitions (an exchange outside a job's graph)
+    max_parallelism = 0
+
     def __init__(self, pool, queues, partitioner, key_fn, kind: EdgeKind, max_record_size):
         self.pool = pool
         self.queues = queues
@@ -129,7 +133,7 @@ class OutputSide:
             elif part == "rebalance":
                 w.write_batch_rebalance(batch)
             elif part == "hash":
-                w.write_batch_keyed(batch, keys)
+                w.write_batch_keyed(batch, keys, self.max_parallelism)
             else:
                 w.write_batch_broadcast(batch)
         except errors.KeyTypeError as exc:

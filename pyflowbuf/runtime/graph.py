@@ -36,6 +36,13 @@ class Node:
     user_sink: bool = False                          # sink(fn): its effects stay in the process running it
     file_output: Any = None                          # write_text/write_parquet: its outputs.FileOutput
     consumers: list = field(default_factory=list)
+    uid: str | None = None                           # Stream.uid(): the operator id its state is stored under
+    derived_uid: str | None = None                   # set by assign_uids when there is no uid
+
+    @property
+    def operator_uid(self) -> str:
+        """The id this operator's state is stored under in checkpoints."""
+        return self.uid if self.uid is not None else self.derived_uid
 
     # The single-input view most of the code needs; a node with several inputs
     # has no one answer, so asking it is a bug, not a silent first-input pick.
@@ -102,11 +109,35 @@ class JobEdge:
         return self.partitioner == "forward"
 
 
+def assign_uids(nodes: list) -> None:
+    """Give every node without ``uid`` a derived one: its name and its rank
+    among the nodes of that name (``"reduce#0"``), so adding, removing or
+    renaming operators of other names leaves it as it was. Two explicit
+    uids alike are refused: their state would be mixed."""
+    seen: dict = {}
+    counts: dict = {}
+    for node in nodes:
+        if node.uid is not None:
+            other = seen.get(node.uid)
+            if other is not None:
+                raise ValueError(f"operators {other.name!r} and {node.name!r} both have uid {node.uid!r}: "
+                                 "each operator needs its own")
+            seen[node.uid] = node
+    for node in nodes:
+        k = counts.get(node.name, 0)
+        counts[node.name] = k + 1
+        derived = f"{node.name}#{k}"
+        while derived in seen:
+            derived += "'"
+        node.derived_uid = derived
+
+
 def plan(nodes: list, chaining: bool) -> tuple[list, list]:
     """Group nodes into JobVertices and connect them with JobEdges.
 
     A node with several inputs always heads a vertex of its own (its task
     reads one gate per input); operators after it chain to it as usual."""
+    assign_uids(nodes)
     vertex_of: dict = {}
     vertices: list = []
     edges: list = []

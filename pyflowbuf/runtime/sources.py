@@ -112,27 +112,80 @@ class SequenceSource(Source):
         self.start, self.stop, self.step = start, stop, step
         self.next_value = None
 
+    _ranges = None      # after a rescaled restore: [[next, stride], ...] read in turn
+
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
         self.next_value = self.start + subtask * self.step
         self.stride = self.step * parallelism
 
-    def next_batch(self, max_records):
-        v, stride = self.next_value, self.stride
+    def _take(self, v, stride, max_records):
         end = v + stride * max_records
         if self.stop is not None:
             end = min(end, self.stop) if stride > 0 else max(end, self.stop)
-        batch = list(range(v, end, stride))
+        return list(range(v, end, stride))
+
+    def next_batch(self, max_records):
+        if self._ranges is not None:
+            return self._next_from_ranges(max_records)
+        v, stride = self.next_value, self.stride
+        batch = self._take(v, stride, max_records)
         if not batch:
             return None
         self.next_value = batch[-1] + stride
         return batch
 
+    def _next_from_ranges(self, max_records):
+        # one batch from each range in turn: an unbounded range must not
+        # starve the others
+        ranges = self._ranges
+        while ranges:
+            i = self._turn % len(ranges)
+            v, stride = ranges[i]
+            batch = self._take(v, stride, max_records)
+            if not batch:
+                del ranges[i]
+                continue
+            ranges[i][0] = batch[-1] + stride
+            self._turn = i + 1
+            return batch
+        return None
+
+    _turn = 0
+
     def position(self):
+        if self._ranges is not None:
+            return {"ranges": [list(r) for r in self._ranges], "turn": self._turn}
         return self.next_value
 
     def seek(self, position):
-        self.next_value = position
+        if isinstance(position, dict):
+            self._ranges = [[int(v), int(st)] for v, st in position["ranges"]]
+            self._turn = int(position.get("turn", 0))
+        else:
+            self._ranges = None
+            self.next_value = position
+
+    def _exhausted(self, v, stride) -> bool:
+        if self.stop is None:
+            return False
+        return v >= self.stop if stride > 0 else v <= self.stop
+
+    def rescale_positions(self, positions, index, parallelism):
+        """The position of subtask ``index`` of ``parallelism`` from the
+        positions of every subtask of a checkpoint at another parallelism:
+        the values not yet emitted, as arithmetic ranges, split so there are
+        at least ``parallelism`` of them and dealt out in turn."""
+        ranges = []
+        for pos in positions:
+            if isinstance(pos, dict):
+                ranges.extend([int(v), int(st)] for v, st in pos["ranges"])
+            elif pos is not None:
+                ranges.append([int(pos), self.step * len(positions)])
+        ranges = [r for r in ranges if not self._exhausted(*r)]
+        k = -(-parallelism // len(ranges)) if ranges else 1
+        split = [[v + j * st, st * k] for v, st in ranges for j in range(k)]
+        return {"ranges": split[index::parallelism], "turn": 0}
 
     def identity(self):
         return {"kind": "sequence", "start": self.start, "stop": self.stop, "step": self.step}

@@ -5,7 +5,8 @@ import bisect
 import copy
 
 from pyflowbuf.runtime.operators import Operator
-from pyflowbuf.runtime.timers import TimerOperator, TimerQueue
+from pyflowbuf.runtime import keygroups as kg
+from pyflowbuf.runtime.timers import TimerOperator, TimerQueue, merge_timer_parts
 from pyflowbuf.runtime.watermarks import to_seconds
 from pyflowbuf.windows.aggregates import Count
 from pyflowbuf.windows.assigners import TimeWindow, Tumbling
@@ -270,8 +271,44 @@ class WindowOperator(TimerOperator):
         self.cleanup = TimerQueue.restored(state["cleanup"])
         self.late_dropped = state.get("late_dropped", 0)
 
+    keyed_state = True
+
+    def split_state(self, state, max_parallelism):
+        groups: dict = {}
+
+        def put(what, split):
+            for g, part in split.items():
+                groups.setdefault(g, {})[what] = part
+        if state["windows"] is not None:
+            put("windows", kg.split_dict(state["windows"], max_parallelism, _window_key))
+        if state["sessions"] is not None:
+            put("sessions", kg.split_dict(state["sessions"], max_parallelism))
+        timers = state["timers"]
+        for domain in ("event", "processing"):
+            put(domain, kg.split_timers(timers[domain], max_parallelism, _window_key))
+        put("cleanup", kg.split_timers(state["cleanup"], max_parallelism, _window_key))
+        return groups, {"watermark": timers["watermark"], "late_dropped": state.get("late_dropped", 0),
+                        "merging": self.merging}
+
+    def merge_state(self, parts, commons):
+        windows: dict = {}
+        sessions: dict = {}
+        for p in parts:
+            windows.update(p.get("windows") or {})
+            sessions.update(p.get("sessions") or {})
+        return {"windows": None if self.merging else windows, "sessions": sessions if self.merging else None,
+                "timers": merge_timer_parts(parts, commons),
+                "cleanup": kg.merge_timers(p.get("cleanup") for p in parts),
+                # a counter of the job, not of a key: summed over the subtasks it came from
+                "late_dropped": sum(c.get("late_dropped", 0) for c in commons if c)}
+
     def metrics(self) -> dict:
         return {"late_records_dropped": self.late_dropped, "late_records_out": self.late_out}
+
+
+def _window_key(wk):
+    """The record key of a window's (key, start, end)."""
+    return wk[0]
 
 
 def _append(x, acc):
