@@ -129,7 +129,7 @@ class CheckpointCoordinator:
         self._next_id = max(storage.checkpoint_ids(), default=0) + 1
         self.pending: dict[int, _Pending] = {}
         self.history: list[dict] = []
-        self.finished: dict[str, tuple] = {}       # task key -> (state, commits)
+        self.finished: dict[str, tuple] = {}       # task key -> (state, commits, summary)
         self.task_keys: set = set()
         self.execution = None
         self._stop = threading.Event()
@@ -147,7 +147,8 @@ class CheckpointCoordinator:
             self._epoch += 1
             self.execution = execution
             self.task_keys = set(task_keys)
-            self.finished = dict(finished or {})
+            # (state, commits[, summary]): a summary only where the state has the stored layout
+            self.finished = {k: (tuple(v) + (None,))[:3] for k, v in (finished or {}).items()}
 
     def _tell(self, execution, epoch, what, checkpoint_id, *args) -> bool:
         """``execution.<what>(checkpoint_id)`` unless the attempt it was

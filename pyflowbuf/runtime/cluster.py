@@ -795,8 +795,10 @@ class ClusterExecution(Execution):
         storage = ckpt.storage_of(self.coordinator.storage, meta)
         if restore_mod.is_current(meta):
             # by operator id; each worker reads its own subtasks' state
-            restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,
-                                    getattr(self, "allow_non_restored_state", False)).check(self.vertices)
+            plan = restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,
+                                           getattr(self, "allow_non_restored_state", False))
+            plan.check(self.vertices)
+            plan.check_sources(self.vertices)
         else:
             ckpt.check_graph(meta, self._task_keys, storage.url)
             # the sources' identities, here before any worker starts

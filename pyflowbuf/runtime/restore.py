@@ -256,6 +256,26 @@ class RestorePlan:
                                 f"{where}: task {s['vertex']!r} ({k}) had reached the end of its input; a job whose "
                                 "tasks had ended restores only into the same operators at the same parallelism")
 
+    def check_sources(self, vertices) -> None:
+        """Each source whose id the checkpoint holds checks the identity of
+        the input it recorded (before any worker process starts)."""
+        for v in vertices:
+            if v.head.source is None:
+                continue
+            olds = self._old_tasks_of(v.head.operator_uid)
+            if not olds:
+                continue
+            st = self._read(olds[0][0])
+            if "source_identity" not in st:
+                continue
+            source = v.head.source()
+            try:
+                source.check_identity(st["source_identity"], st.get("source"))
+            except IncompatibleCheckpointError as exc:
+                raise IncompatibleCheckpointError(
+                    f"checkpoint {self.meta.checkpoint_id}: source {v.head.name!r} (uid {v.head.operator_uid!r}): "
+                    f"{exc}", source=v.head.name) from None
+
     # ---- one subtask ----
     def task_restore(self, task) -> dict:
         """The restore of one subtask (Subtask.restore), read from the
