@@ -24,7 +24,8 @@ from pyflowbuf.runtime.sources import TextFileSource
 
 def text_job(chk, out, n=3000, mode="error"):
     env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=chk, checkpoints_retained=3)
-    env.from_sequence(0, n, rate_limit=20_000).map(str, kind="str").write_text(out, mode=mode)
+    # 0.6 s at least, so that checkpoints complete on a loaded machine too
+    env.from_sequence(0, n, rate_limit=5_000).map(str, kind="str").write_text(out, mode=mode)
     return env
 
 
