@@ -806,7 +806,7 @@ class ClusterExecution(Execution):
                        for v in self.vertices if v.head.source is not None for i in range(v.parallelism)}
             ckpt.check_sources(meta, ckpt.read_states(storage, meta, set(sources)), sources)
         # what that checkpoint covered is committed (its notification may have been lost)
-        ckpt.run_commits(meta.properties.get("commits", []), sink_outputs.graph_outputs(self.env.nodes))
+        ckpt.run_commits(meta.properties.get("commits", []), restore_mod.commit_outputs(self.env.nodes, meta))
         self.restored_from = meta.checkpoint_id
         return ckpt.restore_location(self.coordinator.storage, meta)
 

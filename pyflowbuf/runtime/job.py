@@ -545,7 +545,7 @@ class JobExecution(Execution):
                 # What that checkpoint covered is committed (its notification
                 # may have been lost). With workers the driver does it, once:
                 # two processes renaming the same files would race.
-                ckpt.run_commits(meta.properties.get("commits", []), sink_outputs.graph_outputs(self.env.nodes))
+                ckpt.run_commits(meta.properties.get("commits", []), restore_mod.commit_outputs(self.env.nodes, meta))
             self.restored_from = meta.checkpoint_id
         for t in self.tasks:
             t.checkpointing = ckpt.TaskCheckpointing(t, coordinator, self._snapshot_writer)

@@ -387,6 +387,25 @@ def check_operator_ids(env) -> None:
             errors.OperatorIdWarning, stacklevel=4)
 
 
+def commit_outputs(nodes, meta) -> list:
+    """The part-file sinks a restored checkpoint's commits are checked
+    against: this job's, each allowing the subtasks it had when the
+    checkpoint was taken (a restore at a lower parallelism commits what the
+    subtasks that are gone had pending). Their part files count as the
+    sink's own from then on (``FileOutput.prepare`` in mode "error")."""
+    ops = meta.properties.get("operators") or {}
+    out = []
+    for n in nodes:
+        fo = getattr(n, "file_output", None)
+        if fo is None:
+            continue
+        old = ops.get(n.operator_uid)
+        if old is not None and fo.parallelism is not None and old["parallelism"] > fo.parallelism:
+            fo.parallelism = old["parallelism"]
+        out.append(fo)
+    return out
+
+
 def is_current(meta) -> bool:
     """Whether a checkpoint was written in the per-operator-id layout (format 2)."""
     return meta.properties.get("state_format") == STATE_FORMAT

@@ -2,6 +2,8 @@
 record and a recovery can rewind to (``position`` / ``seek``)."""
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import numbers
 import os
@@ -136,32 +138,36 @@ class SequenceSource(Source):
         return batch
 
     def _next_from_ranges(self, max_records):
-        # one batch from each range in turn: an unbounded range must not
-        # starve the others
+        """The next ``max_records`` values of all ranges merged in order: the
+        subtask emits its values in the sequence's order, as before the
+        rescale (event time taken from them stays ordered)."""
         ranges = self._ranges
-        while ranges:
-            i = self._turn % len(ranges)
-            v, stride = ranges[i]
-            batch = self._take(v, stride, max_records)
-            if not batch:
-                del ranges[i]
-                continue
-            ranges[i][0] = batch[-1] + stride
-            self._turn = i + 1
-            return batch
-        return None
-
-    _turn = 0
+        cands = [self._take(v, st, max_records) for v, st in ranges]
+        keep = [(r, c) for r, c in zip(ranges, cands) if c]
+        if not keep:
+            ranges.clear()
+            return None
+        if len(keep) == 1:
+            batch = keep[0][1]
+        else:
+            batch = list(itertools.islice(heapq.merge(*(c for _, c in keep), reverse=self.step < 0), max_records))
+        last = batch[-1]
+        for r, c in keep:
+            # values past ``last`` (in the sequence's direction) stay for later
+            taken = bisect.bisect_right(c, last) if self.step > 0 else bisect.bisect_right([-x for x in c], -last)
+            if taken:
+                r[0] = c[taken - 1] + r[1]
+        self._ranges = [r for r in ranges if not self._exhausted(*r)]
+        return batch
 
     def position(self):
         if self._ranges is not None:
-            return {"ranges": [list(r) for r in self._ranges], "turn": self._turn}
+            return {"ranges": [list(r) for r in self._ranges]}
         return self.next_value
 
     def seek(self, position):
         if isinstance(position, dict):
             self._ranges = [[int(v), int(st)] for v, st in position["ranges"]]
-            self._turn = int(position.get("turn", 0))
         else:
             self._ranges = None
             self.next_value = position
@@ -185,7 +191,7 @@ class SequenceSource(Source):
         ranges = [r for r in ranges if not self._exhausted(*r)]
         k = -(-parallelism // len(ranges)) if ranges else 1
         split = [[v + j * st, st * k] for v, st in ranges for j in range(k)]
-        return {"ranges": split[index::parallelism], "turn": 0}
+        return {"ranges": split[index::parallelism]}
 
     def identity(self):
         return {"kind": "sequence", "start": self.start, "stop": self.stop, "step": self.step}
