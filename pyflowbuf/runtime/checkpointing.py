@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +31,7 @@ from typing import Any
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpointError, IncompatibleCheckpointError,
                                           SavepointStorage, UnsupportedStateError)
+from pyflowbuf.runtime.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_inflight, encode_inflight  # noqa: F401
 from pyflowbuf.runtime.keygroups import DEFAULT_MAX_PARALLELISM
 from pyflowbuf.runtime.restore import metadata_properties, stored_state
 from pyflowbuf.runtime.metrics import publish_checkpoint
@@ -416,13 +416,14 @@ class CheckpointCoordinator:
                  "tasks": len(p.expected), "savepoint": p.savepoint, **extra}
         if p.savepoint:
             entry["path"] = p.storage.url
-        p.outcome = (status, outcome if outcome is not None else extra.get("reason", status))
-        p.done.set()
         with self._lock:
             self.history.append(entry)
             if len(self.history) > 1000:
                 del self.history[:100]
         publish_checkpoint(self.listeners, entry)
+        # a savepoint's caller waits for this; its entry is in the history by now
+        p.outcome = (status, outcome if outcome is not None else extra.get("reason", status))
+        p.done.set()
 
     def checkpoints(self) -> list[dict]:
         with self._lock:
@@ -445,35 +446,6 @@ def run_commits(commits, outputs) -> None:
 
 
 # ---------------------------------------------------------------- a subtask's side
-
-_ITEM_HEADER = struct.Struct("<HHIq")     # type, flags, width (event kind), aux
-
-
-def encode_inflight(items) -> list:
-    """In-flight items ``(type, width, flags, aux, payload)`` as the views the
-    storage writes: a 16-byte header, then the payload (empty for an event).
-    Payloads are written as they are, with no copy on the way."""
-    views = []
-    for dtype, width, flags, aux, payload in items:
-        views.append(memoryview(_ITEM_HEADER.pack(dtype, flags, width, aux)))
-        views.append(memoryview(payload if payload is not None else b""))
-    return views
-
-
-def decode_inflight(views) -> list:
-    """``encode_inflight`` read back: the items, payloads as bytes."""
-    if len(views) % 2:
-        raise CheckpointStateError("in-flight data: a header without its payload")
-    items = []
-    for i in range(0, len(views), 2):
-        dtype, flags, width, aux = _ITEM_HEADER.unpack(bytes(views[i]))
-        payload = bytes(views[i + 1])
-        items.append((dtype, width, flags, aux, payload if dtype != _EVENT_TYPE else None))
-    return items
-
-
-_EVENT_TYPE = 2     # FB_DATA_EVENT
-
 
 class _InflightCheckpoint:
     """One checkpoint of a subtask whose write waits for in-flight data: its

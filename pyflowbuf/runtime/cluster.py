@@ -363,7 +363,7 @@ class WorkerCoordinator:
 
     def register_savepoint(self, checkpoint_id, path) -> None:
         """Checkpoint ``checkpoint_id`` is a savepoint into ``path`` (told with its trigger)."""
-        from pyflowbuf.checkpoint.storage import SavepointStorage
+        from pyflowbuf.checkpoint import SavepointStorage
 
         self._savepoints = dict(self._savepoints)
         self._savepoints[checkpoint_id] = SavepointStorage(path, allow_pickle=self.storage.allow_pickle,

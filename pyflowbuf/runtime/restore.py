@@ -39,11 +39,15 @@ subtask), for tools that show a checkpoint without reading its task files.
 from __future__ import annotations
 
 import logging
+import warnings
 
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.container import dumps, loads
 from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
 from pyflowbuf.runtime import keygroups as kg
+from pyflowbuf.runtime.graph import assign_uids
+from pyflowbuf.runtime.inflight import decode_inflight
+from pyflowbuf.runtime.operators import Operator
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 
@@ -167,8 +171,6 @@ class RestorePlan:
             snap = self.storage.read_task_state(self.meta.checkpoint_id, task_key, metadata=self.meta)
             st = snap.state
             if snap.inflight:
-                from pyflowbuf.runtime.checkpointing import decode_inflight
-
                 st = dict(st)
                 st["inflight"] = {name: decode_inflight(views) for name, views in snap.inflight.items()}
             self._cache[task_key] = st
@@ -360,11 +362,6 @@ def check_operator_ids(env) -> None:
     parallelism within ``max_parallelism``; with checkpointing on, a warning
     naming the stateful operators whose id is derived (a change of the
     graph can change it, and their state would then not be restored)."""
-    import warnings
-
-    from pyflowbuf.runtime.graph import assign_uids
-    from pyflowbuf.runtime.operators import Operator
-
     try:
         assign_uids(env.nodes)
     except ValueError as exc:
