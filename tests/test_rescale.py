@@ -211,3 +211,18 @@ def test_key_groups_in_bulk_match_the_pure_python_hash(keys, maxp):
 
     assert kg.key_groups(keys, maxp) == [ref_stable_hash(k) % maxp for k in keys]
     assert [kg.key_group(k, maxp) for k in keys] == [ref_stable_hash(k) % maxp for k in keys]
+
+
+def test_workers_stop_with_savepoint_and_resume_at_another_parallelism(tmp_path):
+    """With workers=2 each worker process restores its own subtasks' key groups."""
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    env = fb.Environment(parallelism=2, workers=2, checkpoint_interval=0.1, checkpoint_dir=ck)
+    keyed_job(env, 2, 4000, out, rate=3000)
+    job = env.execute_async()
+    time.sleep(1.0)
+    sp = job.stop(savepoint=str(tmp_path / "sp"))
+    assert sum(committed(out).values()) < sum(expected(4000).values())
+    env2 = fb.Environment(parallelism=3, workers=2, checkpoint_interval=0.1, checkpoint_dir=ck)
+    keyed_job(env2, 3, 4000, out, rate=None)
+    env2.execute(120, restore_from=sp)
+    assert committed(out) == expected(4000)
