@@ -607,8 +607,10 @@ class Subtask(threading.Thread):
         if stored is not None:
             self.checkpointing.coordinator.task_finished(self.checkpointing.key, stored, [], 0,
                                                          summary_of(stored))
-        else:       # a checkpoint written before operator ids
-            self.checkpointing.coordinator.task_finished(self.checkpointing.key, dict(self.restore), [])
+        else:       # a checkpoint written before operator ids: its raw states, in chain order
+            legacy = {k: v for k, v in self.restore.items() if k not in ("inflight", "stored")}
+            stored, summary = self.checkpointing.stored(dict(legacy, finished=True))
+            self.checkpointing.coordinator.task_finished(self.checkpointing.key, stored, [], 0, summary)
         for out in self.outputs:
             out.end_input()
         self._drain_restored_inputs()
