@@ -73,7 +73,7 @@ def _keyed_count(env, source):
     return (source.map(lambda x: x + 1, kind="int64", name="map")
                   .map(lambda x: (x % KEYS, 1), kind="struct", name="pair")
                   .key_by(lambda kv: kv[0])
-                  .reduce(lambda a, b: (a[0], a[1] + b[1]), name="count"))
+                  .reduce(lambda a, b: (a[0], a[1] + b[1]), name="count").uid("count"))
 
 
 def overhead_case(n, checkpoints: list | None, tmp):
@@ -200,7 +200,7 @@ def recovery(keys, value_size, tmp) -> dict:
                   .map(failing if fail else (lambda x: x), kind="int64", name="maybe_fail")
                   .map(lambda x: (x % keys, pad + str(x)), kind="struct", name="value")
                   .key_by(lambda kv: kv[0])
-                  .reduce(lambda a, b: b, name="last")
+                  .reduce(lambda a, b: b, name="last").uid("last")
                   .filter(lambda kv: kv[0] < 100, name="few")
                   .collect())
         ex = env.execute_async()
@@ -227,7 +227,7 @@ def recovery(keys, value_size, tmp) -> dict:
 def savepoint_durations(n, count, tmp) -> list:
     """Savepoints of the keyed count while it runs, one after the other."""
     env = fb.Environment(chaining=False, checkpoint_interval=1.0, checkpoint_dir=tempfile.mkdtemp(dir=tmp))
-    _keyed_count(env, env.from_sequence(0, n)).uid("count").sink(lambda batch: None, batched=True)
+    _keyed_count(env, env.from_sequence(0, n)).sink(lambda batch: None, batched=True)
     job = env.execute_async()
     took = []
     try:

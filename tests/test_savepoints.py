@@ -154,3 +154,38 @@ def test_savepoint_errors(tmp_path):
         env3 = fb.Environment(checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck3"))
         counting(env3, 10, 1, None)
         env3.execute(30, restore_from=str(tmp_path / "nothing-here"))
+
+
+def test_in_flight_data_does_not_move_but_a_savepoint_does(tmp_path):
+    """An unaligned checkpoint's in-flight data restores only into the same
+    tasks: at another parallelism the restore is refused, pointing to a
+    savepoint; a savepoint of the same job (aligned) restores there."""
+    from test_unaligned import backpressured_job
+
+    ck = str(tmp_path / "chk")
+    env = fb.Environment(chaining=False, checkpoint_interval=0.3, checkpoint_dir=ck,
+                         checkpoint_mode="unaligned", segment_size=4096)
+    backpressured_job(env)
+    job = env.execute_async()
+    deadline = time.monotonic() + 60
+    while not any(c["status"] == "completed" and c["inflight_bytes"] for c in env.checkpoints()):
+        assert time.monotonic() < deadline, env.checkpoints()
+        time.sleep(0.05)
+    sp = job.stop(savepoint=str(tmp_path / "sp"))
+    assert SavepointStorage(sp).latest().inflight_bytes == 0
+    # under backpressure every unaligned checkpoint holds what its barriers overtook
+    held = [m for m in CheckpointStorage(ck).list_complete() if m.inflight_bytes]
+    assert held
+
+    def rescaled():
+        e = fb.Environment(parallelism=2, chaining=False, checkpoint_interval=0.3, checkpoint_dir=ck,
+                           checkpoint_mode="unaligned", segment_size=4096)
+        backpressured_job(e)
+        return e
+    with pytest.raises(ConfigurationError, match="in-flight data cannot be redistributed.*savepoint"):
+        rescaled().execute(30, restore_from=held[-1].checkpoint_id)
+    env2 = rescaled()
+    job2 = env2.execute_async(restore_from=sp)
+    time.sleep(0.5)
+    job2.cancel()
+    assert env2.last_execution.restored_from == SavepointStorage(sp).checkpoint_id
