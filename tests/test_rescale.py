@@ -226,3 +226,48 @@ def test_workers_stop_with_savepoint_and_resume_at_another_parallelism(tmp_path)
     keyed_job(env2, 3, 4000, out, rate=None)
     env2.execute(120, restore_from=sp)
     assert committed(out) == expected(4000)
+
+
+@settings(max_examples=30)
+@given(keys=st.lists(st.one_of(st.integers(-50, 50), st.text(max_size=3)), max_size=30, unique=True),
+       maxp=st.integers(1, 64), p=st.integers(1, 8))
+def test_keyed_state_split_by_group_and_merged_per_range_is_the_state_of_the_range(keys, maxp, p):
+    """split_state / merge_state of a window operator and a keyed process
+    operator: the groups of every subtask's range merged back hold exactly
+    that range's keys, their windows and their timers."""
+    from pyflowbuf.runtime.timers import KeyedProcessOperator
+    from pyflowbuf.windows.operator import WindowOperator, WindowSpec
+
+    if p > maxp:
+        return
+    win = WindowOperator("w", WindowSpec(fb.Tumbling(5.0), lambda r: r[0], lambda r: r[1]), "reduce",
+                         lambda a, b: a)
+    proc = KeyedProcessOperator("p", lambda r: r[0], None, lambda k, x, st, ctx: None, on_timer=lambda *a: None)
+    for i, k in enumerate(keys):
+        win.windows[(k, 0.0, 5.0)] = i
+        win.timers.event.register((k, 0.0, 5.0), 5.0)
+        win.cleanup.register((k, 0.0, 5.0), 5.0)
+        proc.state[k] = {"n": i}
+        proc.timers.event.register(k, float(i % 3))
+        proc.timers.processing.register(k, 100.0 + i)
+    win.timers.advance(1.0)
+    for op in (win, proc):
+        snap = op.snapshot_state()
+        groups, common = op.split_state(snap, maxp)
+        seen = []
+        for i in range(p):
+            start, end = kg.key_group_range(maxp, p, i)
+            mine = [k for k in keys if start <= kg.key_group(k, maxp) < end]
+            merged = op.merge_state([g for j, g in sorted(groups.items()) if start <= j < end], [common])
+            if op is win:
+                assert sorted(map(repr, merged["windows"])) == sorted(repr((k, 0.0, 5.0)) for k in mine)
+                assert sorted(repr(k) for _, ks in merged["timers"]["event"] for k in ks) == \
+                    sorted(repr((k, 0.0, 5.0)) for k in mine)
+                assert merged["timers"]["watermark"] == 1.0
+            else:
+                assert {repr(k): v for k, v in merged["state"].items()} == \
+                    {repr(k): proc.state[k] for k in mine}
+                assert sorted(repr(k) for _, ks in merged["timers"]["processing"] for k in ks) == \
+                    sorted(repr(k) for k in mine)
+            seen.extend(mine)
+        assert sorted(map(repr, seen)) == sorted(map(repr, keys))

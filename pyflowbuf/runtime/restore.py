@@ -345,7 +345,11 @@ class RestorePlan:
                 s0, e0 = e["key_groups"]
                 if e0 <= start or s0 >= end:
                     continue
-                commons.append(e.get("common"))
+                common = e.get("common")
+                if isinstance(common, dict):
+                    # counters of the old subtask go to one new subtask only: the one owning its first group
+                    common = dict(common, owner=start <= s0 < end)
+                commons.append(common)
                 for g, blob in e["groups"].items():
                     if start <= g < end:
                         parts.append((g, blob))

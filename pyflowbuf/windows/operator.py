@@ -300,7 +300,7 @@ class WindowOperator(TimerOperator):
                 "timers": merge_timer_parts(parts, commons),
                 "cleanup": kg.merge_timers(p.get("cleanup") for p in parts),
                 # a counter of the job, not of a key: summed over the subtasks it came from
-                "late_dropped": sum(c.get("late_dropped", 0) for c in commons if c)}
+                "late_dropped": sum(c.get("late_dropped", 0) for c in commons if c and c.get("owner", True))}
 
     def metrics(self) -> dict:
         return {"late_records_dropped": self.late_dropped, "late_records_out": self.late_out}
