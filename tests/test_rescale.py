@@ -271,3 +271,37 @@ def test_keyed_state_split_by_group_and_merged_per_range_is_the_state_of_the_ran
                     sorted(repr(k) for k in mine)
             seen.extend(mine)
         assert sorted(map(repr, seen)) == sorted(map(repr, keys))
+
+
+@pytest.mark.parametrize("p1, p2", [(2, 3), (4, 2)])
+def test_parquet_row_groups_are_redistributed(tmp_path, p1, p2):
+    """read_parquet stopped twice with a savepoint, resumed at p2 and back at
+    p1: the row groups not yet read (the current ones from their row) are
+    dealt out again; every row is read exactly once."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "in").mkdir()
+    for i in range(3):
+        pq.write_table(pa.table({"x": list(range(i * 2000, (i + 1) * 2000))}),
+                       tmp_path / "in" / f"f{i}.parquet", row_group_size=250)
+
+    def build(p, rate):
+        env = fb.Environment(parallelism=p, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
+        out = (env.read_parquet(str(tmp_path / "in"), batch_size=50, parallelism=p, rate_limit=rate).uid("rows")
+                  .map(lambda r: (r["x"] % 5, r["x"])).key_by(lambda kv: kv[0])
+                  .reduce(lambda a, b: (a[0], b[1])).uid("last").collect())
+        return env, out
+
+    env, o1 = build(p1, 3000)
+    job = env.execute_async()
+    time.sleep(0.8)
+    sp = job.stop(savepoint=str(tmp_path / "sp1"))
+    env, o2 = build(p2, 3000)
+    job = env.execute_async(restore_from=sp)
+    time.sleep(0.7)
+    sp = job.stop(savepoint=str(tmp_path / "sp2"))
+    env, o3 = build(p1, None)
+    env.execute(60, restore_from=sp)
+    assert o1.result and o2.result and o3.result
+    assert sorted(x for _, x in o1.result + o2.result + o3.result) == list(range(6000))

@@ -253,10 +253,13 @@ class RestorePlan:
                     continue
                 for uid in uids + ([src] if src else []):
                     for k, s in self._old_tasks_of(uid):
-                        if s.get("finished"):
+                        # a source that read its share is only a position at the end; an
+                        # operator that ended has emitted what it emits at the end already
+                        if s.get("finished") and any(o.get("stateful") for o in s["operators"].values()):
                             raise errors.ConfigurationError(
-                                f"{where}: task {s['vertex']!r} ({k}) had reached the end of its input; a job whose "
-                                "tasks had ended restores only into the same operators at the same parallelism")
+                                f"{where}: task {s['vertex']!r} ({k}) had reached the end of its input and holds "
+                                "state; a job whose stateful tasks had ended restores only into the same operators "
+                                "at the same parallelism")
 
     def check_sources(self, vertices) -> None:
         """Each source whose id the checkpoint holds checks the identity of
