@@ -232,9 +232,10 @@ def test_workers_stop_with_savepoint_and_resume_at_another_parallelism(tmp_path)
 @given(keys=st.lists(st.one_of(st.integers(-50, 50), st.text(max_size=3)), max_size=30, unique=True),
        maxp=st.integers(1, 64), p=st.integers(1, 8))
 def test_keyed_state_split_by_group_and_merged_per_range_is_the_state_of_the_range(keys, maxp, p):
-    """split_state / merge_state of a window operator and a keyed process
-    operator: the groups of every subtask's range merged back hold exactly
-    that range's keys, their windows and their timers."""
+    """The stored keyed state of a window operator and a keyed process
+    operator (every entry with its key group): restored whole it is the
+    snapshot; restored for a subtask's range it holds exactly that range's
+    keys, their windows and their timers."""
     from pyflowbuf.runtime.timers import KeyedProcessOperator
     from pyflowbuf.windows.operator import WindowOperator, WindowSpec
 
@@ -251,14 +252,21 @@ def test_keyed_state_split_by_group_and_merged_per_range_is_the_state_of_the_ran
         proc.timers.event.register(k, float(i % 3))
         proc.timers.processing.register(k, 100.0 + i)
     win.timers.advance(1.0)
+    from pyflowbuf.checkpoint import dumps, loads
+    from pyflowbuf.runtime.restore import keyed_restore, keyed_value
+
     for op in (win, proc):
         snap = op.snapshot_state()
-        groups, common = op.split_state(snap, maxp)
+        value, present = keyed_value(op, snap, maxp, 0, maxp, op.name, 0)
+        value = loads(dumps(value))          # as a restore reads it back
+        assert present == len({kg.key_group(k, maxp) for k in keys})
+        whole = keyed_restore(op, [(value, None)])
+        assert repr(whole) == repr(snap)     # at the same parallelism: the snapshot as it was
         seen = []
         for i in range(p):
             start, end = kg.key_group_range(maxp, p, i)
             mine = [k for k in keys if start <= kg.key_group(k, maxp) < end]
-            merged = op.merge_state([g for j, g in sorted(groups.items()) if start <= j < end], [common])
+            merged = keyed_restore(op, [(value, i == 0)], start, end)
             if op is win:
                 assert sorted(map(repr, merged["windows"])) == sorted(repr((k, 0.0, 5.0)) for k in mine)
                 assert sorted(repr(k) for _, ks in merged["timers"]["event"] for k in ks) == \
@@ -271,37 +279,3 @@ def test_keyed_state_split_by_group_and_merged_per_range_is_the_state_of_the_ran
                     sorted(repr(k) for k in mine)
             seen.extend(mine)
         assert sorted(map(repr, seen)) == sorted(map(repr, keys))
-
-
-@pytest.mark.parametrize("p1, p2", [(2, 3), (4, 2)])
-def test_parquet_row_groups_are_redistributed(tmp_path, p1, p2):
-    """read_parquet stopped twice with a savepoint, resumed at p2 and back at
-    p1: the row groups not yet read (the current ones from their row) are
-    dealt out again; every row is read exactly once."""
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
-    (tmp_path / "in").mkdir()
-    for i in range(3):
-        pq.write_table(pa.table({"x": list(range(i * 2000, (i + 1) * 2000))}),
-                       tmp_path / "in" / f"f{i}.parquet", row_group_size=250)
-
-    def build(p, rate):
-        env = fb.Environment(parallelism=p, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
-        out = (env.read_parquet(str(tmp_path / "in"), batch_size=50, parallelism=p, rate_limit=rate).uid("rows")
-                  .map(lambda r: (r["x"] % 5, r["x"])).key_by(lambda kv: kv[0])
-                  .reduce(lambda a, b: (a[0], b[1])).uid("last").collect())
-        return env, out
-
-    env, o1 = build(p1, 3000)
-    job = env.execute_async()
-    time.sleep(0.8)
-    sp = job.stop(savepoint=str(tmp_path / "sp1"))
-    env, o2 = build(p2, 3000)
-    job = env.execute_async(restore_from=sp)
-    time.sleep(0.7)
-    sp = job.stop(savepoint=str(tmp_path / "sp2"))
-    env, o3 = build(p1, None)
-    env.execute(60, restore_from=sp)
-    assert o1.result and o2.result and o3.result
-    assert sorted(x for _, x in o1.result + o2.result + o3.result) == list(range(6000))

@@ -166,7 +166,8 @@ class CheckpointCoordinator:
     def storage_for(self, checkpoint_id: int):
         """Where checkpoint ``checkpoint_id``'s files go (a savepoint has its own directory)."""
         with self._lock:
-            p = self.pending.get(checkpoint_id)
+            p = self.pending.get(checkpoint_id) or self._savepoints.get(checkpoint_id)
+        # (a savepoint aborted meanwhile: its own storage, which refuses the late write)
         return self.storage if p is None or p.storage is None else p.storage
 
     def savepoint(self, path: str, *, stop: bool = False, timeout: float | None = None):

@@ -11,6 +11,8 @@ for the life of the job's state: changing it would move keys between groups.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from pyflowbuf import errors
 from pyflowbuf._core.serde import key_groups, stable_hash
 
@@ -50,53 +52,28 @@ def operator_index(max_parallelism: int, parallelism: int, group: int) -> int:
     return group * parallelism // max_parallelism
 
 
-def group_keys(keys, max_parallelism: int) -> dict:
-    """{group: [keys]} for ``keys`` (any iterable), in one C call for the hashes."""
-    keys = list(keys)
-    out: dict = {}
-    for k, g in zip(keys, key_groups(keys, max_parallelism)):
-        bucket = out.get(g)
-        if bucket is None:
-            out[g] = [k]
+def group_index(keys, max_parallelism: int) -> np.ndarray:
+    """The key group of each of ``keys`` (a list), as a uint16 array: one C
+    call for the hashes. Checkpoints store it beside a keyed map, in the
+    map's order, so a restore picks a range's entries without hashing."""
+    return np.asarray(key_groups(keys, max_parallelism), dtype=np.uint16)
+
+
+def flatten_timers(snap) -> tuple[list, list]:
+    """A TimerQueue snapshot ``[(t, [keys])]`` as parallel lists (times, keys)."""
+    times, keys = [], []
+    for t, ks in snap or ():
+        times.extend([t] * len(ks))
+        keys.extend(ks)
+    return times, keys
+
+
+def timers_from(pairs) -> list:
+    """``[(t, key)]`` in time order (ties in the order given) as a TimerQueue snapshot."""
+    out: list = []
+    for t, k in pairs:
+        if out and out[-1][0] == t:
+            out[-1][1].append(k)
         else:
-            bucket.append(k)
+            out.append((t, [k]))
     return out
-
-
-def split_dict(d: dict, max_parallelism: int, key_of=None) -> dict:
-    """{group: {k: v}} of a dict whose keys are the records' keys (or hold
-    them: ``key_of(k)`` gives the record key, e.g. a window's (key, start, end))."""
-    if not d:
-        return {}
-    ks = list(d)
-    hashed = ks if key_of is None else [key_of(k) for k in ks]
-    out: dict = {}
-    for k, g in zip(ks, key_groups(hashed, max_parallelism)):
-        part = out.get(g)
-        if part is None:
-            out[g] = part = {}
-        part[k] = d[k]
-    return out
-
-
-def split_timers(snap, max_parallelism: int, key_of=None) -> dict:
-    """{group: [(t, [keys])]} of a TimerQueue snapshot ``[(t, [keys])]``."""
-    out: dict = {}
-    for t, keys in snap or ():
-        hashed = keys if key_of is None else [key_of(k) for k in keys]
-        for k, g in zip(keys, key_groups(hashed, max_parallelism)):
-            part = out.setdefault(g, [])
-            if part and part[-1][0] == t:
-                part[-1][1].append(k)
-            else:
-                part.append((t, [k]))
-    return out
-
-
-def merge_timers(parts) -> list:
-    """The TimerQueue snapshot of several groups' timers, in time order."""
-    at: dict = {}
-    for part in parts:
-        for t, keys in part or ():
-            at.setdefault(t, []).extend(keys)
-    return [(t, at[t]) for t in sorted(at)]

@@ -19,7 +19,6 @@ from typing import Any, Callable
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf.runtime.keygroups import split_dict
 from pyflowbuf.runtime.outputs import FileOutput
 from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error, short_repr
 
@@ -79,17 +78,21 @@ class Operator:
         """Called before ``open`` when the job restores from a checkpoint."""
 
     # ---- state that moves between parallelisms (pyflowbuf.runtime.keygroups) ----
-    # A keyed operator (``keyed_state``) splits its snapshot by key group,
-    # which checkpoints store group by group; a restore at any parallelism
-    # merges the groups of the subtask's range back into one state.
+    # A keyed operator (``keyed_state``) hands its snapshot over as maps and
+    # timer lists whose entries belong to keys; checkpoints store each with
+    # the key group of every entry, and a restore at any parallelism gives
+    # the operator back the entries of its subtask's groups.
     keyed_state = False
 
-    def split_state(self, state, max_parallelism: int) -> tuple[dict, Any]:
-        """A keyed snapshot as ({key group: part}, what belongs to no key)."""
+    def keyed_parts(self, state) -> tuple[dict, dict, Any]:
+        """A keyed snapshot as (maps, timers, common): ``maps`` {name: (dict,
+        key_of)}, ``timers`` {name: (TimerQueue snapshot, key_of)}, where
+        ``key_of(k)`` is the record key of an entry's key (None: the key
+        itself), and ``common`` what belongs to no key."""
         raise NotImplementedError
 
-    def merge_state(self, parts: list, commons: list) -> Any:
-        """``split_state`` undone for the parts of one subtask's groups
+    def from_keyed_parts(self, maps: dict, timers: dict, commons: list) -> Any:
+        """``keyed_parts`` undone: the entries of one subtask's key groups
         (``commons``: the keyless rest of every subtask they came from)."""
         raise NotImplementedError
 
@@ -267,11 +270,11 @@ class KeyedReduce(_Keyed):
 
     keyed_state = True
 
-    def split_state(self, state, max_parallelism):
-        return split_dict(state or {}, max_parallelism), None
+    def keyed_parts(self, state):
+        return {"state": (state or {}, None)}, {}, None
 
-    def merge_state(self, parts, commons):
-        return _merge_dicts(parts)
+    def from_keyed_parts(self, maps, timers, commons):
+        return maps.get("state", {})
 
 
 class KeyedProcess(_Keyed):
@@ -289,18 +292,11 @@ class KeyedProcess(_Keyed):
 
     keyed_state = True
 
-    def split_state(self, state, max_parallelism):
-        return split_dict(state or {}, max_parallelism), None
+    def keyed_parts(self, state):
+        return {"state": (state or {}, None)}, {}, None
 
-    def merge_state(self, parts, commons):
-        return _merge_dicts(parts)
-
-
-def _merge_dicts(parts) -> dict:
-    out: dict = {}
-    for part in parts:
-        out.update(part)
-    return out
+    def from_keyed_parts(self, maps, timers, commons):
+        return maps.get("state", {})
 
 
 def _process_per_key(op, batch, key_fn, fn):
@@ -394,11 +390,11 @@ class KeyedCoProcess(_TwoInput):
 
     keyed_state = True
 
-    def split_state(self, state, max_parallelism):
-        return split_dict(state or {}, max_parallelism), None
+    def keyed_parts(self, state):
+        return {"state": (state or {}, None)}, {}, None
 
-    def merge_state(self, parts, commons):
-        return _merge_dicts(parts)
+    def from_keyed_parts(self, maps, timers, commons):
+        return maps.get("state", {})
 
 
 # ---- sinks: the last operator of a chain; they return nothing downstream ----

@@ -25,12 +25,17 @@ The stored layout (format 2) of a subtask's STATE value::
      "max_parallelism": 128, "finished": False,
      "source_uid": "src#0", "source": <position>, "source_identity": {...},
      "operators": [{"uid": "reduce#0", "name": "reduce", "type": "KeyedReduce",
-                    "keyed": True, "key_groups": [0, 64],
-                    "groups": {group: <dumps(part)>}, "common": <keyless rest>},
+                    "keyed": True, "key_groups": [0, 64], "value": <dumps(keyed value)>},
                    {"uid": "map#0", "name": "map", "type": "Map", "state": None}, ...]}
 
-Each group's part (and a per-subtask state) is one ``container.dumps``
-value, so a subtask restored at another parallelism decodes only its groups.
+A keyed value is ``{"maps": {name: {"entries": {key: ...}, "groups": uint16
+array}}, "timers": {name: {"times": [...], "keys": [...], "groups": uint16
+array}}, "common": ...}``: every entry with its key group beside it, in the
+order the operator holds them (written in that order, which is the fast
+one), so a restore at another parallelism picks its groups' entries without
+hashing a key. Each operator's value (and a per-subtask state) is one
+``container.dumps`` value, decoded once per restore whatever the number of
+new subtasks that share it.
 The checkpoint's ``_metadata`` repeats the layout in plain fields
 (``properties["state_format"]``, ``["max_parallelism"]``, ``["operators"]``:
 per operator id its name, type, parallelism, key groups and state bytes per
@@ -40,6 +45,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+
+import numpy as np
 
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.container import dumps, loads
@@ -73,17 +80,10 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
         e = {"uid": uid, "name": op.name, "type": type(op).__name__}
         info = {"name": op.name, "type": e["type"], "stateful": raw is not None, "keyed": False, "bytes": 0}
         if raw is not None and op.keyed_state:
-            groups, common = op.split_state(raw, max_parallelism)
-            stray = [g for g in groups if not start <= g < end]
-            if stray:
-                raise errors.FlowBufError(
-                    f"operator {op.name!r} (uid {uid!r}) holds keys of key group {stray[0]}, outside the groups "
-                    f"[{start}, {end}) of its subtask {i}: its input was not partitioned by key_by with this "
-                    "job's max_parallelism, so its state could not be restored where its keys go")
-            blobs = {g: dumps(part, allow_pickle=allow_pickle) for g, part in sorted(groups.items())}
-            e.update(keyed=True, key_groups=[start, end], groups=blobs, common=common)
-            info.update(keyed=True, key_groups=[start, end], groups=len(blobs),
-                        bytes=sum(len(b) for b in blobs.values()))
+            value, present = keyed_value(op, raw, max_parallelism, start, end, uid, i)
+            blob = dumps(value, allow_pickle=allow_pickle)
+            e.update(keyed=True, key_groups=[start, end], value=blob)
+            info.update(keyed=True, key_groups=[start, end], groups=present, bytes=len(blob))
         else:
             blob = None if raw is None else dumps(raw, allow_pickle=allow_pickle)
             e["state"] = blob
@@ -98,6 +98,83 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
     return out, summary
 
 
+def keyed_value(op, raw, max_parallelism, start, end, uid, index):
+    """A keyed operator's snapshot as stored: its maps in their own order
+    with the key group of each entry beside them (``groups``, uint16), its
+    timers as parallel lists with theirs, and the keyless rest. Returns it
+    and the number of key groups it holds entries of."""
+    maps, timers, common = op.keyed_parts(raw)
+    value = {"maps": {}, "timers": {}, "common": common}
+    indexes = []
+    for name, (d, key_of) in maps.items():
+        ks = list(d)
+        idx = kg.group_index(ks if key_of is None else [key_of(k) for k in ks], max_parallelism)
+        value["maps"][name] = {"entries": d, "groups": idx}
+        indexes.append(idx)
+    for name, (snap, key_of) in timers.items():
+        times, keys = kg.flatten_timers(snap)
+        idx = kg.group_index(keys if key_of is None else [key_of(k) for k in keys], max_parallelism)
+        value["timers"][name] = {"times": times, "keys": keys, "groups": idx}
+        indexes.append(idx)
+    present = np.concatenate(indexes) if indexes else np.empty(0, np.uint16)
+    if present.size and (int(present.min()) < start or int(present.max()) >= end):
+        stray = int(present[(present < start) | (present >= end)][0])
+        raise errors.FlowBufError(
+            f"operator {op.name!r} (uid {uid!r}) holds keys of key group {stray}, outside the groups "
+            f"[{start}, {end}) of its subtask {index}: its input was not partitioned by key_by with this "
+            "job's max_parallelism, so its state could not be restored where its keys go")
+    return value, int(np.unique(present).size)
+
+
+def keyed_restore(op, values, start=None, end=None):
+    """The state of ``op`` from stored keyed values (``keyed_value``), each
+    ``(value, owner)``: the entries of key groups ``[start, end)`` (all of
+    them when ``start`` is None), merged. ``owner``: whether the subtask the
+    value came from counts its keyless counters here (None: as stored)."""
+    maps: dict = {}
+    pairs: dict = {}
+    commons = []
+    for v, owner in values:
+        for name, m in v["maps"].items():
+            d, target = m["entries"], maps.setdefault(name, {})
+            sel = _selection(m["groups"], start, end)
+            if sel is None:
+                target.update(d)
+            elif len(sel):
+                items = list(d.items())
+                target.update(items[j] for j in sel)
+        for name, t in v["timers"].items():
+            got = pairs.setdefault(name, [])
+            sel = _selection(t["groups"], start, end)
+            if sel is None:
+                got.extend(zip(t["times"], t["keys"]))
+            else:
+                times, keys = t["times"], t["keys"]
+                got.extend((times[j], keys[j]) for j in sel)
+        common = v["common"]
+        if isinstance(common, dict) and owner is not None:
+            common = dict(common, owner=owner)
+        commons.append(common)
+    single = len(values) == 1
+    timers = {name: kg.timers_from(got if single else sorted(got, key=_time_of)) for name, got in pairs.items()}
+    return op.from_keyed_parts(maps, timers, commons)
+
+
+def _time_of(pair):
+    return pair[0]
+
+
+def _selection(groups, start, end):
+    """The positions of the entries in ``[start, end)``; None for all of them."""
+    if start is None:
+        return None
+    groups = np.asarray(groups)
+    mask = (groups >= start) & (groups < end)
+    if mask.all():
+        return None
+    return np.flatnonzero(mask).tolist()
+
+
 def summary_of(stored: dict) -> dict:
     """``stored_state``'s summary, from the stored layout itself (a task
     restored as finished hands its stored state on to later checkpoints)."""
@@ -106,8 +183,7 @@ def summary_of(stored: dict) -> dict:
         info = {"name": e["name"], "type": e["type"], "keyed": bool(e.get("keyed")), "bytes": 0,
                 "stateful": bool(e.get("keyed")) or e.get("state") is not None}
         if e.get("keyed"):
-            info.update(key_groups=list(e["key_groups"]), groups=len(e["groups"]),
-                        bytes=sum(len(b) for b in e["groups"].values()))
+            info.update(key_groups=list(e["key_groups"]), bytes=len(e["value"]))
         elif e.get("state") is not None:
             info["bytes"] = len(e["state"])
         ops[e["uid"]] = info
@@ -159,6 +235,7 @@ class RestorePlan:
         self.operators = props.get("operators") or {}
         self.old_max = props.get("max_parallelism")
         self._cache: dict = {}
+        self._decoded: dict = {}
 
     @property
     def where(self) -> str:
@@ -325,10 +402,17 @@ class RestorePlan:
             return None
         allow = self.storage.allow_pickle
         if e.get("keyed"):
-            parts = [loads(b, allow_pickle=allow) for _, b in sorted(e["groups"].items())]
-            return op.merge_state(parts, [e.get("common")])
+            return keyed_restore(op, [(loads(e["value"], allow_pickle=allow), None)])
         blob = e.get("state")
         return None if blob is None else loads(blob, allow_pickle=allow)
+
+    def _value(self, task_key, e):
+        """A keyed entry's value, decoded once per restore (new subtasks whose
+        ranges share an old subtask read it from here)."""
+        got = self._decoded.get((task_key, e["uid"]))
+        if got is None:
+            got = self._decoded[(task_key, e["uid"])] = loads(e["value"], allow_pickle=self.storage.allow_pickle)
+        return got
 
     def _operator_state(self, op, uid, v, i):
         olds = self._old_tasks_of(uid)
@@ -341,23 +425,16 @@ class RestorePlan:
             entries.append(next(e for e in st["operators"] if e["uid"] == uid))
         if any(e.get("keyed") for e in entries):
             start, end = kg.key_group_range(self.max_parallelism, v.parallelism, i)
-            parts, commons = [], []
-            for e in entries:
+            values = []
+            for (k, _), e in zip(olds, entries):
                 if not e.get("keyed"):
                     continue
                 s0, e0 = e["key_groups"]
                 if e0 <= start or s0 >= end:
                     continue
-                common = e.get("common")
-                if isinstance(common, dict):
-                    # counters of the old subtask go to one new subtask only: the one owning its first group
-                    common = dict(common, owner=start <= s0 < end)
-                commons.append(common)
-                for g, blob in e["groups"].items():
-                    if start <= g < end:
-                        parts.append((g, blob))
-            parts.sort(key=lambda gb: gb[0])
-            return op.merge_state([loads(b, allow_pickle=allow) for _, b in parts], commons)
+                # counters of the old subtask go to one new subtask only: the one owning its first group
+                values.append((self._value(k, e), start <= s0 < end))
+            return keyed_restore(op, values, start, end)
         states = [None if e.get("state") is None else loads(e["state"], allow_pickle=allow) for e in entries]
         if len(states) == v.parallelism:
             return states[i]

@@ -18,7 +18,6 @@ import time
 from typing import Callable
 
 from pyflowbuf import errors
-from pyflowbuf.runtime import keygroups as kg
 from pyflowbuf.runtime.operators import Operator, _copy_key_dicts
 # the processing-time service lived here before; its names stay importable from here
 from pyflowbuf.runtime.processing_time import ProcessingTimeService, processing_time_service, schedule  # noqa: F401
@@ -113,13 +112,12 @@ class TimerService:
         self.processing = TimerQueue.restored(snap["processing"])
 
 
-def merge_timer_parts(parts, commons) -> dict:
-    """A TimerService snapshot from key groups' timers; the watermark is the
-    lowest of the subtasks they came from (no timer fires early)."""
+def timer_service_snapshot(timers, commons) -> dict:
+    """A TimerService snapshot from restored timer lists; the watermark is
+    the lowest of the subtasks they came from (no timer fires early)."""
     marks = [c["watermark"] for c in commons if c]
     return {"watermark": min(marks) if marks else NO_WATERMARK,
-            "event": kg.merge_timers(p.get("event") for p in parts),
-            "processing": kg.merge_timers(p.get("processing") for p in parts)}
+            "event": timers.get("event", []), "processing": timers.get("processing", [])}
 
 
 def _seconds(t, what) -> float:
@@ -364,21 +362,14 @@ class KeyedProcessOperator(TimerOperator):
 
     keyed_state = True
 
-    def split_state(self, state, max_parallelism):
-        groups: dict = {}
-        for g, part in kg.split_dict(state["state"], max_parallelism).items():
-            groups[g] = {"state": part}
+    def keyed_parts(self, state):
         timers = state["timers"]
-        for domain in ("event", "processing"):
-            for g, part in kg.split_timers(timers[domain], max_parallelism).items():
-                groups.setdefault(g, {})[domain] = part
-        return groups, {"watermark": timers["watermark"]}
+        return ({"state": (state["state"], None)},
+                {"event": (timers["event"], None), "processing": (timers["processing"], None)},
+                {"watermark": timers["watermark"]})
 
-    def merge_state(self, parts, commons):
-        merged: dict = {}
-        for p in parts:
-            merged.update(p.get("state") or {})
-        return {"state": merged, "timers": merge_timer_parts(parts, commons)}
+    def from_keyed_parts(self, maps, timers, commons):
+        return {"state": maps.get("state", {}), "timers": timer_service_snapshot(timers, commons)}
 
 
 

@@ -5,8 +5,7 @@ import bisect
 import copy
 
 from pyflowbuf.runtime.operators import Operator
-from pyflowbuf.runtime import keygroups as kg
-from pyflowbuf.runtime.timers import TimerOperator, TimerQueue, merge_timer_parts
+from pyflowbuf.runtime.timers import TimerOperator, TimerQueue, timer_service_snapshot
 from pyflowbuf.runtime.watermarks import to_seconds
 from pyflowbuf.windows.aggregates import Count
 from pyflowbuf.windows.assigners import TimeWindow, Tumbling
@@ -273,33 +272,21 @@ class WindowOperator(TimerOperator):
 
     keyed_state = True
 
-    def split_state(self, state, max_parallelism):
-        groups: dict = {}
-
-        def put(what, split):
-            for g, part in split.items():
-                groups.setdefault(g, {})[what] = part
-        if state["windows"] is not None:
-            put("windows", kg.split_dict(state["windows"], max_parallelism, _window_key))
-        if state["sessions"] is not None:
-            put("sessions", kg.split_dict(state["sessions"], max_parallelism))
+    def keyed_parts(self, state):
+        maps = ({"sessions": (state["sessions"], None)} if state["sessions"] is not None else
+                {"windows": (state["windows"] or {}, _window_key)})
         timers = state["timers"]
-        for domain in ("event", "processing"):
-            put(domain, kg.split_timers(timers[domain], max_parallelism, _window_key))
-        put("cleanup", kg.split_timers(state["cleanup"], max_parallelism, _window_key))
-        return groups, {"watermark": timers["watermark"], "late_dropped": state.get("late_dropped", 0),
-                        "merging": self.merging}
+        return (maps,
+                {"event": (timers["event"], _window_key), "processing": (timers["processing"], _window_key),
+                 "cleanup": (state["cleanup"], _window_key)},
+                {"watermark": timers["watermark"], "late_dropped": state.get("late_dropped", 0)})
 
-    def merge_state(self, parts, commons):
-        windows: dict = {}
-        sessions: dict = {}
-        for p in parts:
-            windows.update(p.get("windows") or {})
-            sessions.update(p.get("sessions") or {})
-        return {"windows": None if self.merging else windows, "sessions": sessions if self.merging else None,
-                "timers": merge_timer_parts(parts, commons),
-                "cleanup": kg.merge_timers(p.get("cleanup") for p in parts),
-                # a counter of the job, not of a key: summed over the subtasks it came from
+    def from_keyed_parts(self, maps, timers, commons):
+        return {"windows": None if self.merging else maps.get("windows", {}),
+                "sessions": maps.get("sessions", {}) if self.merging else None,
+                "timers": timer_service_snapshot(timers, commons),
+                "cleanup": timers.get("cleanup", []),
+                # a counter of the job, not of a key: each old subtask's goes to one new subtask
                 "late_dropped": sum(c.get("late_dropped", 0) for c in commons if c and c.get("owner", True))}
 
     def metrics(self) -> dict:
