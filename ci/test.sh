@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets everything up (ci/setup.sh) and runs the whole test suite; in CI (CI=true)
 # or when asked (PYFLOWBUF_SANITIZE_TESTS=1), then also the core, network and
-# worker-kill tests against a build with ASan and UBSan (ci/sanitize.sh).
+# worker tests against a build with ASan and UBSan (ci/sanitize.sh).
 # Fails if either run fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -12,19 +12,25 @@ import warnings
 from pyflowbuf._version import __version__
 from pyflowbuf._core.serde import stable_hash
 from pyflowbuf import errors
-from pyflowbuf.api import (CollectSink, ConnectedStreams, Environment, IntervalJoin, IteratorSink, JoinedStreams,
-                           KeyedStream, Stream, WindowedStream, WindowResult)
+from pyflowbuf.api import (AllWindowedStream, CollectSink, ConnectedStreams, Environment, IntervalJoin, IteratorSink,
+                           JoinedStreams, KeyedStream, OutputTag, Stream, WindowedStream, WindowResult)
 from pyflowbuf.runtime.sources import RateLimiter
 from pyflowbuf import windows
-from pyflowbuf.windows import AggregateFunction, Count, Session, Sliding, Sum, TimeWindow, Tumbling
+from pyflowbuf.windows import (AggregateFunction, ContinuousEventTimeTrigger, Count, CountTrigger, CountWindow,
+                               EventTimeTrigger, ProcessingTimeTrigger, PurgingTrigger, RecordRange, Session,
+                               SessionProcessingTime, Sliding, SlidingProcessingTime, Sum, TimeWindow, Tumbling,
+                               TumblingProcessingTime, WindowContext)
 from pyflowbuf.runtime.timers import KeyedProcessFunction
 
 __all__ = [
     "__version__", "errors", "stable_hash",
     "Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink", "RateLimiter",
-    "WindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin",
+    "WindowedStream", "AllWindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin",
     "windows", "Tumbling", "Sliding", "Session", "TimeWindow", "AggregateFunction", "Count", "Sum",
-    "KeyedProcessFunction",
+    "TumblingProcessingTime", "SlidingProcessingTime", "SessionProcessingTime", "CountWindow", "RecordRange",
+    "EventTimeTrigger", "ProcessingTimeTrigger", "ContinuousEventTimeTrigger", "CountTrigger", "PurgingTrigger",
+    "WindowContext",
+    "KeyedProcessFunction", "OutputTag",
 ]
 
 # The core classes were importable from here before issue 19; for one release

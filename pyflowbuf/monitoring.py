@@ -273,7 +273,8 @@ class LiveView:
         caption = "busy / idle / backpr.: ms per second"
         c = self._last_checkpoint
         if c is not None:
-            caption += (f"; checkpoint {c['id']} {c['status']} ({c.get('alignment', 'aligned')}) in "
+            caption += (f"; {c.get('kind', 'checkpoint')} {c['id']} {c['status']} "
+                        f"({c.get('alignment', 'aligned')}) in "
                         f"{c['duration_s']:.3f} s, {_si(c.get('state_bytes') or 0)}B of state, "
                         f"{_si(c.get('inflight_bytes') or 0)}B in flight, max alignment "
                         f"{max(c.get('alignment_ms', {}).values(), default=0.0):.1f} ms")

@@ -30,7 +30,9 @@ Example::
 
 Differences from a running task, all about time: the harness has no wall
 clock, so processing-time timers fire only when ``advance_processing_time``
-says (``ctx.current_processing_time()`` still reads ``time.time()``), and a
+says, and processing-time windows place records at the harness's
+processing time (``ctx.current_processing_time()`` of a keyed ``process``
+still reads ``time.time()``), and a
 ``TimestampsAssigner`` is driven only with ``watermark_interval=0`` and no
 ``idle_timeout`` (its watermarks follow each batch).
 """
@@ -43,6 +45,8 @@ from pyflowbuf import errors
 from pyflowbuf.api import Stream
 from pyflowbuf.checkpoint import dumps, loads
 from pyflowbuf.runtime.operators import Operator
+from pyflowbuf.api.side_outputs import OutputTag
+from pyflowbuf.runtime.side_outputs import LATE, SideOutputs
 from pyflowbuf.runtime.timers import TimerOperator
 from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner
 
@@ -62,9 +66,13 @@ class OperatorHarness:
         before ``open``, as a task restores from a checkpoint.
     allow_pickle : whether ``snapshot()`` may pickle what the checkpoint
         format cannot hold (a job's ``Environment(allow_pickle=...)``).
+    side_outputs : for an operator built by hand, the ``OutputTag`` s whose
+        records ``side_output(tag)`` keeps (a declared stream brings its
+        own); a window operator's late records are ``fb.OutputTag("late")``.
 
-    Every feeding method returns the records that call made; ``output``
-    holds them all in emission order, ``watermarks`` the watermarks the
+    Every feeding method returns the records that call made (those of the
+    main output: ``side_output(tag)`` holds a side output's, for the tags
+    the stream declared); ``output`` holds them all in emission order, ``watermarks`` the watermarks the
     operator sent on, and ``events`` both, in order, as ``("record", r)``
     and ``("watermark", w)`` (``("idle", None)`` for an idle marker).
     Raises ``ConfigurationError`` for a stream with no operator (a source,
@@ -87,8 +95,22 @@ class OperatorHarness:
     """
 
     def __init__(self, operator, *, subtask: int = 0, parallelism: int = 1, restore: Any = None,
-                 allow_pickle: bool = False):
+                 allow_pickle: bool = False, side_outputs=()):
         self.operator = op = _build(operator)
+        self._side: dict = {}
+        node = getattr(operator, "node", None)
+        tags = getattr(node, "side_tags", None)
+        if tags:
+            # a window's late records are kept as in a job: when late() was taken
+            taken = getattr(node, "side_streams", {})
+            self._side = {name: (tag, [] if name != LATE or name in taken else None) for name, tag in tags.items()}
+            op.side = SideOutputs(op.name, self._side)
+        elif side_outputs:
+            for tag in side_outputs:
+                if not isinstance(tag, OutputTag):
+                    raise TypeError(f"OperatorHarness: side_outputs takes OutputTags, got {type(tag).__name__}")
+            self._side = {tag.name: (tag, []) for tag in side_outputs}
+            op.side = SideOutputs(op.name, self._side)
         self.allow_pickle = allow_pickle
         self.output: list = []
         self.watermarks: list = []
@@ -108,6 +130,10 @@ class OperatorHarness:
         # timers itself in advance_processing_time.
         if hasattr(op, "task") and not isinstance(op, TimerOperator):
             op.task = _TaskStandIn(self)
+        # operators that read the wall clock (processing-time windows) read
+        # the harness's processing time instead
+        if hasattr(op, "clock"):
+            op.clock = self._clock
         op.open(subtask, parallelism)
         self._run_mail()
 
@@ -238,6 +264,26 @@ class OperatorHarness:
         m = getattr(self.operator, "metrics", None)
         return {} if m is None else m()
 
+    def side_output(self, tag) -> list:
+        """The records the operator sent to side output ``tag`` so far (a tag
+        its stream declared with ``side_outputs=``; the late records of a
+        window whose ``late()`` was taken are ``side_output(fb.OutputTag("late"))``).
+        The list is the harness's: clear it to start over.
+
+        Example::
+
+            bad = fb.OutputTag("bad")
+            h = OperatorHarness(lines.process(parse, side_outputs=[bad]))
+            h.process(["1", "x"])
+            assert h.side_output(bad) == ["x"]
+        """
+        route = self._side.get(getattr(tag, "name", None))
+        if route is None or route[1] is None:
+            raise errors.ConfigurationError(
+                f"OperatorHarness: the operator {self.operator.name!r} declares no side output {tag!r}; "
+                f"declared: {', '.join(repr(t) for t, _ in self._side.values()) or 'none'}")
+        return route[1]
+
     def take(self) -> list:
         """The records emitted since the last ``take()``, and forget them.
 
@@ -250,6 +296,13 @@ class OperatorHarness:
         return out
 
     # ---- the task's side ----
+    def _clock(self) -> float:
+        if self.processing_time == NO_WATERMARK:
+            raise errors.ConfigurationError(
+                "OperatorHarness: this operator reads processing time; call advance_processing_time(t) "
+                "before feeding it records")
+        return self.processing_time
+
     def _check_open(self, what):
         if self.finished:
             raise errors.ConfigurationError(f"OperatorHarness.{what}: the operator has finished")

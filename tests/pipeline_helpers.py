@@ -1,8 +1,13 @@
 """Checks shared by the pipeline test modules: after a job, every segment is
 back in its pool and no thread of the job is left; the committed output of a
-part-file sink."""
+part-file sink; a job script that a test runs as its own process, killed
+and resumed."""
 
+import collections
 import os
+import subprocess
+import sys
+import textwrap
 
 
 def job_threads(job) -> list:
@@ -38,3 +43,50 @@ def read_parts(directory):
             with open(os.path.join(directory, name)) as fh:
                 lines += fh.read().splitlines()
     return lines
+
+
+# A keyed running sum into write_text, as a script of its own: the process
+# dies (exit code 17, no cleanup) at record ``kill_at`` (0: never).
+# Arguments: chk out kill_at restore(latest|none) mode n retained
+RESUME_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import pyflowbuf as fb
+    chk, out, kill_at, restore, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    n, retained = int(sys.argv[6]), int(sys.argv[7])
+    def maybe_die(x):
+        if kill_at and x == kill_at:
+            os._exit(17)            # the process dies, no cleanup
+        return x
+    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=chk, chaining=False,
+                         checkpoints_retained=retained)
+    (env.from_sequence(0, n, rate_limit=20000)
+        .map(maybe_die, kind="int64")
+        .map(lambda x: (x % 5, x), kind="struct")
+        .key_by(lambda kv: kv[0])
+        .reduce(lambda a, b: (a[0], a[1] + b[1]))
+        .map(lambda kv: f"{kv[0]},{kv[1]}", kind="str")
+        .write_text(out, mode=mode))
+    env.execute(120, restore_from=None if restore == "none" else "latest")
+    print("restored_from", env.last_execution.restored_from)
+""")
+
+
+def resume_job(tmp_path, chk, out, *, n, retained=2):
+    """``run(kill_at, restore="latest", mode="error")`` runs RESUME_SCRIPT in
+    a new process and returns the CompletedProcess."""
+    script = tmp_path / "job.py"
+    script.write_text(RESUME_SCRIPT)
+
+    def run(kill_at, restore="latest", mode="error"):
+        return subprocess.run([sys.executable, str(script), str(chk), str(out), str(kill_at), restore, mode,
+                               str(n), str(retained)], capture_output=True, text=True, timeout=180)
+    return run
+
+
+def running_counts(n):
+    """What RESUME_SCRIPT writes in one run without failure, sorted."""
+    want, sums = [], collections.defaultdict(int)
+    for x in range(n):
+        sums[x % 5] += x
+        want.append(f"{x % 5},{sums[x % 5]}")
+    return sorted(want)

@@ -4,7 +4,6 @@ start over committed output), and the sources' input (a saved position is
 never applied to another file)."""
 from __future__ import annotations
 
-import collections
 import os
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
-from pipeline_helpers import read_parts
+from pipeline_helpers import read_parts, resume_job, running_counts
 from pyflowbuf import checkpoint, errors
 from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.runtime import outputs
@@ -114,44 +113,9 @@ def test_the_sinks_own_commits_still_run_on_restore(tmp_path):
 
 # ---------------------------------------------------------------- 2. every checkpoint damaged
 
-RESUME = textwrap.dedent("""
-    import os, sys
-    import pyflowbuf as fb
-    chk, out, kill_at, restore, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    def maybe_die(x):
-        if kill_at and x == kill_at:
-            os._exit(17)            # the process dies, no cleanup
-        return x
-    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=chk, chaining=False, checkpoints_retained=3)
-    (env.from_sequence(0, 6000, rate_limit=20000)
-        .map(maybe_die, kind="int64")
-        .map(lambda x: (x % 5, x), kind="struct")
-        .key_by(lambda kv: kv[0])
-        .reduce(lambda a, b: (a[0], a[1] + b[1]))
-        .map(lambda kv: f"{kv[0]},{kv[1]}", kind="str")
-        .write_text(out, mode=mode))
-    env.execute(120, restore_from=None if restore == "none" else "latest")
-    print("restored_from", env.last_execution.restored_from)
-""")
-
-
-def running_counts(n):
-    want, sums = [], collections.defaultdict(int)
-    for x in range(n):
-        sums[x % 5] += x
-        want.append(f"{x % 5},{sums[x % 5]}")
-    return sorted(want)
-
-
 def test_when_every_checkpoint_is_damaged_the_restore_refuses_instead_of_duplicating(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(RESUME)
     chk, out = str(tmp_path / "chk"), str(tmp_path / "out")
-
-    def run(kill, restore="latest", mode="error"):
-        return subprocess.run([sys.executable, str(script), chk, out, str(kill), restore, mode],
-                              capture_output=True, text=True, timeout=180)
-
+    run = resume_job(tmp_path, chk, out, n=6000, retained=3)
     first = run(3000)
     assert first.returncode == 17, first.stderr
     storage = CheckpointStorage(chk)
@@ -363,3 +327,25 @@ def test_old_checkpoints_without_identities_still_restore(tmp_path):
 
     src = TextFileSource(tmp_path / "nothing-yet.txt")
     check_sources(Meta, {"v0-0": {"source": 10, "operators": []}}, {"v0-0": ("read_text", src)})
+
+
+def test_a_chk_directory_of_another_job_is_read_from_there_not_as_this_jobs(tmp_path):
+    """restore_from="<other dir>/chk-N" read only the name, so it restored
+    this job's own chk-N: a silent restore from the wrong checkpoint. A
+    checkpoint directory given by path is read where it is (issue 21: a
+    checkpoint or savepoint copied elsewhere restores)."""
+    from pyflowbuf.runtime.checkpointing import restore_plan
+
+    mine, other = CheckpointStorage(str(tmp_path / "mine")), CheckpointStorage(str(tmp_path / "other"))
+    for storage, x in ((mine, 1), (other, 2)):
+        storage.complete(5, [storage.write_task_state(5, "t", {"x": x})])
+    assert restore_plan(mine, "chk-5").checkpoint_id == 5                     # a name: this job's own
+    assert restore_plan(mine, str(tmp_path / "mine" / "chk-5")).path == mine.latest().path
+    assert restore_plan(mine, str(tmp_path / "mine" / "." / "chk-5/")).path == mine.latest().path
+    theirs = restore_plan(mine, str(tmp_path / "other" / "chk-5"))
+    assert theirs.path == other.latest().path and theirs.path != mine.latest().path
+    env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir=str(tmp_path / "mine"))
+    env.from_sequence(0, 10).collect()
+    # that one is another job's (its task "t"): refused as such, never read as this job's chk-5
+    with pytest.raises(errors.ConfigurationError, match="another job graph"):
+        env.execute(30, restore_from=str(tmp_path / "other" / "chk-5"))

@@ -12,9 +12,6 @@ import collections
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import warnings
 
@@ -23,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
-from pipeline_helpers import read_parts  # noqa: E402
+from pipeline_helpers import read_parts, resume_job, running_counts  # noqa: E402
 from pyflowbuf import errors
 from pyflowbuf.checkpoint import CheckpointStorage
 
@@ -316,45 +313,17 @@ def check_kill_restarts(env, test="worker kill"):
 
 # ---------------------------------------------------------------- a new process resumes
 
-RESUME = textwrap.dedent("""
-    import os, sys
-    import pyflowbuf as fb
-    chk, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    def maybe_die(x):
-        if kill_at and x == kill_at:
-            os._exit(17)            # the process dies, no cleanup
-        return x
-    env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=chk, chaining=False)
-    (env.from_sequence(0, 5000, rate_limit=20000)
-        .map(maybe_die, kind="int64")
-        .map(lambda x: (x % 5, x), kind="struct")
-        .key_by(lambda kv: kv[0])
-        .reduce(lambda a, b: (a[0], a[1] + b[1]))
-        .map(lambda kv: f"{kv[0]},{kv[1]}", kind="str")
-        .write_text(out))
-    env.execute(120, restore_from="latest")
-""")
-
-
 def test_a_new_process_resumes_a_crashed_job_from_its_checkpoint_dir(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(RESUME)
     chk, out = str(tmp_path / "chk"), str(tmp_path / "out")
-    run = lambda kill: subprocess.run([sys.executable, str(script), chk, out, str(kill)],  # noqa: E731
-                                      capture_output=True, text=True, timeout=180)
+    run = resume_job(tmp_path, chk, out, n=5000)
     first = run(3000)
     assert first.returncode == 17, first.stderr
     assert CheckpointStorage(chk).latest() is not None
     second = run(0)
     assert second.returncode == 0, second.stderr
     KILLS["process"] += 1
-    lines = read_parts(out)
     # exactly the running counts of a run without failure
-    want, sums = [], collections.defaultdict(int)
-    for x in range(5000):
-        sums[x % 5] += x
-        want.append(f"{x % 5},{sums[x % 5]}")
-    assert sorted(lines) == sorted(want)
+    assert sorted(read_parts(out)) == running_counts(5000)
 
 
 def test_the_main_jobs_checkpoint_step(tmp_path):

@@ -400,11 +400,13 @@ def test_cancel_of_a_checkpointed_job_with_workers_restarts_nothing(tmp_path):
                          restart_attempts=3, chaining=False)
     counting_job(env, 10_000_000, tmp_path / "out", rate=20_000)
     job = env.execute_async()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60    # a loaded (or sanitized) machine takes its time
+    while not [c for c in env.checkpoints() if c["status"] == "completed"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [c for c in env.checkpoints() if c["status"] == "completed"], "no checkpoint completed in 60 s"
     job.cancel()
     job.join(timeout=30)
     assert job.restarts == 0
-    assert [c for c in env.checkpoints() if c["status"] == "completed"]
     assert not multiprocessing.active_children()
 
 

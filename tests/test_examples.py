@@ -39,7 +39,9 @@ def _params():
 def test_there_is_an_example_per_concept():
     names = set(os.listdir(EXAMPLES))
     for name in ["wordcount.py", "checkpoints.py", "windows.py", "files.py", "workers.py",
-                 "monitoring.py", "pyspark_udf.py", "streaming_rate.py"]:
+                 "monitoring.py", "pyspark_udf.py", "streaming_rate.py", "early_firings.py",
+                 "socket_wordcount.py", "monitored_directory.py",
+                 "side_outputs.py"]:
         assert name in names
 
 

@@ -37,7 +37,6 @@ REMOVED = [
 # an optional dependency: serializers_arrow imports pyarrow and pandas; the
 # demos and pyflowbuf.spark run only on request. May only shrink.
 KNOWN_LAZY = {
-    ("pyflowbuf.__main__", "pyflowbuf.demo"),
     ("pyflowbuf.demo", "pyflowbuf"),
     ("pyflowbuf.demo", "pyflowbuf.experiments.backpressure"),
     ("pyflowbuf.demo", "pyflowbuf.spark.demo"),

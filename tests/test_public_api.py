@@ -25,7 +25,9 @@ def test_all_holds_the_users_api_and_every_name_resolves():
         assert hasattr(pyflowbuf, name), name
     assert not set(_CORE) & set(pyflowbuf.__all__)
     for name in ("Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink",
-                 "Tumbling", "Sliding", "Session", "Count", "Sum", "KeyedProcessFunction", "errors"):
+                 "Tumbling", "Sliding", "Session", "Count", "Sum", "KeyedProcessFunction", "errors",
+                 "CountWindow", "TumblingProcessingTime", "SlidingProcessingTime", "SessionProcessingTime",
+                 "EventTimeTrigger", "ContinuousEventTimeTrigger", "CountTrigger", "PurgingTrigger"):
         assert name in pyflowbuf.__all__, name
 
 
@@ -60,7 +62,11 @@ _DOCUMENTED = [
     api.Environment, api.Stream, api.KeyedStream, api.ConnectedStreams, api.CollectSink, api.IteratorSink,
     windows.TimeWindow, windows.WindowAssigner, windows.Tumbling, windows.Sliding, windows.Session,
     windows.AggregateFunction, windows.Count, windows.Sum, api.WindowedStream, api.WindowResult,
-    api.JoinedStreams, api.IntervalJoin, testing.OperatorHarness,
+    api.JoinedStreams, api.IntervalJoin, api.OutputTag, testing.OperatorHarness,
+    api.AllWindowedStream, windows.TumblingProcessingTime, windows.SlidingProcessingTime,
+    windows.SessionProcessingTime, windows.CountWindow, windows.RecordRange, windows.Trigger,
+    windows.EventTimeTrigger, windows.ProcessingTimeTrigger, windows.ContinuousEventTimeTrigger,
+    windows.CountTrigger, windows.PurgingTrigger, windows.WindowContext,
 ]
 _OURS = ("pyflowbuf.api", "pyflowbuf.windows", "pyflowbuf.testing")
 

@@ -16,6 +16,17 @@ from pyflowbuf.errors import ProtocolError as ProtocolError
 DATA: int
 EVENT: int
 BACKLOG: int
+
+WIRE_MAGIC: int
+WIRE_FRAME_HEADER_SIZE: int
+WIRE_BUFFER_HEADER_SIZE: int
+WIRE_ADD_CREDIT_SIZE: int
+WIRE_RECEIVER_ID_SIZE: int
+WIRE_BUFFER_RESPONSE: int
+WIRE_ADD_CREDIT: int
+WIRE_DATA_RECORDS: int
+WIRE_DATA_FIXED: int
+WIRE_DATA_EVENT: int
 # what SendPump.run() and ReceivePump.run() return
 PYTHON: int
 DIRTY: int

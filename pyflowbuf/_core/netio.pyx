@@ -45,6 +45,19 @@ DATA = 0
 EVENT = 1
 BACKLOG = 2
 
+# The wire format's constants as the C loops use them (csrc/fb_net.h,
+# csrc/fb_ring.h), for pyflowbuf.net.frames: defined once, on the C side.
+WIRE_MAGIC = <uint32_t>FB_NET_MAGIC    # an unsigned 32-bit word on the wire
+WIRE_FRAME_HEADER_SIZE = FB_NET_FRAME_HEADER
+WIRE_BUFFER_HEADER_SIZE = FB_NET_BUFFER_HEADER
+WIRE_ADD_CREDIT_SIZE = FB_NET_ADD_CREDIT_SIZE
+WIRE_RECEIVER_ID_SIZE = FB_NET_RID
+WIRE_BUFFER_RESPONSE = FB_NET_MSG_BUFFER_RESPONSE
+WIRE_ADD_CREDIT = FB_NET_MSG_ADD_CREDIT
+WIRE_DATA_RECORDS = FB_DATA_RECORDS
+WIRE_DATA_FIXED = FB_DATA_FIXED
+WIRE_DATA_EVENT = FB_DATA_EVENT
+
 # what SendPump.run / ReceivePump.run return (a failed system call raises instead)
 cdef enum:
     RUN_PYTHON = 1     # the next item or frame needs the Python path

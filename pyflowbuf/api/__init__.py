@@ -15,15 +15,18 @@ What lives where:
 - ``sources``: the source declarations of the environment (``from_*``, ``read_*``);
 - ``stream``: ``Stream``, ``KeyedStream``, ``ConnectedStreams``;
 - ``sinks``: the sink declarations of a stream and their handles;
-- ``windowed``: ``WindowedStream`` and ``WindowResult`` (``KeyedStream.window``);
+- ``windowed``: ``WindowedStream``, ``AllWindowedStream`` and ``WindowResult``
+  (``KeyedStream.window``, ``Stream.window_all``);
+- ``side_outputs``: ``OutputTag`` and the checks of side output declarations;
 - ``joined``: ``JoinedStreams`` and ``IntervalJoin``;
 - ``_validation``: the argument checks they share.
 """
 from pyflowbuf.api.environment import Environment
+from pyflowbuf.api.side_outputs import OutputTag
 from pyflowbuf.api.joined import IntervalJoin, JoinedStreams
 from pyflowbuf.api.sinks import CollectSink, IteratorSink
 from pyflowbuf.api.stream import ConnectedStreams, KeyedStream, Stream
-from pyflowbuf.api.windowed import WindowedStream, WindowResult
+from pyflowbuf.api.windowed import AllWindowedStream, WindowedStream, WindowResult
 
 __all__ = ["Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink",
-           "WindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin"]
+           "WindowedStream", "AllWindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin", "OutputTag"]

@@ -25,6 +25,7 @@ from pyflowbuf.runtime.checkpointing import ALIGNMENTS, MODES
 from pyflowbuf.runtime.cluster import ClusterExecution
 from pyflowbuf.runtime.debloat import check_settings as _check_debloat
 from pyflowbuf.runtime.graph import Node, plan
+from pyflowbuf.runtime import overrides as _overrides
 from pyflowbuf.runtime.job import JobExecution
 from pyflowbuf.runtime.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from pyflowbuf.runtime.restore import check_operator_ids
@@ -36,7 +37,8 @@ class Environment(SourceDeclarations):
 
     Parameters
     ----------
-    parallelism : default parallelism of operators.
+    parallelism : default parallelism of operators (``pyflowbuf run --parallelism N``
+        replaces it, as ``--workers N`` does ``workers``).
     max_parallelism : the number of key groups (default 128, at most 32768):
         keyed state is stored per key group, so a job can be restored at any
         parallelism up to this; it cannot change between runs of a job.
@@ -150,6 +152,9 @@ class Environment(SourceDeclarations):
         self.debloat_samples = debloat_samples
         self.debloat_threshold = debloat_threshold
         self.min_buffer_size = min_buffer_size
+        # `pyflowbuf run --parallelism/--workers`: in place before any stream is declared
+        for setting, value in _overrides.current().items():
+            setattr(self, setting, value)
         self._check_settings()
         _warn_milliseconds(self)
         self.buffer_timeout = float(buffer_timeout)
@@ -222,7 +227,8 @@ class Environment(SourceDeclarations):
             raise ConfigurationError(f"checkpoint_dir must be a path or an fsspec URL, got {self.checkpoint_dir!r}")
 
     def checkpoints(self) -> list:
-        """The checkpoints of the running or last job, oldest first: id, status
+        """The checkpoints of the running or last job, oldest first: id, kind
+        ("checkpoint"; "savepoint" for one the user asked for), status
         (completed / aborted / expired / failed), trigger_time, duration_s,
         alignment_ms per task, state_bytes, size.
 
@@ -243,11 +249,6 @@ class Environment(SourceDeclarations):
     # ---- the graph ----
     def _add(self, **kw) -> Node:
         node = Node(id=len(self.nodes), **kw)
-        for inp in node.inputs:
-            # a window result split by late(): its results come from the selector
-            split = getattr(inp.node, "split_into", None)
-            if split is not None:
-                inp.node = split
         self._check_node_kind(node)
         for inp in node.inputs:
             inp.node.consumers.append(node)
@@ -288,7 +289,7 @@ class Environment(SourceDeclarations):
         """The job as it would run: ``(vertices, edges)``, the tasks after chaining
         (each ``JobVertex`` lists its operators' nodes and its parallelism) and
         the exchanges between them (``JobEdge``: partitioner, key function,
-        record kind). Nothing runs. A ``forward()`` between operators of
+        record kind, and ``tag`` for the edge of a side output). Nothing runs. A ``forward()`` between operators of
         different parallelism is a ``ValueError``.
 
         Example::

@@ -12,6 +12,7 @@ from pyflowbuf import connectors
 from pyflowbuf._core.serde import number_kind
 from pyflowbuf._validation import _check_kind, _parallelism, _positive_int, _sequence_args
 from pyflowbuf.api.stream import Stream
+from pyflowbuf.connectors import socket_text as st
 from pyflowbuf.errors import ConfigurationError
 from pyflowbuf.runtime import sources as srcs
 from pyflowbuf.serializers import infer_kind
@@ -101,18 +102,35 @@ class SourceDeclarations:
         p = self.parallelism if parallelism is None else parallelism
         return self._source(name, lambda: srcs.SequenceSource(start, stop, step), "int64", rate_limit, p)
 
-    def read_text(self, path, *, encoding: str = "utf-8", name: str = "read_text", rate_limit=None) -> "Stream":
+    def read_text(self, path, *, encoding: str = "utf-8", name: str = "read_text", rate_limit=None,
+                  monitor: float | None = None, monitor_timeout: float | None = None,
+                  parallelism: int | None = None) -> "Stream":
         """Lines of a text file; the source tracks byte offsets.
 
         Each record is one line as a ``str`` without its line break, decoded
         with ``encoding``; the byte offset makes a restore resume exactly. A
         missing file is ``FileNotFoundError``, raised here. Returns a ``Stream``.
 
+        ``monitor=seconds``: ``path`` is a directory (or a glob) watched for
+        new files, each read once when it is complete (its size unchanged
+        between two scans), split over ``parallelism`` subtasks by file. The
+        source then never ends by itself, unless ``monitor_timeout=seconds``:
+        it ends once nothing new has appeared for that long. The files read
+        are checkpointed, so a restore reads each exactly once. See
+        docs/connectors.md, "Watching a directory".
+
         Example::
 
             lines = env.read_text("words.txt")
             words = lines.flat_map(str.split)
+            incoming = env.read_text("inbox/", monitor=1.0)        # new files, every second
         """
+        if monitor is not None:
+            factory, kind = connectors.monitor.text_source(
+                path, encoding=encoding, monitor=monitor, monitor_timeout=monitor_timeout,
+                what=f"read_text {name!r}")
+            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
+        _not_monitored("read_text", monitor_timeout, parallelism)
         if not os.path.exists(path):
             raise FileNotFoundError(path)
         if os.path.isdir(path):
@@ -126,7 +144,8 @@ class SourceDeclarations:
 
     def read_parquet(self, path, *, columns: list | None = None, batch_size: int = 65536,
                      as_: str = "records", parallelism: int | None = None, name: str = "read_parquet",
-                     rate_limit=None) -> "Stream":
+                     rate_limit=None, monitor: float | None = None, monitor_timeout: float | None = None,
+                     schema=None) -> "Stream":
         """Rows of Parquet files (pyarrow): ``path`` is a file, a directory
         (its files, hidden ``.``/``_`` names skipped), a glob or a list of them.
 
@@ -138,14 +157,30 @@ class SourceDeclarations:
         here: a missing file is FileNotFoundError, a broken one
         ``connectors.FileFormatError``.
 
+        ``monitor=seconds`` watches the directory (or glob) for new files,
+        as ``read_text`` does (each file read whole by one subtask); the
+        schema is ``schema=`` (a ``pyarrow.Schema``, needed while the
+        directory is empty) or the oldest file's, and a file read later
+        with another is ``FileFormatError``. ``monitor_timeout`` as for
+        ``read_text``.
+
         Returns a ``Stream``.
 
         Example::
 
             rows = env.read_parquet("lines.parquet", columns=["ts", "text"])       # dicts
             batches = env.read_parquet("events/", as_="arrow", parallelism=2)      # RecordBatches
+            incoming = env.read_parquet("events/", monitor=5.0)                    # new files too
         """
-
+        if monitor is not None:
+            factory, kind = connectors.monitor.parquet_source(
+                path, columns=columns, schema=schema, batch_size=batch_size, as_=as_, monitor=monitor,
+                monitor_timeout=monitor_timeout, what=f"read_parquet {name!r}")
+            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
+        _not_monitored("read_parquet", monitor_timeout)
+        if schema is not None:
+            raise ConfigurationError("read_parquet: schema= is for monitor= (the files to come); a bounded "
+                                     "read takes the files' own schema")
         factory, kind = connectors.parquet_source(path, columns=columns, batch_size=batch_size, as_=as_,
                                                   what=f"read_parquet {name!r}")
         return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
@@ -153,7 +188,8 @@ class SourceDeclarations:
     def read_csv(self, path, *, columns: list | None = None, column_types=None, column_names: list | None = None,
                  header: bool = True, delimiter: str = ",", quote_char: str = '"', batch_size: int = 65536,
                  block_size: int = 1 << 20, as_: str = "records", parallelism: int | None = None,
-                 name: str = "read_csv", rate_limit=None) -> "Stream":
+                 name: str = "read_csv", rate_limit=None, monitor: float | None = None,
+                 monitor_timeout: float | None = None) -> "Stream":
         """Rows of CSV files (pyarrow.csv), ``path`` as for ``read_parquet``,
         records as its ``as_`` says.
 
@@ -167,19 +203,68 @@ class SourceDeclarations:
         row that does not parse is ``connectors.FileFormatError`` naming the
         file and line.
 
+        ``monitor=seconds`` watches the directory (or glob) for new files,
+        as ``read_text`` does (each file read whole by one subtask). The
+        columns are fixed from the oldest file there, or, while the directory
+        is empty, from ``column_types`` given as a full ``pyarrow.Schema``.
+        ``monitor_timeout`` as for ``read_text``.
+
         Returns a ``Stream``.
 
         Example::
 
             users = env.read_csv("users.csv", columns=["name", "age"])
             for_windows = env.read_csv("events.csv", as_="arrow")
+            incoming = env.read_csv("events/", monitor=5.0)          # new files too
         """
+        if monitor is not None:
+            factory, kind = connectors.monitor.csv_source(
+                path, columns=columns, column_types=column_types, column_names=column_names, header=header,
+                delimiter=delimiter, quote_char=quote_char, batch_size=batch_size, block_size=block_size,
+                as_=as_, monitor=monitor, monitor_timeout=monitor_timeout, what=f"read_csv {name!r}")
+            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
+        _not_monitored("read_csv", monitor_timeout)
 
         factory, kind = connectors.csv_source(
             path, columns=columns, column_types=column_types, column_names=column_names, header=header,
             delimiter=delimiter, quote_char=quote_char, batch_size=batch_size, block_size=block_size,
             as_=as_, what=f"read_csv {name!r}")
         return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
+
+    def socket_text(self, host: str, port: int, delimiter: str = "\n", *, encoding: str = "utf-8",
+                    max_retries: int | None = 5, retry_delay: float = 0.5, max_retry_delay: float = 10.0,
+                    allow_remote: bool = False, name: str = "socket_text", rate_limit=None) -> "Stream":
+        """Lines of text from a TCP server (Flink's ``socketTextStream``):
+        the source connects to ``host:port`` and each record is the text up
+        to the next ``delimiter`` (a ``str``, without it).
+
+        When the server closes the connection (or is not there), the source
+        connects again after ``retry_delay`` seconds, doubling the wait after
+        each failed try up to ``max_retry_delay``; after ``max_retries``
+        failed tries in a row (None: no limit) the stream ends, as Flink's
+        does, and the job finishes. A source that never connected fails the
+        job instead (``ConnectionRefusedError``). Parallelism 1.
+
+        Only loopback hosts unless ``allow_remote=True`` (the text is plain
+        and unauthenticated). The source cannot rewind: with checkpoints on
+        it needs ``checkpointing_mode="at_least_once"``. Both are a
+        ``ConfigurationError``, raised here (and again at ``execute()``).
+        Returns a ``Stream`` of str.
+
+        Example::
+
+            # in a shell: nc -lk 9999, then type lines
+            counts = (env.socket_text("localhost", 9999)
+                         .flat_map(str.split)
+                         .key_by(lambda w: w)
+                         .reduce(lambda a, b: a))
+        """
+        retry_delay, max_retry_delay = st.check_arguments(host, port, delimiter, encoding, max_retries,
+                                                          retry_delay, max_retry_delay, allow_remote)
+        st.check_checkpointing(self, name)
+        return self._source(name, lambda: st.SocketTextSource(
+            host, port, delimiter, encoding=encoding, max_retries=max_retries, retry_delay=retry_delay,
+            max_retry_delay=max_retry_delay, name=name), "str", rate_limit)
 
     def from_arrays(self, arrays: Iterable, *, dtype=None, name: str = "arrays", rate_limit=None) -> "Stream":
         """A rows stream: NumPy arrays of fixed-width rows, moved with one memcpy
@@ -210,3 +295,11 @@ class SourceDeclarations:
                 f"from_arrays {name!r}: dtype={dtype!r} is not a NumPy dtype: {exc}") from None
         return self._source(name, lambda: srcs.ArraySource(arrays), dtype, rate_limit)
 
+
+
+def _not_monitored(what, monitor_timeout, parallelism=None):
+    if monitor_timeout is not None:
+        raise ConfigurationError(f"{what}: monitor_timeout= ends a monitored source; it needs monitor=")
+    if parallelism is not None:
+        raise ConfigurationError(f"{what}: a single text file is read by one subtask; parallelism= is for "
+                                 "monitor= (files split over subtasks)")

@@ -7,11 +7,13 @@ from typing import Any, Callable
 import numpy as np
 
 from pyflowbuf._validation import _callable, _check_arity, _check_kind, _common_kind, _parallelism
+from pyflowbuf.api.side_outputs import declare_side_outputs, declared_tag
 from pyflowbuf.api.sinks import SinkDeclarations
 from pyflowbuf.errors import ConfigurationError, UnitWarning
 from pyflowbuf.runtime import operators as ops
 from pyflowbuf.runtime.graph import Input, Node
-from pyflowbuf.runtime.timers import KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator, takes_context
+from pyflowbuf.runtime.timers import (KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator,
+                                      ProcessOperator, takes_context)
 from pyflowbuf.runtime.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
 from pyflowbuf.serializers import get_serializer
 
@@ -252,6 +254,71 @@ class Stream(SinkDeclarations):
             kind = self.node.kind
         return Stream(self.env, self._then(name, lambda: ops.MapBatch(name, fn, per_record), parallelism, kind))
 
+    def process(self, fn: Callable, *, side_outputs=None, parallelism: int | None = None,
+                name: str = "process", kind: Any = None) -> "Stream":
+        """``fn(record, ctx) -> iterable of outputs (or None)`` per record, on
+        any stream (Flink's ProcessFunction; ``KeyedStream.process`` adds
+        per-key state and timers).
+
+        ``ctx.output(tag, value)`` emits ``value`` to the side output
+        ``tag``, an ``OutputTag`` declared in ``side_outputs``; take its
+        stream with ``side_output(tag)``. ``ctx.timestamp`` is the record's
+        event time when the stream has timestamps. ``kind`` declares the
+        main output's kind.
+
+        Returns a ``Stream``. A ``fn`` that is not callable, or
+        ``side_outputs`` that are not OutputTags, is a ``TypeError``; a
+        ``fn`` that cannot take (record, ctx), or two tags of one name and
+        different kinds, a ``ConfigurationError``, all raised here.
+        ``ctx.output`` to an undeclared tag fails the job with
+        ``ConfigurationError``.
+
+        Example::
+
+            bad = fb.OutputTag("bad", kind="str")
+
+            def parse(line, ctx):
+                try:
+                    yield int(line)
+                except ValueError:
+                    ctx.output(bad, line)
+
+            numbers = lines.process(parse, side_outputs=[bad])
+            rejects = numbers.side_output(bad)
+        """
+        _callable(fn, "process")
+        _check_arity(fn, f"process {name!r}", "fn(record, ctx)", 2)
+        tags = declare_side_outputs(side_outputs, f"process {name!r}")
+        kind = _check_kind(kind, f"process {name!r}")
+        ts_fn = getattr(self.node, "timestamps", None)
+        if isinstance(ts_fn, str):
+            ts_fn = None
+        node = self._then(name, lambda: ProcessOperator(name, fn, ts_fn), parallelism, kind)
+        node.side_tags = tags
+        return Stream(self.env, node)
+
+    def side_output(self, tag, *, name: str | None = None) -> "Stream":
+        """The stream of the records this stream's operator emitted to the
+        side output ``tag`` (``ctx.output(tag, value)``), of the tag's kind.
+        They travel as any output does (checkpointed, exactly once, across
+        workers). It may be taken before or after the main stream is used;
+        taking it again returns the same stream.
+
+        Returns a ``Stream``. A ``tag`` that is not an ``OutputTag`` is a
+        ``TypeError``; a tag the operator did not declare
+        (``side_outputs=``), one declared with another kind, or a stream
+        whose operator cannot emit side outputs (anything but a process
+        function) is a ``ConfigurationError``.
+
+        Example::
+
+            errors = fb.OutputTag("errors")
+            parsed = lines.process(parse, side_outputs=[errors])
+            parsed.side_output(errors).write_text("rejected")
+        """
+        tag = declared_tag(self.node, tag, "side_output")
+        return _side_stream(self, tag, name or f"{self.node.name}.{tag.name}", tag.kind)
+
     # ---- several inputs ----
     def union(self, *others: "Stream", parallelism: int | None = None, name: str = "union") -> "Stream":
         """The records of this stream and of ``others``, in arrival order.
@@ -279,6 +346,31 @@ class Stream(SinkDeclarations):
         node = self.env._add(name=name, parallelism=p, make_operator=lambda: ops.Union(name),
                              inputs=[s._input_to(p) for s in streams], kind=kind)
         return Stream(self.env, node)
+
+    def window_all(self, assigner, trigger=None) -> "Any":
+        """Windows over the whole stream, without a key (Flink's windowAll):
+        any assigner and trigger of ``KeyedStream.window``; then
+        ``.reduce``, ``.aggregate`` or ``.process``, whose functions take no
+        key (``process(fn(window, records))``).
+
+        Note: the window operator has parallelism 1 — every record of the
+        stream goes through one subtask, which caps the throughput of this
+        step at what one thread can do. Pre-aggregate upstream (``key_by``
+        then ``window``) when the stream is large.
+
+        Returns an ``AllWindowedStream``; errors as for
+        ``KeyedStream.window``, and a ``parallelism`` other than 1 on its
+        ``reduce``/``aggregate``/``process`` is a ``ConfigurationError``.
+
+        Example::
+
+            per_minute = timed.window_all(fb.Tumbling(60)).aggregate(
+                fb.Count(), window_function=lambda w, n: (w.start, n))
+        """
+        from pyflowbuf.api.windowed import AllWindowedStream, _no_key
+        # no hash exchange: every record goes to the single subtask (forward
+        # from a single upstream subtask, else rebalance into one)
+        return AllWindowedStream(KeyedStream(self.env, self.node, _no_key), assigner, trigger)
 
     def join(self, other: "Stream"):
         """A window join: ``a.join(b).where(key_a).equal_to(key_b)
@@ -353,7 +445,8 @@ class KeyedStream(Stream):
         return Stream(self.env, node)
 
     def process(self, fn: Callable, *, on_timer: Callable | None = None, on_end: Callable | None = None,
-                parallelism: int | None = None, name: str = "process", kind: Any = None) -> Stream:
+                side_outputs=None, parallelism: int | None = None, name: str = "process",
+                kind: Any = None) -> Stream:
         """``fn(key, record, state_dict) -> iterable of outputs (or None)``.
 
         A ``fn`` that takes a fourth argument gets a context
@@ -366,6 +459,9 @@ class KeyedStream(Stream):
         input every event-time timer fires (the watermark goes to +inf), then
         ``on_end(key, state, ctx)`` runs for every key with state. ``fn`` may
         also be a ``KeyedProcessFunction`` (process_element, on_timer, on_end).
+        ``ctx.output(tag, value)`` (in all three) emits to a side output
+        declared in ``side_outputs`` (``OutputTag``s): ``side_output(tag)``
+        is its stream.
 
         Returns a ``Stream``. A function that cannot take the arguments it will
         be called with is a ``ConfigurationError``, one that is not callable a
@@ -396,10 +492,16 @@ class KeyedStream(Stream):
             _callable(on_end, "process on_end")
             _check_arity(on_end, f"process {name!r} on_end", "on_end(key, state, ctx)", 3)
         kind = _check_kind(kind, f"process {name!r}")
+        tags = declare_side_outputs(side_outputs, f"process {name!r}")
         key_fn = self._key_fn
         with_ctx = is_class or takes_context(fn, 3)
+        if tags and not (with_ctx or on_timer or on_end):
+            raise ConfigurationError(
+                f"process {name!r} declares side outputs, but its function takes no ctx to emit to them: "
+                "fn(key, record, state, ctx), then ctx.output(tag, value)")
         if not (with_ctx or on_timer or on_end):
             node = self._then(name, lambda: ops.KeyedProcess(name, key_fn, fn), parallelism, kind)
+            node.side_tags = tags
             return Stream(self.env, node)
         ts_fn = getattr(self.node, "timestamps", None)
         if isinstance(ts_fn, str):
@@ -407,16 +509,24 @@ class KeyedStream(Stream):
         node = self._then(name, lambda: KeyedProcessOperator(name, key_fn, ts_fn, fn, on_timer, on_end,
                                                              with_ctx), parallelism, kind)
         node.event_time = True
+        node.side_tags = tags
         return Stream(self.env, node)
 
-    def window(self, assigner) -> "Any":
-        """Event-time windows per key: ``Tumbling(size)``, ``Sliding(size,
-        slide)`` or ``Session(gap)``; then ``.reduce``, ``.aggregate`` or
-        ``.process`` (``allowed_lateness(s)`` first, if wanted). The stream
-        needs timestamps (``assign_timestamps``). See ``pyflowbuf.windows``.
+    def window(self, assigner, trigger=None) -> "Any":
+        """Windows per key: event time (``Tumbling(size)``, ``Sliding(size,
+        slide)``, ``Session(gap)``), processing time
+        (``TumblingProcessingTime``, ``SlidingProcessingTime``,
+        ``SessionProcessingTime``) or counts (``CountWindow(size, slide)``);
+        then ``.reduce``, ``.aggregate`` or ``.process``
+        (``allowed_lateness(s)`` first, if wanted). Event-time windows need
+        timestamps (``assign_timestamps``). ``trigger`` says when windows
+        fire: ``EventTimeTrigger()`` (the default),
+        ``ContinuousEventTimeTrigger(s)`` (early firings), ``CountTrigger(n)``,
+        ``PurgingTrigger(t)``. See ``pyflowbuf.windows``.
 
-        Returns a ``WindowedStream``. An ``assigner`` that is not one of those
-        is a ``TypeError``, a stream without timestamps a
+        Returns a ``WindowedStream``. An ``assigner`` or ``trigger`` that is
+        not one of those is a ``TypeError``; an event-time window on a stream
+        without timestamps, or a trigger that does not fit the windows, a
         ``ConfigurationError``.
 
         Example::
@@ -424,9 +534,11 @@ class KeyedStream(Stream):
             per_minute = (timed.key_by(lambda e: e["page"])
                                .window(fb.Tumbling(60))
                                .aggregate(fb.Count(), window_function=lambda page, w, n: (page, w.start, n)))
+            early = timed.key_by(lambda e: e["page"]).window(
+                fb.Tumbling(3600), trigger=fb.ContinuousEventTimeTrigger(60)).aggregate(fb.Count())
         """
         from pyflowbuf.api.windowed import WindowedStream
-        return WindowedStream(self, assigner)
+        return WindowedStream(self, assigner, trigger)
 
     def interval_join(self, other: "KeyedStream", lower: float | None = None, upper: float | None = None):
         """Join each record of this stream with the records of ``other`` of
@@ -488,14 +600,15 @@ class ConnectedStreams:
         return Stream(self.env, node)
 
     def process(self, fn1: Callable, fn2: Callable, *, on_timer: Callable | None = None,
-                on_end: Callable | None = None, parallelism: int | None = None,
+                on_end: Callable | None = None, side_outputs=None, parallelism: int | None = None,
                 name: str = "co_process", kind: Any = None) -> Stream:
         """Keyed: ``fn_i(key, record, state) -> iterable of outputs (or None)``,
         ``state`` the per-key dict both inputs share. Unkeyed:
         ``fn_i(record, state)`` with one ``state`` dict per subtask.
 
         Keyed, a ``fn_i`` taking a fourth argument gets the context of
-        ``KeyedStream.process`` (timestamps, watermark, timers), and
+        ``KeyedStream.process`` (timestamps, watermark, timers, and
+        ``ctx.output`` to the side outputs declared in ``side_outputs``), and
         ``on_timer(key, t, state, ctx)`` / ``on_end(key, state, ctx)`` work as
         there; the watermark is the minimum of the two inputs'.
 
@@ -538,6 +651,11 @@ class ConnectedStreams:
         if on_end is not None:
             _check_arity(on_end, f"process {name!r} on_end", "on_end(key, state, ctx)", 3)
         ctx = (takes_context(fn1, 3 if first_keyed else 2), takes_context(fn2, 3 if first_keyed else 2))
+        tags = declare_side_outputs(side_outputs, f"process {name!r}")
+        if tags and not (first_keyed and (any(ctx) or on_timer is not None or on_end is not None)):
+            raise ConfigurationError(
+                f"process {name!r} declares side outputs, which a function reaches through its ctx: key_by "
+                "both connected streams and take a ctx, fn_i(key, record, state, ctx)")
         if first_keyed and (any(ctx) or on_timer is not None or on_end is not None):
             k1, k2 = self.first._key_fn, self.second._key_fn
             ts = tuple(None if isinstance(t, str) else t
@@ -546,6 +664,7 @@ class ConnectedStreams:
                                                   on_end, ctx)
             stream = self._node(name, make, parallelism, kind)
             stream.node.event_time = True
+            stream.node.side_tags = tags
             return stream
         if on_timer is not None or on_end is not None:
             raise ConfigurationError(f"process {name!r}: timers are per key: key_by both connected streams")
@@ -594,6 +713,20 @@ def _key_by_column(stream, column):
     ks._partitioner = "hash"
     ks._key_column = column
     return ks
+
+
+def _side_stream(stream, tag, name, kind) -> Stream:
+    """The stream of ``tag``'s records of ``stream``'s node: a node reading
+    that side output (one per tag, made on first request)."""
+    up = stream.node
+    made = up.__dict__.setdefault("side_streams", {})
+    side = made.get(tag.name)
+    if side is None:
+        kind = _check_kind(kind, f"side_output {name!r}")
+        node = stream.env._add(name=name, parallelism=up.parallelism, make_operator=lambda: ops.Forward(name),
+                               inputs=[Input(up, "forward", None, tag=tag.name)], kind=kind)
+        side = made[tag.name] = Stream(stream.env, node)
+    return side
 
 
 def _same_env(env, stream, what):

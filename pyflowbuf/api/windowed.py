@@ -6,13 +6,20 @@ from typing import Any, Callable
 
 
 from pyflowbuf import errors
-from pyflowbuf._validation import _callable, _check_kind, _kind_identity
-from pyflowbuf.api.stream import Stream
+from pyflowbuf._validation import _callable, _check_arity, _check_kind, _kind_identity
+from pyflowbuf.api.side_outputs import LATE, OutputTag, declare_side_outputs
+from pyflowbuf.api.stream import Stream, _side_stream
+from pyflowbuf.runtime.timers import takes_context
 from pyflowbuf.runtime.watermarks import check_seconds
 from pyflowbuf.windows.aggregates import AggregateFunction, Sum, _identity
 from pyflowbuf.windows.arrow import ArrowWindowOperator, check_arrow_spec
 from pyflowbuf.windows.assigners import WindowAssigner
-from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, TagSelect, WindowOperator, WindowSpec
+from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, WindowSpec, window_operator_class
+from pyflowbuf.windows.triggers import EventTimeTrigger, ProcessingTimeTrigger, Trigger
+
+# the side output of every window operator that late() reads
+_LATE_TAG = OutputTag(LATE)
+_RESERVED = {LATE: "a window's late records are result.late()"}
 
 
 _NOT_NUMBERS = ("struct", "str", "bytes", "arrow", "pandas")
@@ -50,6 +57,45 @@ def _stream_timestamps(stream, what):
     return ts
 
 
+def _check_trigger(assigner, trigger):
+    """The trigger the operator runs (None: the default event-time path), or
+    a typed error for a combination that has no meaning here."""
+    if trigger is None:
+        return None
+    if not isinstance(trigger, Trigger):
+        raise TypeError(f"trigger= takes EventTimeTrigger(), ContinuousEventTimeTrigger(s), CountTrigger(n) or "
+                        f"PurgingTrigger(...), got {type(trigger).__name__}")
+    domain = assigner.domain
+    if domain == "count":
+        raise errors.ConfigurationError(
+            f"{assigner!r} fires by its own count: trigger= does not apply to count windows (use a time "
+            "window with CountTrigger(n) for count firings within time windows)")
+    if trigger.domain is not None and trigger.domain != domain:
+        raise errors.ConfigurationError(
+            f"trigger {trigger!r} works in {trigger.domain} time and the windows {assigner!r} in {domain} time")
+    if trigger == EventTimeTrigger() or trigger == ProcessingTimeTrigger():
+        return None if domain == "event" else trigger
+    if assigner.merging and domain == "processing":
+        raise errors.ConfigurationError(
+            f"{assigner!r} windows merge in processing time, and take only their default trigger here "
+            f"(not {trigger!r}): use TumblingProcessingTime or SlidingProcessingTime with it")
+    return trigger
+
+
+def _no_key(record):
+    return 0
+
+
+class _DropKey:
+    """A window function of ``window_all`` (no key) called as a keyed one."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, key, *args):
+        return self.fn(*args)
+
+
 class WindowedStream:
     """A keyed stream cut into windows (``KeyedStream.window``): finish it with
     ``reduce``, ``aggregate`` or ``process``; ``allowed_lateness`` first if
@@ -61,14 +107,18 @@ class WindowedStream:
         hits = w.aggregate(fb.Count())
     """
 
-    def __init__(self, keyed, assigner):
+    _all = False        # window_all: no key, one subtask
+
+    def __init__(self, keyed, assigner, trigger=None):
         if not isinstance(assigner, WindowAssigner):
-            raise TypeError(f"window takes Tumbling(size), Sliding(size, slide) or Session(gap), "
-                            f"got {type(assigner).__name__}")
+            raise TypeError(f"window takes Tumbling(size), Sliding(size, slide), Session(gap), their "
+                            f"ProcessingTime versions or CountWindow(size), got {type(assigner).__name__}")
         self.keyed = keyed
         self.assigner = assigner
         self.lateness = 0.0
-        self.ts = _stream_timestamps(keyed, "window()")
+        self.trigger = _check_trigger(assigner, trigger)
+        what = "window_all()" if self._all else "window()"
+        self.ts = _stream_timestamps(keyed, what) if assigner.domain == "event" else None
 
     def late(self, *args, **kwargs):
         """Late records come from the window's result, once it has a function.
@@ -95,29 +145,50 @@ class WindowedStream:
 
             res = keyed.window(fb.Tumbling(60)).allowed_lateness(30).aggregate(fb.Count())
         """
-        self.lateness = check_seconds("allowed_lateness", seconds)
+        lateness = check_seconds("allowed_lateness", seconds)
+        if lateness and self.assigner.domain != "event":
+            raise errors.ConfigurationError(
+                f"allowed_lateness is for event-time windows: no record is late in {self.assigner!r} windows")
+        self.lateness = lateness
         return self
 
     def _spec(self):
-        return WindowSpec(self.assigner, self.keyed._key_fn, self.ts, self.lateness)
+        return WindowSpec(self.assigner, self.keyed._key_fn, self.ts, self.lateness, self.trigger)
 
-    def _node(self, how, fn, window_function, parallelism, name, kind):
+    def _node(self, how, fn, window_function, parallelism, name, kind, tags=None):
         kind = _check_kind(kind, f"window {name!r}")
+        user_fn = fn if how == PROCESS else window_function
+        base = 2 if self._all else 3
+        with_ctx = user_fn is not None and takes_context(user_fn, base)
+        if self._all:
+            if parallelism not in (None, 1):
+                raise errors.ConfigurationError(
+                    f"window_all runs in one subtask (every record goes through it): parallelism={parallelism!r} "
+                    "is not possible; key_by(...).window(...) spreads windows over subtasks")
+            parallelism = 1
+            if how == PROCESS:
+                fn = _DropKey(fn)
+            elif window_function is not None:
+                window_function = _DropKey(window_function)
         spec = self._spec()
-        holder: dict = {"tagged": False}
-
-        def make():
-            return WindowOperator(name, spec, how, fn, window_function, late_tagged=holder["tagged"])
-        node = self.keyed._then(name, make, parallelism, kind)
-        node.event_time = True
-        res = WindowResult(self.keyed.env, node, holder, kind)
+        op_class = window_operator_class(spec)
+        node = self.keyed._then(name, lambda: op_class(name, spec, how, fn, window_function, with_ctx=with_ctx),
+                                parallelism, kind)
+        node.event_time = self.assigner.domain == "event"
+        # late records leave through a side output, read when late() is taken
+        node.side_tags = {LATE: _LATE_TAG, **(tags or {})}
+        node.window_late = True
+        res = WindowResult(self.keyed.env, node)
         res._ts = self.ts
+        res._input_kind = self.keyed.node.kind
         return res
 
     def reduce(self, fn: Callable, *, window_function: Callable | None = None, parallelism=None,
                name: str = "window_reduce", kind: Any = None) -> "WindowResult":
         """Per key and window, the records folded with ``fn(a, b)``; the output
-        is the reduced record, or ``window_function(key, window, reduced)``.
+        is the reduced record, or ``window_function(key, window, reduced)``
+        (``window_function(key, window, reduced, ctx)`` gets the
+        ``WindowContext``, whose ``firing`` says which kind of firing it is).
 
         Returns a ``WindowResult``. A ``fn`` or ``window_function`` that is not
         callable is a ``TypeError``.
@@ -136,7 +207,8 @@ class WindowedStream:
     def aggregate(self, agg, *, window_function: Callable | None = None, parallelism=None,
                   name: str = "window_aggregate", kind: Any = None):
         """Per key and window, an AggregateFunction's ``get_result``, or
-        ``window_function(key, window, result)``. On an Arrow/pandas stream
+        ``window_function(key, window, result)`` (with a fourth argument it
+        gets the ``WindowContext``). On an Arrow/pandas stream
         keyed by a column name, ``agg`` is a dict ``{output column: (column,
         function)}`` computed with pyarrow (see ``ArrowWindowOperator``).
 
@@ -154,19 +226,33 @@ class WindowedStream:
                                .aggregate({"n": ("word", "count"), "total": ("amount", "sum")}))
         """
         if isinstance(agg, dict):
+            if self._all or self.assigner.domain != "event" or self.trigger is not None:
+                raise errors.ConfigurationError(
+                    "aggregate({column: ...}) (the vectorized path) takes keyed event-time windows with the "
+                    f"default trigger; here: {'window_all, ' if self._all else ''}{self.assigner!r}"
+                    f"{', trigger ' + repr(self.trigger) if self.trigger is not None else ''}")
             return self._arrow_node(agg, parallelism, name)
         _check_aggregate(agg, self.assigner.merging, self.keyed.node.kind)
         if window_function is not None:
             _callable(window_function, "window_function")
         return self._node(AGGREGATE, agg, window_function, parallelism, name, kind)
 
-    def process(self, fn: Callable, *, parallelism=None, name: str = "window_process", kind: Any = None):
+    def process(self, fn: Callable, *, side_outputs=None, parallelism=None, name: str = "window_process",
+                kind: Any = None):
         """``fn(key, window, records) -> iterable of outputs`` once per window
-        (and again per record arriving within the allowed lateness).
+        (and again per record arriving within the allowed lateness), or at
+        each firing of the window's trigger.
 
-        ``window`` is a ``TimeWindow``, ``records`` a list of the window's
-        records. Returns a ``WindowResult``; a ``fn`` that is not callable
-        is a ``TypeError``.
+        ``window`` is a ``TimeWindow`` (a ``RecordRange`` for ``CountWindow``),
+        ``records`` a list of the window's records. A ``fn`` that takes a
+        fourth argument gets a ``WindowContext``: ``ctx.firing`` says which
+        kind of firing this is ("early", "on_time", "late", "partial"), and
+        ``ctx.output(tag, value)`` emits to a side output declared in
+        ``side_outputs`` (``res.side_output(tag)`` is its stream). The
+        context also reaches ``window_function`` of ``reduce`` and
+        ``aggregate`` when it takes one more argument. Returns a
+        ``WindowResult``; a ``fn`` that is not callable is a ``TypeError``,
+        one that cannot take those arguments a ``ConfigurationError``.
 
         Example::
 
@@ -177,7 +263,13 @@ class WindowedStream:
             medians = keyed.window(fb.Tumbling(60)).process(median)
         """
         _callable(fn, "process")
-        return self._node(PROCESS, fn, None, parallelism, name, kind)
+        if self._all:
+            _check_arity(fn, f"window_all process {name!r}", "fn(window, records) or fn(window, records, ctx)", 2, 3)
+        else:
+            _check_arity(fn, f"window process {name!r}",
+                         "fn(key, window, records) or fn(key, window, records, ctx)", 3, 4)
+        tags = declare_side_outputs(side_outputs, f"window process {name!r}", reserved=_RESERVED)
+        return self._node(PROCESS, fn, None, parallelism, name, kind, tags)
 
     def _arrow_node(self, spec, parallelism, name):
         column_key = getattr(self.keyed, "_key_column", None)
@@ -214,9 +306,65 @@ class WindowedStream:
         return Stream(env, node)
 
 
+class AllWindowedStream(WindowedStream):
+    """An unkeyed stream cut into windows (``Stream.window_all``): one
+    subtask sees every record. Finish it with ``reduce``, ``aggregate`` or
+    ``process``, whose functions take no key: ``process(fn(window, records
+    [, ctx]))``, ``window_function(window, result[, ctx])``.
+
+    Example::
+
+        per_minute = timed.window_all(fb.Tumbling(60)).aggregate(
+            fb.Count(), window_function=lambda w, n: (w.start, n))
+    """
+
+    _all = True
+
+    def reduce(self, fn: Callable, *, window_function: Callable | None = None, parallelism=None,
+               name: str = "window_all_reduce", kind: Any = None) -> "WindowResult":
+        """Per window, the records folded with ``fn(a, b)``; the output is the
+        reduced record, or ``window_function(window, reduced)``. Runs in one
+        subtask: ``parallelism`` other than 1 is a ``ConfigurationError``.
+
+        Example::
+
+            largest = timed.window_all(fb.Tumbling(60)).reduce(max)
+        """
+        return super().reduce(fn, window_function=window_function, parallelism=parallelism, name=name,
+                              kind=kind)
+
+    def aggregate(self, agg, *, window_function: Callable | None = None, parallelism=None,
+                  name: str = "window_all_aggregate", kind: Any = None) -> "WindowResult":
+        """Per window, an AggregateFunction's ``get_result``, or
+        ``window_function(window, result)``. Runs in one subtask:
+        ``parallelism`` other than 1 is a ``ConfigurationError``.
+
+        Example::
+
+            totals = timed.window_all(fb.Tumbling(60)).aggregate(
+                fb.Sum(lambda o: o["amount"]), window_function=lambda w, total: (w.start, total))
+        """
+        return super().aggregate(agg, window_function=window_function, parallelism=parallelism, name=name,
+                                 kind=kind)
+
+    def process(self, fn: Callable, *, side_outputs=None, parallelism=None, name: str = "window_all_process",
+                kind: Any = None) -> "WindowResult":
+        """``fn(window, records) -> iterable of outputs`` per firing (a third
+        argument, if ``fn`` takes one, is the ``WindowContext``). Runs in one
+        subtask: ``parallelism`` other than 1 is a ``ConfigurationError``.
+
+        Example::
+
+            top3 = timed.window_all(fb.Tumbling(60)).process(
+                lambda w, recs: [(w.start, sorted(recs, key=lambda r: -r["score"])[:3])])
+        """
+        return super().process(fn, side_outputs=side_outputs, parallelism=parallelism, name=name, kind=kind)
+
+
 class WindowResult(Stream):
     """The results of a window operator; ``late()`` is the stream of its
-    late records (Flink's ``side_output_late_data`` / ``get_side_output``).
+    late records (Flink's ``side_output_late_data`` / ``get_side_output``),
+    a side output of the window operator.
 
     Example::
 
@@ -225,19 +373,16 @@ class WindowResult(Stream):
         late = res.late().collect()
     """
 
-    def __init__(self, env, node, holder, kind):
+    def __init__(self, env, node):
         super().__init__(env, node)
-        self._window_node = node
-        self._holder = holder
-        self._result_kind = kind
         self._late = None
 
     def late(self, *, name: str = "late") -> Stream:
         """The records that came too late for every window they belong to
         (past the watermark plus the allowed lateness), instead of being
         dropped. It may be called before or after the results are used
-        (``res.collect(); late = res.late()``): what reads the results
-        keeps reading them.
+        (``res.collect(); late = res.late()``): the late records are a
+        side output of the window operator, beside its results.
 
         Returns a ``Stream`` of the late records as they came (with their
         timestamps); calling it again returns the same stream.
@@ -247,38 +392,10 @@ class WindowResult(Stream):
             res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
             res.late().write_text("late-records")
         """
-        if self._late is not None:
-            return self._late
-        wnode = self._window_node
-        env, p = self.env, wnode.parallelism
-        readers = list(wnode.consumers)
-        wnode.consumers.clear()
-        self._holder["tagged"] = True
-        # the window's output now carries (tag, record), a forward hop each
-        # (always within one process) to the two selectors that split it
-        wnode.kind = "pickle"
-        rname = wnode.name
-        main = Stream(env, wnode)._then(f"{rname}.results", lambda: TagSelect(f"{rname}.results", 0),
-                                         p, self._result_kind)
-        late = Stream(env, wnode)._then(name, lambda: TagSelect(name, 1), p, None)
-        late.timestamps = self._ts
-        # Operators declared on the results before this call read the
-        # selector of the results now, as does anything declared later on a
-        # stream taken from them (Environment._add follows split_into).
-        for reader in readers:
-            for inp in reader.inputs:
-                if inp.node is wnode:
-                    inp.node = main
-                    main.consumers.append(reader)
-        wnode.split_into = main
-        # the plan reads the nodes in declaration order, upstream first
-        nodes = env.nodes
-        for n in (main, late):
-            nodes.remove(n)
-        at = nodes.index(wnode) + 1
-        nodes[at:at] = [main, late]
-        self.node = main
-        self._late = Stream(env, late)
+        if self._late is None:
+            late = _side_stream(self, _LATE_TAG, name, self._input_kind)
+            late.node.timestamps = self._ts
+            self._late = late
         return self._late
 
     def collect(self, **kw):

@@ -30,13 +30,19 @@ columns that become other Python objects (timestamps, dates, decimals) make
 the stream ``pickle``, which needs ``allow_pickle`` with ``workers=``, or read
 them with ``as_="arrow"``.
 
+Unbounded sources: ``monitor`` (``read_text``/``read_csv``/``read_parquet``
+with ``monitor=``: a watched directory, each new file read once) and
+``socket_text`` (lines from a TCP server); their modules' docstrings say how
+they split, wait, end and checkpoint.
+
 What lives where: ``files`` (listing, arguments, the shared reading loop),
-``parquet``, ``csv``, ``console`` (``print()``).
+``parquet``, ``csv``, ``console`` (``print()``), ``monitor``, ``socket_text``.
 """
 from pyflowbuf.connectors.console import PrintSink
 from pyflowbuf.connectors.csv import CsvFileSource, CsvPlan, csv_source
 from pyflowbuf.connectors.files import DEFAULT_BATCH_ROWS, DEFAULT_CSV_BLOCK, MODES, list_files
 from pyflowbuf.connectors.parquet import ParquetFileSource, ParquetPlan, parquet_source
+from pyflowbuf.connectors import monitor, socket_text
 from pyflowbuf.errors import FileFormatError  # defined with the other errors; public here as before
 
 __all__ = ["MODES", "DEFAULT_BATCH_ROWS", "DEFAULT_CSV_BLOCK", "list_files", "parquet_source", "csv_source",

@@ -20,18 +20,21 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
+from pyflowbuf._core import netio as _wire
 from pyflowbuf.errors import ProtocolError
 
-MAGIC = 0xBADC0FFE
+# The constants the C send and receive loops share are defined on the C side
+# (csrc/fb_net.h, fb_ring.h); the rest of the protocol is only Python's.
+MAGIC = _wire.WIRE_MAGIC
 PROTOCOL_VERSION = 1
 
-BUFFER_RESPONSE = 0
+BUFFER_RESPONSE = _wire.WIRE_BUFFER_RESPONSE
 ERROR_RESPONSE = 1
 PARTITION_REQUEST = 2
 TASK_EVENT_REQUEST = 3          # Flink's; not supported here
 CANCEL_PARTITION_REQUEST = 4
 CLOSE_REQUEST = 5
-ADD_CREDIT = 6
+ADD_CREDIT = _wire.WIRE_ADD_CREDIT
 RESUME_CONSUMPTION = 7
 ACK_ALL_USER_RECORDS_PROCESSED = 8  # Flink's; not supported here
 BACKLOG_ANNOUNCEMENT = 9
@@ -59,13 +62,13 @@ BUFFER_HEADER = struct.Struct(">16siiiBBiIH")
 BUFFER_HEADER_SIZE = FRAME_HEADER_SIZE + BUFFER_HEADER.size  # 49
 _BUFFER_FULL = struct.Struct(">iIB16siiiBBiIH")
 EVENT_PAYLOAD = struct.Struct(">iq")
-RECEIVER_ID_SIZE = 16
+RECEIVER_ID_SIZE = _wire.WIRE_RECEIVER_ID_SIZE
 
 # data_type byte of a BufferResponse: the Buffer's type, plus a bit for the
 # priority lane (an unaligned barrier overtaking queued data).
-DATA_RECORDS = 0
-DATA_FIXED = 1
-DATA_EVENT = 2
+DATA_RECORDS = _wire.WIRE_DATA_RECORDS
+DATA_FIXED = _wire.WIRE_DATA_FIXED
+DATA_EVENT = _wire.WIRE_DATA_EVENT
 PRIORITY_BIT = 0x80
 _TYPE_NAMES = ("records", "fixed", "event")
 TYPE_CODES = {"records": DATA_RECORDS, "fixed": DATA_FIXED, "event": DATA_EVENT}
@@ -228,6 +231,12 @@ def encode_close():
 
 
 _ADD_CREDIT = struct.Struct(">iIBi16s")
+
+# The layouts above must be the ones the C loops read and write.
+if (FRAME_HEADER_SIZE, BUFFER_HEADER_SIZE, _ADD_CREDIT.size) != (
+        _wire.WIRE_FRAME_HEADER_SIZE, _wire.WIRE_BUFFER_HEADER_SIZE, _wire.WIRE_ADD_CREDIT_SIZE):
+    raise ImportError("pyflowbuf.net.frames: the frame layouts differ from the compiled core's "
+                      "(csrc/fb_net.h): rebuild the extension")
 
 
 def encode_add_credit(credit, receiver_id):

@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsspec.implementations.local import LocalFileSystem
+
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpointError, IncompatibleCheckpointError,
                                           SavepointStorage, UnsupportedStateError)
@@ -99,6 +101,9 @@ class _Pending:
     stop: bool = False            # stop-with-savepoint: the job ends once it completed
     done: Any = field(default_factory=threading.Event)
     outcome: Any = None           # ("completed", metadata) or (status, reason)
+    # checkpoint (periodic, the job's own) | savepoint (the user's): in the history,
+    # _metadata's properties and `pyflowbuf checkpoints list`
+    kind: str = "checkpoint"
 
 
 class CheckpointCoordinator:
@@ -244,7 +249,7 @@ class CheckpointCoordinator:
                 # holds no in-flight data, so it restores into any graph
                 p.storage = SavepointStorage(savepoint, allow_pickle=self.storage.allow_pickle,
                                              checkpoint_id=n)
-                p.savepoint, p.stop = True, stop
+                p.savepoint, p.stop, p.kind = True, stop, "savepoint"
                 self._savepoints[n] = p
             elif self.config.starts_unaligned:
                 p.alignment = "unaligned"
@@ -351,8 +356,9 @@ class CheckpointCoordinator:
 
     def _complete_now(self, p: _Pending) -> None:
         duration = (time.monotonic_ns() - p.trigger_ns) / 1e9
-        properties = {"job": self.job_name, "alignment_ms": p.alignment_ms, "mode": self.config.mode,
-                      "alignment": p.alignment, "commits": p.commits, "savepoint": p.savepoint}
+        properties = {"job": self.job_name, "kind": p.kind, "alignment_ms": p.alignment_ms,
+                      "mode": self.config.mode, "alignment": p.alignment, "commits": p.commits,
+                      "savepoint": p.savepoint}
         properties.update(metadata_properties(p.summaries, self.config.max_parallelism))
         try:
             meta = p.storage.complete(p.checkpoint_id, list(p.handles.values()), trigger_time=p.trigger_time,
@@ -411,7 +417,7 @@ class CheckpointCoordinator:
         run_commits(commits, self.outputs)
 
     def _record(self, p: _Pending, status, duration, outcome=None, **extra) -> None:
-        entry = {"id": p.checkpoint_id, "status": status, "trigger_time": p.trigger_time,
+        entry = {"id": p.checkpoint_id, "kind": p.kind, "status": status, "trigger_time": p.trigger_time,
                  "duration_s": round(duration, 6), "alignment": p.alignment,
                  "alignment_ms": dict(p.alignment_ms), "acknowledged": len(p.handles),
                  "tasks": len(p.expected), "savepoint": p.savepoint, **extra}
@@ -657,27 +663,12 @@ def restore_plan(storage, restore_from, *, verify: bool = True):
     path = os.fspath(restore_from).rstrip("/")
     name = os.path.basename(path)
     if name.startswith("chk-") and name[4:].isdigit():
-        parent = os.path.dirname(path)
-        if not parent or _same_dir(storage, parent):
-            return storage.load_metadata(int(name[4:]), verify=verify)
+        cid = int(name[4:])
+        if not os.path.dirname(path) or _same_path(storage, path, storage.checkpoint_path(cid)):
+            return storage.load_metadata(cid, verify=verify)
     # a savepoint, or a checkpoint directory copied elsewhere: self-contained
     sp = SavepointStorage(path, allow_pickle=storage.allow_pickle)
     return sp.load_metadata(sp.checkpoint_id, verify=verify)
-
-
-def _same_dir(storage, parent) -> bool:
-    try:
-        fs, root = fsspec_url_to_fs(parent)
-    except Exception:
-        return False
-    return type(fs) is type(storage.fs) and os.path.normpath(root.rstrip("/") or "/") == \
-        os.path.normpath(storage.root)
-
-
-def fsspec_url_to_fs(url):
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)
 
 
 def storage_of(storage, meta):
@@ -692,6 +683,14 @@ def restore_location(storage, meta):
     """What tells a worker process which checkpoint to restore: its id when it
     lies in the checkpoint_dir, else its directory."""
     return meta.checkpoint_id if storage_of(storage, meta) is storage else meta.path
+
+
+def _same_path(storage, given: str, own: str) -> bool:
+    strip = storage.fs._strip_protocol
+    a, b = strip(given).rstrip("/"), strip(own).rstrip("/")
+    if isinstance(storage.fs, LocalFileSystem):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a == b
 
 
 def latest_checkpoint(storage, *, verify: bool = True):
@@ -796,6 +795,9 @@ def check_sources(meta, states, sources) -> None:
 def check_rewindable(config: CheckpointConfig, name, source) -> None:
     """Exactly-once recovery replays the sources from their recorded positions."""
     if config.mode == "exactly_once" and not source.rewindable:
+        why = getattr(source, "not_rewindable_because", None)     # a source that explains itself
+        if why is not None:
+            raise errors.ConfigurationError(why)
         raise errors.ConfigurationError(
             f"source {name!r} cannot rewind (a plain iterator or generator), so a "
             "recovery could not replay it and exactly-once checkpoints are impossible: pass a "

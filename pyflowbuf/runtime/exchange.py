@@ -69,6 +69,10 @@ class OutputSide:
     # key_by: route by key group (pyflowbuf.runtime.keygroups); 0 routes by
     # hash modulo the subpartitions (an exchange outside a job's graph)
     max_parallelism = 0
+    # a side output's partition: the tag's name and the id of the node that
+    # emits to it (None: the chain's main output)
+    tag = None
+    source_node = None
 
     def __init__(self, pool, queues, partitioner, key_fn, kind: EdgeKind, max_record_size):
         self.pool = pool

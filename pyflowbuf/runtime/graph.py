@@ -2,7 +2,8 @@
 operators with equal parallelism fused into one JobVertex (operator chaining).
 
 A node reads any number of inputs (none for a source, several for union and
-connect); each input says how records reach the node from its upstream node."""
+connect); each input says how records reach the node from its upstream node:
+from its main output, or from one of its side outputs (``tag``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ class Input:
     node: "Node"
     partitioner: str = "forward"
     key_fn: Callable | None = None                   # for the hash partitioner
+    tag: str | None = None                           # a side output of the node (its name), or the main output
 
 
 @dataclass(eq=False)
@@ -35,6 +37,7 @@ class Node:
     collect_parts: dict | None = None                # a collect() sink's results, by subtask
     user_sink: bool = False                          # sink(fn): its effects stay in the process running it
     file_output: Any = None                          # write_text/write_parquet: its outputs.FileOutput
+    side_tags: dict | None = None                    # name -> OutputTag: the side outputs it may emit to
     consumers: list = field(default_factory=list)
     uid: str | None = None                           # Stream.uid(): the operator id its state is stored under
     derived_uid: str | None = None                   # set by assign_uids when there is no uid
@@ -103,6 +106,8 @@ class JobEdge:
     key_fn: Callable | None
     kind: Any                      # resolved record kind (a Serializer or a NumPy dtype) or None
     input_index: int = 0           # which input of the target's head node this edge feeds
+    tag: str | None = None         # a side output: its name, and the node of the source's chain emitting it
+    source_node: "Node | None" = None
 
     @property
     def pointwise(self) -> bool:
@@ -136,7 +141,10 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
     """Group nodes into JobVertices and connect them with JobEdges.
 
     A node with several inputs always heads a vertex of its own (its task
-    reads one gate per input); operators after it chain to it as usual."""
+    reads one gate per input); operators after it chain to it as usual. So
+    does a node reading a side output: a chain is a line, and the side
+    output of a node inside one leaves its vertex through an edge of its own
+    (``JobEdge.tag``), while the node's main output may go on chaining."""
     assign_uids(nodes)
     vertex_of: dict = {}
     vertices: list = []
@@ -152,7 +160,8 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
         up = node.inputs[0].node if len(node.inputs) == 1 else None
         chainable = (
             chaining and up is not None and node.inputs[0].partitioner == "forward"
-            and len(up.consumers) == 1 and not node.is_iterator and not up.is_sink
+            and node.inputs[0].tag is None and _main_readers(up) == 1
+            and not node.is_iterator and not up.is_sink
         )
         if chainable:
             v = vertex_of[up.id]
@@ -161,7 +170,17 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
             v = JobVertex(len(vertices), [node], node.parallelism)
             vertices.append(v)
             for k, inp in enumerate(node.inputs):
-                edges.append(JobEdge(vertex_of[inp.node.id], v, inp.partitioner, inp.key_fn,
-                                     inp.node.kind, input_index=k))
+                if inp.tag is None:
+                    edges.append(JobEdge(vertex_of[inp.node.id], v, inp.partitioner, inp.key_fn,
+                                         inp.node.kind, input_index=k))
+                else:   # a side output's reader carries the tag's kind
+                    edges.append(JobEdge(vertex_of[inp.node.id], v, inp.partitioner, inp.key_fn,
+                                         node.kind, input_index=k, tag=inp.tag, source_node=inp.node))
         vertex_of[node.id] = v
     return vertices, edges
+
+
+def _main_readers(node: Node) -> int:
+    """How many inputs read ``node``'s main output (its side outputs' readers
+    do not keep it from chaining)."""
+    return sum(1 for c in node.consumers for inp in c.inputs if inp.node is node and inp.tag is None)

@@ -319,6 +319,8 @@ class JobExecution(Execution):
                 side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, env.max_record_size)
                 side.max_parallelism = env.max_parallelism
                 side.consumer = down.head.name
+                if e.tag is not None:       # the task routes that node's side records here
+                    side.tag, side.source_node = e.tag, e.source_node.id
                 side.remote = [id(q) in self._exported for q in mine]
                 outputs.setdefault((up.id, i), []).append(side)
             for j in range(down.parallelism):

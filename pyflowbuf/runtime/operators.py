@@ -48,6 +48,9 @@ class Operator:
     out_kind: Any = None
     check_output = True
     _find_misfit: Any = None
+    # the side outputs it declared (a runtime.side_outputs.SideOutputs), set
+    # by its task; None for the operators that declare none
+    side: Any = None
 
     def __init__(self, name: str):
         self.name = name
@@ -320,6 +323,14 @@ def _copy_key_dicts(state) -> dict:
 
 
 # ---- operators with several inputs: the head of their task, fed by input index ----
+
+class Forward(Operator):
+    """The records as they came: the head of the chain that reads a side
+    output (the writer that sent them checked them against its kind)."""
+
+    def process_batch(self, batch):
+        return batch
+
 
 class Union(Operator):
     """The records of every input, in the order they arrive. Still an

@@ -240,10 +240,13 @@ class TextFileSource(Source):
     default_kind = "str"
     rewindable = True
 
-    def __init__(self, path, encoding: str = "utf-8"):
+    def __init__(self, path, encoding: str = "utf-8", end: int | None = None):
         self.path = os.fspath(path)
         self.encoding = encoding
         self.offset = 0
+        # read up to this byte (a monitored file as it was when found
+        # complete); None: to the end of the file
+        self.end = end
         self._fh = None
 
     def open(self, subtask, parallelism):
@@ -258,8 +261,14 @@ class TextFileSource(Source):
         fh = self._fh
         encoding = self.encoding
         start = self.offset
+        end = self.end
         for _ in range(max_records):
-            raw = fh.readline()
+            if end is None:
+                raw = fh.readline()
+            elif end > self.offset:
+                raw = fh.readline(end - self.offset)
+            else:
+                break
             if not raw:
                 break
             if self.offset == 0 and raw.startswith(_UTF8_BOM) and _is_utf8(encoding):

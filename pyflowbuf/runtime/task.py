@@ -23,6 +23,7 @@ from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, rec
 from pyflowbuf.runtime.exchange import MultiInput
 from pyflowbuf.runtime.pull import PullPolicy
 from pyflowbuf.runtime.restore import summary_of
+from pyflowbuf.runtime.side_outputs import SideOutputs
 from pyflowbuf.runtime import watermarks as _wm
 from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK
 from pyflowbuf.runtime.sources import payload_nbytes
@@ -92,16 +93,58 @@ class Subtask(threading.Thread):
         self.started_ns = 0
         self.finished_ns = 0
         self.state = "CREATED"
+        # Every output carries barriers, watermarks and the end of input; the
+        # chain's records go to the main ones, side records (ctx.output) to
+        # the outputs of their operator's tags (_route_side_outputs).
+        self.main_outputs = [o for o in outputs if o.tag is None]
+        self._side_routes = self._route_side_outputs(vertex, operators, outputs)
         # The writer checks every record it serializes: the operator feeding
         # it need not check again, and the writer's errors name that operator.
         producer = operators[-1] if operators else None
-        if producer is not None and outputs:
+        if producer is not None and self.main_outputs:
             producer.check_output = False
-        for out in outputs:
+        for out in self.main_outputs:
             out.producer = producer.name if producer is not None else vertex.head.name
         # Source records handed to a chained operator are never serialized:
         # check them here, against the source's kind, as a writer would.
         self._source_misfit = None if source is None or not operators else _SourceCheck(vertex.head)
+        # An unbounded source that waits for input (a socket, a watched
+        # directory) wakes up for a mail or a cancel instead of polling
+        self._source_wakeup = getattr(source, "wakeup", None)
+
+    @staticmethod
+    def _route_side_outputs(vertex, operators, outputs) -> list:
+        """Give each operator whose node declares side outputs its
+        ``SideOutputs``; the routes [(buffer, [outputs])] of the tags some
+        stream reads, which ``_ship_side_outputs`` empties."""
+        nodes = {n.id: n for n in getattr(vertex, "nodes", ())}
+        routes: list = []
+        for op in operators:
+            node = nodes.get(getattr(op, "node_id", None))
+            tags = getattr(node, "side_tags", None)
+            if not tags:
+                continue
+            table = {}
+            for name, tag in tags.items():
+                outs = [o for o in outputs if o.tag == name and o.source_node == node.id]
+                buf = [] if outs else None
+                table[name] = (tag, buf)
+                if outs:
+                    routes.append((buf, outs))
+                    for o in outs:
+                        o.producer = f"{op.name} (side output {name!r})"
+            op.side = SideOutputs(op.name, table)
+        return routes
+
+    def _ship_side_outputs(self) -> None:
+        """Side records collected since the last call, to their outputs: after
+        each batch, watermark and timer, so they precede any barrier."""
+        for buf, outs in self._side_routes:
+            if buf:
+                batch = buf[:]
+                buf.clear()
+                for out in outs:
+                    out.emit(batch)
 
     # ---- mailbox ----
     notifier = None         # set when tasks wait for output buffers (unaligned checkpoints)
@@ -114,6 +157,8 @@ class Subtask(threading.Thread):
             self.input.notifier.notify()
         elif self.notifier is not None:
             self.notifier.notify()
+        if self._source_wakeup is not None:
+            self._source_wakeup()
 
     def _output_blocked(self) -> bool:
         """Unaligned checkpoints: whether an output has no buffer to give now.
@@ -213,9 +258,12 @@ class Subtask(threading.Thread):
             self.current_operator = op.name
             batch = op.process_batch(batch)
             if not batch:
-                return
-        for out in self.outputs:
-            out.emit(batch)
+                break
+        else:
+            for out in self.main_outputs:
+                out.emit(batch)
+        if self._side_routes:
+            self._ship_side_outputs()
 
     def _process_input(self, batch: list, input_index: int) -> None:
         """``_process`` for a task with several inputs: the head operator learns
@@ -224,15 +272,17 @@ class Subtask(threading.Thread):
         head = ops[0]
         self.current_operator = head.name
         batch = head.process_input(batch, input_index)
-        if not batch:
-            return
-        for op in ops[1:]:
-            self.current_operator = op.name
-            batch = op.process_batch(batch)
-            if not batch:
-                return
-        for out in self.outputs:
-            out.emit(batch)
+        if batch:
+            for op in ops[1:]:
+                self.current_operator = op.name
+                batch = op.process_batch(batch)
+                if not batch:
+                    break
+            else:
+                for out in self.main_outputs:
+                    out.emit(batch)
+        if self._side_routes:
+            self._ship_side_outputs()
 
     def _flush_if_due(self, now_ns: int) -> None:
         if now_ns >= self._next_flush:
@@ -281,6 +331,14 @@ class Subtask(threading.Thread):
             pulled_ns = time.monotonic_ns() - t0
             if batch is None:
                 break
+            if not batch:
+                # an unbounded source waited (a bounded time) and nothing
+                # came: ship what is buffered, then see to the mailbox
+                self.source_idle_ns += pulled_ns
+                for out in outputs:
+                    out.flush()
+                self._next_flush = time.monotonic_ns() + self._timeout_ns
+                continue
             self.pulls += 1
             if self._source_misfit is not None:
                 self._source_misfit(batch)
@@ -422,8 +480,10 @@ class Subtask(threading.Thread):
                 tail = op.process_batch(tail)
             tail = tail + op.finish()
         if tail:
-            for out in self.outputs:
+            for out in self.main_outputs:
                 out.emit(tail)
+        if self._side_routes:
+            self._ship_side_outputs()
         if self.checkpointing is not None:
             if self.aligner is not None:
                 self._check_channel_ends()
@@ -640,6 +700,8 @@ class Subtask(threading.Thread):
             self.input.cancel()
         if self.rate_limiter is not None:
             self.rate_limiter.cancel()
+        if self._source_wakeup is not None:
+            self._source_wakeup()
 
     # ---- counters for metrics ----
     def counters(self) -> dict:
@@ -731,8 +793,10 @@ class Subtask(threading.Thread):
                     if more:
                         batch = batch + more if batch else more
         if batch:
-            for out in self.outputs:
+            for out in self.main_outputs:
                 out.emit(batch)
+        if self._side_routes:
+            self._ship_side_outputs()
         if wm is not None and (wm > self._wm_out or force):
             self._wm_out = max(wm, self._wm_out)
             self._idle_out = False
@@ -750,15 +814,20 @@ class Subtask(threading.Thread):
 
     def emit_after(self, op, records):
         """Records an operator made outside of a batch (a processing-time
-        timer): through the operators after it, then to the outputs."""
+        timer): through the operators after it, then to the outputs; and the
+        side records it made meanwhile."""
         ops = self.operators
-        for nxt in ops[ops.index(op) + 1:]:
-            self.current_operator = nxt.name
-            records = nxt.process_batch(records)
-            if not records:
-                return
-        for out in self.outputs:
-            out.emit(records)
+        if records:
+            for nxt in ops[ops.index(op) + 1:]:
+                self.current_operator = nxt.name
+                records = nxt.process_batch(records)
+                if not records:
+                    break
+            else:
+                for out in self.main_outputs:
+                    out.emit(records)
+        if self._side_routes:
+            self._ship_side_outputs()
 
     def operator_metrics(self) -> dict:
         """Counters of the chain's operators (late records of windows), summed."""

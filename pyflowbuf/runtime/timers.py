@@ -21,6 +21,7 @@ from pyflowbuf import errors
 from pyflowbuf.runtime.operators import Operator, _copy_key_dicts
 # the processing-time service lived here before; its names stay importable from here
 from pyflowbuf.runtime.processing_time import ProcessingTimeService, processing_time_service, schedule  # noqa: F401
+from pyflowbuf.runtime.side_outputs import unknown_tag
 from pyflowbuf.runtime.watermarks import NO_WATERMARK, to_seconds
 
 
@@ -170,6 +171,65 @@ class Context:
     def delete_processing_time_timer(self, t) -> None:
         self._op.timers.processing.delete(self.key, to_seconds(t))
 
+    def output(self, tag, value) -> None:
+        """Emit ``value`` to the side output ``tag`` (an ``OutputTag`` the
+        operator declared with ``side_outputs=``), in ``process``,
+        ``on_timer`` and ``on_end`` alike."""
+        side = self._op.side
+        if side is None:
+            raise unknown_tag(self._op.name, tag, ())
+        side.output(tag, value)
+
+
+class ProcessContext:
+    """What an unkeyed ``Stream.process`` function sees: ``fn(record, ctx)``.
+
+    timestamp
+        The record's event time (None when the stream has no timestamps).
+    """
+
+    __slots__ = ("_op", "timestamp")
+
+    def __init__(self, op):
+        self._op = op
+        self.timestamp = None
+
+    def current_processing_time(self) -> float:
+        return time.time()
+
+    def output(self, tag, value) -> None:
+        """Emit ``value`` to the side output ``tag`` (an ``OutputTag`` the
+        operator declared with ``side_outputs=``)."""
+        side = self._op.side
+        if side is None:
+            raise unknown_tag(self._op.name, tag, ())
+        side.output(tag, value)
+
+
+class ProcessOperator(Operator):
+    """``Stream.process(fn)``: ``fn(record, ctx) -> iterable of outputs (or
+    None)`` per record, on a stream that need not be keyed (Flink's
+    ProcessFunction); ``ctx.output(tag, value)`` emits to side outputs."""
+
+    def __init__(self, name, fn, ts_fn=None):
+        super().__init__(name)
+        self.fn = fn
+        self.ts_fn = ts_fn
+        self.ctx = ProcessContext(self)
+
+    def process_batch(self, batch):
+        fn, ctx, ts_fn, add = self.fn, self.ctx, self.ts_fn, self._extend
+        out: list = []
+        if ts_fn is None:
+            for x in batch:
+                add(out, fn(x, ctx))
+        else:
+            for x in batch:
+                t = ts_fn(x)
+                ctx.timestamp = t if type(t) is float else to_seconds(t)
+                add(out, fn(x, ctx))
+        return self._checked(out)
+
 
 class KeyedProcessFunction:
     """A keyed process function as a class (Flink's KeyedProcessFunction):
@@ -244,8 +304,7 @@ class TimerOperator(Operator):
         self._proc_handle = None
         self._proc_deadline = math.inf
         out = self.fire_processing(time.time())
-        if out:
-            self.task.emit_after(self, out)
+        self.task.emit_after(self, out)     # (also ships what timers sent to side outputs)
         self._schedule_processing()
 
     def on_watermark(self, watermark):

@@ -1,4 +1,4 @@
-"""Event-time windows: assigners, aggregate functions, and the operators.
+"""Windows: assigners, triggers, aggregate functions, and the operators.
 
     env = fb.Environment()
     counts = (env.from_iterable(words)                        # (word, seconds)
@@ -20,11 +20,22 @@ Windows over Arrow/pandas batch streams are computed a batch at a time with
 pyarrow compute (``key_by("column")`` with ``assign_timestamps("column")``,
 then ``aggregate({"out": ("column", "sum"), ...})``): see ``ArrowWindowOperator``.
 
-What lives where: ``assigners`` (``TimeWindow``, ``Tumbling``, ``Sliding``,
-``Session``), ``aggregates`` (``AggregateFunction``, ``Count``, ``Sum``), and the
-runtime operators: ``operator`` (``WindowOperator``), ``arrow``
+Besides event time, windows can follow processing time
+(``TumblingProcessingTime``, ``SlidingProcessingTime``,
+``SessionProcessingTime``) or counts (``CountWindow``), and
+``window(assigner, trigger=...)`` changes when they fire
+(``ContinuousEventTimeTrigger`` for early results, ``CountTrigger``,
+``PurgingTrigger``); a window function that takes one more argument gets a
+``WindowContext`` whose ``firing`` says "early", "on_time", "late" or
+"partial". ``stream.window_all(assigner)`` windows an unkeyed stream in one
+subtask. See docs/event-time.md.
+
+What lives where: ``assigners`` (``TimeWindow``, ``RecordRange`` and the
+assigners), ``triggers``, ``aggregates`` (``AggregateFunction``, ``Count``,
+``Sum``), and the runtime operators: ``operator`` (``WindowOperator``,
+``TriggerWindowOperator``, ``CountWindowOperator``), ``arrow``
 (``ArrowWindowOperator``), ``joins`` (``WindowJoinOperator``,
-``IntervalJoinOperator``). The API side (``WindowedStream``, ``WindowResult``,
+``IntervalJoinOperator``). The API side (``WindowedStream``, ``AllWindowedStream``, ``WindowResult``,
 ``JoinedStreams``, ``IntervalJoin``) is in ``pyflowbuf.api``.
 """
 import importlib
@@ -32,11 +43,19 @@ import warnings
 
 from pyflowbuf.windows.aggregates import AggregateFunction, Count, Sum
 from pyflowbuf.windows.arrow import ArrowWindowOperator, check_arrow_spec  # noqa: F401
-from pyflowbuf.windows.assigners import Session, Sliding, TimeWindow, Tumbling, WindowAssigner
+from pyflowbuf.windows.assigners import (CountWindow, RecordRange, Session, SessionProcessingTime, Sliding,
+                                         SlidingProcessingTime, TimeWindow, Tumbling, TumblingProcessingTime,
+                                         WindowAssigner)
 from pyflowbuf.windows.joins import IntervalJoinOperator, WindowJoinOperator  # noqa: F401
-from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, TagSelect, WindowOperator, WindowSpec  # noqa: F401
+from pyflowbuf.windows.operator import (AGGREGATE, PROCESS, REDUCE, CountWindowOperator,  # noqa: F401
+                                        TriggerWindowOperator, WindowContext, WindowOperator, WindowSpec)
+from pyflowbuf.windows.triggers import (ContinuousEventTimeTrigger, CountTrigger, EventTimeTrigger,
+                                        ProcessingTimeTrigger, PurgingTrigger, Trigger)
 
-__all__ = ["TimeWindow", "WindowAssigner", "Tumbling", "Sliding", "Session", "AggregateFunction", "Count", "Sum"]
+__all__ = ["TimeWindow", "RecordRange", "WindowAssigner", "Tumbling", "Sliding", "Session",
+           "TumblingProcessingTime", "SlidingProcessingTime", "SessionProcessingTime", "CountWindow",
+           "Trigger", "EventTimeTrigger", "ProcessingTimeTrigger", "ContinuousEventTimeTrigger", "CountTrigger",
+           "PurgingTrigger", "WindowContext", "AggregateFunction", "Count", "Sum"]
 
 # The API classes of windows and joins were importable from here before
 # issue 19; for one release the old spelling works, with a warning. (Looked up

@@ -1,14 +1,20 @@
-"""The keyed event-time window operator (records a record at a time)."""
+"""The keyed window operators (records a record at a time): event time with
+the default trigger (``WindowOperator``), other triggers and processing time
+(``TriggerWindowOperator``), and count windows (``CountWindowOperator``)."""
 from __future__ import annotations
 
 import bisect
 import copy
+import math
+import time
 
 from pyflowbuf.runtime.operators import Operator
+from pyflowbuf.runtime.side_outputs import LATE, unknown_tag
 from pyflowbuf.runtime.timers import TimerOperator, TimerQueue, timer_service_snapshot
-from pyflowbuf.runtime.watermarks import to_seconds
+from pyflowbuf.runtime.watermarks import NO_WATERMARK, to_seconds
 from pyflowbuf.windows.aggregates import Count
-from pyflowbuf.windows.assigners import TimeWindow, Tumbling
+from pyflowbuf.windows.assigners import RecordRange, TimeWindow, Tumbling
+from pyflowbuf.windows.triggers import ProcessingTimeTrigger
 
 
 REDUCE, AGGREGATE, PROCESS = "reduce", "aggregate", "process"
@@ -19,22 +25,133 @@ class WindowSpec:
     """What ``KeyedStream.window(...)...`` builds: everything the operator
     needs besides its function, picklable for worker processes."""
 
-    def __init__(self, assigner, key_fn, ts_fn, allowed_lateness=0.0):
+    def __init__(self, assigner, key_fn, ts_fn, allowed_lateness=0.0, trigger=None):
         self.assigner = assigner
         self.key_fn = key_fn
         self.ts_fn = ts_fn
         self.allowed_lateness = allowed_lateness
+        self.trigger = trigger      # None: the assigner's default (EventTimeTrigger)
 
 
-class WindowOperator(TimerOperator):
+class WindowContext:
+    """What a window function that takes one more argument gets: ``process(fn)``
+    with ``fn(key, window, records, ctx)``, ``window_function(key, window,
+    result, ctx)`` (without the key for ``window_all``).
+
+    firing
+        The kind of this firing: "early" (before the window's end, by a
+        ``ContinuousEventTimeTrigger`` or ``CountTrigger``), "on_time" (at the
+        window's end; for a count window, when its count is complete), "late"
+        (a record within the allowed lateness after the end), or "partial"
+        (a count window cut short by the end of the input).
+    key, window
+        The window's key and window (``TimeWindow`` or ``RecordRange``).
+    watermark
+        The operator's watermark (-inf before the first, and in windows that
+        are not in event time).
+
+    Example::
+
+        def fn(key, window, records, ctx):
+            return [(key, window.start, len(records), ctx.firing)]
+
+        res = keyed.window(fb.Tumbling(60), trigger=fb.ContinuousEventTimeTrigger(10)).process(fn)
+    """
+
+    __slots__ = ("_op", "key", "window", "firing")
+
+    def __init__(self, op):
+        self._op = op
+        self.key = None
+        self.window = None
+        self.firing = None
+
+    @property
+    def watermark(self) -> float:
+        """The window operator's watermark in seconds of event time.
+
+        Example::
+
+            behind = ctx.watermark - window.end      # how late a "late" firing is
+        """
+        timers = getattr(self._op, "timers", None)
+        return NO_WATERMARK if timers is None else timers.watermark
+
+    def current_processing_time(self) -> float:
+        """The wall clock (``time.time()``; the harness's time in an ``OperatorHarness``).
+
+        Example::
+
+            lag = ctx.current_processing_time() - window.end
+        """
+        return self._op.clock()
+
+    def output(self, tag, value) -> None:
+        """Emit ``value`` to the side output ``tag`` (declared with
+        ``process(fn, side_outputs=[tag])``).
+
+        Example::
+
+            ctx.output(big, (key, len(records)))     # big = fb.OutputTag("big")
+        """
+        side = self._op.side
+        if side is None or getattr(tag, "name", None) == LATE:    # late() is fed by the operator alone
+            raise unknown_tag(self._op.name, tag, () if side is None else
+                              [t for n, (t, _) in side.routes.items() if n != LATE])
+        side.output(tag, value)
+
+    def __repr__(self):
+        return f"WindowContext(key={self.key!r}, window={self.window!r}, firing={self.firing!r})"
+
+
+def _functions(how, fn):
+    """(create, add, result, merge) of a window's contents for ``how``."""
+    if how == AGGREGATE:
+        return fn.create_accumulator, fn.add, fn.get_result, getattr(fn, "merge", None)
+    if how == REDUCE:
+        return (lambda: _MISSING), (lambda x, acc, _f=fn: x if acc is _MISSING else _f(acc, x)), \
+            (lambda acc: acc), fn
+    return list, _append, None, (lambda a, b: a + b)
+
+
+class _WindowOutput:
+    """Calling the window's function on a firing, shared by the operators."""
+
+    how: str
+    fn = None
+    window_function = None
+    with_ctx = False
+    ctx = None
+    _result = None
+
+    def _emit_window(self, k, window, acc, out, firing):
+        ctx = self.ctx
+        if ctx is not None:
+            ctx.key, ctx.window, ctx.firing = k, window, firing
+        if self.how == PROCESS:
+            self._extend(out, self.fn(k, window, acc, ctx) if ctx is not None else self.fn(k, window, acc))
+            return
+        r = self._result(acc)
+        if self.window_function is not None:
+            r = self.window_function(k, window, r, ctx) if ctx is not None else self.window_function(k, window, r)
+        out.append(r)
+
+
+class WindowOperator(_WindowOutput, TimerOperator):
     """Keyed windows over records. ``how`` is reduce (``fn(a, b)``), aggregate
     (an AggregateFunction) or process (``fn(key, window, records)``);
     ``window_function(key, window, result)`` (reduce/aggregate) turns each
-    result into the output record. ``late_tagged``: results and late records
-    leave wrapped as (0, result) / (1, record), for ``late()``'s split."""
+    result into the output record. ``with_ctx``: the function takes a
+    ``WindowContext`` as its last argument (the firing kind; side outputs with
+    ``ctx.output(tag, value)``). Late records go to the side output ``LATE``
+    when a stream reads it (``late()``), else they are dropped and counted."""
 
-    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, late_tagged=False):
+    clock = staticmethod(time.time)     # processing time; an OperatorHarness sets its own
+
+    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, with_ctx=False):
         super().__init__(name)
+        self.with_ctx = with_ctx
+        self.ctx = WindowContext(self) if with_ctx else None
         self.assigner = spec.assigner
         self.merging = spec.assigner.merging
         self.key_fn = spec.key_fn
@@ -43,26 +160,18 @@ class WindowOperator(TimerOperator):
         self.how = how
         self.fn = fn
         self.window_function = window_function
-        self.late_tagged = late_tagged
+        self._late = None               # the LATE side output's buffer when a stream reads it
         self.windows: dict = {}         # (key, start, end) -> accumulator   (non-merging)
         self.sessions: dict = {}        # key -> sorted [[start, end, acc], ...]  (merging)
         self.cleanup = TimerQueue()     # (key, start, end) at end + lateness
         self.late_dropped = 0
         self.late_out = 0
-        if how == AGGREGATE:
-            agg = fn
-            self._create, self._add, self._result = agg.create_accumulator, agg.add, agg.get_result
-            self._merge = getattr(agg, "merge", None)
-        elif how == REDUCE:
-            self._create = lambda: _MISSING
-            self._add = lambda x, acc, _f=fn: x if acc is _MISSING else _f(acc, x)
-            self._result = lambda acc: acc
-            self._merge = fn
-        else:
-            self._create = list
-            self._add = _append
-            self._result = None
-            self._merge = lambda a, b: a + b
+        self._create, self._add, self._result, self._merge = _functions(how, fn)
+
+    def open(self, subtask, parallelism):
+        super().open(subtask, parallelism)
+        if self.side is not None:
+            self._late = self.side.buffer(LATE)
 
     # ---- records ----
     def process_batch(self, batch):
@@ -146,27 +255,21 @@ class WindowOperator(TimerOperator):
 
     def _finish_batch(self, out, late):
         if late:
-            if self.late_tagged:
-                out.extend((1, x) for x in late)
+            if self._late is not None:
+                self._late.extend(late)
                 self.late_out += len(late)
             else:
                 self.late_dropped += len(late)
-        return self._checked(out) if not self.late_tagged else out
+        return self._checked(out)
 
-    def _emit(self, k, start, end, acc, out):
-        if self.how == PROCESS:
-            res = self.fn(k, TimeWindow(start, end), acc)
-            if self.late_tagged:
-                tmp: list = []
-                self._extend(tmp, res)
-                out.extend((0, r) for r in tmp)
-            else:
-                self._extend(out, res)
-            return
-        r = self._result(acc)
-        if self.window_function is not None:
-            r = self.window_function(k, TimeWindow(start, end), r)
-        out.append((0, r) if self.late_tagged else r)
+    def _emit(self, k, start, end, acc, out, firing="late"):
+        self._emit_window(k, TimeWindow(start, end), acc, out, firing)
+
+    def _end_register(self, wk, t):
+        self.timers.event.register(wk, t)
+
+    def _end_delete(self, wk, t):
+        self.timers.event.delete(wk, t)
 
     # ---- sessions ----
     def _add_to_session(self, k, t, x, wm, out) -> bool:
@@ -188,7 +291,7 @@ class WindowOperator(TimerOperator):
         acc = _MISSING
         for s in hits:
             sess.remove(s)
-            self.timers.event.delete((k, s[0], s[1]), s[1])
+            self._end_delete((k, s[0], s[1]), s[1])
             self.cleanup.delete((k, s[0], s[1]), s[1] + self.lateness)
             acc = s[2] if acc is _MISSING else merge(acc, s[2])
         if acc is _MISSING:
@@ -196,7 +299,7 @@ class WindowOperator(TimerOperator):
         acc = self._add(x, acc)
         bisect.insort(sess, [lo, hi, acc], key=lambda s: s[0])
         if hi > wm:
-            self.timers.event.register((k, lo, hi), hi)
+            self._end_register((k, lo, hi), hi)
         else:
             self.cleanup.register((k, lo, hi), hi + self.lateness)
             self._emit(k, lo, hi, acc, out)
@@ -214,7 +317,7 @@ class WindowOperator(TimerOperator):
             acc = self._acc(wk)
             if acc is _MISSING:
                 continue
-            self._emit(wk[0], wk[1], end, acc, out)
+            self._emit(wk[0], wk[1], end, acc, out, "on_time")
             if lateness:
                 self.cleanup.register(wk, end + lateness)
             else:
@@ -225,7 +328,7 @@ class WindowOperator(TimerOperator):
             if due is None:
                 break
             self._purge(due[0])
-        return self._checked(out) if not self.late_tagged else out
+        return self._checked(out)
 
     def fire_processing(self, now):
         return []
@@ -298,6 +401,430 @@ def _window_key(wk):
     return wk[0]
 
 
+_EMPTY = object()      # a window emptied by PurgingTrigger: its timers and counts go on
+
+
+class TriggerWindowOperator(WindowOperator):
+    """Keyed windows with a trigger other than the default (event time:
+    tumbling, sliding and sessions), or in processing time (tumbling and
+    sliding with any processing-time trigger, sessions with the default
+    one, on the base class's session code). The trigger (``spec.trigger``,
+    see ``pyflowbuf.windows.triggers``) says whether a window fires at its end, every ``interval`` of event time
+    (timers keyed ``(1, window)``; the end is ``(0, window)``), or every
+    ``count`` records (a count per window), and whether a firing empties it.
+    Event-time windows are dropped at end + allowed lateness, processing-time
+    windows at their end."""
+
+    # its state (counts per window, timers keyed (0 or 1, window)) has no key
+    # group rule yet: it restores at the parallelism it was taken at
+    keyed_state = False
+
+    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, with_ctx=False):
+        super().__init__(name, spec, how, fn, window_function, with_ctx)
+        trig = spec.trigger
+        if trig is None:        # processing-time windows with their default trigger
+            trig = ProcessingTimeTrigger()
+        self.processing = spec.assigner.domain == "processing"
+        self.at_end = trig.fires_at_end
+        self.interval = trig.interval
+        self.every = trig.count
+        self.purge = trig.purge
+        self.counts: dict = {}      # window -> records since its last count firing
+        # records a CountTrigger never fired: still counted when their window was
+        # dropped (Flink drops them too; the metric makes it visible)
+        self.unfired_dropped = 0
+
+    # ---- records ----
+    def process_batch(self, batch):
+        key_fn, ts_fn = self.key_fn, self.ts_fn
+        out: list = []
+        processing = self.processing
+        if processing:
+            now = self.clock()
+            wm = NO_WATERMARK
+        else:
+            wm = self.timers.watermark
+        if self.merging:
+            if processing:      # processing-time sessions take the default trigger only
+                for x in batch:
+                    self._add_to_session(key_fn(x), now, x, wm, out)
+                return self._finish_batch(out, [])
+            late: list = []
+            for x in batch:
+                t = ts_fn(x)
+                if type(t) is not float:
+                    t = to_seconds(t)
+                if not self._add_to_triggered_session(key_fn(x), t, x, wm, out):
+                    late.append(x)
+            return self._finish_batch(out, late)
+        late = []
+        windows, add, create, lateness = self.windows, self._add, self._create, self.lateness
+        assign, every, counts, at_end = self.assigner.assign, self.every, self.counts, self.at_end
+        for x in batch:
+            if processing:
+                t = now
+            else:
+                t = ts_fn(x)
+                if type(t) is not float:
+                    t = to_seconds(t)
+            k = None
+            placed = False
+            for start, end in assign(t):
+                if end + lateness <= wm:
+                    continue                    # this window is gone
+                if k is None:
+                    k = key_fn(x)
+                wk = (k, start, end)
+                acc = windows.get(wk, _MISSING)
+                if acc is _MISSING:
+                    self._new_window(wk, t, wm)
+                    acc = create()
+                elif acc is _EMPTY:
+                    acc = create()
+                windows[wk] = add(x, acc)
+                placed = True
+                if every is not None:
+                    c = counts.get(wk, 0) + 1
+                    if c >= every:
+                        c = 0
+                        self._fire(wk, "late" if end <= wm else "early", out)
+                    counts[wk] = c
+                elif at_end and end <= wm:      # fired before: fire again with this record
+                    self._fire(wk, "late", out)
+            if not placed:
+                late.append(x)
+        return self._finish_batch(out, late)
+
+    # ---- event-time sessions with a trigger ----
+    # A session is [start, end, contents (or _EMPTY once purged), records
+    # counted since its last count firing, time of its next early firing or
+    # None]. Merging sessions sums their counts and keeps the earliest
+    # pending early firing (Flink's onMerge of CountTrigger and
+    # ContinuousEventTimeTrigger).
+    def _add_to_triggered_session(self, k, t, x, wm, out) -> bool:
+        start, end = t, t + self.assigner.gap
+        sess = self.sessions.get(k)
+        if sess is None:
+            sess = self.sessions[k] = []
+        hits = [s for s in sess if s[0] <= end and start <= s[1]]
+        lo = min([start] + [s[0] for s in hits])
+        hi = max([end] + [s[1] for s in hits])
+        lateness = self.lateness
+        if hi + lateness <= wm:
+            if not sess:
+                del self.sessions[k]
+            return False
+        event, merge = self.timers.event, self._merge
+        acc = _MISSING
+        count = 0
+        early = None
+        for s in hits:
+            sess.remove(s)
+            wk = (k, s[0], s[1])
+            event.delete((0, wk), s[1])
+            if s[4] is not None:
+                event.delete((1, wk), s[4])
+            self.cleanup.delete(wk, s[1] + lateness)
+            if s[2] is not _EMPTY:
+                acc = s[2] if acc is _MISSING else merge(acc, s[2])
+            count += s[3]
+            if s[4] is not None and (early is None or s[4] < early):
+                early = s[4]
+        if acc is _MISSING:
+            acc = self._create()
+        acc = self._add(x, acc)
+        wk = (k, lo, hi)
+        if hi > wm:
+            if self.at_end:
+                event.register((0, wk), hi)
+            if self.interval is not None and early is None:
+                f = _next_multiple(t, self.interval)
+                early = f if f < hi else None
+            if early is not None:
+                event.register((1, wk), early)
+        else:
+            early = None
+        self.cleanup.register(wk, hi + lateness)
+        entry = [lo, hi, acc, count, early]
+        bisect.insort(sess, entry, key=lambda s: s[0])
+        if self.every is not None:
+            entry[3] += 1
+            if entry[3] >= self.every:
+                entry[3] = 0
+                self._fire_session(k, entry, "late" if hi <= wm else "early", out)
+        elif self.at_end and hi <= wm:
+            self._fire_session(k, entry, "late", out)
+        return True
+
+    def _fire_session(self, k, entry, firing, out):
+        if entry[2] is _EMPTY:
+            return
+        self._emit(k, entry[0], entry[1], entry[2], out, firing)
+        if self.purge:
+            entry[2] = _EMPTY
+
+    def _session(self, wk):
+        for s in self.sessions.get(wk[0], ()):
+            if s[0] == wk[1] and s[1] == wk[2]:
+                return s
+        return None
+
+    def _fire_event_sessions(self, watermark):
+        out: list = []
+        pop, register = self.timers.event.pop_due, self.timers.event.register
+        while True:
+            due = pop(watermark)
+            if due is None:
+                break
+            (tag, wk), t = due
+            entry = self._session(wk)
+            if entry is None:
+                continue
+            if tag == 0:
+                self._fire_session(wk[0], entry, "on_time", out)
+            else:
+                self._fire_session(wk[0], entry, "early", out)
+                f = _next_multiple(t, self.interval)
+                entry[4] = f if f < wk[2] else None
+                if entry[4] is not None:
+                    register((1, wk), f)
+        pop = self.cleanup.pop_due
+        while True:
+            due = pop(watermark)
+            if due is None:
+                break
+            entry = self._session(due[0])
+            if entry is not None:
+                self.unfired_dropped += entry[3]
+            self._purge(due[0])
+        return self._checked(out)
+
+    def _new_window(self, wk, t, wm):
+        end = wk[2]
+        if self.processing:
+            self._register_processing(wk, end)      # its firing (or cleanup) at its end
+            return
+        if end > wm:
+            if self.at_end:
+                self.timers.event.register((0, wk), end)
+            if self.interval is not None:
+                f = _next_multiple(t, self.interval)
+                if f < end:
+                    self.timers.event.register((1, wk), f)
+        self.cleanup.register(wk, end + self.lateness)
+
+    def _fire(self, wk, firing, out):
+        acc = self.windows.get(wk, _MISSING)
+        if acc is _MISSING or acc is _EMPTY:
+            return
+        self._emit(wk[0], wk[1], wk[2], acc, out, firing)
+        if self.purge:
+            self.windows[wk] = _EMPTY
+
+    def _end_register(self, wk, t):
+        if self.processing:
+            self._register_processing(wk, t)
+        else:
+            self.timers.event.register(wk, t)
+
+    def _end_delete(self, wk, t):
+        (self.timers.processing if self.processing else self.timers.event).delete(wk, t)
+
+    # ---- time ----
+    def fire_event(self, watermark):
+        if self.processing:
+            return []
+        if self.merging:
+            return self._fire_event_sessions(watermark)
+        out: list = []
+        windows, interval = self.windows, self.interval
+        pop, register = self.timers.event.pop_due, self.timers.event.register
+        while True:
+            due = pop(watermark)
+            if due is None:
+                break
+            (tag, wk), t = due
+            if wk not in windows:
+                continue
+            if tag == 0:
+                self._fire(wk, "on_time", out)
+            else:
+                self._fire(wk, "early", out)
+                f = _next_multiple(t, interval)
+                if f < wk[2]:
+                    register((1, wk), f)    # due now if the watermark is past it: fires in this loop
+        pop = self.cleanup.pop_due
+        while True:
+            due = pop(watermark)
+            if due is None:
+                break
+            windows.pop(due[0], None)
+            self.unfired_dropped += self.counts.pop(due[0], 0)
+        return self._checked(out)
+
+    def fire_processing(self, now):
+        out: list = []
+        pop = self.timers.processing.pop_due
+        while True:
+            due = pop(now)
+            if due is None:
+                break
+            wk = due[0]
+            if self.merging:
+                acc = self._acc(wk)
+                if acc is not _MISSING:
+                    self._emit(wk[0], wk[1], wk[2], acc, out, "on_time")
+                    self._purge(wk)
+                continue
+            if self.at_end:
+                self._fire(wk, "on_time", out)
+            self.windows.pop(wk, None)
+            self.unfired_dropped += self.counts.pop(wk, 0)
+        return self._checked(out)
+
+    def finish(self):
+        # end of a bounded input: processing-time windows still open fire now,
+        # as event-time windows do at the +inf watermark
+        out = self.fire_processing(math.inf) if self.processing else []
+        super().finish()
+        return out
+
+    # ---- checkpoints ----
+    def snapshot_state(self):
+        if self.merging and self.processing:
+            return super().snapshot_state()
+        if self.merging:
+            # an emptied session's contents go in as None, flagged
+            sessions = {k: [[s, e, None if a is _EMPTY else _copy_acc(a), a is _EMPTY, n, f] for s, e, a, n, f in v]
+                        for k, v in self.sessions.items()}
+            return {"windows": None, "sessions": None, "trigger_sessions": sessions,
+                    "timers": self.timers.snapshot(), "cleanup": self.cleanup.snapshot(),
+                    "late_dropped": self.late_dropped, "unfired_dropped": self.unfired_dropped}
+        return {"windows": {wk: _copy_acc(a) for wk, a in self.windows.items() if a is not _EMPTY},
+                "purged": [wk for wk, a in self.windows.items() if a is _EMPTY],
+                "counts": dict(self.counts), "sessions": None, "timers": self.timers.snapshot(),
+                "cleanup": self.cleanup.snapshot(), "late_dropped": self.late_dropped,
+                "unfired_dropped": self.unfired_dropped}
+
+    def restore_state(self, state):
+        if not state:
+            return
+        super().restore_state(state)
+        if state.get("trigger_sessions") is not None:
+            self.sessions = {k: [[s, e, _EMPTY if empty else _copy_acc(a), n, f] for s, e, a, empty, n, f in v]
+                             for k, v in state["trigger_sessions"].items()}
+        for wk in state.get("purged") or ():
+            self.windows[wk] = _EMPTY
+        self.counts = dict(state.get("counts") or {})
+        self.unfired_dropped = state.get("unfired_dropped", 0)
+
+    def metrics(self) -> dict:
+        return {**super().metrics(), "unfired_records_dropped": self.unfired_dropped}
+
+
+def _next_multiple(t, interval):
+    """The first multiple of ``interval`` above ``t`` (an early firing's time)."""
+    f = (math.floor(t / interval) + 1) * interval
+    return f if f > t else f + interval
+
+
+class CountWindowOperator(_WindowOutput, Operator):
+    """``CountWindow(size, slide)`` per key: tumbling (``slide`` None), each
+    ``size`` records of a key fire and are dropped; sliding, every ``slide``
+    records the key's last ``size`` records fire. State per key: [records
+    seen, accumulator] (tumbling) or [records seen, last ``size`` records]."""
+
+    clock = staticmethod(time.time)
+
+    def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, with_ctx=False):
+        super().__init__(name)
+        a = spec.assigner
+        self.size, self.slide, self.partial = a.size, a.slide, a.emit_partial
+        self.key_fn = spec.key_fn
+        self.how, self.fn, self.window_function = how, fn, window_function
+        self.with_ctx = with_ctx
+        self.ctx = WindowContext(self) if with_ctx else None
+        self._create, self._add, self._result, _ = _functions(how, fn)
+        self.keys: dict = {}
+        self.unfired_dropped = 0        # records of windows left incomplete at the end
+
+    def process_batch(self, batch):
+        key_fn, keys, add, create, size = self.key_fn, self.keys, self._add, self._create, self.size
+        out: list = []
+        slide = self.slide
+        for x in batch:
+            k = key_fn(x)
+            st = keys.get(k)
+            if slide is None:
+                if st is None:
+                    st = keys[k] = [0, create()]
+                st[1] = add(x, st[1])
+                n = st[0] = st[0] + 1
+                if n % size == 0:
+                    self._emit_window(k, RecordRange(n - size, n), st[1], out, "on_time")
+                    st[1] = create()
+            else:
+                if st is None:
+                    st = keys[k] = [0, []]
+                buf = st[1]
+                buf.append(x)
+                if len(buf) > size:
+                    del buf[0]
+                n = st[0] = st[0] + 1
+                if n % slide == 0:
+                    self._emit_window(k, RecordRange(n - len(buf), n), self._fold(buf), out, "on_time")
+        return self._checked(out)
+
+    def _fold(self, buf):
+        if self.how == PROCESS:
+            return list(buf)
+        add = self._add
+        acc = self._create()
+        for x in buf:
+            acc = add(x, acc)
+        return acc
+
+    def finish(self):
+        if not self.partial:
+            step = self.size if self.slide is None else self.slide
+            self.unfired_dropped += sum(n % step for n, _ in self.keys.values())
+            return []
+        out: list = []
+        for k, (n, held) in self.keys.items():
+            if self.slide is None:
+                rest = n % self.size
+                if rest:
+                    self._emit_window(k, RecordRange(n - rest, n), held, out, "partial")
+            elif n % self.slide and held:
+                self._emit_window(k, RecordRange(n - len(held), n), self._fold(held), out, "partial")
+        return self._checked(out)
+
+    def snapshot_state(self):
+        # a reduce's empty accumulator is a marker object: it goes in as None, flagged
+        return {"keys": {k: (n, None, True) if held is _MISSING else
+                         (n, list(held) if self.slide is not None else _copy_acc(held), False)
+                         for k, (n, held) in self.keys.items()}}
+
+    def restore_state(self, state):
+        if state:
+            self.keys = {k: [n, _MISSING if empty else (list(held) if self.slide is not None else _copy_acc(held))]
+                         for k, (n, held, empty) in state["keys"].items()}
+
+    def metrics(self) -> dict:
+        return {"late_records_dropped": 0, "late_records_out": 0, "unfired_records_dropped": self.unfired_dropped}
+
+
+def window_operator_class(spec: WindowSpec):
+    """The operator for a window declaration: the default event-time path,
+    the trigger path, or count windows."""
+    domain = spec.assigner.domain
+    if domain == "count":
+        return CountWindowOperator
+    if domain == "processing" or spec.trigger is not None:
+        return TriggerWindowOperator
+    return WindowOperator
+
+
 def _append(x, acc):
     acc.append(x)
     return acc
@@ -318,15 +845,3 @@ def _copy_acc(acc):
     if t is list:
         return list(acc)
     return copy.deepcopy(acc)
-
-
-class TagSelect(Operator):
-    """One side of ``late()``'s split: the records of one tag, unwrapped."""
-
-    def __init__(self, name, tag):
-        super().__init__(name)
-        self.tag = tag
-
-    def process_batch(self, batch):
-        tag = self.tag
-        return self._checked([r for t, r in batch if t == tag])
