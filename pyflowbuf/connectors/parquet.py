@@ -95,11 +95,11 @@ class ParquetFileSource(_FileSource):
     # ---- restored at another parallelism: an explicit list of row groups ----
     _skips: dict = {}           # (file, row group) -> rows emitted before the restore
 
-    def rescale_positions(self, positions, index, parallelism):
-        """The position of subtask ``index`` of ``parallelism`` from the
-        positions of every subtask of a checkpoint at another parallelism:
-        the row groups not yet read (the one each subtask was in, from the
-        row it had reached), in file order, dealt out in turn."""
+    def rescale_positions(self, positions, parallelism):
+        """The positions of ``parallelism`` subtasks from those of every
+        subtask of a checkpoint at another parallelism: the row groups not
+        yet read (the one each subtask was in, from the row it had reached),
+        in file order, dealt out in turn."""
         every = [(f, g) for f, groups in enumerate(self.plan.row_groups) for g in range(len(groups))]
         left = []
         for j, pos in enumerate(positions):
@@ -119,7 +119,7 @@ class ParquetFileSource(_FileSource):
             left.append((f, g, row))
             left.extend((uf, ug, 0) for uf, ug in mine[at + 1:])
         left.sort()
-        return {"units": [list(u) for u in left[index::parallelism]]}
+        return [{"units": [list(u) for u in left[i::parallelism]]} for i in range(parallelism)]
 
     def seek(self, position):
         if not isinstance(position, dict):

@@ -393,7 +393,8 @@ class RestorePlan:
                         raise errors.ConfigurationError(
                             f"source {v.head.name!r} (uid {src_uid!r}) cannot hand its positions from parallelism "
                             f"{len(positions)} to {v.parallelism}: restore it at parallelism {len(positions)}")
-                    restore["source"] = rescale(positions, i, v.parallelism)
+                    # (every subtask computes them all from the same positions, and takes its own)
+                    restore["source"] = rescale(positions, v.parallelism)[i]
                 restore["has_source"] = True
         return restore
 

@@ -177,11 +177,11 @@ class SequenceSource(Source):
             return False
         return v >= self.stop if stride > 0 else v <= self.stop
 
-    def rescale_positions(self, positions, index, parallelism):
-        """The position of subtask ``index`` of ``parallelism`` from the
-        positions of every subtask of a checkpoint at another parallelism:
-        the values not yet emitted, as arithmetic ranges, split so there are
-        at least ``parallelism`` of them and dealt out in turn."""
+    def rescale_positions(self, positions, parallelism):
+        """The positions of ``parallelism`` subtasks from those of every
+        subtask of a checkpoint at another parallelism: the values not yet
+        emitted, as arithmetic ranges, split so there are at least
+        ``parallelism`` of them and dealt out in turn."""
         ranges = []
         for pos in positions:
             if isinstance(pos, dict):
@@ -191,7 +191,7 @@ class SequenceSource(Source):
         ranges = [r for r in ranges if not self._exhausted(*r)]
         k = -(-parallelism // len(ranges)) if ranges else 1
         split = [[v + j * st, st * k] for v, st in ranges for j in range(k)]
-        return {"ranges": split[index::parallelism]}
+        return [{"ranges": split[i::parallelism]} for i in range(parallelism)]
 
     def identity(self):
         return {"kind": "sequence", "start": self.start, "stop": self.stop, "step": self.step}
