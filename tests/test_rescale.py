@@ -279,3 +279,29 @@ def test_keyed_state_split_by_group_and_merged_per_range_is_the_state_of_the_ran
                     sorted(repr(k) for k in mine)
             seen.extend(mine)
         assert sorted(map(repr, seen)) == sorted(map(repr, keys))
+
+
+def test_a_monitored_directory_resumes_at_another_parallelism(tmp_path):
+    """read_text(monitor=...): the files read and those being read move to
+    their owners at the new parallelism; every line is read once."""
+    src = tmp_path / "in"
+    src.mkdir()
+    for i in range(8):
+        (src / f"f{i}.txt").write_text("".join(f"{i}-{j}\n" for j in range(400)))
+
+    def build(p, rate):
+        env = fb.Environment(parallelism=p, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
+        out = (env.read_text(str(src), monitor=0.05, monitor_timeout=0.5, parallelism=p, rate_limit=rate)
+                  .uid("lines").key_by(lambda line: line.split("-")[0])
+                  .reduce(lambda a, b: b).uid("last").collect())
+        return env, out
+
+    env, o1 = build(2, 2000)
+    job = env.execute_async()
+    time.sleep(0.6)
+    sp = job.stop(savepoint=str(tmp_path / "sp"))
+    env, o2 = build(3, None)
+    env.execute(60, restore_from=sp)
+    lines = o1.result + o2.result
+    assert o1.result and o2.result
+    assert sorted(lines) == sorted(f"{i}-{j}" for i in range(8) for j in range(400))
