@@ -305,3 +305,22 @@ def test_a_monitored_directory_resumes_at_another_parallelism(tmp_path):
     lines = o1.result + o2.result
     assert o1.result and o2.result
     assert sorted(lines) == sorted(f"{i}-{j}" for i in range(8) for j in range(400))
+
+
+@given(st.lists(st.one_of(st.integers(-2**70, 2**70), st.text(max_size=6)), max_size=60),
+       st.integers(1, 6), st.sampled_from([6, 7, 10, 64, 128, 1000, 4096, 32768]))
+def test_the_record_writer_routes_by_key_group(keys, channels, maxp):
+    """write_batch_keyed(..., max_parallelism) against the pure-Python model,
+    for powers of two (a mask and a shift) and other sizes (divisions)."""
+    from reference_model import ref_stable_hash
+    from test_serde import Pipe, read_channel
+
+    if channels > maxp:
+        return
+    p = Pipe(channels=channels, kind="pickle", segments=64)
+    records = [(i, k) for i, k in enumerate(keys)]
+    p.writer.write_batch_keyed(records, keys, maxp)
+    p.writer.end_input()
+    for ch in range(channels):
+        expect = [rec for rec, k in zip(records, keys) if (ref_stable_hash(k) % maxp) * channels // maxp == ch]
+        assert read_channel(p, ch) == expect

@@ -308,6 +308,12 @@ cdef class RecordWriter:
         cdef int nch = self.num_channels
         cdef uint64_t maxp = <uint64_t>channel if mode == 2 else 0    # keyed: channel carries max_parallelism
         cdef uint64_t kg
+        # a power of two (the default 128): a mask and a shift instead of two divisions
+        cdef bint pow2 = maxp != 0 and (maxp & (maxp - 1)) == 0
+        cdef int shift = 0
+        if pow2:
+            while (<uint64_t>1 << shift) < maxp:
+                shift += 1
         if keys is not None:
             if not isinstance(keys, list):
                 keys = list(keys)
@@ -320,7 +326,10 @@ cdef class RecordWriter:
                     ch = self.rr_next
                     self.rr_next = ch + 1 if ch + 1 < nch else 0
                 elif mode == 2:
-                    if maxp:
+                    if pow2:
+                        kg = _stable_hash(<object>PyList_GET_ITEM(keys, i)) & (maxp - 1)
+                        ch = <int>((kg * <uint64_t>nch) >> shift)
+                    elif maxp:
                         kg = _stable_hash(<object>PyList_GET_ITEM(keys, i)) % maxp
                         ch = <int>(kg * <uint64_t>nch // maxp)
                     else:
