@@ -22,6 +22,8 @@ import pyflowbuf as fb
 from pyflowbuf.checkpoint import SavepointStorage
 from pyflowbuf.errors import ConfigurationError
 from pyflowbuf.runtime import keygroups as kg
+from reference_model import ref_stable_hash
+from test_serde import Pipe, read_channel
 
 KEYS = 13
 WINDOW = 5.0
@@ -172,7 +174,6 @@ def test_max_parallelism_is_checked():
 
 def test_key_by_sends_each_key_to_the_owner_of_its_key_group():
     """Where records land equals the pure-Python model of key groups."""
-    from reference_model import ref_stable_hash
 
     env = fb.Environment(parallelism=3, max_parallelism=10)
     keys = [f"k{i}" for i in range(300)]
@@ -207,8 +208,6 @@ def test_key_group_ranges_match_the_reference(maxp, p):
                           st.tuples(st.integers(), st.text(max_size=3))), max_size=50),
        st.integers(1, 32768))
 def test_key_groups_in_bulk_match_the_pure_python_hash(keys, maxp):
-    from reference_model import ref_stable_hash
-
     assert kg.key_groups(keys, maxp) == [ref_stable_hash(k) % maxp for k in keys]
     assert [kg.key_group(k, maxp) for k in keys] == [ref_stable_hash(k) % maxp for k in keys]
 
@@ -312,9 +311,6 @@ def test_a_monitored_directory_resumes_at_another_parallelism(tmp_path):
 def test_the_record_writer_routes_by_key_group(keys, channels, maxp):
     """write_batch_keyed(..., max_parallelism) against the pure-Python model,
     for powers of two (a mask and a shift) and other sizes (divisions)."""
-    from reference_model import ref_stable_hash
-    from test_serde import Pipe, read_channel
-
     if channels > maxp:
         return
     p = Pipe(channels=channels, kind="pickle", segments=64)
