@@ -27,6 +27,7 @@ from test_serde import Pipe, read_channel
 
 KEYS = 13
 WINDOW = 5.0
+COUNT = 7
 
 
 def keyed_job(env, p, n, out, rate, kinds=("reduce", "timers", "window")):
@@ -49,6 +50,11 @@ def keyed_job(env, p, n, out, rate, kinds=("reduce", "timers", "window")):
 
         (keyed.process(per_second, on_timer=fire).uid("seconds")
               .write_text(os.path.join(out, "timers")))
+    if "count_trigger" in kinds:
+        (keyed.window(fb.Tumbling(WINDOW), trigger=fb.CountTrigger(COUNT))
+              .reduce(lambda a, b: (a[0], a[1], a[2] + b[2]),
+                      window_function=lambda key, w, r: ("c", key, w.start, r[2])).uid("counted")
+              .write_text(os.path.join(out, "counted")))
     if "window" in kinds:
         (keyed.window(fb.Tumbling(WINDOW))
               .reduce(lambda a, b: (a[0], a[1], a[2] + b[2]),
@@ -66,6 +72,10 @@ def expected(n, kinds=("reduce", "timers", "window")) -> collections.Counter:
     if "timers" in kinds:
         out.update(("t", k, b, c) for (k, b), c in collections.Counter(
             (x % KEYS, int(x / 100.0)) for x in range(n)).items())
+    if "count_trigger" in kinds:
+        # a CountTrigger fires every COUNT records of a window, with all it holds
+        for (k, s), c in collections.Counter((x % KEYS, (x / 100.0) // WINDOW * WINDOW) for x in range(n)).items():
+            out.update(("c", k, s, COUNT * m) for m in range(1, c // COUNT + 1))
     if "window" in kinds:
         out.update(("w", k, s, c) for (k, s), c in collections.Counter(
             (x % KEYS, (x / 100.0) // WINDOW * WINDOW) for x in range(n)).items())
@@ -74,7 +84,7 @@ def expected(n, kinds=("reduce", "timers", "window")) -> collections.Counter:
 
 def committed(out) -> collections.Counter:
     got: collections.Counter = collections.Counter()
-    for sub in ("reduce", "timers", "window"):
+    for sub in ("reduce", "timers", "window", "counted"):
         d = os.path.join(out, sub)
         if not os.path.isdir(d):
             continue
@@ -85,16 +95,16 @@ def committed(out) -> collections.Counter:
     return got
 
 
-def run_stop_resume(tmp, p1, p2, n, stop_after, rate):
+def run_stop_resume(tmp, p1, p2, n, stop_after, rate, kinds=("reduce", "timers", "window")):
     out, ck, sp = os.path.join(tmp, "out"), os.path.join(tmp, "ck"), os.path.join(tmp, "sp")
     env = fb.Environment(parallelism=p1, checkpoint_interval=0.1, checkpoint_dir=ck)
-    keyed_job(env, p1, n, out, rate)
+    keyed_job(env, p1, n, out, rate, kinds)
     job = env.execute_async()
     time.sleep(stop_after)
     path = job.stop(savepoint=sp)
     assert job.stopped_with_savepoint is not None
     env2 = fb.Environment(parallelism=p2, checkpoint_interval=0.1, checkpoint_dir=ck)
-    keyed_job(env2, p2, n, out, rate)
+    keyed_job(env2, p2, n, out, rate, kinds)
     env2.execute(120, restore_from=path)
     return committed(out)
 
@@ -320,3 +330,10 @@ def test_the_record_writer_routes_by_key_group(keys, channels, maxp):
     for ch in range(channels):
         expect = [rec for rec, k in zip(records, keys) if (ref_stable_hash(k) % maxp) * channels // maxp == ch]
         assert read_channel(p, ch) == expect
+
+
+@pytest.mark.parametrize("p1, p2", [(2, 3), (3, 1)])
+def test_count_trigger_windows_resume_at_another_parallelism(tmp_path, p1, p2):
+    """Windows with a trigger keep their counts per window across a rescale."""
+    got = run_stop_resume(str(tmp_path), p1, p2, 3000, 0.5, rate=2500, kinds=("count_trigger",))
+    assert got == expected(3000, kinds=("count_trigger",))

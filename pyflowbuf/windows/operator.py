@@ -401,6 +401,14 @@ def _window_key(wk):
     return wk[0]
 
 
+def _trigger_timer_key(t):
+    """The record key of a trigger window's timer: (0 or 1, (key, start,
+    end)) for its end and its early firings, else (key, start, end)."""
+    if len(t) == 2 and type(t[1]) is tuple:
+        return t[1][0]
+    return t[0]
+
+
 _EMPTY = object()      # a window emptied by PurgingTrigger: its timers and counts go on
 
 
@@ -414,10 +422,6 @@ class TriggerWindowOperator(WindowOperator):
     ``count`` records (a count per window), and whether a firing empties it.
     Event-time windows are dropped at end + allowed lateness, processing-time
     windows at their end."""
-
-    # its state (counts per window, timers keyed (0 or 1, window)) has no key
-    # group rule yet: it restores at the parallelism it was taken at
-    keyed_state = False
 
     def __init__(self, name, spec: WindowSpec, how, fn, window_function=None, with_ctx=False):
         super().__init__(name, spec, how, fn, window_function, with_ctx)
@@ -717,6 +721,39 @@ class TriggerWindowOperator(WindowOperator):
             self.windows[wk] = _EMPTY
         self.counts = dict(state.get("counts") or {})
         self.unfired_dropped = state.get("unfired_dropped", 0)
+
+    # ---- key groups: windows, counts, emptied windows and trigger sessions per key ----
+    def keyed_parts(self, state):
+        if self.merging and self.processing:
+            return WindowOperator.keyed_parts(self, state)      # the base class's sessions
+        if self.merging:
+            maps = {"trigger_sessions": (state["trigger_sessions"] or {}, None)}
+        else:
+            maps = {"windows": (state["windows"] or {}, _window_key),
+                    "purged": ({wk: None for wk in state.get("purged") or ()}, _window_key),
+                    "counts": (state.get("counts") or {}, _window_key)}
+        timers = state["timers"]
+        return (maps,
+                {"event": (timers["event"], _trigger_timer_key),
+                 "processing": (timers["processing"], _trigger_timer_key),
+                 "cleanup": (state["cleanup"], _window_key)},
+                {"watermark": timers["watermark"], "late_dropped": state.get("late_dropped", 0),
+                 "unfired_dropped": state.get("unfired_dropped", 0)})
+
+    def from_keyed_parts(self, maps, timers, commons):
+        if self.merging and self.processing:
+            return WindowOperator.from_keyed_parts(self, maps, timers, commons)
+        owned = [c for c in commons if c and c.get("owner", True)]
+        state = {"windows": None, "sessions": None, "timers": timer_service_snapshot(timers, commons),
+                 "cleanup": timers.get("cleanup", []),
+                 "late_dropped": sum(c.get("late_dropped", 0) for c in owned),
+                 "unfired_dropped": sum(c.get("unfired_dropped", 0) for c in owned)}
+        if self.merging:
+            state["trigger_sessions"] = maps.get("trigger_sessions", {})
+        else:
+            state.update(windows=maps.get("windows", {}), purged=list(maps.get("purged", {})),
+                         counts=maps.get("counts", {}))
+        return state
 
     def metrics(self) -> dict:
         return {**super().metrics(), "unfired_records_dropped": self.unfired_dropped}
