@@ -335,7 +335,7 @@ def main(quick: bool = False) -> dict:
         rep.add("exactly_once_ok", r["exactly_once_ok"], "", goal=Goal(">=", 1, ""))
 
         rep.section("restoring keyed state at another parallelism (key groups)")
-        rs = rescale_restore(p["state_keys"], p["state_value"], 3, tmp)
+        rs = rescale_restore(p["state_keys"], p["state_value"], 5, tmp)
         rep.add("rescale_restore_vs_plain_restore", rs["ratio"], "x", goal=Goal("<=", 1.5, "x"),
                 note=f"2 -> 4: {rs['rescale_s']:.3g} s, 2 -> 2: {rs['plain_s']:.3g} s, "
                      f"{rs['state_bytes'] / 2**20:.0f} MiB of keyed state")

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from operator import itemgetter
 
 import numpy as np
 
@@ -142,7 +143,8 @@ def keyed_restore(op, values, start=None, end=None):
                 target.update(d)
             elif len(sel):
                 items = list(d.items())
-                target.update(items[j] for j in sel)
+                # one C loop picks them (itemgetter of several gives a tuple, of one the item)
+                target.update(itemgetter(*sel)(items) if len(sel) > 1 else [items[sel[0]]])
         for name, t in v["timers"].items():
             got = pairs.setdefault(name, [])
             sel = _selection(t["groups"], start, end)
