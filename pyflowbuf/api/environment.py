@@ -228,9 +228,10 @@ class Environment(SourceDeclarations):
 
     def checkpoints(self) -> list:
         """The checkpoints of the running or last job, oldest first: id, kind
-        ("checkpoint"; "savepoint" for one the user asked for), status
-        (completed / aborted / expired / failed), trigger_time, duration_s,
-        alignment_ms per task, state_bytes, size.
+        ("checkpoint"; "savepoint" for one the user asked for, with
+        ``savepoint: True`` and its ``path``), status (completed / aborted /
+        expired / failed), trigger_time, duration_s, alignment_ms per task,
+        state_bytes, size.
 
         Returns a list of dicts (empty before the first checkpoint, or with
         checkpointing off).
