@@ -7,6 +7,9 @@ checkpoint_overhead_ratio
     without checkpoints, interleaved repetitions. Goal >= 0.95.
 aligned_checkpoint_s_no_backpressure
     median duration (trigger to completion) of the checkpoints of that job.
+savepoint_s
+    median duration of savepoints (``job.savepoint()``: aligned, written
+    self-contained to a directory of their own) of the same job.
 aligned_checkpoint_s_backpressure
     the same job with the source rate-limited and a sink 20x slower than it,
     default buffers and 32 KiB segments: the barrier waits behind every buffer
@@ -27,6 +30,12 @@ recovery_s, state_write_s
     write the state once (its duration).
 exactly_once_ok
     1 when the failing job's result equals the same job's without a failure.
+rescale_restore_vs_plain_restore
+    a keyed job at parallelism 2 builds about 100 MB of keyed state (quick:
+    30 MB) and stops with a savepoint; the time to restore it (read, check,
+    decode and hand each subtask its key groups, before any task runs) at
+    parallelism 4 / the same at parallelism 2. Goal <= 1.5: keyed state is
+    stored per key group, so a subtask decodes only the groups it gets.
 
 Run: ``python benchmarks/run.py checkpoint [--quick] [--json]``.
 """
@@ -47,6 +56,7 @@ import common  # noqa: E402
 from common import Goal  # noqa: E402
 
 import pyflowbuf as fb  # noqa: E402
+from pyflowbuf.checkpoint import SavepointStorage  # noqa: E402
 
 KEYS = 1000
 
@@ -63,7 +73,7 @@ def _keyed_count(env, source):
     return (source.map(lambda x: x + 1, kind="int64", name="map")
                   .map(lambda x: (x % KEYS, 1), kind="struct", name="pair")
                   .key_by(lambda kv: kv[0])
-                  .reduce(lambda a, b: (a[0], a[1] + b[1]), name="count"))
+                  .reduce(lambda a, b: (a[0], a[1] + b[1]), name="count").uid("count"))
 
 
 def overhead_case(n, checkpoints: list | None, tmp):
@@ -190,7 +200,7 @@ def recovery(keys, value_size, tmp) -> dict:
                   .map(failing if fail else (lambda x: x), kind="int64", name="maybe_fail")
                   .map(lambda x: (x % keys, pad + str(x)), kind="struct", name="value")
                   .key_by(lambda kv: kv[0])
-                  .reduce(lambda a, b: b, name="last")
+                  .reduce(lambda a, b: b, name="last").uid("last")
                   .filter(lambda kv: kv[0] < 100, name="few")
                   .collect())
         ex = env.execute_async()
@@ -214,6 +224,78 @@ def recovery(keys, value_size, tmp) -> dict:
             "exactly_once_ok": int(got == want and env.last_execution.restarts == 1)}
 
 
+def savepoint_durations(n, count, tmp) -> list:
+    """Savepoints of the keyed count while it runs, one after the other."""
+    env = fb.Environment(chaining=False, checkpoint_interval=1.0, checkpoint_dir=tempfile.mkdtemp(dir=tmp))
+    _keyed_count(env, env.from_sequence(0, n)).sink(lambda batch: None, batched=True)
+    job = env.execute_async()
+    took = []
+    try:
+        for i in range(count):
+            if job.done:
+                break
+            t0 = time.perf_counter()
+            job.savepoint(tempfile.mkdtemp(dir=tmp) + f"/sp-{i}")
+            took.append(time.perf_counter() - t0)
+    except fb.errors.FlowBufError:
+        pass            # the job ended meanwhile: keep what was measured
+    job.join(600)
+    by_path = [c["duration_s"] for c in env.checkpoints() if c.get("savepoint") and c["status"] == "completed"]
+    return by_path or took
+
+
+def _state_job(env, keys, value_size, p):
+    pad = "v" * value_size
+    (env.from_sequence(0, None, parallelism=p).uid("numbers")
+        .map(lambda x: (x % keys, pad + str(x)), kind="struct", name="value")
+        .key_by(lambda kv: kv[0])
+        .reduce(lambda a, b: b, name="last").uid("last")
+        .filter(lambda kv: False, name="none")
+        .sink(lambda batch: None, batched=True))
+
+
+def rescale_restore(keys, value_size, repeats, tmp) -> dict:
+    """Build keyed state at parallelism 2, stop with a savepoint, then time
+    the restore of that savepoint at 2 and at 4 (interleaved)."""
+    from pyflowbuf.runtime.job import JobExecution
+
+    ck = tempfile.mkdtemp(dir=tmp)
+    env = fb.Environment(parallelism=2, chaining=False, checkpoint_interval=300.0, checkpoint_dir=ck)
+    _state_job(env, keys, value_size, 2)
+    job = env.execute_async()
+    while True:
+        m = job.metrics()
+        seen = sum(v.get("records_in", 0) for k, v in m.items() if k.startswith("last"))
+        if seen >= 2 * keys or job.done:
+            break
+        time.sleep(0.2)
+    sp = job.stop(savepoint=tempfile.mkdtemp(dir=tmp) + "/sp")
+    meta = SavepointStorage(sp).latest()
+
+    def restore(p):
+        def run():
+            env = fb.Environment(parallelism=p, chaining=False, checkpoint_interval=300.0,
+                                 checkpoint_dir=tempfile.mkdtemp(dir=tmp))
+            _state_job(env, keys, value_size, p)
+            ex = JobExecution(env)
+            ex.restore_from = sp
+            ex._build()
+            t0 = time.perf_counter()
+            ex._start_checkpointing([])
+            took = time.perf_counter() - t0
+            ex._stop_checkpointing()
+            return took
+        return run
+
+    times = {"p2": [], "p4": []}
+    for _ in range(repeats):
+        times["p2"].append(restore(2)())
+        times["p4"].append(restore(4)())
+    p2, p4 = statistics.median(times["p2"]), statistics.median(times["p4"])
+    return {"plain_s": p2, "rescale_s": p4, "ratio": p4 / p2, "state_bytes": meta.properties["operators"]["last"]
+            ["state_bytes"]}
+
+
 def main(quick: bool = False) -> dict:
     p = params(quick)
     rep = common.Report("checkpoint", quick, params={**p, "keys": KEYS, "chaining": False,
@@ -230,6 +312,9 @@ def main(quick: bool = False) -> dict:
         rep.add("aligned_checkpoint_s_no_backpressure",
                 statistics.median(durations) if durations else float("nan"), "s",
                 note=f"median of {len(durations)} checkpoints")
+        sps = savepoint_durations(p["n"], 5, tmp)
+        rep.add("savepoint_s", statistics.median(sps) if sps else float("nan"), "s",
+                note=f"median of {len(sps)} savepoints of the same job")
 
         rep.section("a sink 20x slower than the source: the barrier waits behind queued buffers")
         bp = backpressure_durations(p["bp_seconds"], p["bp_rate"], tmp)
@@ -248,6 +333,12 @@ def main(quick: bool = False) -> dict:
         rep.add("state_write_s", r["state_write_s"], "s", note="the checkpoint that wrote the state once")
         rep.add("recovery_state_mib", r["state_bytes"] / 2**20, "MiB")
         rep.add("exactly_once_ok", r["exactly_once_ok"], "", goal=Goal(">=", 1, ""))
+
+        rep.section("restoring keyed state at another parallelism (key groups)")
+        rs = rescale_restore(p["state_keys"], p["state_value"], 5, tmp)
+        rep.add("rescale_restore_vs_plain_restore", rs["ratio"], "x", goal=Goal("<=", 1.5, "x"),
+                note=f"2 -> 4: {rs['rescale_s']:.3g} s, 2 -> 2: {rs['plain_s']:.3g} s, "
+                     f"{rs['state_bytes'] / 2**20:.0f} MiB of keyed state")
     return rep.as_dict()
 
 

@@ -28,7 +28,7 @@ def main(d):
     (env.from_sequence(0, RECORDS, parallelism=1, rate_limit=RECORDS / 2)   # about 2 s
         .map(fail_once, kind="int64")
         .key_by(lambda x: x % 10)
-        .reduce(lambda a, b: a + b)                         # keyed state, checkpointed
+        .reduce(lambda a, b: a + b).uid("sums")             # keyed state, checkpointed under its uid
         .map(str)
         .write_text(os.path.join(d, "sums")))               # part files, committed per checkpoint
     env.execute(120)

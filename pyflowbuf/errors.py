@@ -135,6 +135,12 @@ class UnitWarning(UserWarning):
     are expected, ``checkpoint_interval=1000`` meant as milliseconds."""
 
 
+class OperatorIdWarning(UserWarning):
+    """A stateful operator of a checkpointed job has no ``uid()``: its state
+    is stored under an id derived from its name and rank, which a change of
+    the job can change (its state would then not be restored)."""
+
+
 class WorkerSideEffectWarning(UserWarning):
     """A ``sink(fn)`` ran in a forked worker process (``workers=``): what the
     function did to the caller's objects (appending to a list, counting)

@@ -329,20 +329,23 @@ def test_old_checkpoints_without_identities_still_restore(tmp_path):
     check_sources(Meta, {"v0-0": {"source": 10, "operators": []}}, {"v0-0": ("read_text", src)})
 
 
-def test_a_chk_directory_of_another_job_is_refused_not_read_as_this_jobs(tmp_path):
+def test_a_chk_directory_of_another_job_is_read_from_there_not_as_this_jobs(tmp_path):
     """restore_from="<other dir>/chk-N" read only the name, so it restored
-    this job's own chk-N: a silent restore from the wrong checkpoint."""
+    this job's own chk-N: a silent restore from the wrong checkpoint. A
+    checkpoint directory given by path is read where it is (issue 21: a
+    checkpoint or savepoint copied elsewhere restores)."""
     from pyflowbuf.runtime.checkpointing import restore_plan
 
     mine, other = CheckpointStorage(str(tmp_path / "mine")), CheckpointStorage(str(tmp_path / "other"))
-    for storage in (mine, other):
-        storage.complete(5, [storage.write_task_state(5, "t", {"x": 1})])
+    for storage, x in ((mine, 1), (other, 2)):
+        storage.complete(5, [storage.write_task_state(5, "t", {"x": x})])
     assert restore_plan(mine, "chk-5").checkpoint_id == 5                     # a name: this job's own
-    assert restore_plan(mine, str(tmp_path / "mine" / "chk-5")).checkpoint_id == 5
-    assert restore_plan(mine, str(tmp_path / "mine" / "." / "chk-5/")).checkpoint_id == 5
-    with pytest.raises(errors.ConfigurationError, match="another directory"):
-        restore_plan(mine, str(tmp_path / "other" / "chk-5"))
+    assert restore_plan(mine, str(tmp_path / "mine" / "chk-5")).path == mine.latest().path
+    assert restore_plan(mine, str(tmp_path / "mine" / "." / "chk-5/")).path == mine.latest().path
+    theirs = restore_plan(mine, str(tmp_path / "other" / "chk-5"))
+    assert theirs.path == other.latest().path and theirs.path != mine.latest().path
     env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir=str(tmp_path / "mine"))
     env.from_sequence(0, 10).collect()
-    with pytest.raises(errors.ConfigurationError, match="another directory"):
+    # that one is another job's (its task "t"): refused as such, never read as this job's chk-5
+    with pytest.raises(errors.ConfigurationError, match="another job graph"):
         env.execute(30, restore_from=str(tmp_path / "other" / "chk-5"))

@@ -196,7 +196,7 @@ def test_show_gives_each_tasks_figures_from_the_metadata(checkpoints):
             ([checkpoints, newest], [checkpoints], [os.path.join(checkpoints, f"chk-{newest}", "_metadata")])]
     assert len({json.dumps(json.loads(o)["tasks"]) for o in outs}) == 1
     code, table, _ = cli("checkpoints", "show", checkpoints)
-    assert code == 0 and f"checkpoint:   {newest} (checkpoint, complete)" in table
+    assert code == 0 and re.search(rf"^checkpoint:\s+{newest} \(checkpoint, complete\)", table, re.M), table
     assert all(re.search(rf"^\s*{k}\s+(aligned|unaligned)\s", table, re.M) for k in ("v0-0", "v1-1")), table
 
 
@@ -449,6 +449,37 @@ def test_ctrl_c_cancels_with_130_and_restore_latest_resumes_exactly_once(tmp_pat
     assert committed_lines(tmp_path / "out") == expected_lines(n)
 
 
+def test_savepoint_on_stop_stops_with_a_savepoint_and_resumes_from_it_exactly_once(tmp_path):
+    """Through a real `python -m pyflowbuf run --savepoint-on-stop`: Ctrl-C
+    takes a final savepoint instead of cancelling; resuming from it (at
+    another parallelism) completes the output exactly once."""
+    n = 8000
+    (tmp_path / "job.py").write_text(job_source("ck", "out", n=n, rate=2000))
+    proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--savepoint-on-stop", "sp"],
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not glob.glob(str(tmp_path / "ck" / "chk-*" / "_metadata")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint completed"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "stopped with a savepoint in" in err and "Traceback" not in err
+    assert os.path.exists(tmp_path / "sp" / "_metadata")
+    assert len(committed_lines(tmp_path / "out")) < n        # it stopped before the end
+    res = subprocess.run([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--restore", "sp",
+                          "--parallelism", "3", "--json"],
+                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert last_json(res.stdout)["restored_from"] is not None
+    assert committed_lines(tmp_path / "out") == expected_lines(n)
+
+
 def test_parallelism_is_the_default_of_operators_without_their_own(tmp_path, monkeypatch, clean_imports):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "job.py").write_text(job_source("ck", "out", n=600, parallelism=1, sink_parallelism=1, rate=1000,
@@ -543,17 +574,26 @@ def test_errors_in_the_job_code_show_its_own_traceback(tmp_path, monkeypatch, cl
     assert code == 1 and "no such job file" in err
 
 
-def test_restore_from_another_directory_is_refused(checkpoints, tmp_path, monkeypatch, clean_imports):
-    """restore_from takes a chk-<id> by its name: one from another directory
-    would silently restore the job's own checkpoint of that number."""
+def test_restore_from_a_checkpoint_copied_elsewhere_reads_it_there(tmp_path, monkeypatch, clean_imports):
+    """A chk-<id> directory outside the job's checkpoint_dir (copied, moved)
+    is restored from where it is, never replaced by the job's own checkpoint
+    of that number."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "job.py").write_text(job_source("ck", "out", n=100))
-    cid = CheckpointStorage(checkpoints).checkpoint_ids()[-1]
-    code, _, err = cli("run", "job.py", "--restore", checkpoints / f"chk-{cid}")
-    assert code == 1 and "a job restores from its own checkpoint_dir" in err
-    code, _, err = cli("run", "job.py", "--restore", tmp_path / "ck" / "chk-1")
-    assert code == 1 and "no such checkpoint directory" in err
-    assert not os.path.exists(tmp_path / "out")          # nothing ran
+    (tmp_path / "job.py").write_text(job_source("ck", "out", n=3000, rate=3000))
+    code, _, err = cli("run", "job.py")
+    assert code == 0, err
+    cid = CheckpointStorage("ck").latest().checkpoint_id
+    shutil.copytree(tmp_path / "ck" / f"chk-{cid}", tmp_path / "elsewhere" / f"chk-{cid}")
+    shutil.rmtree(tmp_path / "ck")
+    code, out, err = cli("run", "job.py", "--restore", tmp_path / "elsewhere" / f"chk-{cid}", "--json")
+    assert code == 0, err
+    assert last_json(out)["restored_from"] == cid
+    assert committed_lines("out") == expected_lines(3000)          # nothing written twice
+    code, _, err = cli("run", "job.py", "--restore", tmp_path / "nowhere" / "chk-1")
+    assert code == 1 and "no such checkpoint or savepoint directory" in err
+    os.makedirs(tmp_path / "empty")
+    code, _, err = cli("run", "job.py", "--restore", tmp_path / "empty")
+    assert code == 1 and "has no _metadata" in err
 
 
 def test_overrides_reach_environments_built_inside_only():
@@ -666,9 +706,14 @@ def test_show_state_names_each_tasks_operators_and_sizes_their_state(checkpoints
     states = {t["task_key"]: t["state"] for t in json.loads(out)["tasks"]}
     assert {states[k]["vertex"] for k in ("v0-0", "v0-1")} == {"'sequence'"}
     assert all("process" in states[k]["vertex"] for k in ("v1-0", "v1-1"))
-    # the keyed count's state, one entry per key, split over the two subtasks
-    keyed = [re.match(r"\[dict of (\d+)", states[k]["operators"]) for k in ("v1-0", "v1-1")]
-    assert sum(int(m.group(1)) for m in keyed) == KEYS
+    # the keyed count's state per operator id, its key groups split over the two subtasks
+    groups = []
+    for k in ("v1-0", "v1-1"):
+        m = re.search(r"process#0 \(KeyedProcess\): (\d+) bytes, key groups (\d+)\.\.(\d+)",
+                      states[k]["operators"])
+        assert m and int(m.group(1)) > 0, states[k]["operators"]
+        groups.append((int(m.group(2)), int(m.group(3))))
+    assert sorted(groups) == [(0, 63), (64, 127)]
     code, table, _ = cli("checkpoints", "show", checkpoints, newest, "--state")
     assert code == 0 and re.search(r"^\s*v0-0\s+'sequence'", table, re.M), table
     ck = shutil.copytree(checkpoints, tmp_path / "ck")

@@ -317,9 +317,18 @@ cdef class RecordWriter:
         """Round-robin over subpartitions, record by record (Flink's rebalance)."""
         return self._write_many(records, 1, 0, None, timestamps)
 
-    def write_batch_keyed(self, records, keys, timestamps=None):
-        """Send each record to ``stable_hash(key) % num_channels``."""
-        return self._write_many(records, 2, 0, keys, timestamps)
+    def write_batch_keyed(self, records, keys, timestamps=None, int max_parallelism=0):
+        """Send each record to the subtask that owns its key.
+
+        With ``max_parallelism`` > 0 (what jobs use) by key group: the key's
+        group is ``stable_hash(key) % max_parallelism`` and channel ``c`` owns
+        the contiguous groups ``[ceil(c*M/n), ceil((c+1)*M/n))`` (Flink's
+        KeyGroupRangeAssignment), so state split by key group can be handed
+        to another parallelism. With 0: ``stable_hash(key) % num_channels``."""
+        if max_parallelism < 0 or (max_parallelism and max_parallelism < self.num_channels):
+            raise ValueError(f"max_parallelism must be 0 or >= the {self.num_channels} channels, "
+                             f"got {max_parallelism}")
+        return self._write_many(records, 2, max_parallelism, keys, timestamps)
 
     def write_batch_broadcast(self, records, timestamps=None):
         """Write every record to every subpartition."""
@@ -337,6 +346,14 @@ cdef class RecordWriter:
         cdef int nch = self.num_channels
         cdef const double[::1] tsv
         cdef const double *tsp = NULL
+        cdef uint64_t maxp = <uint64_t>channel if mode == 2 else 0    # keyed: channel carries max_parallelism
+        cdef uint64_t kg
+        # a power of two (the default 128): a mask and a shift instead of two divisions
+        cdef bint pow2 = maxp != 0 and (maxp & (maxp - 1)) == 0
+        cdef int shift = 0
+        if pow2:
+            while (<uint64_t>1 << shift) < maxp:
+                shift += 1
         if keys is not None:
             if not isinstance(keys, list):
                 keys = list(keys)
@@ -361,7 +378,14 @@ cdef class RecordWriter:
                     ch = self.rr_next
                     self.rr_next = ch + 1 if ch + 1 < nch else 0
                 elif mode == 2:
-                    ch = <int>(_stable_hash(<object>PyList_GET_ITEM(keys, i)) % <uint64_t>nch)
+                    if pow2:
+                        kg = _stable_hash(<object>PyList_GET_ITEM(keys, i)) & (maxp - 1)
+                        ch = <int>((kg * <uint64_t>nch) >> shift)
+                    elif maxp:
+                        kg = _stable_hash(<object>PyList_GET_ITEM(keys, i)) % maxp
+                        ch = <int>(kg * <uint64_t>nch // maxp)
+                    else:
+                        ch = <int>(_stable_hash(<object>PyList_GET_ITEM(keys, i)) % <uint64_t>nch)
                 elif mode == 4:
                     ch = self._channel(<object>PyList_GET_ITEM(keys, i))
                 if mode == 3:

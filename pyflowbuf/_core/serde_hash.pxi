@@ -110,3 +110,12 @@ def stable_hash(key):
     Keys of other types than None, bool, int, float, str, bytes (bytearray,
     memoryview), tuple and frozenset raise KeyTypeError."""
     return _stable_hash(key)
+
+
+def key_groups(keys, int max_parallelism):
+    """``[stable_hash(k) % max_parallelism for k in keys]`` in one call: the
+    key group of each key (checkpoints split keyed state by it)."""
+    if max_parallelism <= 0:
+        raise ValueError(f"max_parallelism must be > 0, got {max_parallelism}")
+    cdef uint64_t m = <uint64_t>max_parallelism
+    return [<long long>(_stable_hash(k) % m) for k in keys]

@@ -28,6 +28,8 @@ from pyflowbuf.runtime.debloat import check_settings as _check_debloat
 from pyflowbuf.runtime.graph import Node, plan
 from pyflowbuf.runtime import overrides as _overrides
 from pyflowbuf.runtime.job import JobExecution
+from pyflowbuf.runtime.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
+from pyflowbuf.runtime.restore import check_operator_ids
 from pyflowbuf.serializers import get_serializer
 
 
@@ -38,6 +40,9 @@ class Environment(SourceDeclarations):
     ----------
     parallelism : default parallelism of operators (``pyflowbuf run --parallelism N``
         replaces it, as ``--workers N`` does ``workers``).
+    max_parallelism : the number of key groups (default 128, at most 32768):
+        keyed state is stored per key group, so a job can be restored at any
+        parallelism up to this; it cannot change between runs of a job.
     segment_size : bytes per memory segment (power of two, 256 B .. 1 MiB).
     num_segments : size of the NetworkBufferPool; default: enough for every
         output pool at its cap, so memory is bounded by construction.
@@ -118,8 +123,9 @@ class Environment(SourceDeclarations):
                  checkpoint_mode: str = "aligned", alignment_timeout: float | None = None,
                  debloat: bool = False, debloat_target: float = 1.0, debloat_period: float = 0.2,
                  debloat_samples: int = 20, debloat_threshold: float = 0.25, min_buffer_size: int = 256,
-                 cluster: Any = None):
+                 cluster: Any = None, max_parallelism: int = DEFAULT_MAX_PARALLELISM):
         self.parallelism = parallelism
+        self.max_parallelism = max_parallelism
         self.segment_size = segment_size
         self.num_segments = num_segments
         self.buffer_timeout = buffer_timeout
@@ -167,6 +173,7 @@ class Environment(SourceDeclarations):
         """Every setting, checked at construction and again before a job starts
         (the attributes are public, so they may have changed in between)."""
         _positive_int("parallelism", self.parallelism)
+        check_max_parallelism(self.max_parallelism)
         _positive_int("max_batch", self.max_batch)
         _check_debloat(self)
         if self.num_segments is not None:
@@ -235,9 +242,10 @@ class Environment(SourceDeclarations):
 
     def checkpoints(self) -> list:
         """The checkpoints of the running or last job, oldest first: id, kind
-        ("checkpoint"; "savepoint" for one the user asked for), status
-        (completed / aborted / expired / failed), trigger_time, duration_s,
-        alignment_ms per task, state_bytes, size.
+        ("checkpoint"; "savepoint" for one the user asked for, with
+        ``savepoint: True`` and its ``path``), status (completed / aborted /
+        expired / failed), trigger_time, duration_s, alignment_ms per task,
+        state_bytes, size.
 
         Returns a list of dicts (empty before the first checkpoint, or with
         checkpointing off).
@@ -310,7 +318,7 @@ class Environment(SourceDeclarations):
         return plan(self.nodes, self.chaining)
 
     def execute(self, job_name: str | float | None = None, timeout: float | None = None, *,
-                restore_from=None):
+                restore_from=None, allow_non_restored_state: bool = False):
         """Run the job to completion; raises JobFailedError if any task fails.
 
         ``execute("name")`` names the job (PyFlink's ``execute(job_name)``);
@@ -321,7 +329,11 @@ class Environment(SourceDeclarations):
         ``restore_from`` (checkpointing on): start from a checkpoint of an
         earlier run of the same job in ``checkpoint_dir``: ``"latest"`` (the
         newest complete one, or a fresh start when there is none), a
-        checkpoint id, or a ``chk-<id>`` directory. When complete checkpoints
+        checkpoint id, a ``chk-<id>`` directory, or a savepoint directory
+        (``job.savepoint()``), at any parallelism up to ``max_parallelism``.
+        State maps to operators by id (``Stream.uid``); state of an operator
+        the job no longer has is refused unless
+        ``allow_non_restored_state=True``. When complete checkpoints
         exist and none is intact, ``CorruptCheckpointError``: a fresh start
         over their committed output is ``restore_from=None`` with the file
         sinks' ``mode="overwrite"``. A source whose input differs from what
@@ -340,11 +352,12 @@ class Environment(SourceDeclarations):
         job_name, timeout = _execute_args(job_name, timeout)
         if any(n.is_iterator for n in self.nodes):
             raise ConfigurationError("this job has a to_iterator() sink: run it with execute_iter()")
-        job = self._claim(job_name, restore_from)
+        job = self._claim(job_name, restore_from, allow_non_restored_state)
         self._start(job)
         return job.join(timeout)
 
-    def execute_async(self, job_name: str | None = None, *, restore_from=None):
+    def execute_async(self, job_name: str | None = None, *, restore_from=None,
+                      allow_non_restored_state: bool = False):
         """Start the job and return its JobExecution (``join``, ``cancel``,
         ``metrics``, ``done``). An Environment executes its graph once.
 
@@ -360,7 +373,7 @@ class Environment(SourceDeclarations):
         if any(n.is_iterator for n in self.nodes):
             # nobody would read it: the job would stall once its buffers fill
             raise ConfigurationError("this job has a to_iterator() sink: run it with execute_iter()")
-        job = self._claim(job_name, restore_from)
+        job = self._claim(job_name, restore_from, allow_non_restored_state)
         self._start(job)
         return job
 
@@ -402,13 +415,14 @@ class Environment(SourceDeclarations):
                 self._unclaim(job)
             raise
 
-    def _claim(self, job_name, restore_from=None):
+    def _claim(self, job_name, restore_from=None, allow_non_restored_state=False):
         """The execution of this graph, once: checks everything that can be
         checked before anything starts, then takes the Environment."""
         if restore_from is not None and self.checkpoint_interval is None:
             raise ConfigurationError("restore_from needs checkpointing: set checkpoint_interval (and checkpoint_dir)")
         self._check_settings()
         self._check_graph()
+        check_operator_ids(self)
         for node in self.nodes:
             self._check_node_kind(node)
         with self._claim_lock:
@@ -430,6 +444,7 @@ class Environment(SourceDeclarations):
         job.claim = claim
         job.previous_name = name
         job.restore_from = restore_from
+        job.allow_non_restored_state = bool(allow_non_restored_state)
         return job
 
     def _check_graph(self) -> None:

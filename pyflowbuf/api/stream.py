@@ -47,6 +47,26 @@ class Stream(SinkDeclarations):
         return self.env._add(name=name, parallelism=p, make_operator=make_operator,
                              inputs=[self._input_to(p)], kind=kind, is_sink=sink)
 
+    def uid(self, uid: str) -> "Stream":
+        """Give the operator that makes this stream a stable id: checkpoints
+        and savepoints store its state under it, and a restore gives the
+        state back to the operator with that id, whatever else changed in
+        the job (operators added, removed, renamed, chained differently).
+        Without one, the id is derived from the operator's name and its rank
+        among operators of that name. Returns this stream.
+
+        Example::
+
+            counts = words.key_by(lambda w: w).reduce(add).uid("word-counts")
+        """
+        if not isinstance(uid, str) or not uid:
+            raise TypeError(f"uid takes a non-empty str, got {uid!r}")
+        for n in self.env.nodes:
+            if n.uid == uid and n is not self.node:
+                raise ConfigurationError(f"uid {uid!r} is already the id of operator {n.name!r}")
+        self.node.uid = uid
+        return self
+
     # ---- partitioning ----
     def _with(self, partitioner, key_fn=None) -> "Stream":
         s = Stream(self.env, self.node, key_fn)

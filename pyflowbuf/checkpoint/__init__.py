@@ -18,6 +18,7 @@ from pyflowbuf.checkpoint.storage import (
     CheckpointInfo,
     CheckpointMetadata,
     CheckpointStorage,
+    SavepointStorage,
     TaskSnapshot,
     TaskStateHandle,
     TaskStateWriter,
@@ -26,7 +27,7 @@ from pyflowbuf.checkpoint.storage import (
 __all__ = [
     "ALIGNMENTS", "CheckpointError", "CheckpointInfo", "CheckpointMetadata", "CheckpointNotFoundError",
     "CheckpointStateError", "CheckpointStorage", "CorruptCheckpointError", "IncompatibleCheckpointError",
-    "PickleNotAllowedError",
+    "PickleNotAllowedError", "SavepointStorage",
     "TaskSnapshot", "TaskStateHandle", "TaskStateNotFoundError", "TaskStateWriter", "UnsafeCommitError",
     "UnsupportedStateError",
     "decode_value", "dumps", "encode_value", "loads",

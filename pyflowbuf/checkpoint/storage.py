@@ -725,3 +725,78 @@ def _check_layout(kinds: list):
     if not kinds or kinds[0] != SEC_INFO or kinds.count(SEC_INFO) != 1 or kinds.count(SEC_STATE) != 1 \
             or not set(kinds) <= {SEC_INFO, SEC_STATE, SEC_INFLIGHT}:
         raise _Corrupt(f"task file sections {kinds} are not INFO, then in-flight sections and one STATE")
+
+
+class SavepointStorage(CheckpointStorage):
+    """One checkpoint in a directory of its own: a savepoint (``job.savepoint``),
+    or a ``chk-<id>`` directory restored from wherever it was copied to.
+    ``_metadata`` and the task files lie side by side and refer to each other
+    by name only, so the directory can be moved or copied as a whole.
+    Nothing here is ever pruned by retention.
+
+    ``checkpoint_id``: the id of the checkpoint to write; None to open an
+    existing one (its id is read from its ``_metadata``)."""
+
+    def __init__(self, path, allow_pickle: bool = False, *, checkpoint_id: int | None = None,
+                 fsync: bool = True, storage_options: Mapping | None = None):
+        super().__init__(path, retained=1, allow_pickle=allow_pickle, fsync=fsync,
+                         storage_options=storage_options)
+        self._cid = None if checkpoint_id is None else _check_id(checkpoint_id)
+
+    def __repr__(self):
+        return f"SavepointStorage({self.url!r})"
+
+    def checkpoint_path(self, checkpoint_id: int) -> str:
+        return self.root
+
+    @property
+    def checkpoint_id(self) -> int:
+        """The id of the checkpoint this directory holds (read from ``_metadata``)."""
+        if self._cid is None:
+            path = f"{self.root}/{METADATA_FILE}"
+            try:
+                with self.fs.open(path, "rb") as f:
+                    data = bytearray(f.read())
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"{self.url} holds no complete checkpoint or savepoint (no {METADATA_FILE})") from None
+            try:
+                sections = list(_parse(_MemSource(memoryview(data)), FILE_METADATA))
+                d = _decode_section(sections[0], False)
+                cid = d["checkpoint_id"]
+                _check_id(cid)
+            except Exception as e:
+                raise CorruptCheckpointError(f"{METADATA_FILE}: {e}", checkpoint_id=None, path=path) from e
+            self._cid = cid
+        return self._cid
+
+    def _ids(self) -> list[int]:
+        try:
+            return [self.checkpoint_id]
+        except CheckpointNotFoundError:
+            return []
+
+    def _prune(self):
+        pass        # a savepoint belongs to the user
+
+    def prepare_new(self) -> None:
+        """Before a savepoint is written: the directory must be new or empty
+        (a savepoint never mixes its files with others)."""
+        try:
+            names = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            names = []
+        if names:
+            raise CheckpointStateError(f"the savepoint directory {self.url} exists and is not empty")
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def abort(self, checkpoint_id: int) -> None:
+        cid = _check_id(checkpoint_id)
+        if self.fs.exists(f"{self.root}/{METADATA_FILE}"):
+            raise CheckpointStateError(f"savepoint {cid} is complete; abort() only discards pending ones")
+        with self._lock:
+            self._aborted.add(cid)
+        try:
+            self.fs.rm(self.root, recursive=True)
+        except FileNotFoundError:
+            pass

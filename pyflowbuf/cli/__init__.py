@@ -1,6 +1,7 @@
 """The ``pyflowbuf`` command line (also ``python -m pyflowbuf``).
 
-    pyflowbuf run job.py [--restore latest|ID|PATH] [--parallelism N] [--workers N] [--json]
+    pyflowbuf run job.py [--restore latest|ID|PATH] [--parallelism N] [--workers N]
+                         [--savepoint-on-stop PATH] [--json]
     pyflowbuf checkpoints list DIR [--verify] [--json]
     pyflowbuf checkpoints show PATH [ID] [--json]
     pyflowbuf checkpoints verify PATH [ID] [--json]
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--parallelism", type=_positive, metavar="N",
                      help="the default parallelism of the job's operators (those without their own parallelism=)")
     run.add_argument("--workers", type=_positive, metavar="N", help="run in N worker processes")
+    run.add_argument("--savepoint-on-stop", metavar="PATH",
+                     help="on Ctrl-C or SIGTERM, stop the job with a final savepoint at PATH (a directory or an "
+                          "fsspec URL) instead of cancelling it; resume with --restore PATH")
     run.add_argument("--json", action="store_true",
                      help="end with one line of JSON: status, duration, restored checkpoint, checkpoint history")
 
@@ -169,7 +173,10 @@ def _run(args) -> int:
     restore = runner.restore_arg(args.restore, env, args.job)
     outcome = {}
     try:
-        outcome = runner.run(env, args.job, restore, report=_say)
+        if args.savepoint_on_stop is not None and env.checkpoint_interval is None:
+            raise CliError(f"--savepoint-on-stop needs checkpointing, and the Environment of {args.job} has "
+                           "checkpoint_interval=None")
+        outcome = runner.run(env, args.job, restore, report=_say, savepoint_on_stop=args.savepoint_on_stop)
     except JobFailedError as e:
         outcome = {"job": env.name, "spec": args.job, "status": "failed", "error": str(e),
                    "checkpoints": env.checkpoints()}
@@ -179,6 +186,9 @@ def _run(args) -> int:
     if args.json:
         render.emit_json(outcome)
     _say(runner.summary(outcome))
+    if outcome["status"] == "stopped":
+        _say(f"stopped with a savepoint in {outcome['savepoint']}: resume with --restore {outcome['savepoint']}")
+        return 0
     if outcome["status"] == "cancelled":
         by = "SIGTERM" if outcome["signal"] == "SIGTERM" else "Ctrl-C"
         _say(f"cancelled by {by}" + (": resume with --restore latest" if outcome["checkpoint_dir"] else ""))

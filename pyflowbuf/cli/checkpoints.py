@@ -232,11 +232,28 @@ def summarize(v, depth: int = 0) -> str:
     return type(v).__name__
 
 
+def _operator_line(op: dict) -> str:
+    """One operator of a task's state (format 2: state per operator id): its
+    id, type, the size of its encoded state and its key groups."""
+    blob = op.get("value", op.get("state"))
+    line = f"{op.get('uid')} ({op.get('type')}): "
+    line += "no state" if blob is None else (f"{len(blob)} bytes" if isinstance(blob, (bytes, bytearray))
+                                             else summarize(blob))
+    groups = op.get("key_groups")
+    if op.get("keyed") and isinstance(groups, (list, tuple)) and len(groups) == 2:
+        line += f", key groups {groups[0]}..{groups[1] - 1}"
+    return line
+
+
 def _state_summary(storage: CheckpointStorage, meta, key) -> dict:
     try:
         state = storage.read_task_state(meta.checkpoint_id, key, metadata=meta).state
     except PickleNotAllowedError:
         return {"state": "pickled objects (not read: they would run code)"}
+    if isinstance(state, dict) and isinstance(state.get("operators"), list) and state.get("format", 1) >= 2:
+        out = {k: summarize(v) for k, v in state.items() if k != "operators"}
+        out["operators"] = "; ".join(_operator_line(op) for op in state["operators"] if isinstance(op, dict))
+        return out
     if isinstance(state, dict):
         return {str(k): summarize(v) for k, v in state.items()}
     return {"state": summarize(state)}

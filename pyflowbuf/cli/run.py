@@ -19,7 +19,6 @@ import time
 import traceback
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from pyflowbuf.api import Environment
 from pyflowbuf.cli.checkpoints import CliError
@@ -171,8 +170,9 @@ def _pick(module, attr, label, path) -> Environment:
 
 
 def restore_arg(value: str | None, env: Environment, spec: str):
-    """``--restore``: latest, a checkpoint id, or a chk-<id> directory in the
-    job's own checkpoint_dir, as ``execute(restore_from=...)`` takes them."""
+    """``--restore``: latest, a checkpoint id, or a directory: a chk-<id> of
+    the job's checkpoint_dir, a savepoint, or a checkpoint copied elsewhere,
+    as ``execute(restore_from=...)`` takes them."""
     if value is None:
         return None
     if env.checkpoint_interval is None:
@@ -186,23 +186,11 @@ def restore_arg(value: str | None, env: Environment, spec: str):
     if posixpath.basename(p) == "_metadata":
         p = posixpath.dirname(p)
     if not fs.exists(p):
-        raise CliError(f"--restore {value}: no such checkpoint directory")
-    name = posixpath.basename(p)
-    if not _CHK_DIR.match(name):
-        raise CliError(f"--restore takes latest, a checkpoint id or a chk-<id> directory, got {value}")
-    job_dir = os.fspath(env.checkpoint_dir or DEFAULT_CHECKPOINT_DIR)
-    jfs, jp = fsspec.core.url_to_fs(job_dir)
-    parent = posixpath.dirname(p)
-    same = (type(fs) is type(jfs) and
-            (os.path.realpath(parent) == os.path.realpath(jp) if isinstance(fs, LocalFileSystem)
-             else parent.rstrip("/") == jp.rstrip("/")))
-    if not same:
-        # a restore reads the job's checkpoint_dir; taking the id alone would
-        # restore another checkpoint of the same number
-        raise CliError(f"--restore {value}: that checkpoint lies in {fs.unstrip_protocol(parent)}, and the job's "
-                       f"checkpoint_dir is {job_dir}: a job restores from its own checkpoint_dir (restoring "
-                       "from elsewhere is a savepoint's business, which this version does not have yet)")
-    return name
+        raise CliError(f"--restore {value}: no such checkpoint or savepoint directory")
+    if not fs.exists(f"{p}/_metadata"):
+        raise CliError(f"--restore {value}: not a complete checkpoint or savepoint (it has no _metadata); "
+                       "`pyflowbuf checkpoints list` shows what a checkpoint directory holds")
+    return fs.unstrip_protocol(p) if "://" in value else p
 
 
 class Terminated(KeyboardInterrupt):
@@ -213,20 +201,22 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
-def run(env: Environment, spec: str, restore, *, report) -> dict:
+def run(env: Environment, spec: str, restore, *, report, savepoint_on_stop=None) -> dict:
     """Run the job to its end; Ctrl-C or SIGTERM cancels it (``status``
-    cancelled, ``signal`` SIGINT or SIGTERM). Returns the summary."""
+    cancelled, ``signal`` SIGINT or SIGTERM), or, with ``savepoint_on_stop``,
+    stops it with a final savepoint there (``status`` stopped, ``savepoint``
+    its path; a savepoint that fails cancels the job). Returns the summary."""
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        return _run(env, spec, restore, report)
+        return _run(env, spec, restore, report, savepoint_on_stop)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _run(env, spec, restore, report) -> dict:
+def _run(env, spec, restore, report, savepoint_on_stop=None) -> dict:
     t0 = time.monotonic()
     job = None
     outcome = {"job": env.name, "spec": spec, "parallelism": env.parallelism, "workers": env.workers,
@@ -237,11 +227,23 @@ def _run(env, spec, restore, report) -> dict:
         job = env.execute_async(restore_from=restore)
         report(f"job {env.name!r} started (parallelism {env.parallelism}"
                + (f", {env.workers} worker processes" if env.workers else "") + ")" + _restored(job))
+        if savepoint_on_stop is not None:
+            # join() cancels the job on Ctrl-C; here the job must stay up for its savepoint
+            while not job.done:
+                job._done.wait(0.5)
         job.join()
         outcome["status"] = "finished"
     except KeyboardInterrupt as e:
         outcome["signal"] = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
         running = job if job is not None else env.last_execution
+        if savepoint_on_stop is not None and running is not None and not running.done:
+            report(f"stopping with a savepoint in {savepoint_on_stop}")
+            try:
+                outcome["savepoint"] = running.stop(savepoint=savepoint_on_stop, timeout=120)
+                outcome["status"] = "stopped"
+                return outcome
+            except Exception as exc:    # noqa: BLE001 - reported; the job is cancelled below
+                report(f"the savepoint failed ({type(exc).__name__}: {exc}); cancelling the job")
         if running is not None and not running.done:
             running.cancel()          # join() cancels too; this covers an interrupt before it was reached
             try:

@@ -78,7 +78,7 @@ class ParquetFileSource(_FileSource):
 
     def open(self, subtask, parallelism):
         every = [(f, g) for f, groups in enumerate(self.plan.row_groups) for g in range(len(groups))]
-        self._units = every[subtask::parallelism]
+        self._units = self._strided = every[subtask::parallelism]
         self._index = {u: i for i, u in enumerate(self._units)}
         super().open(subtask, parallelism)
 
@@ -91,6 +91,67 @@ class ParquetFileSource(_FileSource):
 
     def _unit_name(self, g):
         return f"row group {g}"
+
+    # ---- restored at another parallelism: an explicit list of row groups ----
+    _skips: dict = {}           # (file, row group) -> rows emitted before the restore
+
+    def rescale_positions(self, positions, parallelism):
+        """The positions of ``parallelism`` subtasks from those of every
+        subtask of a checkpoint at another parallelism: the row groups not
+        yet read (the one each subtask was in, from the row it had reached),
+        in file order, dealt out in turn."""
+        every = [(f, g) for f, groups in enumerate(self.plan.row_groups) for g in range(len(groups))]
+        left = []
+        for j, pos in enumerate(positions):
+            if isinstance(pos, dict):
+                left.extend(tuple(u) for u in pos["units"])
+                continue
+            f, g, row = pos
+            if f >= len(self.files):
+                continue        # that subtask had read its share
+            mine = every[j::len(positions)]
+            try:
+                at = mine.index((f, g))
+            except ValueError:
+                raise errors.ConfigurationError(
+                    f"{self.what}: the checkpoint's position (file {f}, row group {g}) is not one subtask {j} of "
+                    f"{len(positions)} reads: restore with the files of the run that took the checkpoint") from None
+            left.append((f, g, row))
+            left.extend((uf, ug, 0) for uf, ug in mine[at + 1:])
+        left.sort()
+        return [{"units": [list(u) for u in left[i::parallelism]]} for i in range(parallelism)]
+
+    def seek(self, position):
+        if not isinstance(position, dict):
+            self._skips = {}
+            return super().seek(position)
+        units = [tuple(u) for u in position["units"]]
+        self._drop()
+        self._units = [(f, g) for f, g, _ in units]
+        self._index = {u: i for i, u in enumerate(self._units)}
+        self._skips = {(f, g): row for f, g, row in units[1:] if row}
+        if not units:
+            self._pos, self._row = None, 0
+            return
+        f, g, row = units[0]
+        self._pos, self._row, self._skip = (f, g), row, row
+
+    def position(self):
+        if not self._skips and self._units == self._strided:
+            return super().position()
+        if self._pos is None:
+            return {"units": []}
+        at = self._index[self._pos]
+        row = self._skips.get(self._pos, self._row)      # (a skip not yet taken: that many were emitted)
+        return {"units": [[*self._pos, row]] +
+                         [[f, g, self._skips.get((f, g), 0)] for f, g in self._units[at + 1:]]}
+
+    def _next_of_unit(self):
+        if self._it is None and self._skips and self._row == 0:
+            # a row group another subtask had begun before the restore
+            s = self._skips.pop(self._pos, 0)
+            self._row = self._skip = s
+        return super()._next_of_unit()
 
     def _check_position(self, f, g):
         if (f, g) not in self._index:

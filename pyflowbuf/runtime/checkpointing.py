@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +32,10 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpointError, IncompatibleCheckpointError,
-                                          UnsupportedStateError)
+                                          SavepointStorage, UnsupportedStateError)
+from pyflowbuf.runtime.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_inflight, encode_inflight  # noqa: F401
+from pyflowbuf.runtime.keygroups import DEFAULT_MAX_PARALLELISM
+from pyflowbuf.runtime.restore import metadata_properties, stored_state
 from pyflowbuf.runtime.metrics import publish_checkpoint
 from pyflowbuf.runtime.outputs import check_commits
 
@@ -57,6 +59,7 @@ class CheckpointConfig:
     allow_pickle: bool = False
     alignment: str = "aligned"            # checkpoint_mode
     alignment_timeout: float | None = None
+    max_parallelism: int = DEFAULT_MAX_PARALLELISM
 
     @property
     def starts_unaligned(self) -> bool:
@@ -77,7 +80,8 @@ class CheckpointConfig:
                    timeout=env.checkpoint_timeout, retained=env.checkpoints_retained,
                    restart_attempts=env.restart_attempts, mode=env.checkpointing_mode,
                    allow_pickle=env.allow_pickle, alignment=getattr(env, "checkpoint_mode", "aligned"),
-                   alignment_timeout=getattr(env, "alignment_timeout", None))
+                   alignment_timeout=getattr(env, "alignment_timeout", None),
+                   max_parallelism=getattr(env, "max_parallelism", DEFAULT_MAX_PARALLELISM))
 
 
 @dataclass
@@ -91,6 +95,12 @@ class _Pending:
     commits: list = field(default_factory=list)       # sink commit actions the checkpoint covers
     alignment: str = "aligned"    # aligned | unaligned | switched (by the alignment timeout)
     timer: Any = None
+    storage: Any = None           # where its files go: the checkpoint_dir's, or a savepoint's own
+    summaries: dict = field(default_factory=dict)     # task key -> what its state holds (restore.stored_state)
+    savepoint: bool = False
+    stop: bool = False            # stop-with-savepoint: the job ends once it completed
+    done: Any = field(default_factory=threading.Event)
+    outcome: Any = None           # ("completed", metadata) or (status, reason)
     # checkpoint (periodic, the job's own) | savepoint (the user's): in the history,
     # _metadata's properties and `pyflowbuf checkpoints list`
     kind: str = "checkpoint"
@@ -124,12 +134,13 @@ class CheckpointCoordinator:
         self._next_id = max(storage.checkpoint_ids(), default=0) + 1
         self.pending: dict[int, _Pending] = {}
         self.history: list[dict] = []
-        self.finished: dict[str, tuple] = {}       # task key -> (state, commits)
+        self.finished: dict[str, tuple] = {}       # task key -> (state, commits, summary)
         self.task_keys: set = set()
         self.execution = None
         self._stop = threading.Event()
         self._thread = None
         self.completed = 0
+        self._savepoints: dict = {}       # id -> _Pending of the savepoints triggered (their outcome)
         self.listeners: list = []      # metrics listeners with a checkpoint(entry) hook
         self.outputs: list = []        # the FileOutputs of the job's part-file sinks (run_commits)
 
@@ -141,17 +152,60 @@ class CheckpointCoordinator:
             self._epoch += 1
             self.execution = execution
             self.task_keys = set(task_keys)
-            self.finished = dict(finished or {})
+            # (state, commits[, summary]): a summary only where the state has the stored layout
+            self.finished = {k: (tuple(v) + (None,))[:3] for k, v in (finished or {}).items()}
 
-    def _tell(self, execution, epoch, what, checkpoint_id) -> bool:
+    def _tell(self, execution, epoch, what, checkpoint_id, *args) -> bool:
         """``execution.<what>(checkpoint_id)`` unless the attempt it was
         decided for is gone."""
         with self._calls:
             if epoch != self._epoch or execution is None:
                 log.debug("pyflowbuf: %s(%d) of an earlier attempt dropped", what, checkpoint_id)
                 return False
-            getattr(execution, what)(checkpoint_id)
+            if args and args[0] is not None:
+                getattr(execution, what)(checkpoint_id, *args)
+            else:
+                getattr(execution, what)(checkpoint_id)
             return True
+
+    def storage_for(self, checkpoint_id: int):
+        """Where checkpoint ``checkpoint_id``'s files go (a savepoint has its own directory)."""
+        with self._lock:
+            p = self.pending.get(checkpoint_id) or self._savepoints.get(checkpoint_id)
+        # (a savepoint aborted meanwhile: its own storage, which refuses the late write)
+        return self.storage if p is None or p.storage is None else p.storage
+
+    def savepoint(self, path: str, *, stop: bool = False, timeout: float | None = None):
+        """Trigger a savepoint into ``path`` and wait for it; its
+        CheckpointMetadata. Waits for a checkpoint under way first (one at a
+        time). Raises CheckpointError when it is aborted, declined or expires."""
+        deadline = time.monotonic() + (self.config.timeout if timeout is None else timeout)
+        SavepointStorage(path, allow_pickle=self.storage.allow_pickle).prepare_new()
+        while True:
+            with self._lock:
+                if self.execution is None or self._stop.is_set():
+                    raise errors.FlowBufError("the job is not running: no savepoint can be taken")
+                if not (self.task_keys - set(self.finished)):
+                    raise errors.FlowBufError(
+                        "every task of the job has finished: there is nothing left to take a savepoint of")
+            n = self.trigger(savepoint=path, stop=stop)
+            if n is not None:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no savepoint could be triggered within {timeout} s (a checkpoint was pending)")
+            time.sleep(0.01)
+        with self._lock:
+            p = self.pending.get(n)
+        if p is None:       # completed or aborted already: find its record
+            p = self._savepoints.get(n)
+        left = max(0.0, deadline - time.monotonic())
+        if not p.done.wait(left + 1.0):
+            self.abort(n, f"savepoint {n} did not complete in time", status="expired")
+            p.done.wait(5.0)
+        status, what = p.outcome or ("expired", "no outcome")
+        if status != "completed":
+            raise CheckpointStateError(f"savepoint {n} into {path} {status}: {what}")
+        return what
 
     def start(self) -> None:
         if self._thread is None:
@@ -174,9 +228,11 @@ class CheckpointCoordinator:
                 log.exception("pyflowbuf: checkpoint coordinator")
 
     # ---- triggering ----
-    def trigger(self) -> int | None:
+    def trigger(self, savepoint: str | None = None, stop: bool = False) -> int | None:
         """Start the next checkpoint; None when one is still pending (one at a
-        time, Flink's default) or every subtask has finished."""
+        time, Flink's default) or every subtask has finished. ``savepoint``: a
+        directory for a savepoint instead (aligned, self-contained, never
+        pruned); ``stop``: the job ends once that savepoint completed."""
         with self._lock:
             execution, epoch = self.execution, self._epoch
             if execution is None or self.pending or self._stop.is_set():
@@ -187,15 +243,24 @@ class CheckpointCoordinator:
             n = self._next_id
             self._next_id += 1
             p = self.pending[n] = _Pending(n, time.time(), time.monotonic_ns(), set(self.task_keys))
-            if self.config.starts_unaligned:
+            p.storage = self.storage
+            if savepoint is not None:
+                # a savepoint is aligned whatever the checkpoints are: its state
+                # holds no in-flight data, so it restores into any graph
+                p.storage = SavepointStorage(savepoint, allow_pickle=self.storage.allow_pickle,
+                                             checkpoint_id=n)
+                p.savepoint, p.stop, p.kind = True, stop, "savepoint"
+                self._savepoints[n] = p
+            elif self.config.starts_unaligned:
                 p.alignment = "unaligned"
             elif self.config.switchable:
                 p.timer = threading.Timer(self.config.alignment_timeout, self._switch, (n,))
                 p.timer.daemon = True
             finished = dict(self.finished)
-        for key, (state, commits) in finished.items():
-            self._write_final(p, key, state, commits)
-        if not self._tell(execution, epoch, "trigger_sources", n):
+        for key, (state, commits, summary) in finished.items():
+            self._write_final(p, key, state, commits, summary)
+        options = {"aligned": True, "stop": stop, "path": p.storage.url} if p.savepoint else None
+        if not self._tell(execution, epoch, "trigger_sources", n, options):
             with self._lock:        # (a restart's abort_all has usually taken it already)
                 stale = self.pending.pop(n, None)
             if stale is not None:
@@ -219,13 +284,13 @@ class CheckpointCoordinator:
                  checkpoint_id, self.config.alignment_timeout)
         self._tell(execution, epoch, "switch_to_unaligned", checkpoint_id)
 
-    def _write_final(self, p: _Pending, key, state, commits) -> None:
+    def _write_final(self, p: _Pending, key, state, commits, summary=None) -> None:
         try:
-            handle = self.storage.write_task_state(p.checkpoint_id, key, state)
+            handle = p.storage.write_task_state(p.checkpoint_id, key, state)
         except Exception as exc:
             self.decline(key, p.checkpoint_id, f"writing the final state of {key}: {exc}")
             return
-        self.acknowledge(key, p.checkpoint_id, handle, 0.0, commits)
+        self.acknowledge(key, p.checkpoint_id, handle, 0.0, commits, summary)
 
     def _expire(self) -> None:
         timeout_ns = self.config.timeout * 1e9
@@ -237,12 +302,13 @@ class CheckpointCoordinator:
                           f"{self.config.timeout} s", status="expired")
 
     # ---- from subtasks ----
-    def acknowledge(self, task_key, checkpoint_id, handle, alignment_ms, commits) -> None:
+    def acknowledge(self, task_key, checkpoint_id, handle, alignment_ms, commits, summary=None) -> None:
         with self._lock:
             p = self.pending.get(checkpoint_id)
             if p is None or task_key not in p.expected:
                 return          # aborted meanwhile: its directory is gone or going
             p.handles[task_key] = handle
+            p.summaries[task_key] = summary
             p.alignment_ms[task_key] = alignment_ms
             p.commits.extend(commits)
             if set(p.handles) < p.expected:
@@ -256,17 +322,18 @@ class CheckpointCoordinator:
     def decline(self, task_key, checkpoint_id, reason) -> None:
         self.abort(checkpoint_id, f"task {task_key} declined: {reason}")
 
-    def task_finished(self, task_key, state, commits, snapshotted: int = 0) -> None:
+    def task_finished(self, task_key, state, commits, snapshotted: int = 0, summary=None) -> None:
         """A subtask ended its input: its final state stands for it from now on,
         also in checkpoints it has not snapshotted. Those it has snapshotted
         (ids up to ``snapshotted``) get its own write, which may still be on
-        its way: writing the final state there too would race it for the file."""
+        its way: writing the final state there too would race it for the file.
+        ``state`` is in the stored layout already; ``summary`` describes it."""
         with self._lock:
-            self.finished[task_key] = (state, list(commits))
+            self.finished[task_key] = (state, list(commits), summary)
             waiting = [p for p in self.pending.values()
                        if task_key not in p.handles and p.checkpoint_id > snapshotted]
         for p in waiting:
-            self._write_final(p, task_key, state, commits)
+            self._write_final(p, task_key, state, commits, summary)
 
     # ---- completing ----
     def _complete(self, p: _Pending, epoch: int) -> None:
@@ -282,23 +349,25 @@ class CheckpointCoordinator:
     def _drop(self, p: _Pending, reason) -> None:
         log.info("pyflowbuf: checkpoint %d aborted: %s", p.checkpoint_id, reason)
         try:
-            self.storage.abort(p.checkpoint_id)
+            p.storage.abort(p.checkpoint_id)
         except Exception:
             pass
         self._record(p, "aborted", (time.monotonic_ns() - p.trigger_ns) / 1e9, reason=reason)
 
     def _complete_now(self, p: _Pending) -> None:
         duration = (time.monotonic_ns() - p.trigger_ns) / 1e9
+        properties = {"job": self.job_name, "kind": p.kind, "alignment_ms": p.alignment_ms,
+                      "mode": self.config.mode, "alignment": p.alignment, "commits": p.commits,
+                      "savepoint": p.savepoint}
+        properties.update(metadata_properties(p.summaries, self.config.max_parallelism))
         try:
-            meta = self.storage.complete(
-                p.checkpoint_id, list(p.handles.values()), trigger_time=p.trigger_time, duration=duration,
-                properties={"job": self.job_name, "kind": p.kind, "alignment_ms": p.alignment_ms,
-                            "mode": self.config.mode, "alignment": p.alignment, "commits": p.commits})
+            meta = p.storage.complete(p.checkpoint_id, list(p.handles.values()), trigger_time=p.trigger_time,
+                                      duration=duration, properties=properties)
         except Exception as exc:
             log.warning("pyflowbuf: completing checkpoint %d failed: %s", p.checkpoint_id, exc)
             self._record(p, "failed", duration, reason=str(exc))
             try:
-                self.storage.abort(p.checkpoint_id)
+                p.storage.abort(p.checkpoint_id)
             except Exception:
                 pass
             return
@@ -307,10 +376,15 @@ class CheckpointCoordinator:
             self.completed += 1
         self._record(p, "completed", duration, state_bytes=meta.state_bytes, size=meta.size,
                      inflight_bytes=meta.inflight_bytes,
-                     task_inflight_bytes={k: h.inflight_bytes for k, h in meta.tasks.items() if h.inflight_bytes})
+                     task_inflight_bytes={k: h.inflight_bytes for k, h in meta.tasks.items() if h.inflight_bytes},
+                     outcome=meta)
         execution = self.execution       # _calls held: the attempt it completed for
         if execution is not None:
             execution.notify_complete(p.checkpoint_id)
+            if p.stop:
+                # stop-with-savepoint: the sources stopped at its barrier and
+                # its commits are done; the job ends here, nothing after it
+                execution.stop_after_savepoint(p.checkpoint_id)
 
     def abort(self, checkpoint_id, reason, status="aborted") -> None:
         with self._lock:
@@ -322,7 +396,7 @@ class CheckpointCoordinator:
             p.timer.cancel()
         log.info("pyflowbuf: checkpoint %d %s: %s", checkpoint_id, status, reason)
         try:
-            self.storage.abort(checkpoint_id)
+            p.storage.abort(checkpoint_id)
         except Exception:
             pass
         self._record(p, status, (time.monotonic_ns() - p.trigger_ns) / 1e9, reason=reason)
@@ -339,19 +413,24 @@ class CheckpointCoordinator:
         """The job ended without failure: sinks commit their final output."""
         self.stop()
         with self._lock:
-            commits = [c for _, cs in self.finished.values() for c in cs]
+            commits = [c for _, cs, _ in self.finished.values() for c in cs]
         run_commits(commits, self.outputs)
 
-    def _record(self, p: _Pending, status, duration, **extra) -> None:
+    def _record(self, p: _Pending, status, duration, outcome=None, **extra) -> None:
         entry = {"id": p.checkpoint_id, "kind": p.kind, "status": status, "trigger_time": p.trigger_time,
                  "duration_s": round(duration, 6), "alignment": p.alignment,
                  "alignment_ms": dict(p.alignment_ms), "acknowledged": len(p.handles),
-                 "tasks": len(p.expected), **extra}
+                 "tasks": len(p.expected), "savepoint": p.savepoint, **extra}
+        if p.savepoint:
+            entry["path"] = p.storage.url
         with self._lock:
             self.history.append(entry)
             if len(self.history) > 1000:
                 del self.history[:100]
         publish_checkpoint(self.listeners, entry)
+        # a savepoint's caller waits for this; its entry is in the history by now
+        p.outcome = (status, outcome if outcome is not None else extra.get("reason", status))
+        p.done.set()
 
     def checkpoints(self) -> list[dict]:
         with self._lock:
@@ -374,35 +453,6 @@ def run_commits(commits, outputs) -> None:
 
 
 # ---------------------------------------------------------------- a subtask's side
-
-_ITEM_HEADER = struct.Struct("<HHIq")     # type, flags, width (event kind), aux
-
-
-def encode_inflight(items) -> list:
-    """In-flight items ``(type, width, flags, aux, payload)`` as the views the
-    storage writes: a 16-byte header, then the payload (empty for an event).
-    Payloads are written as they are, with no copy on the way."""
-    views = []
-    for dtype, width, flags, aux, payload in items:
-        views.append(memoryview(_ITEM_HEADER.pack(dtype, flags, width, aux)))
-        views.append(memoryview(payload if payload is not None else b""))
-    return views
-
-
-def decode_inflight(views) -> list:
-    """``encode_inflight`` read back: the items, payloads as bytes."""
-    if len(views) % 2:
-        raise CheckpointStateError("in-flight data: a header without its payload")
-    items = []
-    for i in range(0, len(views), 2):
-        dtype, flags, width, aux = _ITEM_HEADER.unpack(bytes(views[i]))
-        payload = bytes(views[i + 1])
-        items.append((dtype, width, flags, aux, payload if dtype != _EVENT_TYPE else None))
-    return items
-
-
-_EVENT_TYPE = 2     # FB_DATA_EVENT
-
 
 class _InflightCheckpoint:
     """One checkpoint of a subtask whose write waits for in-flight data: its
@@ -555,9 +605,19 @@ class TaskCheckpointing:
             self.coordinator.decline(self.key, checkpoint_id, f"snapshot failed: {exc!r}")
             raise
 
+    def stored(self, state):
+        """``state`` in the stored layout (per operator id, keyed state per
+        key group: ``pyflowbuf.runtime.restore``) and its summary."""
+        coordinator = self.coordinator
+        return stored_state(self.task, state, coordinator.config.max_parallelism,
+                            coordinator.storage.allow_pickle)
+
     def _write(self, checkpoint_id, state, commits, alignment_ms, inflight=None, alignment="aligned"):
-        storage = self.coordinator.storage
+        storage = self.coordinator.storage_for(checkpoint_id)
+        summary = None
         try:
+            state, summary = self.stored(state)
+            summary["inflight"] = bool(inflight)
             handle = storage.write_task_state(checkpoint_id, self.key, state, inflight, alignment=alignment)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator
             # a checkpoint aborted meanwhile (a failure, a restart) is no news
@@ -570,13 +630,15 @@ class TaskCheckpointing:
                 # serialized, too)
                 self.task.job.task_failed(self.task, exc)
             return
-        self.coordinator.acknowledge(self.key, checkpoint_id, handle, alignment_ms, commits)
+        self.coordinator.acknowledge(self.key, checkpoint_id, handle, alignment_ms, commits, summary)
 
     def finished(self) -> None:
         """End of input: the final state (no record will change it any more)."""
         state, commits = self.snapshot(-1)
         state["finished"] = True
-        self.coordinator.task_finished(self.key, state, commits, self.snapshotted)
+        state, summary = self.stored(state)
+        summary["inflight"] = False
+        self.coordinator.task_finished(self.key, state, commits, self.snapshotted, summary)
 
 
 def task_key(vertex, index) -> str:
@@ -594,19 +656,33 @@ def restore_plan(storage, restore_from, *, verify: bool = True):
         return latest_checkpoint(storage, verify=verify)
     if isinstance(restore_from, int) and not isinstance(restore_from, bool):
         return storage.load_metadata(restore_from, verify=verify)
+    if not isinstance(restore_from, (str, os.PathLike)):
+        raise errors.ConfigurationError(
+            f"restore_from must be 'latest', a checkpoint id, a chk-<id> directory or a savepoint directory, "
+            f"got {restore_from!r}")
     path = os.fspath(restore_from).rstrip("/")
     name = os.path.basename(path)
     if name.startswith("chk-") and name[4:].isdigit():
         cid = int(name[4:])
-        if os.path.dirname(path) and not _same_path(storage, path, storage.checkpoint_path(cid)):
-            # only the name was read once, so another job's chk-5 restored this job's own
-            raise errors.ConfigurationError(
-                f"restore_from={restore_from!r} is a checkpoint of another directory than this job's "
-                f"checkpoint_dir ({storage.url}); restore it with checkpoint_dir set to its directory, "
-                "or give its id or name (chk-<id>) to restore this job's own")
-        return storage.load_metadata(cid, verify=verify)
-    raise errors.ConfigurationError(
-        f"restore_from must be 'latest', a checkpoint id or a chk-<id> directory, got {restore_from!r}")
+        if not os.path.dirname(path) or _same_path(storage, path, storage.checkpoint_path(cid)):
+            return storage.load_metadata(cid, verify=verify)
+    # a savepoint, or a checkpoint directory copied elsewhere: self-contained
+    sp = SavepointStorage(path, allow_pickle=storage.allow_pickle)
+    return sp.load_metadata(sp.checkpoint_id, verify=verify)
+
+
+def storage_of(storage, meta):
+    """The storage that holds ``meta``'s files: the checkpoint_dir's, or the
+    directory of a savepoint (or a copied checkpoint) on its own."""
+    if not meta.path or meta.path == storage.fs.unstrip_protocol(storage.checkpoint_path(meta.checkpoint_id)):
+        return storage
+    return SavepointStorage(meta.path, allow_pickle=storage.allow_pickle, checkpoint_id=meta.checkpoint_id)
+
+
+def restore_location(storage, meta):
+    """What tells a worker process which checkpoint to restore: its id when it
+    lies in the checkpoint_dir, else its directory."""
+    return meta.checkpoint_id if storage_of(storage, meta) is storage else meta.path
 
 
 def _same_path(storage, given: str, own: str) -> bool:

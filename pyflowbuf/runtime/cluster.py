@@ -49,6 +49,7 @@ import warnings
 from pyflowbuf import errors
 from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
 from pyflowbuf.runtime import checkpointing as ckpt
+from pyflowbuf.runtime import restore as restore_mod
 from pyflowbuf.runtime import outputs as sink_outputs
 from pyflowbuf.runtime.operators import CollectSink
 from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution, check_output_pools
@@ -385,14 +386,27 @@ class WorkerCoordinator:
             # the driver is gone: the control thread sees it too and cancels the job
             log.debug("pyflowbuf: worker could not reach the driver: %s", exc)
 
-    def acknowledge(self, task_key, checkpoint_id, handle, alignment_ms, commits) -> None:
-        self._post(("ack", task_key, checkpoint_id, handle.to_dict(), alignment_ms, list(commits)), True)
+    _savepoints: dict = {}
+
+    def register_savepoint(self, checkpoint_id, path) -> None:
+        """Checkpoint ``checkpoint_id`` is a savepoint into ``path`` (told with its trigger)."""
+        from pyflowbuf.checkpoint import SavepointStorage
+
+        self._savepoints = dict(self._savepoints)
+        self._savepoints[checkpoint_id] = SavepointStorage(path, allow_pickle=self.storage.allow_pickle,
+                                                           checkpoint_id=checkpoint_id)
+
+    def storage_for(self, checkpoint_id):
+        return self._savepoints.get(checkpoint_id, self.storage)
+
+    def acknowledge(self, task_key, checkpoint_id, handle, alignment_ms, commits, summary=None) -> None:
+        self._post(("ack", task_key, checkpoint_id, handle.to_dict(), alignment_ms, list(commits), summary), True)
 
     def decline(self, task_key, checkpoint_id, reason) -> None:
         self._post(("decline", task_key, checkpoint_id, str(reason)))
 
-    def task_finished(self, task_key, state, commits, snapshotted: int = 0) -> None:
-        self._post(("finished", task_key, state, list(commits), snapshotted), True)
+    def task_finished(self, task_key, state, commits, snapshotted: int = 0, summary=None) -> None:
+        self._post(("finished", task_key, state, list(commits), snapshotted, summary), True)
 
 
 def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, output=None):
@@ -817,15 +831,15 @@ class ClusterExecution(Execution):
         elif what == "collected":
             self._collect(w, msg[1])
         elif what == "ack":
-            _, key, n, handle, alignment_ms, commits = msg
+            _, key, n, handle, alignment_ms, commits, summary = msg
             from pyflowbuf.checkpoint.storage import TaskStateHandle
 
-            self.coordinator.acknowledge(key, n, TaskStateHandle.from_dict(handle), alignment_ms, commits)
+            self.coordinator.acknowledge(key, n, TaskStateHandle.from_dict(handle), alignment_ms, commits, summary)
         elif what == "decline":
             self.coordinator.decline(msg[1], msg[2], msg[3])
         elif what == "finished":
-            _, key, state, commits, snapshotted = msg
-            self.coordinator.task_finished(key, state, commits, snapshotted)
+            _, key, state, commits, snapshotted, summary = msg
+            self.coordinator.task_finished(key, state, commits, snapshotted, summary)
         elif what == "done":
             self._finished_workers.add(w)
             self._collect(w, msg[1])
@@ -911,15 +925,23 @@ class ClusterExecution(Execution):
         if meta is None:
             self.restored_from = None
             return None
-        ckpt.check_graph(meta, self._task_keys, self.coordinator.storage.url)
-        # the sources' identities, here before any worker starts
-        sources = {ckpt.task_key(v, i): (v.head.name, v.head.source())
-                   for v in self.vertices if v.head.source is not None for i in range(v.parallelism)}
-        ckpt.check_sources(meta, ckpt.read_states(self.coordinator.storage, meta, set(sources)), sources)
+        storage = ckpt.storage_of(self.coordinator.storage, meta)
+        if restore_mod.is_current(meta):
+            # by operator id; each worker reads its own subtasks' state
+            plan = restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,
+                                           getattr(self, "allow_non_restored_state", False))
+            plan.check(self.vertices)
+            plan.check_sources(self.vertices)
+        else:
+            ckpt.check_graph(meta, self._task_keys, storage.url)
+            # the sources' identities, here before any worker starts
+            sources = {ckpt.task_key(v, i): (v.head.name, v.head.source())
+                       for v in self.vertices if v.head.source is not None for i in range(v.parallelism)}
+            ckpt.check_sources(meta, ckpt.read_states(storage, meta, set(sources)), sources)
         # what that checkpoint covered is committed (its notification may have been lost)
-        ckpt.run_commits(meta.properties.get("commits", []), sink_outputs.graph_outputs(self.env.nodes))
+        ckpt.run_commits(meta.properties.get("commits", []), restore_mod.commit_outputs(self.env.nodes, meta))
         self.restored_from = meta.checkpoint_id
-        return meta.checkpoint_id
+        return ckpt.restore_location(self.coordinator.storage, meta)
 
     def _stop_checkpointing(self):
         self.coordinator.stop()
@@ -965,8 +987,13 @@ class ClusterExecution(Execution):
         self._start_workers(restore_id)
         return True
 
-    def trigger_sources(self, checkpoint_id):
-        self._broadcast(("trigger", checkpoint_id))
+    def trigger_sources(self, checkpoint_id, options=None):
+        self._broadcast(("trigger", checkpoint_id, options))
+
+    def stop_after_savepoint(self, checkpoint_id):
+        """Stop-with-savepoint: it completed and its commits are done; end the job."""
+        self.stopped_with_savepoint = checkpoint_id
+        threading.Thread(target=self.cancel, name="pyflowbuf: stop with savepoint", daemon=True).start()
 
     def notify_complete(self, checkpoint_id):
         self._broadcast(("complete", checkpoint_id))

@@ -71,6 +71,9 @@ class OutputSide:
     """One ResultPartition of a subtask: a LocalBufferPool, one BufferQueue per
     subpartition, and the partitioner deciding where each record goes."""
 
+    # key_by: route by key group (pyflowbuf.runtime.keygroups); 0 routes by
+    # hash modulo the subpartitions (an exchange outside a job's graph)
+    max_parallelism = 0
     # a side output's partition: the tag's name and the id of the node that
     # emits to it (None: the chain's main output)
     tag = None
@@ -149,7 +152,7 @@ class OutputSide:
             elif part == "rebalance":
                 w.write_batch_rebalance(batch, ts)
             elif part == "hash":
-                w.write_batch_keyed(batch, keys, ts)
+                w.write_batch_keyed(batch, keys, ts, self.max_parallelism)
             else:
                 w.write_batch_broadcast(batch, ts)
         except errors.KeyTypeError as exc:

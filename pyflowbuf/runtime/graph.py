@@ -48,6 +48,13 @@ class Node:
     side_tags: dict | None = None                    # name -> OutputTag: the side outputs it may emit to
     consumers: list = field(default_factory=list)
     timestamped: bool = False                        # its records carry timestamps (set by plan())
+    uid: str | None = None                           # Stream.uid(): the operator id its state is stored under
+    derived_uid: str | None = None                   # set by assign_uids when there is no uid
+
+    @property
+    def operator_uid(self) -> str:
+        """The id this operator's state is stored under in checkpoints."""
+        return self.uid if self.uid is not None else self.derived_uid
 
     # The single-input view most of the code needs; a node with several inputs
     # has no one answer, so asking it is a bug, not a silent first-input pick.
@@ -163,6 +170,27 @@ def has_timestamps(node: Node) -> bool:
         seen[id(n)] = own
         stack.pop()
     return seen[id(node)]
+def assign_uids(nodes: list) -> None:
+    """Give every node without ``uid`` a derived one: its name and its rank
+    among the nodes of that name (``"reduce#0"``), so adding, removing or
+    renaming operators of other names leaves it as it was. Two explicit
+    uids alike are refused: their state would be mixed."""
+    seen: dict = {}
+    counts: dict = {}
+    for node in nodes:
+        if node.uid is not None:
+            other = seen.get(node.uid)
+            if other is not None:
+                raise ValueError(f"operators {other.name!r} and {node.name!r} both have uid {node.uid!r}: "
+                                 "each operator needs its own")
+            seen[node.uid] = node
+    for node in nodes:
+        k = counts.get(node.name, 0)
+        counts[node.name] = k + 1
+        derived = f"{node.name}#{k}"
+        while derived in seen:
+            derived += "'"
+        node.derived_uid = derived
 
 
 def plan(nodes: list, chaining: bool) -> tuple[list, list]:
@@ -173,6 +201,7 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
     does a node reading a side output: a chain is a line, and the side
     output of a node inside one leaves its vertex through an edge of its own
     (``JobEdge.tag``), while the node's main output may go on chaining."""
+    assign_uids(nodes)
     vertex_of: dict = {}
     vertices: list = []
     edges: list = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import math
+import os
+import uuid
 import numbers
 import threading
 import time
@@ -16,6 +18,7 @@ from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.runtime import debloat
 from pyflowbuf.runtime import outputs as sink_outputs
+from pyflowbuf.runtime import restore as restore_mod
 from pyflowbuf.runtime.exchange import EdgeKind, InputSide, MultiInput, OutputSide
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
 from pyflowbuf.runtime.sources import rate_limiter
@@ -152,6 +155,64 @@ class Execution:
         self.start()
         return self.join(timeout)
 
+    stopped_with_savepoint = None       # the id of the savepoint job.stop() ended the job with
+
+    def _savepoint_coordinator(self, what):
+        coordinator = getattr(self, "coordinator", None)
+        if coordinator is None:
+            raise errors.ConfigurationError(
+                f"{what} needs checkpointing: set checkpoint_interval (and checkpoint_dir) on the Environment")
+        if not self.ran or self.done:
+            raise errors.FlowBufError(f"{what}: the job is not running")
+        return coordinator
+
+    def _savepoint_path(self, path):
+        if path is not None:
+            return os.fspath(path)
+        base = self.checkpoint_config.directory.rstrip("/")
+        return f"{base}/savepoints/savepoint-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+    def savepoint(self, path=None, *, timeout=None) -> str:
+        """Take a savepoint of the running job and return its directory.
+
+        A savepoint is an aligned checkpoint that belongs to the user: it is
+        written self-contained to ``path`` (a new or empty directory; any
+        fsspec URL; default ``<checkpoint_dir>/savepoints/savepoint-<time>``),
+        never removed by retention, and can be moved or copied. Restore it
+        with ``env.execute(restore_from=path)``, at another parallelism too.
+        Raises ``CheckpointStateError`` when it could not complete.
+
+        Example::
+
+            job = env.execute_async()
+            path = job.savepoint("/backups/wordcount-v1")
+        """
+        coordinator = self._savepoint_coordinator("savepoint()")
+        path = self._savepoint_path(path)
+        coordinator.savepoint(path, timeout=timeout)
+        return path
+
+    def stop(self, savepoint=None, *, timeout=None) -> str:
+        """Stop the job with a final savepoint: the sources stop, the
+        savepoint is taken (aligned), the sinks commit what it covers, and the
+        job ends without processing anything after it. Returns the
+        savepoint's directory; ``execute(restore_from=that)`` resumes with
+        nothing lost or duplicated. If the savepoint fails the job runs on
+        and ``CheckpointStateError`` is raised.
+
+        Example::
+
+            job = env.execute_async()
+            ...
+            path = job.stop(savepoint="/backups/before-upgrade")
+        """
+        coordinator = self._savepoint_coordinator("stop(savepoint=...)")
+        path = self._savepoint_path(savepoint)
+        coordinator.savepoint(path, stop=True, timeout=timeout)
+        self._done.wait()
+        self._close()
+        return path
+
     @property
     def done(self):
         return self._done.is_set()
@@ -257,6 +318,7 @@ class JobExecution(Execution):
                 pools[i] = pool = net.create_pool(lo, hi, waker)
                 side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, env.max_record_size,
                                   timestamped=e.timestamped)
+                side.max_parallelism = env.max_parallelism
                 side.consumer = down.head.name
                 if e.tag is not None:       # the task routes that node's side records here
                     side.tag, side.source_node = e.tag, e.source_node.id
@@ -296,6 +358,7 @@ class JobExecution(Execution):
                 ops = [n.make_operator() for n in v.nodes if n.make_operator is not None]
                 for n, op in zip([n for n in v.nodes if n.make_operator is not None], ops):
                     op.node_id = n.id
+                    op.uid = n.operator_uid
                     op.out_kind = n.kind
                     op.timestamped = n.timestamped
                 source = head.source() if head.source is not None else None
@@ -464,23 +527,34 @@ class JobExecution(Execution):
         ``restore_from``, the state of checkpoint ``meta`` to start from."""
         coordinator = self.coordinator
         states = {}
+        plan = None
         if meta is not None:
-            storage = coordinator.storage
-            ckpt.check_graph(meta, ckpt.graph_task_keys(self.vertices), storage.url)
-            mine = {ckpt.task_key(t.vertex, t.index) for t in self.tasks}
-            states = ckpt.read_states(storage, meta, mine)
+            storage = ckpt.storage_of(coordinator.storage, meta)
+            if restore_mod.is_current(meta):
+                # by operator id, at any parallelism (pyflowbuf.runtime.restore)
+                plan = restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,
+                                               getattr(self, "allow_non_restored_state", False))
+                if self.remote is None:
+                    plan.check(self.vertices)      # the driver checked it for a worker
+                for t in self.tasks:
+                    states[ckpt.task_key(t.vertex, t.index)] = plan.task_restore(t)
+            else:
+                # written before operator ids: only into the very same graph
+                ckpt.check_graph(meta, ckpt.graph_task_keys(self.vertices), storage.url)
+                mine = {ckpt.task_key(t.vertex, t.index) for t in self.tasks}
+                states = ckpt.read_states(storage, meta, mine)
             ckpt.check_sources(meta, states, {ckpt.task_key(t.vertex, t.index): (t.vertex.head.name, t.source)
                                               for t in self.tasks if t.source is not None})
             if self.remote is None:
                 # What that checkpoint covered is committed (its notification
                 # may have been lost). With workers the driver does it, once:
                 # two processes renaming the same files would race.
-                ckpt.run_commits(meta.properties.get("commits", []), sink_outputs.graph_outputs(self.env.nodes))
+                ckpt.run_commits(meta.properties.get("commits", []), restore_mod.commit_outputs(self.env.nodes, meta))
             self.restored_from = meta.checkpoint_id
         for t in self.tasks:
             t.checkpointing = ckpt.TaskCheckpointing(t, coordinator, self._snapshot_writer)
             state = states.get(t.checkpointing.key)
-            if state is not None and state.get("vertex") != t.vertex.name:
+            if plan is None and state is not None and state.get("vertex") != t.vertex.name:
                 raise errors.ConfigurationError(
                     f"checkpoint {meta.checkpoint_id}: task {t.checkpointing.key} was {state.get('vertex')!r}, "
                     f"here it is {t.vertex.name!r}; the job graph changed")
@@ -537,10 +611,18 @@ class JobExecution(Execution):
         for t in self.tasks:
             t.start()
 
-    def trigger_sources(self, checkpoint_id):
+    def trigger_sources(self, checkpoint_id, options=None):
+        if options and options.get("path") and hasattr(self.coordinator, "register_savepoint"):
+            self.coordinator.register_savepoint(checkpoint_id, options["path"])
         for t in self.tasks:
             if t.source is not None:
-                t.post(lambda t=t: t.trigger_checkpoint(checkpoint_id))
+                t.post(lambda t=t: t.trigger_checkpoint(checkpoint_id, options))
+
+    def stop_after_savepoint(self, checkpoint_id):
+        """Stop-with-savepoint: savepoint ``checkpoint_id`` completed and its
+        commits are done; the job ends without processing anything more."""
+        self.stopped_with_savepoint = checkpoint_id
+        threading.Thread(target=self.cancel, name="pyflowbuf: stop with savepoint", daemon=True).start()
 
     def notify_complete(self, checkpoint_id):
         for t in self.tasks:

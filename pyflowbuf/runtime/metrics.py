@@ -105,6 +105,11 @@ def _publish(listeners, snap) -> None:
             pass
 
 
+def operator_ids(vertex) -> list:
+    """The operator ids (``Stream.uid``) of a task's chain, source included."""
+    return [n.operator_uid for n in vertex.nodes]
+
+
 class MetricsSampler(threading.Thread):
     """Samples every ``interval`` s; ``listeners`` get each snapshot (the
     JSON-lines log, Prometheus gauges and the live view hang off this).
@@ -139,6 +144,7 @@ class MetricsSampler(threading.Thread):
             cur = counters[t.task_name] = t.counters()
             m = _rates(base.get(t.task_name, _ZERO), cur, now - base_t)
             m["vertex"] = t.vertex.name
+            m["operator_ids"] = operator_ids(t.vertex)    # the ids checkpoints store their state under
             m["subtask"] = t.index
             m["state"] = t.state
             extra = getattr(t, "operator_metrics", None)     # event time: late records
@@ -193,6 +199,7 @@ class MetricsSampler(threading.Thread):
             span_ns = max(1, (t.finished_ns or time.monotonic_ns()) - (t.started_ns or self._t0))
             m = _rates(_ZERO, t.counters(), span_ns)
             m["vertex"] = t.vertex.name
+            m["operator_ids"] = operator_ids(t.vertex)
             m["state"] = t.state
             out[t.task_name] = m
         return out

@@ -106,6 +106,36 @@ class Operator:
     def restore_state(self, state: Any) -> None:
         """Called before ``open`` when the job restores from a checkpoint."""
 
+    # ---- state that moves between parallelisms (pyflowbuf.runtime.keygroups) ----
+    # A keyed operator (``keyed_state``) hands its snapshot over as maps and
+    # timer lists whose entries belong to keys; checkpoints store each with
+    # the key group of every entry, and a restore at any parallelism gives
+    # the operator back the entries of its subtask's groups.
+    keyed_state = False
+
+    def keyed_parts(self, state) -> tuple[dict, dict, Any]:
+        """A keyed snapshot as (maps, timers, common): ``maps`` {name: (dict,
+        key_of)}, ``timers`` {name: (TimerQueue snapshot, key_of)}, where
+        ``key_of(k)`` is the record key of an entry's key (None: the key
+        itself), and ``common`` what belongs to no key."""
+        raise NotImplementedError
+
+    def from_keyed_parts(self, maps: dict, timers: dict, commons: list) -> Any:
+        """``keyed_parts`` undone: the entries of one subtask's key groups
+        (``commons``: the keyless rest of every subtask they came from)."""
+        raise NotImplementedError
+
+    def rescale_state(self, states: list, index: int, parallelism: int) -> Any:
+        """The state of subtask ``index`` of ``parallelism`` from the
+        per-subtask (non-keyed) states of a checkpoint taken at another
+        parallelism. Only stateless subtasks move by default: per-subtask
+        state has no rule for being split or joined."""
+        if all(s is None for s in states):
+            return None
+        raise errors.ConfigurationError(
+            f"operator {self.name!r} keeps per-subtask state that cannot be redistributed from parallelism "
+            f"{len(states)} to {parallelism}; restore it at parallelism {len(states)}")
+
     def prepare_commit(self, checkpoint_id: int) -> list:
         """Sinks: close the transaction that checkpoint ``checkpoint_id`` covers
         and return the idempotent actions that commit it (and any earlier ones
@@ -299,6 +329,14 @@ class KeyedReduce(_Keyed):
     def restore_state(self, state):
         self.state = dict(state or {})
 
+    keyed_state = True
+
+    def keyed_parts(self, state):
+        return {"state": (state or {}, None)}, {}, None
+
+    def from_keyed_parts(self, maps, timers, commons):
+        return maps.get("state", {})
+
 
 class KeyedProcess(_Keyed):
     """``fn(key, value, state) -> iterable`` with ``state`` a per-key dict that
@@ -317,6 +355,14 @@ class KeyedProcess(_Keyed):
 
     def restore_state(self, state):
         self.state = _copy_key_dicts(state)
+
+    keyed_state = True
+
+    def keyed_parts(self, state):
+        return {"state": (state or {}, None)}, {}, None
+
+    def from_keyed_parts(self, maps, timers, commons):
+        return maps.get("state", {})
 
 
 def _process_per_key(op, batch, key_fn, fn, ts=None):
@@ -455,6 +501,14 @@ class KeyedCoProcess(_TwoInput):
     def restore_state(self, state):
         self.state = _copy_key_dicts(state)
 
+    keyed_state = True
+
+    def keyed_parts(self, state):
+        return {"state": (state or {}, None)}, {}, None
+
+    def from_keyed_parts(self, maps, timers, commons):
+        return maps.get("state", {})
+
 
 # ---- sinks: the last operator of a chain; they return nothing downstream ----
 
@@ -479,6 +533,11 @@ class CollectSink(Operator):
 
     def restore_state(self, state):
         self._keep = state["records"] if state else 0
+
+    def rescale_state(self, states, index, parallelism):
+        # the kept count is about this process's list of an earlier attempt;
+        # a job restored at another parallelism starts new lists
+        return None
 
     def process_batch(self, batch):
         if batch and type(batch[0]) in _PLAIN:
@@ -568,6 +627,7 @@ class _PartFileSink(Operator):
             p = self.output.parse(name)
             if p is not None and p[0] == subtask and (p[2] or (restored and p[1] >= self.seq)):
                 os.remove(os.path.join(self.dir, name))
+        self._remove_orphans()
         if not self.transactional:
             self._open_file(self._part(True))
 
@@ -602,6 +662,33 @@ class _PartFileSink(Operator):
     def restore_state(self, state):
         if self.transactional and state:
             self.seq = state["seq"]
+            self._orphans = state.get("orphans") or {}
+
+    _orphans: dict = {}
+
+    def rescale_state(self, states, index, parallelism):
+        """Subtask ``index`` goes on with the part numbers of the subtask of
+        that index, a new one after every number used. Subtask 0 also
+        cleans up after the subtasks that are gone (``orphans``): their
+        parts written after the checkpoint will be written again."""
+        known = [s for s in states if s]
+        if not known:
+            return None
+        state = dict(states[index]) if index < len(states) and states[index] else \
+            dict(known[0], seq=max(s["seq"] for s in known))
+        if index == 0:
+            state["orphans"] = {str(j): s["seq"] for j, s in enumerate(states) if j >= parallelism and s}
+        return state
+
+    def _remove_orphans(self):
+        """Parts of subtasks the restored checkpoint had and this job has
+        not, numbered from the checkpoint's on (or never committed)."""
+        if not self._orphans:
+            return
+        for name in os.listdir(self.dir):
+            p = self.output.parse(name)
+            if p is not None and str(p[0]) in self._orphans and (p[2] or p[1] >= self._orphans[str(p[0])]):
+                os.remove(os.path.join(self.dir, name))
 
     def finish(self):
         if not self.transactional and self._has_file():

@@ -2,6 +2,8 @@
 record and a recovery can rewind to (``position`` / ``seek``)."""
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import numbers
 import os
@@ -112,27 +114,84 @@ class SequenceSource(Source):
         self.start, self.stop, self.step = start, stop, step
         self.next_value = None
 
+    _ranges = None      # after a rescaled restore: [[next, stride], ...] read in turn
+
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
         self.next_value = self.start + subtask * self.step
         self.stride = self.step * parallelism
 
-    def next_batch(self, max_records):
-        v, stride = self.next_value, self.stride
+    def _take(self, v, stride, max_records):
         end = v + stride * max_records
         if self.stop is not None:
             end = min(end, self.stop) if stride > 0 else max(end, self.stop)
-        batch = list(range(v, end, stride))
+        return list(range(v, end, stride))
+
+    def next_batch(self, max_records):
+        if self._ranges is not None:
+            return self._next_from_ranges(max_records)
+        v, stride = self.next_value, self.stride
+        batch = self._take(v, stride, max_records)
         if not batch:
             return None
         self.next_value = batch[-1] + stride
         return batch
 
+    def _next_from_ranges(self, max_records):
+        """The next ``max_records`` values of all ranges merged in order: the
+        subtask emits its values in the sequence's order, as before the
+        rescale (event time taken from them stays ordered)."""
+        ranges = self._ranges
+        cands = [self._take(v, st, max_records) for v, st in ranges]
+        keep = [(r, c) for r, c in zip(ranges, cands) if c]
+        if not keep:
+            ranges.clear()
+            return None
+        if len(keep) == 1:
+            batch = keep[0][1]
+        else:
+            batch = list(itertools.islice(heapq.merge(*(c for _, c in keep), reverse=self.step < 0), max_records))
+        last = batch[-1]
+        for r, c in keep:
+            # values past ``last`` (in the sequence's direction) stay for later
+            taken = bisect.bisect_right(c, last) if self.step > 0 else bisect.bisect_right([-x for x in c], -last)
+            if taken:
+                r[0] = c[taken - 1] + r[1]
+        self._ranges = [r for r in ranges if not self._exhausted(*r)]
+        return batch
+
     def position(self):
+        if self._ranges is not None:
+            return {"ranges": [list(r) for r in self._ranges]}
         return self.next_value
 
     def seek(self, position):
-        self.next_value = position
+        if isinstance(position, dict):
+            self._ranges = [[int(v), int(st)] for v, st in position["ranges"]]
+        else:
+            self._ranges = None
+            self.next_value = position
+
+    def _exhausted(self, v, stride) -> bool:
+        if self.stop is None:
+            return False
+        return v >= self.stop if stride > 0 else v <= self.stop
+
+    def rescale_positions(self, positions, parallelism):
+        """The positions of ``parallelism`` subtasks from those of every
+        subtask of a checkpoint at another parallelism: the values not yet
+        emitted, as arithmetic ranges, split so there are at least
+        ``parallelism`` of them and dealt out in turn."""
+        ranges = []
+        for pos in positions:
+            if isinstance(pos, dict):
+                ranges.extend([int(v), int(st)] for v, st in pos["ranges"])
+            elif pos is not None:
+                ranges.append([int(pos), self.step * len(positions)])
+        ranges = [r for r in ranges if not self._exhausted(*r)]
+        k = -(-parallelism // len(ranges)) if ranges else 1
+        split = [[v + j * st, st * k] for v, st in ranges for j in range(k)]
+        return [{"ranges": split[i::parallelism]} for i in range(parallelism)]
 
     def identity(self):
         return {"kind": "sequence", "start": self.start, "stop": self.stop, "step": self.step}

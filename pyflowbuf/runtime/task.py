@@ -29,6 +29,7 @@ from pyflowbuf.runtime.alignment import (CAPTURE, INFLIGHT_DONE, SNAPSHOT, SNAPS
 from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error
 from pyflowbuf.runtime.exchange import MultiInput
 from pyflowbuf.runtime.pull import PullPolicy
+from pyflowbuf.runtime.restore import summary_of
 from pyflowbuf.runtime.side_outputs import SideOutputs
 from pyflowbuf.runtime import watermarks as _wm
 from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK
@@ -374,7 +375,7 @@ class Subtask(threading.Thread):
         outputs = self.outputs
         self.current_operator = self.vertex.head.name
         src.open(self.index, self.vertex.parallelism)
-        if self.restore is not None:
+        if self.restore is not None and self.restore.get("source") is not None:
             src.seek(self.restore["source"])
         self._timeout_ns = int(job.env.buffer_timeout * 1e9)
         self._next_flush = time.monotonic_ns() + self._timeout_ns
@@ -387,6 +388,11 @@ class Subtask(threading.Thread):
         while not job.cancelled:
             if self.mailbox:
                 self._drain_mailbox()
+            if self.stopping is not None:
+                # stop-with-savepoint: nothing after its barrier, until the
+                # job ends (or the savepoint fails and reading goes on)
+                self._wait_stopped()
+                continue
             if self.notifier is not None and self._output_blocked():
                 self._wait_for_output()
                 # under backpressure pull what one buffer holds, so a trigger
@@ -680,13 +686,25 @@ class Subtask(threading.Thread):
         for out in self.outputs:
             out.broadcast_event(kind, aux, flags, priority)
 
-    def trigger_checkpoint(self, checkpoint_id: int) -> None:
+    stopping = None         # the id of the stop-with-savepoint this source stopped at
+
+    def _wait_stopped(self):
+        for out in self.outputs:
+            out.flush()
+        time.sleep(0.01)
+
+    def trigger_checkpoint(self, checkpoint_id: int, options=None) -> None:
         """Mail to a source subtask: snapshot, then barrier n on every output,
         in order with the records written before it (unaligned: ahead of
-        what is queued, which the checkpoint then holds as in-flight data)."""
+        what is queued, which the checkpoint then holds as in-flight data).
+        ``options`` (savepoints): ``aligned`` forces an aligned barrier,
+        ``stop`` stops reading after it (stop-with-savepoint)."""
         if self.checkpointing is None or self.finished_ns or self.job.cancelled:
             return
-        if self.checkpointing.coordinator.config.starts_unaligned:
+        options = options or {}
+        if options.get("stop"):
+            self.stopping = checkpoint_id
+        if self.checkpointing.coordinator.config.starts_unaligned and not options.get("aligned"):
             self.checkpointing.snapshot_unaligned(checkpoint_id, {}, "unaligned")
             self._broadcast(BARRIER, checkpoint_id, BARRIER_UNALIGNED, True)
         else:
@@ -746,14 +764,22 @@ class Subtask(threading.Thread):
 
     def abort_checkpoint(self, checkpoint_id: int) -> None:
         """Mail: the coordinator gave up checkpoint n (timeout, a decline)."""
+        if self.stopping == checkpoint_id:
+            self.stopping = None        # the stop failed: the source reads on
         if self.aligner is not None:
             self._carry_out(self.aligner.abort(checkpoint_id))
 
     def _finish_restored(self):
         """A task restored as finished: its final state is back, its output was
         consumed before the checkpoint; it tells its consumers it has ended."""
-        state = dict(self.restore)
-        self.checkpointing.coordinator.task_finished(self.checkpointing.key, state, [])
+        stored = self.restore.get("stored")
+        if stored is not None:
+            self.checkpointing.coordinator.task_finished(self.checkpointing.key, stored, [], 0,
+                                                         summary_of(stored))
+        else:       # a checkpoint written before operator ids: its raw states, in chain order
+            legacy = {k: v for k, v in self.restore.items() if k not in ("inflight", "stored")}
+            stored, summary = self.checkpointing.stored(dict(legacy, finished=True))
+            self.checkpointing.coordinator.task_finished(self.checkpointing.key, stored, [], 0, summary)
         for out in self.outputs:
             out.end_input()
         self._drain_restored_inputs()

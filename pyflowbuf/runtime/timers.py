@@ -128,6 +128,14 @@ def _stamp(t, operator) -> float:
     return t
 
 
+def timer_service_snapshot(timers, commons) -> dict:
+    """A TimerService snapshot from restored timer lists; the watermark is
+    the lowest of the subtasks they came from (no timer fires early)."""
+    marks = [c["watermark"] for c in commons if c]
+    return {"watermark": min(marks) if marks else NO_WATERMARK,
+            "event": timers.get("event", []), "processing": timers.get("processing", [])}
+
+
 def _seconds(t, what) -> float:
     t = to_seconds(t)
     if math.isnan(t):
@@ -485,6 +493,20 @@ class KeyedProcessOperator(TimerOperator):
             self.state = _copy_key_dicts(state["state"])
             self.timers.restore(state["timers"])
             self._high = state.get("high", NO_WATERMARK)
+
+    keyed_state = True
+
+    def keyed_parts(self, state):
+        timers = state["timers"]
+        return ({"state": (state["state"], None)},
+                {"event": (timers["event"], None), "processing": (timers["processing"], None)},
+                {"watermark": timers["watermark"], "high": state.get("high", NO_WATERMARK)})
+
+    def from_keyed_parts(self, maps, timers, commons):
+        # on_end's default time: the highest record time any of the merged subtasks saw
+        highs = [c.get("high", NO_WATERMARK) for c in commons if c]
+        return {"state": maps.get("state", {}), "timers": timer_service_snapshot(timers, commons),
+                "high": max(highs) if highs else NO_WATERMARK}
 
 
 

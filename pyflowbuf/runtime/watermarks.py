@@ -358,6 +358,11 @@ class TimestampsAssigner(Operator):
         if state:
             self.max_ts = state["max_ts"]
 
+    def rescale_state(self, states, index, parallelism):
+        # the lowest: a subtask now sees keys another saw, never a later watermark
+        known = [s["max_ts"] for s in states if s]
+        return {"max_ts": min(known)} if known else None
+
 
 def _batch_max(batch, column, operator=None) -> float:
     """The highest timestamp in ``column`` of a list of Arrow RecordBatches/

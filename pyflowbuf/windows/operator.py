@@ -19,7 +19,7 @@ from array import array as _array
 from pyflowbuf._core.serde import ts_select
 from pyflowbuf.runtime.operators import Operator
 from pyflowbuf.runtime.side_outputs import LATE, unknown_tag
-from pyflowbuf.runtime.timers import TimerOperator, TimerQueue
+from pyflowbuf.runtime.timers import TimerOperator, TimerQueue, timer_service_snapshot
 from pyflowbuf.runtime.watermarks import NO_WATERMARK, to_seconds
 from pyflowbuf.windows.aggregates import Count
 from pyflowbuf.windows.assigners import RecordRange, TimeWindow, Tumbling
@@ -402,8 +402,40 @@ class WindowOperator(_WindowOutput, TimerOperator):
         self.cleanup = TimerQueue.restored(state["cleanup"])
         self.late_dropped = state.get("late_dropped", 0)
 
+    keyed_state = True
+
+    def keyed_parts(self, state):
+        maps = ({"sessions": (state["sessions"], None)} if state["sessions"] is not None else
+                {"windows": (state["windows"] or {}, _window_key)})
+        timers = state["timers"]
+        return (maps,
+                {"event": (timers["event"], _window_key), "processing": (timers["processing"], _window_key),
+                 "cleanup": (state["cleanup"], _window_key)},
+                {"watermark": timers["watermark"], "late_dropped": state.get("late_dropped", 0)})
+
+    def from_keyed_parts(self, maps, timers, commons):
+        return {"windows": None if self.merging else maps.get("windows", {}),
+                "sessions": maps.get("sessions", {}) if self.merging else None,
+                "timers": timer_service_snapshot(timers, commons),
+                "cleanup": timers.get("cleanup", []),
+                # a counter of the job, not of a key: each old subtask's goes to one new subtask
+                "late_dropped": sum(c.get("late_dropped", 0) for c in commons if c and c.get("owner", True))}
+
     def metrics(self) -> dict:
         return {"late_records_dropped": self.late_dropped, "late_records_out": self.late_out}
+
+
+def _window_key(wk):
+    """The record key of a window's (key, start, end)."""
+    return wk[0]
+
+
+def _trigger_timer_key(t):
+    """The record key of a trigger window's timer: (0 or 1, (key, start,
+    end)) for its end and its early firings, else (key, start, end)."""
+    if len(t) == 2 and type(t[1]) is tuple:
+        return t[1][0]
+    return t[0]
 
 
 _EMPTY = object()      # a window emptied by PurgingTrigger: its timers and counts go on
@@ -744,6 +776,39 @@ class TriggerWindowOperator(WindowOperator):
             self.windows[wk] = _EMPTY
         self.counts = dict(state.get("counts") or {})
         self.unfired_dropped = state.get("unfired_dropped", 0)
+
+    # ---- key groups: windows, counts, emptied windows and trigger sessions per key ----
+    def keyed_parts(self, state):
+        if self.merging and self.processing:
+            return WindowOperator.keyed_parts(self, state)      # the base class's sessions
+        if self.merging:
+            maps = {"trigger_sessions": (state["trigger_sessions"] or {}, None)}
+        else:
+            maps = {"windows": (state["windows"] or {}, _window_key),
+                    "purged": ({wk: None for wk in state.get("purged") or ()}, _window_key),
+                    "counts": (state.get("counts") or {}, _window_key)}
+        timers = state["timers"]
+        return (maps,
+                {"event": (timers["event"], _trigger_timer_key),
+                 "processing": (timers["processing"], _trigger_timer_key),
+                 "cleanup": (state["cleanup"], _window_key)},
+                {"watermark": timers["watermark"], "late_dropped": state.get("late_dropped", 0),
+                 "unfired_dropped": state.get("unfired_dropped", 0)})
+
+    def from_keyed_parts(self, maps, timers, commons):
+        if self.merging and self.processing:
+            return WindowOperator.from_keyed_parts(self, maps, timers, commons)
+        owned = [c for c in commons if c and c.get("owner", True)]
+        state = {"windows": None, "sessions": None, "timers": timer_service_snapshot(timers, commons),
+                 "cleanup": timers.get("cleanup", []),
+                 "late_dropped": sum(c.get("late_dropped", 0) for c in owned),
+                 "unfired_dropped": sum(c.get("unfired_dropped", 0) for c in owned)}
+        if self.merging:
+            state["trigger_sessions"] = maps.get("trigger_sessions", {})
+        else:
+            state.update(windows=maps.get("windows", {}), purged=list(maps.get("purged", {})),
+                         counts=maps.get("counts", {}))
+        return state
 
     def metrics(self) -> dict:
         return {**super().metrics(), "unfired_records_dropped": self.unfired_dropped}

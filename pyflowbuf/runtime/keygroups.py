@@ -1,0 +1,79 @@
+"""Key groups: the unit in which keyed state is stored and moved.
+
+A key's group is ``stable_hash(key) % max_parallelism``; subtask ``i`` of an
+operator with parallelism ``p`` owns the contiguous groups
+``key_group_range(max_parallelism, p, i)``, as Flink's
+KeyGroupRangeAssignment does. ``key_by`` routes a record to the subtask that
+owns its key's group, and checkpoints store keyed state per group, so a
+restore at another parallelism (up to ``max_parallelism``) hands every new
+subtask exactly the groups of its range. ``max_parallelism`` itself is fixed
+for the life of the job's state: changing it would move keys between groups.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pyflowbuf import errors
+from pyflowbuf._core.serde import key_groups, stable_hash
+
+DEFAULT_MAX_PARALLELISM = 128      # Flink's default for small parallelisms
+UPPER_BOUND = 32768                # Flink's upper bound (1 << 15)
+
+
+def check_max_parallelism(value, parallelisms=()) -> int:
+    """``value`` once it is an int in 1..32768 and at least every operator's
+    parallelism in ``parallelisms`` ((name, parallelism) pairs)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= UPPER_BOUND:
+        raise errors.ConfigurationError(
+            f"max_parallelism must be an int in 1..{UPPER_BOUND} (the number of key groups), got {value!r}")
+    for name, p in parallelisms:
+        if p > value:
+            raise errors.ConfigurationError(
+                f"operator {name!r} has parallelism {p}, above max_parallelism={value}: each subtask owns at "
+                "least one key group; raise max_parallelism (it cannot change later without losing the "
+                "keyed state's placement) or lower the parallelism")
+    return value
+
+
+def key_group(key, max_parallelism: int) -> int:
+    """The key group of ``key``."""
+    return stable_hash(key) % max_parallelism
+
+
+def key_group_range(max_parallelism: int, parallelism: int, index: int) -> tuple[int, int]:
+    """The groups subtask ``index`` of ``parallelism`` owns: ``[start, end)``."""
+    start = (index * max_parallelism + parallelism - 1) // parallelism
+    end = ((index + 1) * max_parallelism + parallelism - 1) // parallelism
+    return start, end
+
+
+def operator_index(max_parallelism: int, parallelism: int, group: int) -> int:
+    """The subtask of ``parallelism`` that owns key group ``group``."""
+    return group * parallelism // max_parallelism
+
+
+def group_index(keys, max_parallelism: int) -> np.ndarray:
+    """The key group of each of ``keys`` (a list), as a uint16 array: one C
+    call for the hashes. Checkpoints store it beside a keyed map, in the
+    map's order, so a restore picks a range's entries without hashing."""
+    return np.asarray(key_groups(keys, max_parallelism), dtype=np.uint16)
+
+
+def flatten_timers(snap) -> tuple[list, list]:
+    """A TimerQueue snapshot ``[(t, [keys])]`` as parallel lists (times, keys)."""
+    times, keys = [], []
+    for t, ks in snap or ():
+        times.extend([t] * len(ks))
+        keys.extend(ks)
+    return times, keys
+
+
+def timers_from(pairs) -> list:
+    """``[(t, key)]`` in time order (ties in the order given) as a TimerQueue snapshot."""
+    out: list = []
+    for t, k in pairs:
+        if out and out[-1][0] == t:
+            out[-1][1].append(k)
+        else:
+            out.append((t, [k]))
+    return out

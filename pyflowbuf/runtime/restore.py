@@ -1,0 +1,495 @@
+"""Restoring a checkpoint or savepoint into a job graph by operator id.
+
+A checkpoint stores each subtask's state per operator id (``Stream.uid``, or
+one derived from the operator's name and its rank among operators of that
+name), keyed state split by key group (``pyflowbuf.runtime.keygroups``). A
+restore maps that state to the operators of the job being started:
+
+* an operator whose id is in the checkpoint gets its state: keyed state, the
+  key groups of the new subtask's range, whatever the two parallelisms (up to
+  ``max_parallelism``); per-subtask state, that subtask's (at another
+  parallelism only where the operator knows how to redistribute it: sources'
+  positions, file sinks' part numbers);
+* an operator that is new starts empty; stateless operators may be added,
+  removed, renamed or chained differently;
+* state of an operator that is gone is refused, unless
+  ``allow_non_restored_state=True`` drops it;
+* ``max_parallelism`` cannot change (keys would move between groups), and
+  in-flight data of an unaligned checkpoint is replayed only into the same
+  tasks (same operators, same parallelism): otherwise take a savepoint, which
+  is always aligned.
+
+The stored layout (format 2) of a subtask's STATE value::
+
+    {"format": 2, "vertex": "src -> map", "subtask": 0, "parallelism": 2,
+     "max_parallelism": 128, "finished": False,
+     "source_uid": "src#0", "source": <position>, "source_identity": {...},
+     "operators": [{"uid": "reduce#0", "name": "reduce", "type": "KeyedReduce",
+                    "keyed": True, "key_groups": [0, 64], "value": <dumps(keyed value)>},
+                   {"uid": "map#0", "name": "map", "type": "Map", "state": None}, ...]}
+
+A keyed value is ``{"maps": {name: {"entries": {key: ...}, "groups": uint16
+array}}, "timers": {name: {"times": [...], "keys": [...], "groups": uint16
+array}}, "common": ...}``: every entry with its key group beside it, in the
+order the operator holds them (written in that order, which is the fast
+one), so a restore at another parallelism picks its groups' entries without
+hashing a key. Each operator's value (and a per-subtask state) is one
+``container.dumps`` value, decoded once per restore whatever the number of
+new subtasks that share it.
+The checkpoint's ``_metadata`` repeats the layout in plain fields
+(``properties["state_format"]``, ``["max_parallelism"]``, ``["operators"]``:
+per operator id its name, type, parallelism, key groups and state bytes per
+subtask), for tools that show a checkpoint without reading its task files.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from operator import itemgetter
+
+import numpy as np
+
+from pyflowbuf import errors
+from pyflowbuf.checkpoint.container import dumps, loads
+from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
+from pyflowbuf.runtime import keygroups as kg
+from pyflowbuf.runtime.graph import assign_uids
+from pyflowbuf.runtime.inflight import decode_inflight
+from pyflowbuf.runtime.operators import Operator
+
+log = logging.getLogger("pyflowbuf.checkpoint")
+
+STATE_FORMAT = 2
+
+
+# ---------------------------------------------------------------- writing
+
+def chain_uids(vertex) -> list:
+    """The operator ids of a vertex's operators (the nodes with an operator)."""
+    return [n.operator_uid for n in vertex.nodes if n.make_operator is not None]
+
+
+def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) -> tuple[dict, dict]:
+    """A snapshot (``TaskCheckpointing.snapshot``: raw operator states in
+    chain order) in the stored layout, and its summary for ``_metadata``.
+    Runs in the snapshot writer's thread, not the task's."""
+    v, i = task.vertex, task.index
+    start, end = kg.key_group_range(max_parallelism, v.parallelism, i)
+    entries, summary_ops = [], {}
+    for op, raw in zip(task.operators, state["operators"]):
+        uid = getattr(op, "uid", None) or op.name
+        e = {"uid": uid, "name": op.name, "type": type(op).__name__}
+        info = {"name": op.name, "type": e["type"], "stateful": raw is not None, "keyed": False, "bytes": 0}
+        if raw is not None and op.keyed_state:
+            value, present = keyed_value(op, raw, max_parallelism, start, end, uid, i)
+            blob = dumps(value, allow_pickle=allow_pickle)
+            e.update(keyed=True, key_groups=[start, end], value=blob)
+            info.update(keyed=True, key_groups=[start, end], groups=present, bytes=len(blob))
+        else:
+            blob = None if raw is None else dumps(raw, allow_pickle=allow_pickle)
+            e["state"] = blob
+            info["bytes"] = 0 if blob is None else len(blob)
+        entries.append(e)
+        summary_ops[uid] = info
+    out = dict(state)
+    out.update(format=STATE_FORMAT, parallelism=v.parallelism, max_parallelism=max_parallelism,
+               operators=entries, source_uid=v.head.operator_uid if task.source is not None else None)
+    summary = {"vertex": v.name, "subtask": i, "parallelism": v.parallelism, "finished": bool(state["finished"]),
+               "source_uid": out["source_uid"], "uids": [e["uid"] for e in entries], "operators": summary_ops}
+    return out, summary
+
+
+def keyed_value(op, raw, max_parallelism, start, end, uid, index):
+    """A keyed operator's snapshot as stored: its maps in their own order
+    with the key group of each entry beside them (``groups``, uint16), its
+    timers as parallel lists with theirs, and the keyless rest. Returns it
+    and the number of key groups it holds entries of."""
+    maps, timers, common = op.keyed_parts(raw)
+    value = {"maps": {}, "timers": {}, "common": common}
+    indexes = []
+    for name, (d, key_of) in maps.items():
+        ks = list(d)
+        idx = kg.group_index(ks if key_of is None else [key_of(k) for k in ks], max_parallelism)
+        value["maps"][name] = {"entries": d, "groups": idx}
+        indexes.append(idx)
+    for name, (snap, key_of) in timers.items():
+        times, keys = kg.flatten_timers(snap)
+        idx = kg.group_index(keys if key_of is None else [key_of(k) for k in keys], max_parallelism)
+        value["timers"][name] = {"times": times, "keys": keys, "groups": idx}
+        indexes.append(idx)
+    present = np.concatenate(indexes) if indexes else np.empty(0, np.uint16)
+    if present.size and (int(present.min()) < start or int(present.max()) >= end):
+        stray = int(present[(present < start) | (present >= end)][0])
+        raise errors.FlowBufError(
+            f"operator {op.name!r} (uid {uid!r}) holds keys of key group {stray}, outside the groups "
+            f"[{start}, {end}) of its subtask {index}: its input was not partitioned by key_by with this "
+            "job's max_parallelism, so its state could not be restored where its keys go")
+    return value, int(np.unique(present).size)
+
+
+def keyed_restore(op, values, start=None, end=None):
+    """The state of ``op`` from stored keyed values (``keyed_value``), each
+    ``(value, owner)``: the entries of key groups ``[start, end)`` (all of
+    them when ``start`` is None), merged. ``owner``: whether the subtask the
+    value came from counts its keyless counters here (None: as stored)."""
+    maps: dict = {}
+    pairs: dict = {}
+    commons = []
+    for v, owner in values:
+        for name, m in v["maps"].items():
+            d, target = m["entries"], maps.setdefault(name, {})
+            sel = _selection(m["groups"], start, end)
+            if sel is None:
+                target.update(d)
+            elif len(sel):
+                items = list(d.items())
+                # one C loop picks them (itemgetter of several gives a tuple, of one the item)
+                target.update(itemgetter(*sel)(items) if len(sel) > 1 else [items[sel[0]]])
+        for name, t in v["timers"].items():
+            got = pairs.setdefault(name, [])
+            sel = _selection(t["groups"], start, end)
+            if sel is None:
+                got.extend(zip(t["times"], t["keys"]))
+            else:
+                times, keys = t["times"], t["keys"]
+                got.extend((times[j], keys[j]) for j in sel)
+        common = v["common"]
+        if isinstance(common, dict) and owner is not None:
+            common = dict(common, owner=owner)
+        commons.append(common)
+    single = len(values) == 1
+    timers = {name: kg.timers_from(got if single else sorted(got, key=_time_of)) for name, got in pairs.items()}
+    return op.from_keyed_parts(maps, timers, commons)
+
+
+def _time_of(pair):
+    return pair[0]
+
+
+def _selection(groups, start, end):
+    """The positions of the entries in ``[start, end)``; None for all of them."""
+    if start is None:
+        return None
+    groups = np.asarray(groups)
+    mask = (groups >= start) & (groups < end)
+    if mask.all():
+        return None
+    return np.flatnonzero(mask).tolist()
+
+
+def summary_of(stored: dict) -> dict:
+    """``stored_state``'s summary, from the stored layout itself (a task
+    restored as finished hands its stored state on to later checkpoints)."""
+    ops = {}
+    for e in stored["operators"]:
+        info = {"name": e["name"], "type": e["type"], "keyed": bool(e.get("keyed")), "bytes": 0,
+                "stateful": bool(e.get("keyed")) or e.get("state") is not None}
+        if e.get("keyed"):
+            info.update(key_groups=list(e["key_groups"]), bytes=len(e["value"]))
+        elif e.get("state") is not None:
+            info["bytes"] = len(e["state"])
+        ops[e["uid"]] = info
+    return {"vertex": stored["vertex"], "subtask": stored["subtask"], "parallelism": stored["parallelism"],
+            "finished": bool(stored["finished"]), "source_uid": stored.get("source_uid"),
+            "uids": [e["uid"] for e in stored["operators"]], "operators": ops, "inflight": False}
+
+
+def metadata_properties(summaries: dict, max_parallelism) -> dict:
+    """The plain fields ``_metadata`` holds about the state: per operator id,
+    its name, type, parallelism, and per subtask the key groups and bytes."""
+    ops: dict = {}
+    for task_key, s in sorted(summaries.items()):
+        if s is None:
+            continue
+        if s.get("source_uid"):
+            src = ops.setdefault(s["source_uid"], {"name": s["vertex"].split(" -> ")[0], "type": "source",
+                                                   "parallelism": s["parallelism"], "keyed": False,
+                                                   "stateful": True, "state_bytes": 0, "subtasks": {}})
+            src["subtasks"][task_key] = {"subtask": s["subtask"], "bytes": 0}
+        for uid, info in s["operators"].items():
+            o = ops.setdefault(uid, {"name": info["name"], "type": info["type"], "parallelism": s["parallelism"],
+                                     "keyed": False, "stateful": False, "state_bytes": 0, "subtasks": {}})
+            o["keyed"] = o["keyed"] or info["keyed"]
+            o["stateful"] = o["stateful"] or info["stateful"]
+            o["state_bytes"] += info["bytes"]
+            sub = {"subtask": s["subtask"], "bytes": info["bytes"]}
+            if info.get("key_groups") is not None:
+                sub["key_groups"] = info["key_groups"]
+            o["subtasks"][task_key] = sub
+    return {"state_format": STATE_FORMAT, "max_parallelism": max_parallelism, "operators": ops,
+            "layout": {k: s for k, s in summaries.items() if s is not None}}
+
+
+# ---------------------------------------------------------------- restoring
+
+class RestorePlan:
+    """Maps a complete checkpoint's state onto a job graph (see the module
+    docstring). ``check(vertices)`` refuses what cannot be restored before
+    anything starts; ``task_restore(task)`` builds one subtask's restore."""
+
+    def __init__(self, storage, meta, max_parallelism: int, allow_non_restored_state: bool = False):
+        self.storage = storage
+        self.meta = meta
+        self.max_parallelism = max_parallelism
+        self.allow_non_restored = bool(allow_non_restored_state)
+        props = meta.properties
+        self.layout = props.get("layout") or {}
+        self.operators = props.get("operators") or {}
+        self.old_max = props.get("max_parallelism")
+        self._cache: dict = {}
+        self._decoded: dict = {}
+
+    @property
+    def where(self) -> str:
+        return f"checkpoint {self.meta.checkpoint_id} ({self.meta.path or self.storage.url})"
+
+    # ---- reading ----
+    def _read(self, task_key) -> dict:
+        st = self._cache.get(task_key)
+        if st is None:
+            snap = self.storage.read_task_state(self.meta.checkpoint_id, task_key, metadata=self.meta)
+            st = snap.state
+            if snap.inflight:
+                st = dict(st)
+                st["inflight"] = {name: decode_inflight(views) for name, views in snap.inflight.items()}
+            self._cache[task_key] = st
+        return st
+
+    def _old_tasks_of(self, uid) -> list:
+        """(task key, layout) of every old subtask holding operator or source ``uid``, by subtask index."""
+        out = [(k, s) for k, s in self.layout.items() if uid in s["uids"] or s.get("source_uid") == uid]
+        return sorted(out, key=lambda ks: ks[1]["subtask"])
+
+    def _same_task(self, vertex, index, uids, source_uid):
+        """The old subtask with exactly this task's operators and parallelism, if any."""
+        for k, s in self.layout.items():
+            if (s["subtask"] == index and s["parallelism"] == vertex.parallelism and s["uids"] == uids
+                    and s.get("source_uid") == source_uid):
+                return k
+        return None
+
+    # ---- checks, before anything starts ----
+    def check(self, vertices) -> None:
+        where = self.where
+        if self.old_max != self.max_parallelism:
+            raise errors.ConfigurationError(
+                f"{where} was taken with max_parallelism={self.old_max}, this job has max_parallelism="
+                f"{self.max_parallelism}: a key's group is its hash modulo max_parallelism, so changing it would "
+                f"move keys away from their state. Restore with Environment(max_parallelism={self.old_max})")
+        new = {}
+        for v in vertices:
+            if v.is_iterator:
+                continue
+            if v.head.source is not None:
+                new[v.head.operator_uid] = (v, None)
+            for n in v.nodes:
+                if n.make_operator is not None:
+                    new[n.operator_uid] = (v, n)
+        gone = sorted(uid for uid, o in self.operators.items() if o.get("stateful") and uid not in new)
+        if gone:
+            names = ", ".join(f"{uid!r} ({self.operators[uid]['name']})" for uid in gone)
+            if not self.allow_non_restored:
+                raise IncompatibleCheckpointError(
+                    f"{where} holds state of operator id(s) {names}, which this job does not have. Give the "
+                    "operator its uid again (Stream.uid), or drop that state on purpose with "
+                    "execute(restore_from=..., allow_non_restored_state=True)")
+            log.warning("pyflowbuf: %s: state of %s dropped (allow_non_restored_state=True)", where, names)
+        for uid, (v, n) in new.items():
+            old = self.operators.get(uid)
+            if old is None or not old.get("stateful"):
+                continue
+            if n is not None:
+                op_type = type(n.make_operator()).__name__
+                if old["type"] != op_type:
+                    raise IncompatibleCheckpointError(
+                        f"{where}: operator id {uid!r} was a {old['type']} ({old['name']!r}) and is a {op_type} "
+                        f"({n.name!r}) in this job: give each operator its own uid")
+            elif old["type"] != "source":
+                raise IncompatibleCheckpointError(
+                    f"{where}: operator id {uid!r} was a {old['type']} and is a source in this job")
+            if old["parallelism"] != v.parallelism and v.parallelism > self.max_parallelism:
+                raise errors.ConfigurationError(
+                    f"operator {uid!r}: parallelism {v.parallelism} is above max_parallelism={self.max_parallelism}")
+        # in-flight data goes back only into the very tasks it was captured in
+        for k, s in self.layout.items():
+            if not s.get("inflight"):
+                continue
+            if not any(s["uids"] == chain_uids(v) and s["parallelism"] == v.parallelism
+                       and s.get("source_uid") == (v.head.operator_uid if v.head.source is not None else None)
+                       for v in vertices):
+                raise errors.ConfigurationError(
+                    f"{where} is an unaligned checkpoint whose task {s['vertex']!r} ({k}) holds in-flight data, "
+                    "and this job's graph or parallelism differs there: in-flight data cannot be redistributed. "
+                    "Take a savepoint (job.savepoint() or job.stop(savepoint=...), always aligned) and restore that")
+        # a task that had ended is restored as ended only into the same task
+        for v in vertices:
+            if v.is_iterator:
+                continue
+            uids = chain_uids(v)
+            src = v.head.operator_uid if v.head.source is not None else None
+            for i in range(v.parallelism):
+                if self._same_task(v, i, uids, src) is not None:
+                    continue
+                for uid in uids + ([src] if src else []):
+                    for k, s in self._old_tasks_of(uid):
+                        # a source that read its share is only a position at the end; an
+                        # operator that ended has emitted what it emits at the end already
+                        if s.get("finished") and any(o.get("stateful") for o in s["operators"].values()):
+                            raise errors.ConfigurationError(
+                                f"{where}: task {s['vertex']!r} ({k}) had reached the end of its input and holds "
+                                "state; a job whose stateful tasks had ended restores only into the same operators "
+                                "at the same parallelism")
+
+    def check_sources(self, vertices) -> None:
+        """Each source whose id the checkpoint holds checks the identity of
+        the input it recorded (before any worker process starts)."""
+        for v in vertices:
+            if v.head.source is None:
+                continue
+            olds = self._old_tasks_of(v.head.operator_uid)
+            if not olds:
+                continue
+            st = self._read(olds[0][0])
+            if "source_identity" not in st:
+                continue
+            source = v.head.source()
+            try:
+                source.check_identity(st["source_identity"], st.get("source"))
+            except IncompatibleCheckpointError as exc:
+                raise IncompatibleCheckpointError(
+                    f"checkpoint {self.meta.checkpoint_id}: source {v.head.name!r} (uid {v.head.operator_uid!r}): "
+                    f"{exc}", source=v.head.name) from None
+
+    # ---- one subtask ----
+    def task_restore(self, task) -> dict:
+        """The restore of one subtask (Subtask.restore), read from the
+        checkpoint; its operators are the task's own (for their merge rules)."""
+        v, i = task.vertex, task.index
+        uids = chain_uids(v)
+        src_uid = v.head.operator_uid if task.source is not None else None
+        same = self._same_task(v, i, uids, src_uid)
+        if same is not None:
+            stored = self._read(same)
+            restore = {"vertex": v.name, "finished": stored["finished"], "stored": stored,
+                       "operators": [self._decode_entry(op, e) for op, e in zip(task.operators, stored["operators"])],
+                       "source": stored.get("source")}
+            for k in ("source_identity", "inflight", "input_kinds", "output_kinds"):
+                if k in stored:
+                    restore[k] = stored[k]
+            return restore
+        restore = {"vertex": v.name, "finished": False, "stored": None, "source": None,
+                   "operators": [self._operator_state(op, uid, v, i) for op, uid in zip(task.operators, uids)]}
+        if src_uid is not None:
+            olds = self._old_tasks_of(src_uid)
+            if olds:
+                states = [self._read(k) for k, _ in olds]
+                identity = next((s.get("source_identity") for s in states if "source_identity" in s), None)
+                if identity is not None:
+                    restore["source_identity"] = identity
+                positions = [s.get("source") for s in states]
+                if len(positions) == v.parallelism:
+                    restore["source"] = positions[i]
+                else:
+                    rescale = getattr(task.source, "rescale_positions", None)
+                    if rescale is None:
+                        raise errors.ConfigurationError(
+                            f"source {v.head.name!r} (uid {src_uid!r}) cannot hand its positions from parallelism "
+                            f"{len(positions)} to {v.parallelism}: restore it at parallelism {len(positions)}")
+                    # (every subtask computes them all from the same positions, and takes its own)
+                    restore["source"] = rescale(positions, v.parallelism)[i]
+                restore["has_source"] = True
+        return restore
+
+    def _decode_entry(self, op, e):
+        if e is None:
+            return None
+        allow = self.storage.allow_pickle
+        if e.get("keyed"):
+            return keyed_restore(op, [(loads(e["value"], allow_pickle=allow), None)])
+        blob = e.get("state")
+        return None if blob is None else loads(blob, allow_pickle=allow)
+
+    def _value(self, task_key, e):
+        """A keyed entry's value, decoded once per restore (new subtasks whose
+        ranges share an old subtask read it from here)."""
+        got = self._decoded.get((task_key, e["uid"]))
+        if got is None:
+            got = self._decoded[(task_key, e["uid"])] = loads(e["value"], allow_pickle=self.storage.allow_pickle)
+        return got
+
+    def _operator_state(self, op, uid, v, i):
+        olds = self._old_tasks_of(uid)
+        if not olds or not self.operators.get(uid, {}).get("stateful"):
+            return None         # a new operator (or one that kept nothing): it starts empty
+        allow = self.storage.allow_pickle
+        entries = []
+        for k, _ in olds:
+            st = self._read(k)
+            entries.append(next(e for e in st["operators"] if e["uid"] == uid))
+        if any(e.get("keyed") for e in entries):
+            start, end = kg.key_group_range(self.max_parallelism, v.parallelism, i)
+            values = []
+            for (k, _), e in zip(olds, entries):
+                if not e.get("keyed"):
+                    continue
+                s0, e0 = e["key_groups"]
+                if e0 <= start or s0 >= end:
+                    continue
+                # counters of the old subtask go to one new subtask only: the one owning its first group
+                values.append((self._value(k, e), start <= s0 < end))
+            return keyed_restore(op, values, start, end)
+        states = [None if e.get("state") is None else loads(e["state"], allow_pickle=allow) for e in entries]
+        if len(states) == v.parallelism:
+            return states[i]
+        return op.rescale_state(states, i, v.parallelism)
+
+
+def check_operator_ids(env) -> None:
+    """Before a job starts: every operator's id (duplicates refused), every
+    parallelism within ``max_parallelism``; with checkpointing on, a warning
+    naming the stateful operators whose id is derived (a change of the
+    graph can change it, and their state would then not be restored)."""
+    try:
+        assign_uids(env.nodes)
+    except ValueError as exc:
+        raise errors.ConfigurationError(str(exc)) from None
+    kg.check_max_parallelism(env.max_parallelism, [(n.name, n.parallelism) for n in env.nodes])
+    if env.checkpoint_interval is None:
+        return
+    unnamed = []
+    for n in env.nodes:
+        if n.uid is not None or n.make_operator is None or n.is_sink:
+            continue
+        cls = type(n.make_operator())
+        if cls.keyed_state or cls.snapshot_state is not Operator.snapshot_state:
+            unnamed.append(f"{n.name!r} (id {n.derived_uid!r})")
+    if unnamed:
+        warnings.warn(
+            f"stateful operator(s) {', '.join(unnamed)} have no uid: their state is stored under an id derived "
+            "from the name and rank, which changes when operators of that name are added or removed. Give each "
+            "one a stable id with .uid('...') so later versions of the job can restore it",
+            errors.OperatorIdWarning, stacklevel=4)
+
+
+def commit_outputs(nodes, meta) -> list:
+    """The part-file sinks a restored checkpoint's commits are checked
+    against: this job's, each allowing the subtasks it had when the
+    checkpoint was taken (a restore at a lower parallelism commits what the
+    subtasks that are gone had pending). Their part files count as the
+    sink's own from then on (``FileOutput.prepare`` in mode "error")."""
+    ops = meta.properties.get("operators") or {}
+    out = []
+    for n in nodes:
+        fo = getattr(n, "file_output", None)
+        if fo is None:
+            continue
+        old = ops.get(n.operator_uid)
+        if old is not None and fo.parallelism is not None and old["parallelism"] > fo.parallelism:
+            fo.parallelism = old["parallelism"]
+        out.append(fo)
+    return out
+
+
+def is_current(meta) -> bool:
+    """Whether a checkpoint was written in the per-operator-id layout (format 2)."""
+    return meta.properties.get("state_format") == STATE_FORMAT

@@ -1,0 +1,155 @@
+"""Operator ids (issue 21): state is stored per operator id and a restore
+maps it back by id, so a job can change between runs.
+
+Each test runs a keyed count, stops it with a savepoint, changes the job and
+resumes it; the records collected over both runs must be exactly one run's
+(each key's running counts 1..n once).
+"""
+from __future__ import annotations
+
+import collections
+import time
+import warnings
+
+import pytest
+
+import pyflowbuf as fb
+from pyflowbuf.checkpoint import IncompatibleCheckpointError
+from pyflowbuf.errors import ConfigurationError, OperatorIdWarning
+
+N = 3000
+KEYS = 7
+
+
+def counting_job(env, *, extra_filter=False, map_name="pair", sums=False, uid_counts=True, sums_uid="sums",
+                 p=2, rate=3000):
+    s = env.from_sequence(0, N, parallelism=p, rate_limit=rate).uid("numbers")
+    if extra_filter:
+        s = s.filter(lambda x: True, name="keep-all")
+    pairs = s.map(lambda x: (x % KEYS, 1), name=map_name)
+    counts = pairs.key_by(lambda kv: kv[0]).reduce(lambda a, b: (a[0], a[1] + b[1]))
+    if uid_counts:
+        counts = counts.uid("counts")
+    out = counts.collect()
+    extra = None
+    if sums:
+        extra = (pairs.key_by(lambda kv: kv[0]).reduce(lambda a, b: (a[0], a[1] + b[1]), name="sums")
+                      .uid(sums_uid).collect())
+    return out, extra
+
+
+def check_exactly_once(records):
+    per_key = collections.defaultdict(list)
+    for k, c in records:
+        per_key[k].append(c)
+    want = collections.Counter(x % KEYS for x in range(N))
+    assert {k: sorted(v) for k, v in per_key.items()} == {k: list(range(1, n + 1)) for k, n in want.items()}
+
+
+def first_run(tmp_path, chaining=True, **kw):
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"),
+                         chaining=chaining)
+    out, extra = counting_job(env, **kw)
+    job = env.execute_async()
+    time.sleep(0.4)
+    path = job.stop(savepoint=str(tmp_path / "sp"))
+    assert len(out.result) < N, "the first run should stop before its end"
+    return path, out, extra
+
+
+def second_env(tmp_path, **kw):
+    return fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"), **kw)
+
+
+@pytest.mark.parametrize("change", [
+    {"extra_filter": True},                       # a stateless operator added
+    {"map_name": "to-pair"},                      # a stateless operator renamed
+    {"chaining": False},                          # chained differently
+    {"p": 3},                                     # another parallelism
+])
+def test_stateless_changes_restore_exactly_once(tmp_path, change):
+    path, out1, _ = first_run(tmp_path)
+    change = dict(change)
+    env = second_env(tmp_path, chaining=change.pop("chaining", True))
+    out2, _ = counting_job(env, rate=None, **change)
+    env.execute(60, restore_from=path)
+    check_exactly_once(out1.result + out2.result)
+
+
+def test_a_stateless_operator_removed_restores(tmp_path):
+    path, out1, _ = first_run(tmp_path, extra_filter=True)
+    env = second_env(tmp_path)
+    out2, _ = counting_job(env, rate=None)
+    env.execute(60, restore_from=path)
+    check_exactly_once(out1.result + out2.result)
+
+
+def test_state_of_a_removed_operator_is_refused_unless_allowed(tmp_path):
+    path, out1, _ = first_run(tmp_path, sums=True)
+    env = second_env(tmp_path)
+    counting_job(env, rate=None)
+    with pytest.raises(IncompatibleCheckpointError, match="'sums'.*allow_non_restored_state=True"):
+        env.execute(60, restore_from=path)
+    env = second_env(tmp_path)
+    out2, _ = counting_job(env, rate=None)
+    env.execute(60, restore_from=path, allow_non_restored_state=True)
+    check_exactly_once(out1.result + out2.result)
+
+
+def test_a_new_stateful_operator_starts_empty(tmp_path):
+    path, out1, _ = first_run(tmp_path)
+    env = second_env(tmp_path)
+    out2, sums = counting_job(env, rate=None, sums=True, sums_uid="new-sums")
+    env.execute(60, restore_from=path)
+    check_exactly_once(out1.result + out2.result)
+    # the new operator saw only what came after the savepoint
+    finals = {}
+    for k, c in sums.result:
+        finals[k] = max(finals.get(k, 0), c)
+    assert sum(finals.values()) == N - len(out1.result)
+
+
+def test_an_id_given_to_an_operator_of_another_kind_is_refused(tmp_path):
+    path, _, _ = first_run(tmp_path)
+    env = second_env(tmp_path)
+    env.from_sequence(0, N, parallelism=2).uid("numbers").map(lambda x: (x, 1)).uid("counts").collect()
+    with pytest.raises(IncompatibleCheckpointError, match="'counts' was a KeyedReduce"):
+        env.execute(60, restore_from=path)
+
+
+def test_derived_ids_follow_name_and_rank(tmp_path):
+    """Without uid the id is name#rank: adding operators of other names
+    keeps the keyed state where it was."""
+    path, out1, _ = first_run(tmp_path, uid_counts=False)
+    env = second_env(tmp_path)
+    out2, _ = counting_job(env, rate=None, uid_counts=False, extra_filter=True)
+    env.execute(60, restore_from=path)
+    check_exactly_once(out1.result + out2.result)
+    nodes = {n.name: n.operator_uid for n in env.nodes}
+    assert nodes["reduce"] == "reduce#0" and nodes["keep-all"] == "keep-all#0"
+
+
+def test_uids_are_checked():
+    env = fb.Environment()
+    s = env.from_sequence(0, 10).map(lambda x: x).uid("a")
+    with pytest.raises(ConfigurationError, match="already the id"):
+        s.map(lambda x: x).uid("a")
+    with pytest.raises(TypeError):
+        s.uid("")
+    with pytest.raises(TypeError):
+        s.uid(3)
+
+
+def test_a_stateful_operator_without_uid_warns_when_checkpointing(tmp_path):
+    env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir=str(tmp_path / "ck"))
+    env.from_sequence(0, 10).key_by(lambda x: x % 2).reduce(lambda a, b: a + b).collect()
+    with pytest.warns(OperatorIdWarning, match="'reduce' \\(id 'reduce#0'\\)"):
+        env.execute(30)
+    env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir=str(tmp_path / "ck2"))
+    env.from_sequence(0, 10).key_by(lambda x: x % 2).reduce(lambda a, b: a + b).uid("sum").collect()
+    env2 = fb.Environment()
+    env2.from_sequence(0, 10).key_by(lambda x: x % 2).reduce(lambda a, b: a + b).collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OperatorIdWarning)
+        env.execute(30)         # every stateful operator has a uid
+        env2.execute(30)        # no checkpoints: nothing to warn about
