@@ -312,3 +312,15 @@ def test_sigkill_of_an_executor_jvm_recovers_exactly_once(spark, tmp_path):
     assert "lost its control channel" in job.restart_failures[0][2] or "Spark job" in job.restart_failures[0][2]
     assert job.restored_from is not None
     assert sorted(out.result) == list(range(n))
+
+
+# ---------------------------------------------------------------- the main job's step
+
+def test_the_main_jobs_spark_cluster_step(spark, tmp_path):
+    """Step 5 of the demonstration on this module's session: the windowed
+    word count over two barrier tasks, one injected failure, exactly once."""
+    from pyflowbuf.spark.cluster_demo import run_cluster_demo
+
+    res = run_cluster_demo(tmp_path, quick=True, spark=spark, verbose=False)
+    assert res["exactly_once"] and res["restarts"] == 1 and res["restored_from"] is not None
+    assert res["worker_processes"] == 2 and res["hosts"] == ["127.0.0.1"]
