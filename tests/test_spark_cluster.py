@@ -316,11 +316,23 @@ def test_sigkill_of_an_executor_jvm_recovers_exactly_once(spark, tmp_path):
 
 # ---------------------------------------------------------------- the main job's step
 
-def test_the_main_jobs_spark_cluster_step(spark, tmp_path):
-    """Step 5 of the demonstration on this module's session: the windowed
-    word count over two barrier tasks, one injected failure, exactly once."""
+def test_the_main_jobs_spark_cluster_step_with_relative_paths(spark, tmp_path, monkeypatch):
+    """Step 5 of the demonstration on this module's session, as the demo runs
+    it: the windowed word count over two barrier tasks, one injected failure,
+    exactly once, with its paths relative to the driver's working directory.
+    The executors' Python workers run elsewhere (Spark's work directory):
+    relative paths used to land there, so the task states of a checkpoint
+    were not beside its _metadata and the failure, which waits for a
+    checkpoint the executor can see, never came."""
+    import pathlib
+
     from pyflowbuf.spark.cluster_demo import run_cluster_demo
 
-    res = run_cluster_demo(tmp_path, quick=True, spark=spark, verbose=False)
+    monkeypatch.chdir(tmp_path)
+    res = run_cluster_demo(pathlib.Path("out"), quick=True, spark=spark, verbose=False)
     assert res["exactly_once"] and res["restarts"] == 1 and res["restored_from"] is not None
     assert res["worker_processes"] == 2 and res["hosts"] == ["127.0.0.1"]
+    chk = tmp_path / "out" / "spark-cluster-checkpoints"
+    meta = CheckpointStorage(str(chk)).latest()          # verified: every task file is there whole
+    assert meta is not None and len(meta.tasks) >= 2
+    assert os.getcwd() == str(tmp_path)

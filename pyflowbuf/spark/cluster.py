@@ -231,8 +231,14 @@ class SparkCluster:
 class _TaskSpec:
     """What one attempt's barrier tasks carry (pickled into the closure)."""
 
-    def __init__(self, description, driver, secret, attempt, port_range, start_timeout, allow_pickle):
+    def __init__(self, description, driver, secret, attempt, port_range, start_timeout, allow_pickle,
+                 cwd=None):
         self.description = description
+        # With a local master the executors share the driver's host and files:
+        # the job's relative paths (checkpoint_dir, file sinks and sources)
+        # mean what they mean in the driver, as with workers=N. (A non-local
+        # master refuses local paths before submission.)
+        self.cwd = cwd
         self.driver = driver
         self.secret = secret
         self.attempt = attempt
@@ -269,6 +275,17 @@ def run_barrier_task(spec, w, addresses, host=None):
         host = addresses[w].rsplit(":", 1)[0]
     host = socket.gethostbyname(host) if host and not host[0].isdigit() and ":" not in host else host
     info = {"executor": addresses[w], "host": host, "pid": os.getpid()}
+    cwd = os.getcwd()
+    if getattr(spec, "cwd", None) is not None:
+        os.chdir(spec.cwd)      # back in the finally: Spark reuses this Python worker
+    try:
+        _run_barrier_task(spec, w, host, info)
+    finally:
+        os.chdir(cwd)
+    return os.getpid()
+
+
+def _run_barrier_task(spec, w, host, info):
     conn = connect_control(spec.driver, control_secret(spec.secret, spec.attempt), timeout=spec.start_timeout,
                            allow_pickle=spec.allow_pickle)
     try:
@@ -278,7 +295,6 @@ def run_barrier_task(spec, w, addresses, host=None):
                    port_range=spec.port_range, info=info, join_control=True)
     finally:
         conn.close()
-    return os.getpid()
 
 
 class SparkLauncher:
@@ -349,7 +365,8 @@ class SparkLauncher:
         secret = execution.secret
         self._listener.set_secret(control_secret(secret, attempt))
         spec = _TaskSpec(self.description, self._listener.address, secret, attempt, self.cluster.port_range,
-                         self.start_timeout, self.env.allow_pickle)
+                         self.start_timeout, self.env.allow_pickle,
+                         cwd=os.getcwd() if _local_master(self.sc.master) else None)
         tag = f"pyflowbuf-{self.job_id}-attempt-{attempt}"
         self._tag = tag
         self.attempts.append(tag)
