@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 
 def job_threads(job) -> list:
@@ -90,3 +91,23 @@ def running_counts(n):
         sums[x % 5] += x
         want.append(f"{x % 5},{sums[x % 5]}")
     return sorted(want)
+
+
+class FailOnceAfterCheckpoint:
+    """Identity that raises once, at its ``at``-th call or the first after it
+    once a checkpoint of ``env`` (set by the test) has completed, so a restore
+    has state to restore; never again."""
+
+    def __init__(self, at):
+        self.at, self.calls, self.fired, self.env = at, 0, False, None
+        self.lock = threading.Lock()
+
+    def __call__(self, x):
+        with self.lock:
+            self.calls += 1
+            fire = (not self.fired and self.calls >= self.at
+                    and any(c["status"] == "completed" for c in self.env.checkpoints()))
+            self.fired = self.fired or fire
+        if fire:
+            raise RuntimeError(f"injected failure at call {self.calls}")
+        return x

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
-import threading
 import warnings
 
 import pytest
@@ -16,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
-from pipeline_helpers import read_parts  # noqa: E402
+from pipeline_helpers import FailOnceAfterCheckpoint, read_parts  # noqa: E402
 from pyflowbuf import errors
 from pyflowbuf.windows import Count, Tumbling
 
@@ -325,23 +324,6 @@ def test_side_outputs_across_workers_and_exchanges():
 
 # ---------------------------------------------------------------- exactly once across a failure
 
-class FailOnce:
-    """Identity that raises once, at its ``at``-th call after a checkpoint
-    completed (so a restore has state to restore), and never again."""
-
-    def __init__(self, at):
-        self.at, self.calls, self.fired, self.env = at, 0, False, None
-        self.lock = threading.Lock()
-
-    def __call__(self, x):
-        with self.lock:
-            self.calls += 1
-            fire = (not self.fired and self.calls >= self.at
-                    and any(c["status"] == "completed" for c in self.env.checkpoints()))
-            self.fired = self.fired or fire
-        if fire:
-            raise RuntimeError(f"injected failure at call {self.calls}")
-        return x
 
 
 @pytest.mark.parametrize("chaining, where, at, mode", [
@@ -350,7 +332,7 @@ class FailOnce:
     (False, "after side", 600, "unaligned"), (True, "before process", 1500, "unaligned")])
 def test_side_outputs_are_exactly_once_across_a_failure(tmp_path, chaining, where, at, mode):
     n = 3000
-    fail = FailOnce(at)
+    fail = FailOnceAfterCheckpoint(at)
     env = fb.Environment(parallelism=2, checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk",
                          restart_attempts=2, chaining=chaining, checkpoint_mode=mode)
     fail.env = env
@@ -395,7 +377,7 @@ def _nth_is_main(key, i, n):
 
 def test_window_late_records_are_exactly_once_across_a_failure(tmp_path):
     records = [(f"k{i % 3}", float(i) * 0.05 - (3.0 if i % 11 == 0 else 0.0)) for i in range(2000)]
-    fail = FailOnce(900)
+    fail = FailOnceAfterCheckpoint(900)
     env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk", restart_attempts=2, max_batch=1)
     fail.env = env
     res = (env.from_iterable(records, rate_limit=5_000).map(fail, name="fail")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import math
 import os
-import threading
 import time
 from array import array
 
@@ -24,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
+from pipeline_helpers import FailOnceAfterCheckpoint
 from pyflowbuf import errors
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool
@@ -249,23 +249,6 @@ def test_on_end_outputs_get_the_highest_time_seen_unless_set():
 
 # ---- restore: checkpointed state and unaligned in-flight data ----
 
-class FailOnceAfterCheckpoint:
-    """Identity that raises once, at the first call from ``at`` on after a
-    checkpoint of ``env`` completed."""
-
-    def __init__(self, at):
-        self.at, self.calls, self.fired, self.env = at, 0, False, None
-        self.lock = threading.Lock()
-
-    def __call__(self, x):
-        with self.lock:
-            self.calls += 1
-            fire = (not self.fired and self.calls >= self.at
-                    and any(c["status"] == "completed" for c in self.env.checkpoints()))
-            self.fired = self.fired or fire
-        if fire:
-            raise RuntimeError("injected failure")
-        return x
 
 
 def slow(x):

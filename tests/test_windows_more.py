@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 import random
-import threading
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
+from pipeline_helpers import FailOnceAfterCheckpoint
 from pyflowbuf import errors
 from pyflowbuf.testing import OperatorHarness
 from pyflowbuf.windows import AggregateFunction
@@ -629,23 +629,6 @@ class _NoMerge(AggregateFunction):
 
 # ---- restores in the middle of open windows ----
 
-class FailOnce:
-    """Identity that raises once, at its ``at``-th call or the first after it
-    once a checkpoint of ``env`` has completed."""
-
-    def __init__(self, at):
-        self.at, self.calls, self.fired, self.env = at, 0, False, None
-        self.lock = threading.Lock()
-
-    def __call__(self, x):
-        with self.lock:
-            self.calls += 1
-            fire = (not self.fired and self.calls >= self.at
-                    and any(c["status"] == "completed" for c in self.env.checkpoints()))
-            self.fired = self.fired or fire
-        if fire:
-            raise RuntimeError(f"injected failure at call {self.calls}")
-        return x
 
 
 def restore_stream(seed, n):
@@ -674,7 +657,7 @@ def test_restore_in_the_middle_of_open_windows(tmp_path, what):
     env = fb.Environment(parallelism=2, max_batch=1)
     want = restore_job(env, records, what)
     env.execute(timeout=120)
-    fail = FailOnce(1000)
+    fail = FailOnceAfterCheckpoint(1000)
     env = fb.Environment(parallelism=2, max_batch=1, checkpoint_interval=0.02, checkpoint_dir=tmp_path / what,
                          restart_attempts=2)
     fail.env = env
@@ -728,7 +711,7 @@ def test_processing_time_windows_restored_count_every_record_once(tmp_path):
     """Processing-time windows and their timers in checkpoints: across a
     failure and a restore every record is counted in exactly one window."""
     n = 1500
-    fail = FailOnce(700)
+    fail = FailOnceAfterCheckpoint(700)
     env = fb.Environment(parallelism=2, checkpoint_interval=0.02, checkpoint_dir=tmp_path / "pt",
                          restart_attempts=2)
     fail.env = env
