@@ -9,7 +9,7 @@ from typing import Callable
 from pyflowbuf._validation import _callable, _output_path, _positive_int
 from pyflowbuf.connectors import PrintSink
 from pyflowbuf.errors import ConfigurationError
-from pyflowbuf.runtime import operators as ops
+from pyflowbuf.runtime import sinks as sink_ops
 from pyflowbuf.runtime.graph import Node
 from pyflowbuf.runtime.outputs import FileOutput, check_mode
 
@@ -33,7 +33,7 @@ class SinkDeclarations:
             out.result          # [30, 10, 20]
         """
         handle = CollectSink()
-        node = self._then(name, lambda: ops.CollectSink(name, handle._parts), parallelism, None, sink=True)
+        node = self._then(name, lambda: sink_ops.CollectSink(name, handle._parts), parallelism, None, sink=True)
         node.collect_parts = handle._parts
         return handle
 
@@ -54,7 +54,7 @@ class SinkDeclarations:
             stream.sink(lambda batch: db.insert_many(batch), batched=True)
         """
         _callable(fn, "sink")
-        node = self._then(name, lambda: ops.FunctionSink(name, fn, batched), parallelism, None, sink=True)
+        node = self._then(name, lambda: sink_ops.FunctionSink(name, fn, batched), parallelism, None, sink=True)
         node.user_sink = True
 
     def print(self, prefix: str | None = None, *, parallelism: int | None = None, name: str = "print") -> None:
@@ -107,7 +107,7 @@ class SinkDeclarations:
         output = FileOutput(path, ".txt", check_mode(mode, f"write_text {name!r}"), f"write_text {name!r}",
                             legacy_suffixes=("",))
         env = self.env
-        node = self._then(name, lambda: ops.TextFileSink(name, path, output=output,
+        node = self._then(name, lambda: sink_ops.TextFileSink(name, path, output=output,
                                                          transactional=env.checkpoint_interval is not None),
                           parallelism, None, sink=True)
         output.parallelism = node.parallelism
@@ -142,9 +142,9 @@ class SinkDeclarations:
         path = _output_path(path, name)
         output = FileOutput(path, ".parquet", check_mode(mode, f"write_parquet {name!r}"),
                             f"write_parquet {name!r}")
-        schema = ops.parquet_settings(schema, compression)
+        schema = sink_ops.parquet_settings(schema, compression)
         env = self.env
-        node = self._then(name, lambda: ops.ParquetFileSink(name, path, schema=schema,
+        node = self._then(name, lambda: sink_ops.ParquetFileSink(name, path, schema=schema,
                                                             row_group_size=row_group_size,
                                                             compression=compression, output=output,
                                                             transactional=env.checkpoint_interval is not None),

@@ -51,7 +51,7 @@ from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
 from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.runtime import restore as restore_mod
 from pyflowbuf.runtime import outputs as sink_outputs
-from pyflowbuf.runtime.operators import CollectSink
+from pyflowbuf.runtime.sinks import CollectSink
 from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution, check_output_pools
 from pyflowbuf.runtime.metrics import MetricsRelay, close_listeners, make_listeners
 
