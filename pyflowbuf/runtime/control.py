@@ -62,6 +62,9 @@ MAX_CONNECTIONS = 8
 # after the handshake, the time a client has to send its request
 REQUEST_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 10.0
+# how long the job's end waits for answers under way (the answer to `stop` is
+# sent once the job has ended: a process exiting then would swallow it)
+ANSWER_GRACE_S = 10.0
 # how soon the endpoint of a job nobody joins sees that the job ended
 _POLL_S = 0.1
 
@@ -265,8 +268,11 @@ class ControlEndpoint:
         self.refused = 0
         self.errors: list = []          # (peer, exception) of the latest failed connections
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._shut_lock = threading.Lock()
         self._closed = threading.Event()
         self._active = 0
+        self._answering: set = set()        # threads with a request read and its answer not yet sent
         self._thread = None
         self._check_no_other_job()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -325,11 +331,23 @@ class ControlEndpoint:
         self._thread = threading.Thread(target=self._accept_loop, name="pyflowbuf: control endpoint", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed.is_set():
-                return
-            self._closed.set()
+    def close(self, wait: float = ANSWER_GRACE_S) -> None:
+        """Remove the file, stop listening, and wait (at most ``wait`` s) for
+        the answers under way to go out, except the caller's own."""
+        with self._shut_lock:       # a second caller returns once the file is gone, not before
+            if not self._closed.is_set():
+                self._closed.set()
+                self._shut()
+        me = threading.current_thread()
+        deadline = time.monotonic() + wait
+        with self._idle:
+            while self._answering - {me}:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
+
+    def _shut(self) -> None:
         if os.getpid() == self.pid:
             self._remove_file()
         try:
@@ -343,8 +361,6 @@ class ControlEndpoint:
         except OSError:
             pass
         _OPEN.discard(self)
-        # connections being answered finish on their own threads: an answer to
-        # `stop` is sent after the job ended, which is what closed this
 
     @property
     def closed(self) -> bool:
@@ -399,14 +415,18 @@ class ControlEndpoint:
             _check_nothing_staged(reader)
             req = recv_message(conn, time.monotonic() + REQUEST_TIMEOUT)
             conn.settimeout(None)
+            with self._lock:
+                self._answering.add(threading.current_thread())
             answer = self._answer(req)
             send_message(conn, answer)
         except (errors.ProtocolError, OSError) as exc:      # AuthenticationError and socket.timeout too
             self._refuse(peer, exc)
         finally:
             conn.close()
-            with self._lock:
+            with self._idle:
                 self._active -= 1
+                self._answering.discard(threading.current_thread())
+                self._idle.notify_all()
 
     def _answer(self, req: dict) -> dict:
         op = req.get("op")
