@@ -1,6 +1,6 @@
 """The ``pyflowbuf`` command line (also ``python -m pyflowbuf``).
 
-    pyflowbuf run job.py [--restore latest|ID|PATH] [--parallelism N] [--workers N]
+    pyflowbuf run job.py [--restore latest|ID|PATH] [--parallelism N] [--workers N] [--control-port P]
                          [--savepoint-on-stop PATH] [--json]
     pyflowbuf checkpoints list DIR [--verify] [--json]
     pyflowbuf checkpoints show PATH [ID] [--json]
