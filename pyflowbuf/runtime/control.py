@@ -69,6 +69,12 @@ ANSWER_GRACE_S = 10.0
 _POLL_S = 0.1
 
 _OPEN: "weakref.WeakSet[ControlEndpoint]" = weakref.WeakSet()   # endpoints of this process
+_OPEN_LOCK = threading.Lock()
+
+
+def _open_endpoints() -> list:
+    with _OPEN_LOCK:
+        return list(_OPEN)
 
 
 class ControlError(errors.FlowBufError):
@@ -293,7 +299,8 @@ class ControlEndpoint:
             sock.close()
             raise errors.ConfigurationError(
                 f"control_port: cannot write the control file {self.path}: {exc.strerror or exc}") from exc
-        _OPEN.add(self)
+        with _OPEN_LOCK:
+            _OPEN.add(self)
 
     @classmethod
     def open(cls, env) -> "ControlEndpoint | None":
@@ -309,9 +316,12 @@ class ControlEndpoint:
             info = read_control_file(self.path)
         except ControlError:
             return      # none, or not one: this job's replaces it
+        except OSError as exc:
+            raise errors.ConfigurationError(
+                f"control_port: cannot read the control file {self.path}: {exc.strerror or exc}") from exc
         mine = info["pid"] == self.pid and info.get("host") == socket.gethostname()
         running = any(e.token == info.get("token") and not e.closed and (e.job is None or not e.job.done)
-                      for e in list(_OPEN)) if mine else (info.get("host") == socket.gethostname() and _alive(info["pid"]))
+                      for e in _open_endpoints()) if mine else (info.get("host") == socket.gethostname() and _alive(info["pid"]))
         if running:
             raise errors.ConfigurationError(
                 f"{self.path}: job {info.get('job')!r} (pid {info['pid']}) is running with this checkpoint_dir and "
@@ -360,7 +370,8 @@ class ControlEndpoint:
             self._sock.close()
         except OSError:
             pass
-        _OPEN.discard(self)
+        with _OPEN_LOCK:
+            _OPEN.discard(self)
 
     @property
     def closed(self) -> bool:
@@ -493,13 +504,16 @@ def endpoint_for(env, job):
 @atexit.register
 def _close_all() -> None:
     """A job still running when its process exits leaves no control file."""
-    for endpoint in list(_OPEN):
+    for endpoint in _open_endpoints():
         endpoint.close()
 
 
 def _forget_in_child() -> None:
     # A forked worker inherits the listening socket; it must not hold the port
     # (nor answer on it, nor remove the driver's file at its exit).
+    # (the lock may be held by a thread that does not exist here: a new one)
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()
     for endpoint in list(_OPEN):
         endpoint.pid = -1
         try:
