@@ -65,6 +65,7 @@ def keyed_count(env, n, out, rate):
 
 
 JOB = textwrap.dedent("""\
+    import os
     import pyflowbuf as fb
 
     def count(key, n, state):
@@ -72,7 +73,8 @@ JOB = textwrap.dedent("""\
         return [f"{{key}},{{state['n']}}"]
 
     env = fb.Environment(parallelism=2, checkpoint_interval={interval}, checkpoint_dir="ck")
-    (env.from_sequence(0, {n}, rate_limit={rate}).uid("numbers")
+    rate = float(os.environ["JOB_RATE"]) if "JOB_RATE" in os.environ else None     # records/s
+    (env.from_sequence(0, {n}, rate_limit=rate).uid("numbers")
         .key_by(lambda x: x % {keys})
         .process(count).uid("counts")
         .write_text("out"))
@@ -89,9 +91,10 @@ def wait_for(predicate, what, proc=None, timeout=120):
 
 
 def start_job_process(tmp_path, *, n, rate, interval):
-    (tmp_path / "job.py").write_text(JOB.format(n=n, rate=rate, interval=interval, keys=KEYS))
+    (tmp_path / "job.py").write_text(JOB.format(n=n, interval=interval, keys=KEYS))
     proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--control-port", "0"],
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=dict(ENV, JOB_RATE=str(rate)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     wait_for(lambda: os.path.exists(tmp_path / "ck" / control.CONTROL_FILE), "control file", proc)
     return proc
 
@@ -108,12 +111,23 @@ def running(proc):
 
 # ---------------------------------------------------------------- real jobs, own processes
 
-def test_savepoint_of_a_running_job_then_restore_from_it_is_exactly_once(tmp_path, monkeypatch):
+@pytest.fixture
+def clean_imports():
+    """The job module `run` loads in this process is forgotten afterwards."""
+    path, modules = list(sys.path), set(sys.modules)
+    yield
+    sys.path[:] = path
+    for name in set(sys.modules) - modules:
+        if name.startswith(("job", "pyflowbuf_job")):
+            del sys.modules[name]
+
+
+def test_savepoint_of_a_running_job_then_restore_from_it_is_exactly_once(tmp_path, monkeypatch, clean_imports):
     """`pyflowbuf savepoint` while the job runs; the job runs on and then dies
     (SIGKILL, nothing else committed: its periodic checkpoints are an hour
     apart); restoring from the savepoint completes the output exactly once."""
     monkeypatch.chdir(tmp_path)
-    n = 6000
+    n = 30_000
     with running(start_job_process(tmp_path, n=n, rate=3000, interval=3600)) as proc:
         time.sleep(0.3)             # some records through (the test holds whenever it lands)
         code, out, err = cli("savepoint", "ck", "sp", "--json")
@@ -141,7 +155,7 @@ def test_savepoint_of_a_running_job_then_restore_from_it_is_exactly_once(tmp_pat
 
 def test_stop_with_a_savepoint_then_resume_loses_and_repeats_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    n = 8000
+    n = 30_000
     with running(start_job_process(tmp_path, n=n, rate=2000, interval=0.1)) as proc:
         wait_for(lambda: glob.glob("ck/chk-*/_metadata"), "checkpoint", proc)
         code, out, err = cli("stop", "ck", "--savepoint", "sp")
