@@ -319,14 +319,17 @@ class ControlEndpoint:
         except OSError as exc:
             raise errors.ConfigurationError(
                 f"control_port: cannot read the control file {self.path}: {exc.strerror or exc}") from exc
-        mine = info["pid"] == self.pid and info.get("host") == socket.gethostname()
-        running = any(e.token == info.get("token") and not e.closed and (e.job is None or not e.job.done)
-                      for e in _open_endpoints()) if mine else (info.get("host") == socket.gethostname() and _alive(info["pid"]))
+        here = info.get("host") == socket.gethostname()
+        if here and info["pid"] == self.pid:        # a job of this process: still running?
+            running = any(e.token == info.get("token") and not e.closed and (e.job is None or not e.job.done)
+                          for e in _open_endpoints())
+        else:                                       # (a file of another host is replaced)
+            running = here and isinstance(info["pid"], int) and _alive(info["pid"])
         if running:
             raise errors.ConfigurationError(
                 f"{self.path}: job {info.get('job')!r} (pid {info['pid']}) is running with this checkpoint_dir and "
-                "its control endpoint; two jobs must not share a checkpoint_dir (if that process is no job of "
-                "ours, remove the file)")
+                "its control endpoint; two jobs must not share a checkpoint_dir (if that process is no pyflowbuf "
+                "job, remove the file)")
 
     def _write_file(self, env) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
