@@ -746,6 +746,8 @@ def _apply(ck, ids, ops):
         if what in ("delete", "drop_metadata"):
             os.remove(path)
             continue
+        if not data and what != "extend":
+            continue        # cut to nothing by an earlier step: nothing left to cut or flip
         if what == "truncate":
             data = data[:where % len(data)]
         elif what == "extend":

@@ -13,10 +13,10 @@ What lives where:
 
 - ``environment``: ``Environment``, its settings, the graph, running it;
 - ``sources``: the source declarations of the environment (``from_*``, ``read_*``);
-- ``stream``: ``Stream``, ``KeyedStream``, ``ConnectedStreams``;
+- ``stream``: ``Stream``, ``KeyedStream``, ``ConnectedStreams``, ``WindowResult``;
 - ``sinks``: the sink declarations of a stream and their handles;
-- ``windowed``: ``WindowedStream``, ``AllWindowedStream`` and ``WindowResult``
-  (``KeyedStream.window``, ``Stream.window_all``);
+- ``windowed``: ``WindowedStream`` and ``AllWindowedStream`` (``KeyedStream.window``,
+  ``Stream.window_all``);
 - ``side_outputs``: ``OutputTag`` and the checks of side output declarations;
 - ``joined``: ``JoinedStreams`` and ``IntervalJoin``;
 - ``_validation``: the argument checks they share.
@@ -25,8 +25,8 @@ from pyflowbuf.api.environment import Environment
 from pyflowbuf.api.side_outputs import OutputTag
 from pyflowbuf.api.joined import IntervalJoin, JoinedStreams
 from pyflowbuf.api.sinks import CollectSink, IteratorSink
-from pyflowbuf.api.stream import ConnectedStreams, KeyedStream, Stream
-from pyflowbuf.api.windowed import AllWindowedStream, WindowedStream, WindowResult
+from pyflowbuf.api.stream import ConnectedStreams, KeyedStream, Stream, WindowResult
+from pyflowbuf.api.windowed import AllWindowedStream, WindowedStream
 
 __all__ = ["Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink",
            "WindowedStream", "AllWindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin", "OutputTag"]

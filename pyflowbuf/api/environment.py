@@ -26,6 +26,7 @@ from pyflowbuf.runtime.checkpointing import ALIGNMENTS, MODES
 from pyflowbuf.runtime.cluster import ClusterExecution
 from pyflowbuf.runtime.debloat import check_settings as _check_debloat
 from pyflowbuf.runtime.graph import Node, plan
+from pyflowbuf.runtime import control as _control
 from pyflowbuf.runtime import overrides as _overrides
 from pyflowbuf.runtime.job import JobExecution
 from pyflowbuf.runtime.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
@@ -80,6 +81,10 @@ class Environment(SourceDeclarations):
     allow_pickle : let streams of pickled Python objects cross processes
         (unpickling runs code the sender chose; only for trusted workers).
     bind_host : interface the workers' exchange listens on (loopback by default).
+    control_port : open the job's control endpoint on ``bind_host`` at this port
+        (0: a free one), for ``pyflowbuf savepoint`` and ``pyflowbuf stop``; it
+        writes ``<checkpoint_dir>/_control.json`` (mode 0600) while the job
+        runs. Needs checkpointing. None (default): no endpoint.
     credit_based : False uses the pre-credit mode (TCP window only), to compare.
     checkpoint_interval, checkpoint_dir, checkpoint_timeout, checkpoints_retained,
     restart_attempts, checkpointing_mode : checkpoints (off while the interval
@@ -123,7 +128,8 @@ class Environment(SourceDeclarations):
                  checkpoint_mode: str = "aligned", alignment_timeout: float | None = None,
                  debloat: bool = False, debloat_target: float = 1.0, debloat_period: float = 0.2,
                  debloat_samples: int = 20, debloat_threshold: float = 0.25, min_buffer_size: int = 256,
-                 cluster: Any = None, max_parallelism: int = DEFAULT_MAX_PARALLELISM):
+                 cluster: Any = None, max_parallelism: int = DEFAULT_MAX_PARALLELISM,
+                 control_port: int | None = None):
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
         self.segment_size = segment_size
@@ -158,6 +164,7 @@ class Environment(SourceDeclarations):
         self.debloat_threshold = debloat_threshold
         self.min_buffer_size = min_buffer_size
         self.cluster = cluster
+        self.control_port = control_port
         # `pyflowbuf run --parallelism/--workers`: in place before any stream is declared
         for setting, value in _overrides.current().items():
             setattr(self, setting, value)
@@ -239,6 +246,7 @@ class Environment(SourceDeclarations):
                 "checkpoints never block a channel, so there is nothing to overtake)")
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, (str, os.PathLike)):
             raise ConfigurationError(f"checkpoint_dir must be a path or an fsspec URL, got {self.checkpoint_dir!r}")
+        _control.check_settings(self)
 
     def checkpoints(self) -> list:
         """The checkpoints of the running or last job, oldest first: id, kind
@@ -398,6 +406,9 @@ class Environment(SourceDeclarations):
         if not any(n is sink.node for n in self.nodes):
             raise ConfigurationError("execute_iter: the sink handle belongs to another Environment")
         _job_name("job_name", job_name, optional=True)
+        if self.control_port is not None:
+            raise ConfigurationError("execute_iter runs without a control endpoint: control_port is for "
+                                     "execute() and execute_async()")
         if self.checkpoint_interval is not None and self.restart_attempts:
             raise ConfigurationError(
                 "execute_iter hands records to the caller before a checkpoint covers them, so a restart "
@@ -472,7 +483,8 @@ class Environment(SourceDeclarations):
 
     def _start(self, job):
         try:
-            job.start()
+            with _control.endpoint_for(self, job):     # control_port: bound before the job starts
+                job.start()
         except BaseException:
             if not job.ran:
                 self._unclaim(job)

@@ -1,4 +1,7 @@
-"""Joins on event time: ``a.join(b)`` (windowed) and ``a.interval_join(b)``."""
+"""Joins on event time: ``a.join(b)`` (windowed) and ``a.interval_join(b)``.
+
+The streams they make come from the streams they join (``Stream._derive``):
+this module never imports ``stream.py``, which imports it."""
 from __future__ import annotations
 
 import math
@@ -7,7 +10,6 @@ from typing import Any
 
 from pyflowbuf import errors
 from pyflowbuf._validation import _callable, _check_kind, _parallelism
-from pyflowbuf.api.stream import KeyedStream, Stream
 from pyflowbuf.api.windowed import _stream_timestamps
 from pyflowbuf.windows.assigners import WindowAssigner
 from pyflowbuf.windows.joins import IntervalJoinOperator, WindowJoinOperator
@@ -77,7 +79,7 @@ class JoinedStreams:
         self.assigner = assigner
         return self
 
-    def apply(self, fn, *, parallelism=None, name: str = "window_join", kind: Any = None) -> Stream:
+    def apply(self, fn, *, parallelism=None, name: str = "window_join", kind: Any = None) -> "Stream":
         """``fn(left, right) -> record`` for every pair of one key in one window.
 
         Returns a ``Stream``. Called before ``window`` it is a
@@ -113,7 +115,7 @@ class IntervalJoin:
     """
 
     def __init__(self, first, second):
-        if not isinstance(first, KeyedStream) or not isinstance(second, KeyedStream):
+        if not getattr(first, "_keyed", False) or not getattr(second, "_keyed", False):
             raise errors.ConfigurationError("interval_join joins two keyed streams: key_by both first")
         if first.env is not second.env:
             raise errors.ConfigurationError("interval_join: the streams belong to different Environments")
@@ -138,7 +140,7 @@ class IntervalJoin:
         self.bounds = (float(lower), float(upper))
         return self
 
-    def process(self, fn, *, parallelism=None, name: str = "interval_join", kind: Any = None) -> Stream:
+    def process(self, fn, *, parallelism=None, name: str = "interval_join", kind: Any = None) -> "Stream":
         """``fn(left, right) -> iterable of outputs (or None)`` per matching pair.
 
         Returns a ``Stream``. Called before ``between`` it is a
@@ -165,4 +167,4 @@ def _two_input(a, b, name, make, parallelism, kind):
     node = env._add(name=name, parallelism=p, make_operator=make,
                     inputs=[a._input_to(p), b._input_to(p)], kind=kind)
     node.event_time = True
-    return Stream(env, node)
+    return a._derive(node)

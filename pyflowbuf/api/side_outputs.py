@@ -74,6 +74,10 @@ class OutputTag:
         return (OutputTag, (self.name, self.kind))
 
 
+# the side output of every window operator, which a window's result.late() reads
+LATE_TAG = OutputTag(LATE)
+
+
 def declare_side_outputs(tags, what: str, *, reserved=()) -> dict:
     """``side_outputs=`` of a process declaration, checked: name -> tag."""
     if tags is None:

@@ -1,4 +1,5 @@
-"""The stream classes: ``Stream``, ``KeyedStream`` and ``ConnectedStreams``."""
+"""The stream classes: ``Stream``, ``KeyedStream``, ``ConnectedStreams`` and
+``WindowResult`` (the stream of a window's results)."""
 from __future__ import annotations
 
 import warnings
@@ -7,8 +8,10 @@ from typing import Any, Callable
 import numpy as np
 
 from pyflowbuf._validation import _callable, _check_arity, _check_kind, _common_kind, _parallelism
-from pyflowbuf.api.side_outputs import declare_side_outputs, declared_tag
+from pyflowbuf.api.joined import IntervalJoin, JoinedStreams
+from pyflowbuf.api.side_outputs import LATE_TAG, declare_side_outputs, declared_tag
 from pyflowbuf.api.sinks import SinkDeclarations
+from pyflowbuf.api.windowed import AllWindowedStream, WindowedStream, _no_key
 from pyflowbuf.errors import ConfigurationError, UnitWarning
 from pyflowbuf.runtime import operators as ops
 from pyflowbuf.runtime.graph import Input, Node, carried_timestamps
@@ -30,6 +33,8 @@ class Stream(SinkDeclarations):
         doubled = env.from_sequence(0, 10).map(lambda x: 2 * x, name="double")
     """
 
+    _keyed = False      # a KeyedStream's is True (joined.py asks it, not isinstance)
+
     def __init__(self, env, node: Node, key_fn: Callable | None = None):
         self.env = env
         self.node = node
@@ -41,6 +46,10 @@ class Stream(SinkDeclarations):
         set on it, else forward when the parallelism matches, else rebalance."""
         part = self._partitioner or ("forward" if parallelism == self.node.parallelism else "rebalance")
         return Input(self.node, part, self._key_fn)
+
+    def _derive(self, node: Node, window_result: bool = False) -> "Stream":
+        # windowed.py and joined.py make their streams here: they do not import this module
+        return (WindowResult if window_result else Stream)(self.env, node)
 
     def _then(self, name, make_operator, parallelism, kind, *, sink=False) -> Node:
         p = _parallelism(self.env, parallelism)
@@ -373,7 +382,6 @@ class Stream(SinkDeclarations):
             per_minute = timed.window_all(fb.Tumbling(60)).aggregate(
                 fb.Count(), window_function=lambda w, n: (w.start, n))
         """
-        from pyflowbuf.api.windowed import AllWindowedStream, _no_key
         # no hash exchange: every record goes to the single subtask (forward
         # from a single upstream subtask, else rebalance into one)
         return AllWindowedStream(KeyedStream(self.env, self.node, _no_key), assigner, trigger)
@@ -394,7 +402,6 @@ class Stream(SinkDeclarations):
                            .window(fb.Tumbling(60))
                            .apply(lambda o, p: (o["id"], p["amount"])))
         """
-        from pyflowbuf.api.joined import JoinedStreams
         _same_env(self.env, other, "join")
         return JoinedStreams(self, other)
 
@@ -426,6 +433,8 @@ class KeyedStream(Stream):
 
         keyed = words.key_by(lambda w: w)
     """
+
+    _keyed = True
 
     def reduce(self, fn: Callable, *, parallelism: int | None = None, name: str = "reduce",
                kind: Any = None) -> Stream:
@@ -545,7 +554,6 @@ class KeyedStream(Stream):
             early = timed.key_by(lambda e: e["page"]).window(
                 fb.Tumbling(3600), trigger=fb.ContinuousEventTimeTrigger(60)).aggregate(fb.Count())
         """
-        from pyflowbuf.api.windowed import WindowedStream
         return WindowedStream(self, assigner, trigger)
 
     def interval_join(self, other: "KeyedStream", lower: float | None = None, upper: float | None = None):
@@ -565,7 +573,6 @@ class KeyedStream(Stream):
                              .interval_join(views.key_by(lambda v: v["ad"]), -5.0, 0.0)
                              .process(lambda click, view: [(click["ad"], view["ts"], click["ts"])]))
         """
-        from pyflowbuf.api.joined import IntervalJoin
         join = IntervalJoin(self, other)
         return join if lower is None and upper is None else join.between(lower, upper)
 
@@ -750,3 +757,62 @@ def _timestamp_fn(node):
     travel with the records (None: no times, or times that travel)."""
     ts = getattr(node, "timestamps", None)
     return None if ts is carried_timestamps else ts
+
+
+class WindowResult(Stream):
+    """The results of a window operator; ``late()`` is the stream of its
+    late records (Flink's ``side_output_late_data`` / ``get_side_output``),
+    a side output of the window operator.
+
+    Example::
+
+        res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
+        counts = res.collect()
+        late = res.late().collect()
+    """
+
+    def __init__(self, env, node):
+        super().__init__(env, node)
+        self._late = None
+
+    def late(self, *, name: str = "late") -> Stream:
+        """The records that came too late for every window they belong to
+        (past the watermark plus the allowed lateness), instead of being
+        dropped. It may be called before or after the results are used
+        (``res.collect(); late = res.late()``): the late records are a
+        side output of the window operator, beside its results.
+
+        Returns a ``Stream`` of the late records as they came (with their
+        timestamps); calling it again returns the same stream.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
+            res.late().write_text("late-records")
+        """
+        if self._late is None:
+            late = _side_stream(self, LATE_TAG, name, self._input_kind)
+            late.node.timestamps = self._ts
+            self._late = late
+        return self._late
+
+    def collect(self, **kw):
+        """``Stream.collect`` of the window's results. The handle it returns has
+        no ``late()``: calling it raises ``ConfigurationError`` pointing to
+        ``res.late()`` on the result stream.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
+            counts = res.collect()
+            late = res.late().collect()
+        """
+        handle = super().collect(**kw)
+        handle.late = _late_after_collect
+        return handle
+
+
+def _late_after_collect(*args, **kwargs):
+    raise ConfigurationError(
+        "late() is a method of the window's result stream, not of the handle collect() returns: "
+        "res = ....aggregate(...); counts = res.collect(); late = res.late().collect()")

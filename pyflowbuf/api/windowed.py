@@ -1,5 +1,8 @@
-"""What ``KeyedStream.window()`` returns (``WindowedStream``) and the window
-result stream with its ``late()`` side output."""
+"""What ``KeyedStream.window()`` and ``Stream.window_all()`` return
+(``WindowedStream``, ``AllWindowedStream``). The stream of a window's results
+(``WindowResult``) is a ``Stream`` and lives with it in ``stream.py``: this
+module makes streams through the stream it came from (``Stream._derive``)
+and never imports ``stream.py``, which imports it."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -7,8 +10,7 @@ from typing import Any, Callable
 
 from pyflowbuf import errors
 from pyflowbuf._validation import _callable, _check_arity, _check_kind, _kind_identity
-from pyflowbuf.api.side_outputs import LATE, OutputTag, declare_side_outputs
-from pyflowbuf.api.stream import Stream, _side_stream
+from pyflowbuf.api.side_outputs import LATE, LATE_TAG, declare_side_outputs
 from pyflowbuf.runtime.timers import takes_context
 from pyflowbuf.runtime.graph import carried_timestamps as _carried
 from pyflowbuf.runtime.graph import has_timestamps
@@ -19,8 +21,6 @@ from pyflowbuf.windows.assigners import WindowAssigner
 from pyflowbuf.windows.operator import AGGREGATE, PROCESS, REDUCE, WindowSpec, window_operator_class
 from pyflowbuf.windows.triggers import EventTimeTrigger, ProcessingTimeTrigger, Trigger
 
-# the side output of every window operator that late() reads
-_LATE_TAG = OutputTag(LATE)
 _RESERVED = {LATE: "a window's late records are result.late()"}
 
 
@@ -93,6 +93,7 @@ def _check_trigger(assigner, trigger):
 
 
 def _no_key(record):
+    """The key of every record of ``window_all``: one window state per window."""
     return 0
 
 
@@ -189,9 +190,9 @@ class WindowedStream:
         # gives them the end of time): its stream carries no timestamps
         node.drops_timestamps = self.assigner.domain == "count"
         # late records leave through a side output, read when late() is taken
-        node.side_tags = {LATE: _LATE_TAG, **(tags or {})}
+        node.side_tags = {LATE: LATE_TAG, **(tags or {})}
         node.window_late = True
-        res = WindowResult(self.keyed.env, node)
+        res = self.keyed._derive(node, window_result=True)
         res._ts = self.ts
         res._input_kind = self.keyed.node.kind
         return res
@@ -294,18 +295,17 @@ class WindowedStream:
         assigner, lateness, ts = self.assigner, self.lateness, self.ts
         if assigner.merging:
             raise errors.ConfigurationError("the vectorized window path takes Tumbling or Sliding windows")
-        env = self.keyed.env
         p = 1 if parallelism is None else parallelism
         # batches are not split by key: with one subtask it sees every row; with
         # more, each aggregates the batches it gets and one subtask combines
         # their partial results per window once its watermark (the minimum of
         # theirs) passes the window's end, when every partial result is in
-        plain = Stream(env, self.keyed.node)
+        plain = self.keyed._derive(self.keyed.node)
         if p == 1:
             node = plain._then(name, lambda: ArrowWindowOperator(name, column_key, ts, assigner, aggs, lateness),
                                1, "arrow")
             node.event_time = True
-            return Stream(env, node)
+            return plain._derive(node)
         if lateness:
             raise errors.ConfigurationError(
                 "the vectorized window path takes allowed_lateness only with parallelism 1: its partial "
@@ -313,10 +313,10 @@ class WindowedStream:
         part = plain._then(f"{name}.partial", lambda: ArrowWindowOperator(
             f"{name}.partial", column_key, ts, assigner, aggs, 0.0, mode="partial"), p, "arrow")
         part.event_time = True
-        node = Stream(env, part)._then(name, lambda: ArrowWindowOperator(
+        node = plain._derive(part)._then(name, lambda: ArrowWindowOperator(
             name, column_key, ts, assigner, aggs, 0.0, mode="final"), 1, "arrow")
         node.event_time = True
-        return Stream(env, node)
+        return plain._derive(node)
 
 
 class AllWindowedStream(WindowedStream):
@@ -372,64 +372,3 @@ class AllWindowedStream(WindowedStream):
                 lambda w, recs: [(w.start, sorted(recs, key=lambda r: -r["score"])[:3])])
         """
         return super().process(fn, side_outputs=side_outputs, parallelism=parallelism, name=name, kind=kind)
-
-
-class WindowResult(Stream):
-    """The results of a window operator; ``late()`` is the stream of its
-    late records (Flink's ``side_output_late_data`` / ``get_side_output``),
-    a side output of the window operator.
-
-    Example::
-
-        res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
-        counts = res.collect()
-        late = res.late().collect()
-    """
-
-    def __init__(self, env, node):
-        super().__init__(env, node)
-        self._late = None
-
-    def late(self, *, name: str = "late") -> Stream:
-        """The records that came too late for every window they belong to
-        (past the watermark plus the allowed lateness), instead of being
-        dropped. It may be called before or after the results are used
-        (``res.collect(); late = res.late()``): the late records are a
-        side output of the window operator, beside its results.
-
-        Returns a ``Stream`` of the late records as they came (with their
-        timestamps); calling it again returns the same stream.
-
-        Example::
-
-            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
-            res.late().write_text("late-records")
-        """
-        if self._late is None:
-            late = _side_stream(self, _LATE_TAG, name, self._input_kind)
-            late.node.timestamps = self._ts
-            self._late = late
-        return self._late
-
-    def collect(self, **kw):
-        """``Stream.collect`` of the window's results. The handle it returns has
-        no ``late()``: calling it raises ``ConfigurationError`` pointing to
-        ``res.late()`` on the result stream.
-
-        Example::
-
-            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count())
-            counts = res.collect()
-            late = res.late().collect()
-        """
-        handle = super().collect(**kw)
-        handle.late = _late_after_collect
-        return handle
-
-
-def _late_after_collect(*args, **kwargs):
-    raise errors.ConfigurationError(
-        "late() is a method of the window's result stream, not of the handle collect() returns: "
-        "res = ....aggregate(...); counts = res.collect(); late = res.late().collect()")
-
-

@@ -1,10 +1,12 @@
 """The ``pyflowbuf`` command line (also ``python -m pyflowbuf``).
 
-    pyflowbuf run job.py [--restore latest|ID|PATH] [--parallelism N] [--workers N]
+    pyflowbuf run job.py [--restore latest|ID|PATH] [--parallelism N] [--workers N] [--control-port P]
                          [--savepoint-on-stop PATH] [--json]
     pyflowbuf checkpoints list DIR [--verify] [--json]
     pyflowbuf checkpoints show PATH [ID] [--json]
     pyflowbuf checkpoints verify PATH [ID] [--json]
+    pyflowbuf savepoint (CHECKPOINT_DIR | --address HOST:PORT --secret-file F) [PATH] [--json]
+    pyflowbuf stop (CHECKPOINT_DIR | --address HOST:PORT --secret-file F) [--savepoint PATH] [--json]
     pyflowbuf demo [--quick]
     pyflowbuf bench NAME [ARGS...]
 
@@ -28,6 +30,7 @@ from pathlib import Path
 from pyflowbuf._version import __version__
 from pyflowbuf.checkpoint.errors import CheckpointError
 from pyflowbuf.cli import checkpoints as chk
+from pyflowbuf.cli import control
 from pyflowbuf.cli import render
 from pyflowbuf.cli import run as runner
 from pyflowbuf.cli.checkpoints import CliError
@@ -47,6 +50,12 @@ def _positive(text: str) -> int:
     return n
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535 (0: a free one), got {text!r}")
+    return int(text)
+
+
 def _checkpoint_id(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"a checkpoint id is an integer >= 0, got {text!r}")
@@ -55,7 +64,8 @@ def _checkpoint_id(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pyflowbuf", description="pyflowbuf: run jobs, inspect their checkpoints, run the demonstration.")
+        prog="pyflowbuf", description="pyflowbuf: run jobs, inspect their checkpoints, take savepoints of running "
+                                      "jobs and stop them, run the demonstration.")
     parser.add_argument("--version", action="version", version=f"pyflowbuf {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     common = argparse.ArgumentParser(add_help=False)
@@ -86,8 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--savepoint-on-stop", metavar="PATH",
                      help="on Ctrl-C or SIGTERM, stop the job with a final savepoint at PATH (a directory or an "
                           "fsspec URL) instead of cancelling it; resume with --restore PATH")
+    run.add_argument("--control-port", type=_port, metavar="PORT",
+                     help="open the job's control endpoint on this port (0: a free one) for `pyflowbuf savepoint` "
+                          "and `pyflowbuf stop`, as Environment(control_port=PORT)")
     run.add_argument("--json", action="store_true",
                      help="end with one line of JSON: status, duration, restored checkpoint, checkpoint history")
+    control.add_commands(sub, common, as_json)
 
     cps = sub.add_parser("checkpoints", help="list, show and verify checkpoints")
     csub = cps.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -123,6 +137,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"pyflowbuf {command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except control.UsageError as e:
+        print(f"pyflowbuf {command}: usage error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except runner.JobCodeError as e:
         if debug:
             traceback.print_exc()
@@ -173,6 +190,8 @@ def _run(args) -> int:
     restore = runner.restore_arg(args.restore, env, args.job)
     outcome = {}
     try:
+        if args.control_port is not None:
+            env.control_port = args.control_port       # checked with every setting when the job starts
         if args.savepoint_on_stop is not None and env.checkpoint_interval is None:
             raise CliError(f"--savepoint-on-stop needs checkpointing, and the Environment of {args.job} has "
                            "checkpoint_interval=None")
@@ -309,4 +328,5 @@ def _verify(args) -> int:
 
 
 _COMMANDS = {"demo": _demo, "bench": _bench, "run": _run, "checkpoints list": _list, "checkpoints show": _show,
-             "checkpoints verify": _verify}
+             "checkpoints verify": _verify, "savepoint": lambda args: control.run(args, "savepoint"),
+             "stop": lambda args: control.run(args, "stop")}

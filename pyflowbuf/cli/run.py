@@ -25,6 +25,7 @@ from pyflowbuf.cli.checkpoints import CliError
 from pyflowbuf.errors import FlowBufError
 from pyflowbuf.runtime import overrides
 from pyflowbuf.runtime.checkpointing import DEFAULT_CHECKPOINT_DIR
+from pyflowbuf.runtime.control import local_path
 
 _CHK_DIR = re.compile(r"^chk-(0|[1-9][0-9]*)$")
 
@@ -227,12 +228,20 @@ def _run(env, spec, restore, report, savepoint_on_stop=None) -> dict:
         job = env.execute_async(restore_from=restore)
         report(f"job {env.name!r} started (parallelism {env.parallelism}"
                + (f", {env.workers} worker processes" if env.workers else "") + ")" + _restored(job))
+        if job.control is not None:
+            host, port = job.control.address
+            report(f"control endpoint on {host}:{port}: `pyflowbuf savepoint {outcome['checkpoint_dir']}` takes a "
+                   f"savepoint, `pyflowbuf stop {outcome['checkpoint_dir']}` stops the job with one")
         if savepoint_on_stop is not None:
             # join() cancels the job on Ctrl-C; here the job must stay up for its savepoint
             while not job.done:
                 job._done.wait(0.5)
         job.join()
         outcome["status"] = "finished"
+        if job.stopped_with_savepoint is not None:      # by `pyflowbuf stop`, from elsewhere
+            outcome["status"] = "stopped"
+            path = next((c.get("path") for c in env.checkpoints() if c.get("id") == job.stopped_with_savepoint), None)
+            outcome["savepoint"] = None if path is None else local_path(path)
     except KeyboardInterrupt as e:
         outcome["signal"] = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
         running = job if job is not None else env.last_execution

@@ -122,6 +122,7 @@ class Execution:
     start that failed before it ran nothing and left nothing running."""
 
     ran = False
+    control = None      # the control endpoint (Environment(control_port=...)); closed when the job ends
 
     def join(self, timeout=None):
         """Wait for the job; raise JobFailedError on failure, TimeoutError if it
@@ -136,6 +137,8 @@ class Execution:
         if not finished:
             self._stop_now()
             raise TimeoutError(f"job {self.env.name!r} did not finish within {timeout} s (cancelled)")
+        if self.control is not None:
+            self.control.close()
         self._close()
         self.raise_if_failed()
         self._finished_ok()
@@ -210,6 +213,8 @@ class Execution:
         path = self._savepoint_path(savepoint)
         coordinator.savepoint(path, stop=True, timeout=timeout)
         self._done.wait()
+        if self.control is not None:
+            self.control.close()
         self._close()
         return path
 

@@ -1,0 +1,154 @@
+"""``pyflowbuf savepoint`` and ``pyflowbuf stop``: act on a running job
+through its control endpoint (``pyflowbuf.runtime.control``).
+
+The job is found by the control file it writes into its checkpoint_dir
+(``CHECKPOINT_DIR`` names the directory or the file), or by ``--address
+HOST:PORT --secret-file FILE`` (a file holding the secret in hexadecimal, or
+a copy of the control file), e.g. for a job on another host."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from pyflowbuf.cli import render
+from pyflowbuf.cli.checkpoints import CliError
+from pyflowbuf.runtime import control
+
+# what the client adds to --timeout before it gives up waiting for the answer:
+# the job itself gives up after --timeout and answers with the reason
+_ANSWER_MARGIN_S = 30.0
+
+
+class UsageError(CliError):
+    """A combination of arguments that cannot work (exit code 2)."""
+
+
+def add_commands(sub, common, as_json) -> None:
+    """The ``savepoint`` and ``stop`` subcommands of the parser."""
+    where = ("the running job's checkpoint_dir (it holds the control file the job writes while it runs with "
+             "control_port=), or that control file")
+    sp = sub.add_parser(
+        "savepoint", parents=[common, as_json], help="take a savepoint of a running job",
+        usage="pyflowbuf savepoint (CHECKPOINT_DIR | --address HOST:PORT --secret-file FILE) [PATH] "
+              "[--timeout S] [--json]",
+        description="Take a savepoint of a running job (job.savepoint(PATH)); the job runs on. Resume from it "
+                    "with `pyflowbuf run JOB --restore PATH` or execute(restore_from=PATH). The job must run "
+                    "with control_port= (or `pyflowbuf run --control-port`).")
+    sp.add_argument("target", nargs="?", metavar="CHECKPOINT_DIR", help=where)
+    sp.add_argument("path", nargs="?", metavar="PATH",
+                    help="where the savepoint goes (a new or empty directory, or an fsspec URL, on the job's "
+                         "side); default <checkpoint_dir>/savepoints/savepoint-<time>")
+    st = sub.add_parser(
+        "stop", parents=[common, as_json], help="stop a running job with a final savepoint",
+        usage="pyflowbuf stop (CHECKPOINT_DIR | --address HOST:PORT --secret-file FILE) [--savepoint PATH] "
+              "[--timeout S] [--json]",
+        description="Stop a running job with a final savepoint (job.stop(savepoint=PATH)): its sources stop, "
+                    "the savepoint is taken, the sinks commit what it covers, and the job ends. Resuming from "
+                    "it loses and repeats nothing. If the savepoint fails the job runs on (exit code 1).")
+    st.add_argument("target", nargs="?", metavar="CHECKPOINT_DIR", help=where)
+    st.add_argument("--savepoint", metavar="PATH", dest="path",
+                    help="where the final savepoint goes; default <checkpoint_dir>/savepoints/savepoint-<time>")
+    for p in (sp, st):
+        p.add_argument("--address", metavar="HOST:PORT", help="the job's control endpoint, instead of a control file")
+        p.add_argument("--secret-file", metavar="FILE",
+                       help="with --address: a file holding the endpoint's secret (hexadecimal), or a copy of the "
+                            "job's control file")
+        p.add_argument("--timeout", type=_seconds, metavar="S",
+                       help="seconds the savepoint may take (default: the job's checkpoint_timeout)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < s < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return s
+
+
+def parse_address(text: str) -> tuple:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6)."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--address takes HOST:PORT (e.g. 127.0.0.1:6123), got {text!r}")
+    return host, int(port)
+
+
+def read_secret_file(path: str) -> bytes:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise CliError(f"--secret-file {path}: {e.strerror or e}") from None
+    try:
+        info = json.loads(text)
+    except ValueError:
+        info = None
+    if isinstance(info, dict):
+        if "secret" not in info:
+            raise CliError(f"--secret-file {path}: a JSON file without a \"secret\" field")
+        text = info["secret"]
+    try:
+        return control.parse_secret(text, f"--secret-file {path}")
+    except control.ControlError as e:
+        raise CliError(str(e)) from None
+
+
+def find_job(args) -> tuple:
+    """(address, secret, what the control file says (empty with --address))."""
+    if args.address is not None:
+        if args.secret_file is None:
+            raise UsageError("--address needs --secret-file FILE: the endpoint takes only clients that know its secret")
+        return parse_address(args.address), read_secret_file(args.secret_file), {}
+    if args.secret_file is not None:
+        raise UsageError("--secret-file goes with --address; the control file in CHECKPOINT_DIR holds the secret")
+    if args.target is None:
+        raise UsageError("name the job: CHECKPOINT_DIR (its checkpoint_dir, which holds its control file), or "
+                         "--address HOST:PORT --secret-file FILE")
+    try:
+        info = control.read_control_file(args.target)
+        control.check_alive(info)
+        return control.control_address(info), control.control_secret(info), info
+    except control.ControlError as e:
+        raise CliError(str(e)) from None
+
+
+def _job_path(path):
+    """A local savepoint path as the caller means it: relative to where the
+    command runs (the job's working directory may be another)."""
+    if path is None or "://" in path or "::" in path:
+        return path
+    return os.path.abspath(path)
+
+
+def run(args, op: str) -> int:
+    if args.address is not None and args.target is not None:
+        if op == "stop" or args.path is not None:
+            raise UsageError("with --address, give no CHECKPOINT_DIR (the address says where the job is)")
+        args.target, args.path = None, args.target       # with --address the one positional is PATH
+    address, secret, info = find_job(args)
+    timeout = args.timeout
+    message = {"op": op, "path": _job_path(args.path), "timeout": timeout}
+    try:
+        answer = control.request(address, secret, message,
+                                 timeout=None if timeout is None else timeout + _ANSWER_MARGIN_S)
+    except control.ControlError as e:
+        where = f" (control file {info['file']})" if info.get("file") else ""
+        raise CliError(f"{e}{where}") from None
+    if not answer.get("ok"):
+        raise CliError(f"the job did not take the savepoint: {answer.get('error')}: {answer.get('message')}")
+    host, port = address
+    result = {"command": op, "job": answer.get("job"), "address": f"{host}:{port}", "path": answer.get("path"),
+              "checkpoint_id": answer.get("checkpoint_id"), "stopped": op == "stop"}
+    if args.json:
+        render.emit_json(result)
+        return 0
+    render.table(f"{'stopped job' if op == 'stop' else 'savepoint of job'} {result['job']!r} at {result['address']}",
+                 [("checkpoint", "right"), ("savepoint", "left")],
+                 [["" if result["checkpoint_id"] is None else str(result["checkpoint_id"]), str(result["path"])]])
+    print(f"resume with: pyflowbuf run JOB --restore {result['path']}  (or execute(restore_from=...))")
+    return 0

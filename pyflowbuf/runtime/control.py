@@ -1,0 +1,585 @@
+"""The control endpoint of a running job: how ``pyflowbuf savepoint`` and
+``pyflowbuf stop`` reach a job from another process (Flink's ``flink
+savepoint`` / ``flink stop`` against a job's REST port).
+
+A job opens it only when asked (``Environment(control_port=0)``, 0 for a free
+port; ``pyflowbuf run --control-port``), on ``bind_host`` (loopback by
+default), and while it runs it writes a control file next to its checkpoints,
+``<checkpoint_dir>/_control.json``, mode 0600: the address, the port, the
+process and a fresh random secret. A client proves that it knows the secret
+with the exchange's HMAC-SHA256 challenge (``pyflowbuf.net.protocol``, both
+ends prove it) and then sends one request, a small JSON object in a frame of
+``4-byte big-endian length + UTF-8 JSON``; the job answers with one, and
+closes. Nothing read off the socket is unpickled.
+
+Requests: ``{"op": "savepoint", "path": PATH or null, "timeout": s or null}``
+(``job.savepoint(path)``) and ``{"op": "stop", "path": ..., "timeout": ...}``
+(``job.stop(savepoint=path)``). Answers: ``{"ok": true, "op": ..., "path":
+the savepoint's directory, "checkpoint_id": n, "job": name}`` or ``{"ok":
+false, "error": "CheckpointStateError", "message": "..."}``.
+
+The file goes when the job ends (``join()``, ``stop()``, or within 0.1 s of
+the end of a job nobody joins; at the latest when the process exits). A job
+killed outright leaves it behind: the client sees from its process id (same
+host) or from a refused connection that no job is behind it, and says so.
+
+Example::
+
+    env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir="ck", control_port=0)
+    ...
+    job = env.execute_async()
+    info = read_control_file("ck")
+    answer = request(control_address(info), control_secret(info), {"op": "savepoint", "path": "/backups/sp1"})
+    answer["path"]           # '/backups/sp1'
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import socket
+import struct
+import threading
+import time
+import uuid
+import weakref
+
+from pyflowbuf import errors
+from pyflowbuf.net import protocol as P
+from pyflowbuf.net.control import _NO_BUFFERS, _check_nothing_staged
+from pyflowbuf.runtime.checkpointing import DEFAULT_CHECKPOINT_DIR
+
+CONTROL_FILE = "_control.json"
+FORMAT = 1
+OPS = ("savepoint", "stop")
+_LEN = struct.Struct(">I")
+# a request or an answer is a few hundred bytes: a peer cannot make either end allocate more
+MAX_MESSAGE = 64 * 1024
+# connections served at once (each is a thread); more are closed at once
+MAX_CONNECTIONS = 8
+# after the handshake, the time a client has to send its request
+REQUEST_TIMEOUT = 10.0
+CONNECT_TIMEOUT = 10.0
+# how long the job's end waits for answers under way (the answer to `stop` is
+# sent once the job has ended: a process exiting then would swallow it)
+ANSWER_GRACE_S = 10.0
+# how soon the endpoint of a job nobody joins sees that the job ended
+_POLL_S = 0.1
+
+_OPEN: "weakref.WeakSet[ControlEndpoint]" = weakref.WeakSet()   # endpoints of this process
+_OPEN_LOCK = threading.Lock()
+
+
+def _open_endpoints() -> list:
+    with _OPEN_LOCK:
+        return list(_OPEN)
+
+
+class ControlError(errors.FlowBufError):
+    """A control request failed: no job behind a control file, a refused
+    secret, or the job's own answer (``error``: the job's exception type)."""
+
+    def __init__(self, message, error=None):
+        super().__init__(message)
+        self.error = error
+
+
+# ---------------------------------------------------------------- settings
+
+def check_settings(env) -> None:
+    """``control_port``: None (no endpoint) or a port in 0..65535, on a job
+    with checkpoints (what it controls are savepoints) in a local
+    ``checkpoint_dir`` (the control file holds a secret: it is written with
+    mode 0600, which only a local file system keeps)."""
+    port = getattr(env, "control_port", None)
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise errors.ConfigurationError(
+            f"control_port must be None (no control endpoint) or an int in 0..65535 (0: a free port), got {port!r}")
+    if env.checkpoint_interval is None:
+        raise errors.ConfigurationError(
+            "control_port opens the endpoint `pyflowbuf savepoint` and `pyflowbuf stop` reach, and savepoints need "
+            "checkpointing: set checkpoint_interval (and checkpoint_dir)")
+    control_file_path(env.checkpoint_dir)
+
+
+def control_file_path(checkpoint_dir) -> str:
+    """The control file of a job with this ``checkpoint_dir`` (None: the default)."""
+    directory = os.fspath(checkpoint_dir or DEFAULT_CHECKPOINT_DIR)
+    if directory.startswith("file://"):
+        directory = directory[len("file://"):]
+    elif "://" in directory or "::" in directory:
+        raise errors.ConfigurationError(
+            f"control_port writes a control file holding a secret next to the checkpoints, readable by its user "
+            f"only, which needs a local checkpoint_dir; {directory!r} is not one: run the job with a local "
+            "checkpoint_dir, or without control_port")
+    return os.path.join(os.path.abspath(directory), CONTROL_FILE)
+
+
+# ---------------------------------------------------------------- the control file
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True         # a process of another user
+    return True
+
+
+def read_control_file(path) -> dict:
+    """The control file at ``path``: the file itself, or the checkpoint_dir
+    holding it. Raises ControlError when there is none or it is not one."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, CONTROL_FILE)
+    elif not os.path.exists(path):
+        raise ControlError(f"{path}: no such checkpoint directory or control file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        raise ControlError(
+            f"no running job controls {os.path.dirname(path)}: it has no {CONTROL_FILE} (a job opens its control "
+            "endpoint only when asked: Environment(control_port=0) or `pyflowbuf run --control-port 0`)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ControlError(f"{path} is not a pyflowbuf control file: {e}") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT or not all(
+            k in info for k in ("address", "port", "secret", "pid", "host")):
+        raise ControlError(f"{path} is not a pyflowbuf control file of format {FORMAT}")
+    info["file"] = path
+    return info
+
+
+def check_alive(info) -> None:
+    """A control file written on this host by a process that is gone is
+    stale: ControlError saying so (a file of another host is tried)."""
+    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int) and not _alive(info["pid"]):
+        raise ControlError(
+            f"{info['file']} is stale: the process that wrote it (pid {info['pid']}, job {info.get('job')!r}, "
+            f"started {_when(info.get('started'))}) is gone, and no job is running there; remove the file")
+
+
+def _when(t) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "?"
+
+
+def control_address(info) -> tuple:
+    """Where a client connects: the file's address, loopback for a wildcard."""
+    host = info["address"]
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return host, int(info["port"])
+
+
+def control_secret(info) -> bytes:
+    return parse_secret(info["secret"], info.get("file", "the control file"))
+
+
+def parse_secret(text, where) -> bytes:
+    try:
+        secret = bytes.fromhex(text.strip())
+    except (AttributeError, ValueError):
+        raise ControlError(f"{where}: the secret is not hexadecimal") from None
+    if len(secret) < 16:
+        raise ControlError(f"{where}: the secret is {len(secret)} bytes; a control secret has at least 16")
+    return secret
+
+
+def _write_private(path: str, info: dict) -> None:
+    """Write ``info`` to ``path`` readable by this user only, atomically: a
+    reader sees the old file or the whole new one, never a part."""
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)         # whatever the umask
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(info, f)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# ---------------------------------------------------------------- frames
+
+def _recv_exactly(sock, n: int, deadline) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("timed out")
+            sock.settimeout(left)
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise errors.ProtocolError(f"the peer closed the control connection after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def send_message(sock, obj: dict) -> None:
+    data = json.dumps(obj).encode("utf-8")
+    if len(data) > MAX_MESSAGE:
+        raise errors.ProtocolError(f"a control message of {len(data)} bytes is over the limit of {MAX_MESSAGE}")
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_message(sock, deadline=None) -> dict:
+    """One JSON object; ProtocolError for anything else (or an oversized frame)."""
+    (n,) = _LEN.unpack(_recv_exactly(sock, _LEN.size, deadline))
+    if n > MAX_MESSAGE:
+        raise errors.ProtocolError(f"a control frame announced {n} bytes, over the limit of {MAX_MESSAGE}")
+    body = _recv_exactly(sock, n, deadline)
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise errors.ProtocolError(f"a control message that is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise errors.ProtocolError(f"a control message must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+# ---------------------------------------------------------------- the job's end
+
+class ControlEndpoint:
+    """A job's control endpoint. ``open(env)`` binds the port and writes the
+    control file (before the job starts, so a busy port or a directory that
+    cannot be written is refused before anything runs); ``serve(job)``
+    answers requests once the job runs; ``close()`` (idempotent) removes the
+    file and the port.
+
+    Each connection is served by a thread of its own (at most
+    ``MAX_CONNECTIONS`` at once): a savepoint may take as long as the job's
+    ``checkpoint_timeout``, and a stranger that never finishes the handshake
+    is dropped after ``handshake_timeout``."""
+
+    def __init__(self, env, *, handshake_timeout: float = P.DEFAULT_HANDSHAKE_TIMEOUT):
+        check_settings(env)
+        self.path = control_file_path(env.checkpoint_dir)
+        self.host = env.bind_host
+        self.handshake_timeout = handshake_timeout
+        self.secret = P.new_secret()
+        self.token = uuid.uuid4().hex
+        self.pid = os.getpid()
+        self.job = None
+        self.refused = 0
+        self.errors: list = []          # (peer, exception) of the latest failed connections
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._shut_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._active = 0
+        self._answering: set = set()        # threads with a request read and its answer not yet sent
+        self._thread = None
+        self._check_no_other_job()
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((self.host, env.control_port))
+            sock.listen(16)
+        except OSError as exc:
+            sock.close()
+            raise errors.PortUnavailableError(
+                exc.errno, f"control_port={env.control_port}: cannot listen on {self.host}:{env.control_port}: "
+                f"{exc.strerror or exc}; choose another port, or 0 for a free one") from exc
+        self._sock = sock
+        self.address = sock.getsockname()[:2]
+        try:
+            self._write_file(env)
+        except OSError as exc:
+            sock.close()
+            raise errors.ConfigurationError(
+                f"control_port: cannot write the control file {self.path}: {exc.strerror or exc}") from exc
+        with _OPEN_LOCK:
+            _OPEN.add(self)
+
+    @classmethod
+    def open(cls, env) -> "ControlEndpoint | None":
+        """The endpoint ``env.control_port`` asks for, bound; None without one."""
+        return None if getattr(env, "control_port", None) is None else cls(env)
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    def _check_no_other_job(self) -> None:
+        try:
+            info = read_control_file(self.path)
+        except ControlError:
+            return      # none, or not one: this job's replaces it
+        except OSError as exc:
+            raise errors.ConfigurationError(
+                f"control_port: cannot read the control file {self.path}: {exc.strerror or exc}") from exc
+        here = info.get("host") == socket.gethostname()
+        if here and info["pid"] == self.pid:        # a job of this process: still running?
+            running = any(e.token == info.get("token") and not e.closed and (e.job is None or not e.job.done)
+                          for e in _open_endpoints())
+        else:                                       # (a file of another host is replaced)
+            running = here and isinstance(info["pid"], int) and _alive(info["pid"])
+        if running:
+            raise errors.ConfigurationError(
+                f"{self.path}: job {info.get('job')!r} (pid {info['pid']}) is running with this checkpoint_dir and "
+                "its control endpoint; two jobs must not share a checkpoint_dir (if that process is no pyflowbuf "
+                "job, remove the file)")
+
+    def _write_file(self, env) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        _write_private(self.path, {
+            "format": FORMAT, "job": env.name, "pid": self.pid, "host": socket.gethostname(),
+            "address": self.address[0], "port": self.port, "secret": self.secret.hex(), "token": self.token,
+            "started": time.time(), "checkpoint_dir": os.path.dirname(self.path)})
+
+    def serve(self, job) -> None:
+        """Answer requests about ``job`` until ``close()`` or the job's end."""
+        self.job = job
+        self._thread = threading.Thread(target=self._accept_loop, name="pyflowbuf: control endpoint", daemon=True)
+        self._thread.start()
+
+    def close(self, wait: float = ANSWER_GRACE_S) -> None:
+        """Remove the file, stop listening, and wait (at most ``wait`` s) for
+        the answers under way to go out, except the caller's own."""
+        with self._shut_lock:       # a second caller returns once the file is gone, not before
+            if not self._closed.is_set():
+                self._closed.set()
+                self._shut()
+        me = threading.current_thread()
+        deadline = time.monotonic() + wait
+        with self._idle:
+            while self._answering - {me}:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
+
+    def _shut(self) -> None:
+        if os.getpid() == self.pid:
+            self._remove_file()
+        try:
+            # refuse new connections now: a close alone waits for the accept
+            # thread's select() to let go, and one that lands meanwhile is reset
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        with _OPEN_LOCK:
+            _OPEN.discard(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def _remove_file(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                if json.load(f).get("token") != self.token:
+                    return      # another job's file now
+            os.unlink(self.path)
+        except (OSError, ValueError):
+            pass
+
+    def _accept_loop(self) -> None:
+        sock = self._sock
+        while not self._closed.is_set():
+            if self.job.done:
+                self.close()
+                return
+            try:
+                ready, _, _ = select.select([sock], [], [], _POLL_S)
+                if not ready:
+                    continue
+                conn, peer = sock.accept()
+            except (OSError, ValueError):
+                if self._closed.is_set():
+                    return
+                continue
+            with self._lock:
+                busy = self._active >= MAX_CONNECTIONS
+                if not busy:
+                    self._active += 1
+            if busy:
+                self._refuse(peer, errors.ProtocolError(f"more than {MAX_CONNECTIONS} control connections at once"))
+                conn.close()
+                continue
+            threading.Thread(target=self._serve_one, args=(conn, peer), name="pyflowbuf: control request",
+                             daemon=True).start()
+
+    def _refuse(self, peer, exc) -> None:
+        with self._lock:
+            self.refused += 1
+            self.errors = (self.errors + [(peer, exc)])[-16:]
+
+    def _serve_one(self, conn, peer) -> None:
+        try:
+            P.configure_socket(conn)
+            reader = P.FrameReader(conn, _NO_BUFFERS)
+            P.server_handshake(conn, reader, self.secret, _NO_BUFFERS,
+                               deadline=time.monotonic() + self.handshake_timeout)
+            _check_nothing_staged(reader)
+            req = recv_message(conn, time.monotonic() + REQUEST_TIMEOUT)
+            conn.settimeout(None)
+            with self._lock:
+                self._answering.add(threading.current_thread())
+            answer = self._answer(req)
+            send_message(conn, answer)
+        except (errors.ProtocolError, OSError) as exc:      # AuthenticationError and socket.timeout too
+            self._refuse(peer, exc)
+        finally:
+            conn.close()
+            with self._idle:
+                self._active -= 1
+                self._answering.discard(threading.current_thread())
+                self._idle.notify_all()
+
+    def _answer(self, req: dict) -> dict:
+        op = req.get("op")
+        path, timeout = req.get("path"), req.get("timeout")
+        bad = None
+        if op not in OPS:
+            bad = f"unknown op {op!r} (one of {', '.join(OPS)})"
+        elif path is not None and (not isinstance(path, str) or not path):
+            bad = f"path must be a non-empty string or null, got {path!r}"
+        elif timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                      or not 0 < timeout < float("inf")):
+            bad = f"timeout must be seconds > 0 or null, got {timeout!r}"
+        if bad is not None:
+            return {"ok": False, "error": "ProtocolError", "message": f"a malformed control request: {bad}"}
+        job = self.job
+        try:
+            if op == "savepoint":
+                done = job.savepoint(path, timeout=timeout)
+                cid = _savepoint_id(job, done)
+            else:
+                done = job.stop(savepoint=path, timeout=timeout)
+                cid = job.stopped_with_savepoint
+                self.close()        # the job has ended: its file goes before the client hears so
+        except Exception as exc:  # noqa: BLE001 - every failure is the client's answer; the job runs on
+            return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+        done = local_path(done)         # absolute: the client's working directory is not the job's
+        return {"ok": True, "op": op, "path": done, "checkpoint_id": cid, "job": job.env.name}
+
+
+def _savepoint_id(job, path):
+    want = local_path(path)
+    for entry in reversed(job.checkpoints()):
+        if entry.get("savepoint") and local_path(entry.get("path") or "") == want:
+            return entry.get("id")
+    return None
+
+
+def local_path(path: str) -> str:
+    """A path as the history and the caller may spell it: a file:// URL, relative, absolute."""
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    return (path if "://" in path else os.path.abspath(path)).rstrip("/")
+
+
+@contextlib.contextmanager
+def endpoint_for(env, job):
+    """Around ``job.start()``: the endpoint ``env.control_port`` asks for
+    (nothing without one) is bound and its file written before the job
+    starts, served once it runs (``job.control``), and closed if it does not
+    start. The job closes it when it ends (``Execution.join``/``stop``)."""
+    endpoint = ControlEndpoint.open(env)
+    if endpoint is None:
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        endpoint.close()
+        raise
+    job.control = endpoint
+    endpoint.serve(job)
+
+
+@atexit.register
+def _close_all() -> None:
+    """A job still running when its process exits leaves no control file."""
+    for endpoint in _open_endpoints():
+        endpoint.close()
+
+
+def _forget_in_child() -> None:
+    # A forked worker inherits the listening socket; it must not hold the port
+    # (nor answer on it, nor remove the driver's file at its exit).
+    # (the lock may be held by a thread that does not exist here: a new one)
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()
+    for endpoint in list(_OPEN):
+        endpoint.pid = -1
+        try:
+            endpoint._sock.close()
+        except OSError:
+            pass
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+# ---------------------------------------------------------------- the client's end
+
+def request(address, secret: bytes, message: dict, *, timeout: float | None = None,
+            connect_timeout: float = CONNECT_TIMEOUT) -> dict:
+    """Send one request to the endpoint at ``address`` and return the job's
+    answer (a dict with ``ok``). ``timeout``: seconds to wait for the answer
+    after the request went out (None: as long as the job takes; it bounds a
+    savepoint by its checkpoint_timeout, and a vanished host is seen within
+    about 30 s). Raises ControlError when nobody listens there, the
+    handshake fails (a wrong secret) or the connection breaks."""
+    host, port = address
+    where = f"{host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=connect_timeout)
+    except ConnectionRefusedError:
+        raise ControlError(f"no job is listening at {where}: the job has ended (or its control file is stale)") \
+            from None
+    except socket.timeout:
+        raise ControlError(f"no answer from {where} within {connect_timeout} s") from None
+    except OSError as e:
+        raise ControlError(f"cannot connect to {where}: {e.strerror or e}") from None
+    try:
+        P.configure_socket(sock)
+        reader = P.FrameReader(sock, _NO_BUFFERS)
+        try:
+            P.client_handshake(sock, reader, secret, 0, deadline=time.monotonic() + connect_timeout)
+        except errors.AuthenticationError:
+            raise ControlError(f"the job at {where} refused the secret (a secret of another job, or of an earlier "
+                               "run of it?)", "AuthenticationError") from None
+        except socket.timeout:
+            raise ControlError(f"{where} did not complete the control handshake within {connect_timeout} s "
+                               "(is it a pyflowbuf control endpoint?)") from None
+        except errors.ConnectionLostError:
+            raise ControlError(f"the job at {where} closed the connection before the handshake ended (it has "
+                               "ended, or is ending)") from None
+        except errors.ProtocolError as e:
+            raise ControlError(f"{where} is not a pyflowbuf control endpoint: {e}") from None
+        _check_nothing_staged(reader)
+        send_message(sock, message)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            answer = recv_message(sock, deadline)
+        except socket.timeout:
+            raise ControlError(f"no answer from the job at {where} within {timeout} s") from None
+        except errors.ProtocolError as e:
+            raise ControlError(f"the connection to the job at {where} broke before it answered: {e}") from None
+        except OSError as e:
+            raise ControlError(f"the connection to the job at {where} broke before it answered: "
+                               f"{e.strerror or e}") from None
+        if "ok" not in answer:
+            raise ControlError(f"{where} answered without a status: {answer!r}")
+        return answer
+    finally:
+        sock.close()
