@@ -86,11 +86,11 @@ class RemoteContext:
         self.env = env
         self.exclusive_buffers = exclusive_buffers
         self.floating_buffers = floating_buffers
-        self.host = env.bind_host if host is None else host
+        self.host = env.network_config.bind_host if host is None else host
         self.port_range = port_range
         # the handshake announces this as the largest buffer a consumer must take
-        self.server = NetworkServer(secret, host=self.host, max_buffer_size=env.segment_size)
-        self.manager = ConnectionManager(secret, credit_based=env.credit_based)
+        self.server = NetworkServer(secret, host=self.host, max_buffer_size=env.network_config.segment_size)
+        self.manager = ConnectionManager(secret, credit_based=env.network_config.credit_based)
         self.addresses: dict = {}
         self.exports: list = []
         self.collected = None        # the worker's CollectShipper (checkpoints need it before tasks run)
@@ -101,7 +101,7 @@ class RemoteContext:
         # a firewall lets only these ports through: take the first free one
         lo, hi = self.port_range
         for port in range(lo, hi + 1):
-            server = NetworkServer(self.secret, host=self.host, port=port, max_buffer_size=self.env.segment_size)
+            server = NetworkServer(self.secret, host=self.host, port=port, max_buffer_size=self.env.network_config.segment_size)
             try:
                 address = server.start()
             except OSError:
@@ -458,7 +458,7 @@ def run_worker(env, me, workers, secret, conn, attempt=0, *, host=None, port_ran
         remote = RemoteContext(attempt_secret(secret, attempt), env, host=host, port_range=port_range)
         remote.collected = shipper = CollectShipper(env, send)
         job = JobExecution(env, placement(workers), me, remote)
-        config = ckpt.CheckpointConfig.from_env(env)
+        config = ckpt.CheckpointSettings.from_env(env)
         if config is not None:
             from pyflowbuf.checkpoint import CheckpointStorage
 
@@ -494,7 +494,7 @@ def run_worker(env, me, workers, secret, conn, attempt=0, *, host=None, port_ran
                 job.cancel()   # the driver is gone
         listener = threading.Thread(target=listen, name="pyflowbuf: worker control", daemon=True)
         listener.start()
-        while not job._done.wait(env.metrics_interval):
+        while not job._done.wait(env.metrics_config.interval):
             send(("metrics", metrics(job)))
         try:
             job.join()
@@ -681,7 +681,7 @@ class ClusterExecution(Execution):
         self._worker_sinks = sorted({n.name for n in env.nodes if n.user_sink})
         self.vertices = vertices
         # checkpoints: the coordinator lives here, for every worker's tasks
-        self.checkpoint_config = ckpt.CheckpointConfig.from_env(env)
+        self.checkpoint_config = ckpt.CheckpointSettings.from_env(env)
         self.coordinator = None
         self.restore_from = None       # set by Environment.execute(restore_from=...)
         self.restored_from = None      # the checkpoint id the job (or its last attempt) started from
@@ -696,13 +696,13 @@ class ClusterExecution(Execution):
         # The listeners live here, not in the workers: one Prometheus port,
         # one log, one live view for the whole job; a busy port is refused
         # before any worker is forked.
-        self.sampler = MetricsRelay(self.env.metrics_interval, make_listeners(self.env))
+        self.sampler = MetricsRelay(self.env.metrics_config.interval, make_listeners(self.env))
         self.started = time.monotonic()
         try:
             restore_id = self._start_checkpointing() if self.checkpoint_config is not None else None
             # before the fork: the workers' sinks inherit what it decided
             sink_outputs.prepare_outputs(self.env.nodes, restoring=restore_id is not None,
-                                    checkpoint_dir=self.env.checkpoint_dir)
+                                    checkpoint_dir=self.env.checkpoint_config.directory)
             self._start_workers(restore_id)
             # from execute() to every worker running (forked, or Spark tasks scheduled and reporting)
             self.startup_s = time.monotonic() - self.started

@@ -42,8 +42,9 @@ def check_timeout(timeout):
 
 def output_pool_size(env, nsub: int) -> tuple:
     """(min, max) segments of an output pool feeding ``nsub`` subpartitions."""
-    if env.output_buffers is not None:
-        return tuple(env.output_buffers)
+    ob = env.network_config.output_buffers
+    if ob is not None:
+        return ob
     return nsub + 1, 2 * nsub + 8
 
 
@@ -84,6 +85,7 @@ def check_output_pools(env, edges, processes) -> None:
     pool whose min is below its subpartitions can wait forever on segments
     that other blocked pools hold.
     ``processes``: (here(vertex, subtask), remote_buffers) per process."""
+    net = env.network_config
     for e in edges:
         nsub = subpartitions(e)
         lo, hi = output_pool_size(env, nsub)
@@ -91,24 +93,24 @@ def check_output_pools(env, edges, processes) -> None:
                  f"({e.partitioner}, {nsub} subpartition{'s' if nsub > 1 else ''} per producer)")
         if hi < nsub:
             raise errors.ConfigurationError(
-                f"output_buffers={env.output_buffers!r} caps {where} at {hi} segment{'s' if hi > 1 else ''}; "
+                f"output_buffers={net.output_buffers!r} caps {where} at {hi} segment{'s' if hi > 1 else ''}; "
                 f"its RecordWriter holds a buffer per subpartition, so the job would deadlock: give "
                 f"output_buffers a max of at least {nsub}, e.g. output_buffers=({min(lo, nsub)}, {nsub}), "
                 "or leave it unset for Flink's (subpartitions + 1, 2 * subpartitions + 8)")
-    if env.num_segments is None:
+    if net.num_segments is None:
         return      # sized for every pool at its max: the mins do not matter
     for here, remote_buffers in processes:
         needed = segments_needed(env, edges, here, remote_buffers)
-        if env.num_segments >= needed:
+        if net.num_segments >= needed:
             continue
         for e in edges:
             nsub = subpartitions(e)
             lo, _ = output_pool_size(env, nsub)
             if lo < nsub and any(here(e.source, i) for i in range(e.source.parallelism)):
                 raise errors.ConfigurationError(
-                    f"output_buffers={env.output_buffers!r} guarantees the output pool of {e.source.name!r} "
+                    f"output_buffers={net.output_buffers!r} guarantees the output pool of {e.source.name!r} "
                     f"feeding {e.target.name!r} ({nsub} subpartitions) a min of {lo} segment"
-                    f"{'s' if lo > 1 else ''}, and num_segments={env.num_segments} is too few for every "
+                    f"{'s' if lo > 1 else ''}, and num_segments={net.num_segments} is too few for every "
                     f"pool to reach its max ({needed} needed), so pools compete for the rest and this one "
                     f"can wait forever on segments that other blocked pools hold: give output_buffers a min "
                     f"of at least {nsub}, or num_segments >= {needed} (or leave num_segments unset)")
@@ -253,7 +255,7 @@ class JobExecution(Execution):
         check_output_pools(env, self.edges, [(self._here, self._remote_buffers())])
         # checkpoints: on when the Environment asks; a worker process is given
         # its config and a proxy of the driver's coordinator (cluster.py)
-        self.checkpoint_config = ckpt.CheckpointConfig.from_env(env) if remote is None else None
+        self.checkpoint_config = ckpt.CheckpointSettings.from_env(env) if remote is None else None
         self.coordinator = None
         self.restore_from = None       # set by Environment.execute(restore_from=...)
         self.restored_from = None      # the checkpoint id the job (or its last attempt) started from
@@ -278,8 +280,9 @@ class JobExecution(Execution):
 
     def _build(self):
         env = self.env
-        num_segments = env.num_segments or max(self._segments_needed() + 16, 64)
-        self.network_pool = net = NetworkBufferPool(num_segments, env.segment_size)
+        conf = env.network_config
+        num_segments = conf.num_segments or max(self._segments_needed() + 16, 64)
+        self.network_pool = net = NetworkBufferPool(num_segments, conf.segment_size)
         self.network_pools.append(net)
         self._queues = []  # every BufferQueue, to give back what is left in them
         inputs = {}      # (vertex id, subtask) -> {input index: InputSide}
@@ -316,7 +319,7 @@ class JobExecution(Execution):
                 if self._gate_output:
                     waker = notifiers.setdefault((up.id, i), Notifier())
                 pools[i] = pool = net.create_pool(lo, hi, waker)
-                side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, env.max_record_size,
+                side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, conf.max_record_size,
                                   timestamped=e.timestamped)
                 side.max_parallelism = env.max_parallelism
                 side.consumer = down.head.name
@@ -343,7 +346,7 @@ class JobExecution(Execution):
                         net, gate, [(self.placement(up, i), f"{k}/{i}", j, queues[i, j]) for i in remote_from],
                         wire_kind, self._remote_failed)
                 sides[e.input_index] = InputSide(
-                    gate, kind, env.max_record_size, [pools[i] for i in producers if i in pools],
+                    gate, kind, conf.max_record_size, [pools[i] for i in producers if i in pools],
                     remote_channels=remote_channels, allow_pickle=env.allow_pickle,
                     owned=down.is_iterator and not down.head.zero_copy, timestamped=e.timestamped)
 
@@ -381,8 +384,8 @@ class JobExecution(Execution):
     def _gate_output(self) -> bool:
         """Whether tasks wait for output buffers between batches (unaligned
         checkpoints: see Subtask._wait_for_output)."""
-        env = self.env
-        return env.checkpoint_interval is not None and getattr(env, "checkpoint_mode", "aligned") == "unaligned"
+        c = self.env.checkpoint_config
+        return c.enabled and c.alignment == "unaligned"
 
     def _remote_failed(self, exc):
         """A remote channel or export failed (peer died, protocol error, the
@@ -410,8 +413,8 @@ class JobExecution(Execution):
             if self.remote is None:
                 # a worker process is forked after the driver did this
                 sink_outputs.prepare_outputs(self.env.nodes, restoring=self.restored_from is not None,
-                                        checkpoint_dir=self.env.checkpoint_dir)
-            self.sampler = MetricsSampler(self, self.env.metrics_interval, listeners)
+                                        checkpoint_dir=self.env.checkpoint_config.directory)
+            self.sampler = MetricsSampler(self, self.env.metrics_config.interval, listeners)
         except BaseException:
             close_listeners(listeners)
             self._stop_checkpointing()
