@@ -63,7 +63,11 @@ def _caller_stacklevel() -> int:
     user's ``Environment(...)`` or ``CheckpointConfig(...)`` line)."""
     root = os.path.dirname(os.path.abspath(__file__)) + os.sep
     frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(root):
+
+    def ours(f):        # pyflowbuf, or the dataclass machinery that makes a config object
+        return f.f_code.co_filename.startswith(root) or f.f_code.co_filename == dataclasses.__file__ or (
+            f.f_code.co_name == "__init__" and isinstance(f.f_locals.get("self"), _Config))
+    while frame is not None and ours(frame):
         frame, level = frame.f_back, level + 1
     return level
 
