@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from pyflowbuf.config import _int, _number, _positive_int  # noqa: F401 - shared with the API modules
+from pyflowbuf.config import _number, _positive_int  # noqa: F401 - _positive_int: shared with the API modules
 from pyflowbuf.errors import ConfigurationError
 from pyflowbuf.runtime.job import check_timeout
 from pyflowbuf.serializers import get_serializer, kind_label

@@ -44,9 +44,6 @@ KNOWN_LAZY = {
     ("pyflowbuf.api.stream", "pyflowbuf.api.joined"),        # the circle above
     ("pyflowbuf.api.stream", "pyflowbuf.api.windowed"),      # the circle above
     ("pyflowbuf.demo", "pyflowbuf.windows"),
-    ("pyflowbuf.runtime.cluster", "pyflowbuf.checkpoint"),
-    ("pyflowbuf.runtime.cluster", "pyflowbuf.checkpoint.storage"),
-    ("pyflowbuf.runtime.cluster", "pyflowbuf.serializers"),
     ("pyflowbuf.serializers", "pyflowbuf.serializers_arrow"),
     ("pyflowbuf.spark.adapters", "pyflowbuf"),
     ("pyflowbuf.spark.demo", "pyflowbuf.spark"),
