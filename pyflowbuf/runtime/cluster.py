@@ -52,7 +52,8 @@ from pyflowbuf.net import new_secret
 from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.runtime import restore as restore_mod
 from pyflowbuf.runtime import outputs as sink_outputs
-from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution, check_output_pools
+from pyflowbuf.runtime.deployment import check_output_pools
+from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution
 from pyflowbuf.runtime.metrics import MetricsRelay, close_listeners, make_listeners
 from pyflowbuf.runtime.worker import (DRIVER, EXCLUSIVE_BUFFERS, FLOATING_BUFFERS, RemoteContext, attempt_secret,
                                       placement, run_worker)
@@ -324,6 +325,55 @@ class ForkLauncher:
         self._close_crash_logs()
 
 
+def check_every_process(env, vertices, edges, workers) -> None:
+    """Every process checks its own pools too, but by then the others are
+    running: refuse a deadlocking setting here, before any worker starts."""
+    place = placement(workers)
+    processes = [(lambda v, i, w=w: place(v, i) == w, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS))
+                 for w in range(workers)]
+    if any(v.is_iterator for v in vertices):
+        processes.append((lambda v, i: place(v, i) == DRIVER, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS)))
+    check_output_pools(env, edges, processes)
+
+
+class CollectedRecords:
+    """The ``collect()`` records the driver holds, per node and subtask, from
+    the workers' increments (``CollectShipper``): an increment replaces the
+    records from its start on, so a restored attempt drops what the failed
+    one collected after its checkpoint; a gap means records a checkpoint
+    covers were lost, and fails the job."""
+
+    def __init__(self):
+        self.results: dict = {}      # node id -> {subtask: [records]}
+        self.base: dict = {}         # (node id, subtask) -> index of the first record held
+
+    def add(self, w, increments, restarts):
+        for nid, subs in increments.items():
+            parts = self.results.setdefault(nid, {})
+            for sub, (start, records) in subs.items():
+                have = parts.setdefault(sub, [])
+                base = self.base.get((nid, sub), 0)
+                at = start - base
+                if not 0 <= at <= len(have):
+                    if have or restarts:
+                        raise errors.FlowBufError(
+                            f"worker {w} sent collected records of subtask {sub} from #{start}, but the "
+                            f"driver holds #{base} to #{base + len(have)}: records a checkpoint covers were lost")
+                    # restore_from a checkpoint of an earlier run: the records it
+                    # covers were that run's results (as for a job in one process)
+                    self.base[(nid, sub)] = base = start
+                    at = 0
+                del have[at:]
+                have.extend(records)
+
+    def hand_over(self, nodes):
+        """Into the collect sinks' results, where the caller reads them."""
+        for node in nodes:
+            if node.collect_parts is not None and node.id in self.results:
+                node.collect_parts.clear()
+                node.collect_parts.update(self.results[node.id])
+
+
 class ClusterExecution(Execution):
     """Same surface as JobExecution (start/join/cancel/iterate/metrics/summary/done)."""
 
@@ -349,8 +399,7 @@ class ClusterExecution(Execution):
         # same way: see CheckpointCoordinator.attach.
         self.attempt = 0
         self._summaries: dict = {}
-        self._results: dict = {}
-        self._collect_base: dict = {}        # (node id, subtask) -> index of the first record held
+        self._collected = CollectedRecords()
         self._finished_workers: set = set()
         self._send_lock = threading.Lock()   # the coordinator's thread and the driver's both send
         self.local = None
@@ -358,15 +407,8 @@ class ClusterExecution(Execution):
         self.sampler = None              # a MetricsRelay once started
         self.started = self.ended = None
         self.startup_s = None
-        # Every process checks its own pools too, but by then the others are
-        # running: refuse a deadlocking setting here, before any fork.
         vertices, edges = env.plan()
-        place = placement(self.workers)
-        processes = [(lambda v, i, w=w: place(v, i) == w, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS))
-                     for w in range(self.workers)]
-        if any(v.is_iterator for v in vertices):
-            processes.append((lambda v, i: place(v, i) == DRIVER, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS)))
-        check_output_pools(env, edges, processes)
+        check_every_process(env, vertices, edges, self.workers)
         self._worker_sinks = sorted({n.name for n in env.nodes if n.user_sink})
         self.vertices = vertices
         # checkpoints: the coordinator lives here, for every worker's tasks
@@ -518,7 +560,7 @@ class ClusterExecution(Execution):
         if what == "metrics":
             relay.update(w, msg[1])
         elif what == "collected":
-            self._collect(w, msg[1])
+            self._collected.add(w, msg[1], self.restarts)
         elif what == "ack":
             _, key, n, handle, alignment_ms, commits, summary = msg
             self.coordinator.acknowledge(key, n, TaskStateHandle.from_dict(handle), alignment_ms, commits, summary)
@@ -529,7 +571,7 @@ class ClusterExecution(Execution):
             self.coordinator.task_finished(key, state, commits, snapshotted, summary)
         elif what == "done":
             self._finished_workers.add(w)
-            self._collect(w, msg[1])
+            self._collected.add(w, msg[1], self.restarts)
             self._summaries[w] = msg[2]
             relay.update(w, msg[3])
         elif what == "failed":
@@ -539,25 +581,6 @@ class ClusterExecution(Execution):
             self._fail(*msg[1:5], secondary=msg[5])
         else:
             raise errors.ProtocolError(f"unknown message {what!r} from worker {w}")
-
-    def _collect(self, w, increments):
-        for nid, subs in increments.items():
-            parts = self._results.setdefault(nid, {})
-            for sub, (start, records) in subs.items():
-                have = parts.setdefault(sub, [])
-                base = self._collect_base.get((nid, sub), 0)
-                at = start - base
-                if not 0 <= at <= len(have):
-                    if have or self.restarts:
-                        raise errors.FlowBufError(
-                            f"worker {w} sent collected records of subtask {sub} from #{start}, but the "
-                            f"driver holds #{base} to #{base + len(have)}: records a checkpoint covers were lost")
-                    # restore_from a checkpoint of an earlier run: the records it
-                    # covers were that run's results (as for a job in one process)
-                    self._collect_base[(nid, sub)] = base = start
-                    at = 0
-                del have[at:]
-                have.extend(records)
 
     def _fail(self, task, op, text, tb, secondary, attempt=None):
         with self._lock:
@@ -675,11 +698,6 @@ class ClusterExecution(Execution):
     def trigger_sources(self, checkpoint_id, options=None):
         self._broadcast(("trigger", checkpoint_id, options))
 
-    def stop_after_savepoint(self, checkpoint_id):
-        """Stop-with-savepoint: it completed and its commits are done; end the job."""
-        self.stopped_with_savepoint = checkpoint_id
-        threading.Thread(target=self.cancel, name="pyflowbuf: stop with savepoint", daemon=True).start()
-
     def notify_complete(self, checkpoint_id):
         self._broadcast(("complete", checkpoint_id))
 
@@ -688,9 +706,6 @@ class ClusterExecution(Execution):
 
     def switch_to_unaligned(self, checkpoint_id):
         self._broadcast(("unaligned", checkpoint_id))
-
-    def checkpoints(self) -> list:
-        return [] if self.coordinator is None else self.coordinator.checkpoints()
 
     def _kill(self):
         self.launcher.stop(graceful=not self.cancelled)
@@ -703,10 +718,7 @@ class ClusterExecution(Execution):
         monitor = getattr(self, "_monitor", None)
         if monitor is not None and self._done.is_set() and monitor is not threading.current_thread():
             monitor.join(CANCEL_GRACE_S)    # it has set _done: only its last lines are left
-        for node in self.env.nodes:
-            if node.collect_parts is not None and node.id in self._results:
-                node.collect_parts.clear()
-                node.collect_parts.update(self._results[node.id])
+        self._collected.hand_over(self.env.nodes)
         if self.local is not None:
             self.local.remote.close()
 
@@ -749,9 +761,6 @@ class ClusterExecution(Execution):
     @property
     def tasks(self):
         return []
-
-    def metrics(self) -> dict:
-        return {} if self.sampler is None else self.sampler.latest()
 
     def summary(self) -> dict:
         out = {}
