@@ -424,7 +424,8 @@ def resolve(groups: dict, flat: dict) -> dict:
             out[group] = DEFAULTS[group].replace(**fields) if fields else DEFAULTS[group]
             continue
         if not isinstance(given, cls):
-            raise ConfigurationError(f"{group}= takes a pyflowbuf.{cls.__name__}, got {given!r}")
+            what = "True, False or a pyflowbuf.DebloatConfig" if group == "debloat" else f"a pyflowbuf.{cls.__name__}"
+            raise ConfigurationError(f"{group}= takes {what}, got {given!r}")
         if fields:
             both = ", ".join(f"{_FLAT_OF[cls, f]}= (its {f})" for f in sorted(fields))
             raise ConfigurationError(

@@ -118,6 +118,8 @@ def test_the_example_of_the_brief_and_the_docs():
 def test_a_group_keyword_takes_its_own_class():
     with pytest.raises(errors.ConfigurationError, match="checkpoint= takes a pyflowbuf.CheckpointConfig"):
         fb.Environment(checkpoint=fb.NetworkConfig())
+    with pytest.raises(errors.ConfigurationError, match="debloat= takes True, False or a pyflowbuf.DebloatConfig"):
+        fb.Environment(debloat=1)
     with pytest.raises(errors.ConfigurationError, match="network= takes"):
         fb.Environment(network={"segment_size": 4096})
     env = fb.Environment()
