@@ -102,7 +102,7 @@ def backpressure_durations(seconds, rate, tmp, mode="aligned", workers=None, deb
     """A sink 20x slower than the rate-limited source: checkpoints under
     backpressure (the debloat bench runs it with buffer debloating on)."""
     env = fb.Environment(chaining=False, checkpoint_interval=1.0, checkpoint_dir=tempfile.mkdtemp(dir=tmp),
-                         checkpoint_mode=mode, workers=workers, parallelism=1, num_segments=NUM_SEGMENTS,
+                         checkpoint_alignment=mode, workers=workers, parallelism=1, num_segments=NUM_SEGMENTS,
                          debloat=debloat)
     sink_rate = rate / 20
 
@@ -133,7 +133,7 @@ def throughput_case(n, mode, tmp, workers=None):
     def run():
         kw = {}
         if mode is not None:
-            kw = dict(checkpoint_interval=1.0, checkpoint_dir=tempfile.mkdtemp(dir=tmp), checkpoint_mode=mode)
+            kw = dict(checkpoint_interval=1.0, checkpoint_dir=tempfile.mkdtemp(dir=tmp), checkpoint_alignment=mode)
         env = fb.Environment(chaining=False, workers=workers, **kw)
         out = _keyed_count(env, env.from_sequence(0, n)).filter(lambda kv: False, name="drop").collect()
         t0 = time.perf_counter()

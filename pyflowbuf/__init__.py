@@ -1,7 +1,8 @@
 """pyflowbuf: Flink-style network buffers and backpressure for Python pipelines.
 
 The names here are the user's API: build a job on an ``Environment``, shape
-it with the stream classes, time it with the window assigners. The network
+it with the stream classes, configure it with the config objects
+(``CheckpointConfig``, ``NetworkConfig``, ...), time it with the window assigners. The network
 core (``Buffer``, ``BufferQueue``, ``RecordWriter``, ...) lives in
 ``pyflowbuf._core.memory``, ``pyflowbuf._core.channel`` and
 ``pyflowbuf._core.serde``; ``pyflowbuf.testing`` drives one operator in a test.
@@ -12,6 +13,7 @@ import warnings
 from pyflowbuf._version import __version__
 from pyflowbuf._core.serde import stable_hash
 from pyflowbuf import errors
+from pyflowbuf.config import CheckpointConfig, DebloatConfig, MetricsConfig, NetworkConfig, RestartConfig
 from pyflowbuf.api import (AllWindowedStream, CollectSink, ConnectedStreams, Environment, IntervalJoin, IteratorSink,
                            JoinedStreams, KeyedStream, OutputTag, Stream, WindowedStream, WindowResult)
 from pyflowbuf.runtime.sources import RateLimiter
@@ -24,7 +26,8 @@ from pyflowbuf.runtime.timers import KeyedProcessFunction
 
 __all__ = [
     "__version__", "errors", "stable_hash",
-    "Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink", "RateLimiter",
+    "Environment", "CheckpointConfig", "RestartConfig", "NetworkConfig", "DebloatConfig", "MetricsConfig",
+    "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink", "RateLimiter",
     "WindowedStream", "AllWindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin",
     "windows", "Tumbling", "Sliding", "Session", "TimeWindow", "AggregateFunction", "Count", "Sum",
     "TumblingProcessingTime", "SlidingProcessingTime", "SessionProcessingTime", "CountWindow", "RecordRange",

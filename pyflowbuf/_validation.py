@@ -6,50 +6,17 @@ from __future__ import annotations
 import inspect
 import numbers
 import os
-import warnings
 
 import numpy as np
 
-from pyflowbuf.errors import ConfigurationError, UnitWarning
+from pyflowbuf.config import _number, _positive_int  # noqa: F401 - _positive_int: shared with the API modules
+from pyflowbuf.errors import ConfigurationError
 from pyflowbuf.runtime.job import check_timeout
 from pyflowbuf.serializers import get_serializer, kind_label
 
-_UNSET = object()
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 _FIXED_WIDTH = {"int64": 8, "float64": 8}
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-# Settings in seconds, and the value from which each only makes sense as
-# milliseconds (Flink's unit for all of them): 1000 is "1 s" in Flink and
-# "17 minutes" here. A user who does mean that many seconds can filter
-# UnitWarning.
-_SECONDS_SETTINGS = {"checkpoint_interval": 1000, "checkpoint_timeout": 100_000, "buffer_timeout": 10,
-                     "alignment_timeout": 1000, "debloat_target": 100, "debloat_period": 60,
-                     "metrics_interval": 1000}
-
-
-def _warn_milliseconds(env) -> None:
-    for name, limit in _SECONDS_SETTINGS.items():
-        v = getattr(env, name)
-        if v is not None and v >= limit:
-            warnings.warn(UnitWarning(
-                f"{name}={v!r} is in seconds ({v / 60:.4g} minutes); values this large are usually "
-                f"milliseconds: for {v / 1000:g} s pass {name}={v / 1000:g}. (If you mean seconds, "
-                "filter pyflowbuf.errors.UnitWarning.)"), stacklevel=3)
-
-
-def _number(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
-def _positive_int(name, v):
-    if not _int(v) or v < 1:
-        raise ConfigurationError(f"{name} must be a positive int, got {v!r}")
 
 
 def _output_path(path, name):
@@ -180,3 +147,49 @@ def _check_arity(fn, what, call, *counts):
     label = getattr(fn, "__qualname__", None) or type(fn).__name__
     raise ConfigurationError(f"{what}: the function is called as {call}, but {label}{sig} cannot take "
                              f"{' or '.join(map(str, counts))} positional arguments")
+
+
+def check_node_kind(node, segment_size: int, max_record_size: int) -> None:
+    """A declared or inferred kind the settings cannot carry: every record
+    of the stream would fail where it is serialized, and in a chained job
+    perhaps never, so it is refused where the stream is declared."""
+    kind = node.kind
+    if kind is None:
+        return
+    what = f"{node.name!r}"
+    if isinstance(kind, np.dtype):
+        if kind.hasobject:
+            raise ConfigurationError(
+                f"{what}: rows of dtype {kind} hold Python object references, which cannot travel as "
+                "bytes; use a dtype of fixed-width fields, or a record kind ('pickle', 'numpy')")
+        if kind.itemsize == 0:
+            raise ConfigurationError(f"{what}: rows of dtype {kind} are 0 bytes wide; give the dtype fields")
+        if kind.itemsize > segment_size:
+            raise ConfigurationError(
+                f"{what}: rows of dtype {kind} are {kind.itemsize} bytes wide and a row must fit one "
+                f"segment: raise segment_size (now {segment_size}) to at least {kind.itemsize} "
+                "rounded up to a power of two, or send the rows as records (kind='numpy')")
+        return
+    core = getattr(get_serializer(kind), "core_kind", None)
+    width = _FIXED_WIDTH.get(core)
+    if width is not None and max_record_size < width:
+        raise ConfigurationError(
+            f"{what}: its {core} records are {width} bytes each, over max_record_size="
+            f"{max_record_size}: every record would be refused; raise max_record_size")
+
+
+def check_graph(nodes) -> None:
+    """A job that could do nothing visible is refused: with nothing
+    declared, or without a sink, it would run (perhaps for a long time)
+    and every record would vanish without a word."""
+    if not nodes:
+        raise ConfigurationError(
+            "this Environment has nothing to run: declare a source (from_collection, read_text, ..), "
+            "the operators and a sink (collect(), print(), write_text(), sink(fn), to_iterator()) "
+            "before execute()")
+    if not any(n.is_sink for n in nodes):
+        ends = [n.name for n in nodes if not n.consumers]
+        raise ConfigurationError(
+            f"this job has no sink: the records of {', '.join(repr(e) for e in ends)} would go nowhere; "
+            "end the stream with collect(), print(), write_text(), write_parquet(), sink(fn) or "
+            "to_iterator()")

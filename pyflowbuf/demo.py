@@ -171,7 +171,7 @@ def windows_demo(out: Path, lines: int = 20_000) -> dict:
         return row
 
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=chk, restart_attempts=1,
-                         checkpoint_mode="unaligned", name="windows-demo")
+                         checkpoint_alignment="unaligned", name="windows-demo")
     counts = (env.read_parquet(src, rate_limit=lines / 2)                    # about 2 s
                  .map(fail_once, name="fails-once")
                  .flat_map(lambda r: [(w, r["ts"]) for w in r["text"].split()], name="words")

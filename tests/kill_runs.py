@@ -55,7 +55,7 @@ def one_run(mode: str, seed: int, tmp: str) -> dict:
         extra = {"alignment_timeout": 0.005} if mode == "alignment_timeout" else {}
         env = fb.Environment(workers=2, parallelism=2, checkpoint_interval=0.01,
                              checkpoint_dir=os.path.join(tmp, "chk"), restart_attempts=3, segment_size=256,
-                             checkpoint_mode="unaligned", **extra)
+                             checkpoint_alignment="unaligned", **extra)
         kill = KillWorkerOnce(os.path.join(tmp, "killed"), kill_at)
         h = slow_job(env, n, stages, 2, kill, fail_stage, os.path.join(tmp, "out"))
     rec = {"mode": mode, "seed": seed, "stages": stages, "fail_stage": fail_stage, "kill_at": kill_at}

@@ -253,8 +253,19 @@ def test_settings_changed_after_construction_are_checked_before_anything_starts(
     before = _pyflowbuf_threads()
     env = fb.Environment()
     env.from_sequence(0, 10).collect()
-    env.max_record_size = 2**40
+    # a setting of a config object is checked as it is set (the object is replaced by a checked copy) ...
     with pytest.raises(errors.ConfigurationError, match="max_record_size"):
+        env.max_record_size = 2**40
+    assert env.max_record_size == 64 * 1024 * 1024
+    # ... the plain ones, and settings that must agree, when the job is claimed
+    env.max_batch = 0
+    with pytest.raises(errors.ConfigurationError, match="max_batch"):
+        env.execute()
+    env.max_batch = 1024
+    env.segment_size = 1024
+    env.min_buffer_size = 512
+    env.segment_size = 256
+    with pytest.raises(errors.ConfigurationError, match="min_buffer_size"):
         env.execute()
     assert env.last_execution is None and _no_new_threads(before)
 

@@ -261,7 +261,7 @@ def _coordinator(tmp_path, storage_cls=CheckpointStorage):
     from pyflowbuf.runtime import checkpointing as ckpt
 
     env = fb.Environment(checkpoint_interval=60, checkpoint_dir=tmp_path / "chk")
-    config = ckpt.CheckpointConfig.from_env(env)
+    config = ckpt.CheckpointSettings.from_env(env)
     return ckpt.CheckpointCoordinator(config, storage_cls(str(tmp_path / "chk")))
 
 

@@ -76,7 +76,7 @@ def job_source(ckdir, out, *, n, parallelism=2, rate=None, extra="", sink_parall
             return line
 
         env = fb.Environment(parallelism={parallelism}, checkpoint_interval={interval}, checkpoint_dir={str(ckdir)!r},
-                             checkpoints_retained=3, checkpoint_mode={mode!r}, buffer_timeout=0.001,
+                             checkpoints_retained=3, checkpoint_alignment={mode!r}, buffer_timeout=0.001,
                              segment_size=256)
         s = (env.from_sequence(0, {n}, rate_limit={rate!r})
                 .key_by(lambda n: n % {KEYS})

@@ -13,7 +13,7 @@ from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf.errors import ConfigurationError
-from pyflowbuf.runtime.debloat import BufferDebloater, DebloatConfig, output_pool_cap
+from pyflowbuf.runtime.debloat import BufferDebloater, DebloatSettings, output_pool_cap
 
 SEG = 32 * 1024
 
@@ -50,7 +50,7 @@ class Reference:
 
 
 def config(**kw):
-    return DebloatConfig(**{"target": 1.0, "period": 0.2, "samples": 20, "threshold": 0.25,
+    return DebloatSettings(**{"target": 1.0, "period": 0.2, "samples": 20, "threshold": 0.25,
                             "min_size": 256, "max_size": SEG, **kw})
 
 
@@ -293,7 +293,7 @@ def test_defaults_are_flinks():
     env = Environment()
     assert (env.debloat, env.debloat_target, env.debloat_period, env.debloat_samples,
             env.debloat_threshold, env.min_buffer_size) == (False, 1.0, 0.2, 20, 0.25, 256)
-    c = DebloatConfig.from_env(Environment(debloat=True))
+    c = DebloatSettings.from_env(Environment(debloat=True))
     assert c.alpha == pytest.approx(2 / 21) and c.max_size == SEG
 
 

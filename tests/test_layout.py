@@ -40,9 +40,6 @@ KNOWN_LAZY = {
     ("pyflowbuf.demo", "pyflowbuf.spark.demo"),
     ("pyflowbuf.demo", "pyflowbuf.spark.cluster_demo"),     # pyspark is optional, as above
     ("pyflowbuf.demo", "pyflowbuf.windows"),
-    ("pyflowbuf.runtime.cluster", "pyflowbuf.checkpoint"),
-    ("pyflowbuf.runtime.cluster", "pyflowbuf.checkpoint.storage"),
-    ("pyflowbuf.runtime.cluster", "pyflowbuf.serializers"),
     ("pyflowbuf.serializers", "pyflowbuf.serializers_arrow"),
     ("pyflowbuf.spark.adapters", "pyflowbuf"),
     ("pyflowbuf.spark.demo", "pyflowbuf.spark"),

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 import pyflowbuf
-from pyflowbuf import api, testing, windows
+from pyflowbuf import api, config, testing, windows
 
 _CORE = {
     "Buffer": "pyflowbuf._core.memory", "LocalBufferPool": "pyflowbuf._core.memory",
@@ -27,7 +27,8 @@ def test_all_holds_the_users_api_and_every_name_resolves():
     for name in ("Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink",
                  "Tumbling", "Sliding", "Session", "Count", "Sum", "KeyedProcessFunction", "errors",
                  "CountWindow", "TumblingProcessingTime", "SlidingProcessingTime", "SessionProcessingTime",
-                 "EventTimeTrigger", "ContinuousEventTimeTrigger", "CountTrigger", "PurgingTrigger"):
+                 "EventTimeTrigger", "ContinuousEventTimeTrigger", "CountTrigger", "PurgingTrigger",
+                 "CheckpointConfig", "RestartConfig", "NetworkConfig", "DebloatConfig", "MetricsConfig"):
         assert name in pyflowbuf.__all__, name
 
 
@@ -67,8 +68,9 @@ _DOCUMENTED = [
     windows.SessionProcessingTime, windows.CountWindow, windows.RecordRange, windows.Trigger,
     windows.EventTimeTrigger, windows.ProcessingTimeTrigger, windows.ContinuousEventTimeTrigger,
     windows.CountTrigger, windows.PurgingTrigger, windows.WindowContext,
+    config.CheckpointConfig, config.RestartConfig, config.NetworkConfig, config.DebloatConfig, config.MetricsConfig,
 ]
-_OURS = ("pyflowbuf.api", "pyflowbuf.windows", "pyflowbuf.testing")
+_OURS = ("pyflowbuf.api", "pyflowbuf.windows", "pyflowbuf.testing", "pyflowbuf.config")
 
 
 def _public(cls):

@@ -110,7 +110,7 @@ def test_a_savepoint_of_an_earlier_release_restores():
 def test_savepoints_show_in_the_history_and_survive_retention(tmp_path):
     ck = str(tmp_path / "ck")
     env = fb.Environment(parallelism=2, checkpoint_interval=0.05, checkpoint_dir=ck, checkpoints_retained=1,
-                         checkpoint_mode="unaligned", alignment_timeout=0)
+                         checkpoint_alignment="unaligned", alignment_timeout=0)
     counting(env, 4000, 2, 8000)
     job = env.execute_async()
     time.sleep(0.2)
@@ -164,7 +164,7 @@ def test_in_flight_data_does_not_move_but_a_savepoint_does(tmp_path):
 
     ck = str(tmp_path / "chk")
     env = fb.Environment(chaining=False, checkpoint_interval=0.3, checkpoint_dir=ck,
-                         checkpoint_mode="unaligned", segment_size=4096)
+                         checkpoint_alignment="unaligned", segment_size=4096)
     backpressured_job(env)
     job = env.execute_async()
     deadline = time.monotonic() + 60
@@ -179,7 +179,7 @@ def test_in_flight_data_does_not_move_but_a_savepoint_does(tmp_path):
 
     def rescaled():
         e = fb.Environment(parallelism=2, chaining=False, checkpoint_interval=0.3, checkpoint_dir=ck,
-                           checkpoint_mode="unaligned", segment_size=4096)
+                           checkpoint_alignment="unaligned", segment_size=4096)
         backpressured_job(e)
         return e
     with pytest.raises(ConfigurationError, match="in-flight data cannot be redistributed.*savepoint"):

@@ -334,7 +334,7 @@ def test_side_outputs_are_exactly_once_across_a_failure(tmp_path, chaining, wher
     n = 3000
     fail = FailOnceAfterCheckpoint(at)
     env = fb.Environment(parallelism=2, checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk",
-                         restart_attempts=2, chaining=chaining, checkpoint_mode=mode)
+                         restart_attempts=2, chaining=chaining, checkpoint_alignment=mode)
     fail.env = env
     s = env.from_sequence(0, n, parallelism=1, rate_limit=6_000)
     if where == "before process":

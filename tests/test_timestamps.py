@@ -262,7 +262,7 @@ def restore_run(tmp_path, mode, n=1500):
     bytes of the checkpoint it restored from."""
     fail = FailOnceAfterCheckpoint(n // 2)
     env = fb.Environment(parallelism=2, chaining=False, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
-                         restart_attempts=2, checkpoint_mode=mode, segment_size=4096)
+                         restart_attempts=2, checkpoint_alignment=mode, segment_size=4096)
     fail.env = env
     s = env.from_iterable(records(n), rate_limit=3000).assign_timestamps(lambda r: r[1])
     # a slow stage keeps its input queues full: unaligned barriers overtake data
@@ -473,7 +473,7 @@ def test_a_restore_with_workers_keeps_the_times(tmp_path):
     n = 3000
     fail = FailInWorker(tmp_path / "fired", 400, tmp_path / "chk")
     env = fb.Environment(workers=2, parallelism=2, chaining=False, checkpoint_interval=0.05,
-                         checkpoint_dir=tmp_path / "chk", restart_attempts=2, checkpoint_mode="unaligned")
+                         checkpoint_dir=tmp_path / "chk", restart_attempts=2, checkpoint_alignment="unaligned")
     s = env.from_iterable(records(n), rate_limit=6000).assign_timestamps(lambda r: r[1])
     s = s.map(lambda r: (r[0], r[0] % 7)).key_by(lambda r: r[1]).map(fail)
     out = observe(s, parallelism=1)

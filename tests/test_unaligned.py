@@ -38,8 +38,8 @@ def slow_every(k, seconds):
 
 
 def modes():
-    return st.sampled_from([dict(checkpoint_mode="unaligned"),
-                            dict(checkpoint_mode="unaligned", alignment_timeout=0.005)])
+    return st.sampled_from([dict(checkpoint_alignment="unaligned"),
+                            dict(checkpoint_alignment="unaligned", alignment_timeout=0.005)])
 
 
 def slow_job(env, n, stages, parallelism, fail, fail_stage, out_dir):
@@ -110,11 +110,11 @@ def test_exactly_once_when_a_worker_is_killed_unaligned(tmp_path_factory, stages
 
 
 def test_settings_are_validated(tmp_path):
-    for kw, word in [(dict(checkpoint_mode="sideways"), "checkpoint_mode"),
-                     (dict(checkpoint_mode="aligned", alignment_timeout=1.0), "alignment_timeout"),
-                     (dict(checkpoint_mode="unaligned", alignment_timeout=-1), "alignment_timeout"),
-                     (dict(checkpoint_mode="unaligned", alignment_timeout="soon"), "alignment_timeout"),
-                     (dict(checkpoint_mode="unaligned", checkpointing_mode="at_least_once"), "exactly_once")]:
+    for kw, word in [(dict(checkpoint_alignment="sideways"), "checkpoint_alignment"),
+                     (dict(checkpoint_alignment="aligned", alignment_timeout=1.0), "alignment_timeout"),
+                     (dict(checkpoint_alignment="unaligned", alignment_timeout=-1), "alignment_timeout"),
+                     (dict(checkpoint_alignment="unaligned", alignment_timeout="soon"), "alignment_timeout"),
+                     (dict(checkpoint_alignment="unaligned", checkpointing_mode="at_least_once"), "exactly_once")]:
         with pytest.raises(errors.ConfigurationError, match=word):
             fb.Environment(checkpoint_interval=1, checkpoint_dir=tmp_path, **kw)
 
@@ -152,7 +152,7 @@ def run_for(env, seconds, completed=2, limit=60):
 @pytest.mark.parametrize("timeout", [None, 0.05])
 def test_under_backpressure_checkpoints_overtake_and_hold_inflight_data(tmp_path, timeout):
     env = fb.Environment(chaining=False, checkpoint_interval=0.3, checkpoint_dir=tmp_path / "chk",
-                         checkpoint_mode="unaligned", alignment_timeout=timeout, segment_size=4096)
+                         checkpoint_alignment="unaligned", alignment_timeout=timeout, segment_size=4096)
     backpressured_job(env)
     done = [c for c in run_for(env, 3.0) if c["status"] == "completed"]
     assert done, env.checkpoints()
@@ -173,7 +173,7 @@ def test_unaligned_checkpoints_reach_the_json_log_and_prometheus(tmp_path):
     import json
     log = tmp_path / "metrics.jsonl"
     env = fb.Environment(chaining=False, checkpoint_interval=0.3, checkpoint_dir=tmp_path / "chk",
-                         checkpoint_mode="unaligned", segment_size=4096, metrics_log=log, metrics_interval=0.2)
+                         checkpoint_alignment="unaligned", segment_size=4096, metrics_log=log, metrics_interval=0.2)
     backpressured_job(env)
     run_for(env, 2.0)
     lines = [json.loads(x) for x in log.read_text().splitlines()]
@@ -195,11 +195,11 @@ def test_unaligned_checkpoints_reach_the_json_log_and_prometheus(tmp_path):
 
 def test_restoring_inflight_data_into_another_parallelism_is_refused(tmp_path):
     env = fb.Environment(chaining=False, checkpoint_interval=0.3, checkpoint_dir=tmp_path / "chk",
-                         checkpoint_mode="unaligned", segment_size=4096)
+                         checkpoint_alignment="unaligned", segment_size=4096)
     backpressured_job(env)
     assert [c for c in run_for(env, 1.5) if c["status"] == "completed"]
     env2 = fb.Environment(parallelism=2, chaining=False, checkpoint_interval=0.3, checkpoint_dir=tmp_path / "chk",
-                          checkpoint_mode="unaligned", segment_size=4096)
+                          checkpoint_alignment="unaligned", segment_size=4096)
     backpressured_job(env2)
     with pytest.raises(errors.ConfigurationError, match="parallelism"):
         env2.execute(30, restore_from="latest")

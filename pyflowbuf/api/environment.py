@@ -11,29 +11,26 @@
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 from typing import Any
 
-import numpy as np
-
-from pyflowbuf._validation import _FIXED_WIDTH, _execute_args, _int, _job_name, _number, _positive_int, _warn_milliseconds
+from pyflowbuf import config as _config
+from pyflowbuf._validation import _execute_args, _job_name, _positive_int, check_graph, check_node_kind
 from pyflowbuf.api.sinks import IteratorSink
 from pyflowbuf.api.sources import SourceDeclarations
+from pyflowbuf.config import UNSET, CheckpointConfig, DebloatConfig, MetricsConfig, NetworkConfig, RestartConfig
 from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError
-from pyflowbuf.runtime.checkpointing import ALIGNMENTS, MODES
 from pyflowbuf.runtime.cluster import ClusterExecution
-from pyflowbuf.runtime.debloat import check_settings as _check_debloat
 from pyflowbuf.runtime.graph import Node, plan
 from pyflowbuf.runtime import control as _control
 from pyflowbuf.runtime import overrides as _overrides
 from pyflowbuf.runtime.job import JobExecution
 from pyflowbuf.runtime.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from pyflowbuf.runtime.restore import check_operator_ids
-from pyflowbuf.serializers import get_serializer
 
 
+@_config.flat_settings
 class Environment(SourceDeclarations):
     """Holds the job graph and its settings.
 
@@ -44,28 +41,12 @@ class Environment(SourceDeclarations):
     max_parallelism : the number of key groups (default 128, at most 32768):
         keyed state is stored per key group, so a job can be restored at any
         parallelism up to this; it cannot change between runs of a job.
-    segment_size : bytes per memory segment (power of two, 256 B .. 1 MiB).
-    num_segments : size of the NetworkBufferPool; default: enough for every
-        output pool at its cap, so memory is bounded by construction.
-    buffer_timeout : seconds after which a partly filled buffer is shipped
-        (Flink's execution.buffer-timeout, default 0.1); 0 ships per record.
     chaining : fuse forward operators of equal parallelism into one task
         (an ``assign_timestamps`` right after a source is in the source's
         task either way: timestamps are assigned at the source).
-    output_buffers : (min, max) segments per output pool; default Flink's
-        (subpartitions + 1, 2 * subpartitions + 8). A RecordWriter holds one
-        buffer per subpartition, so a job whose max is below an edge's
-        subpartitions (or, when num_segments is too small for every pool to
-        reach its max, whose min is) is refused at execute(): it would deadlock.
     max_batch : records a task moves per crossing into the core.
-    max_record_size : bytes a serialized record may take (default 64 MiB).
-    metrics_interval : seconds between metric samples.
     name : the job's name in errors, metrics and Prometheus labels
         (``execute("name")`` sets it too).
-    metrics_log, prometheus_port, live_view : where metric samples go: JSON
-        lines appended to a file, Prometheus gauges on 127.0.0.1 (0: a free
-        port, which the job's ``prometheus_port`` gives), a live table in the terminal. With workers they are served by
-        the calling process.
     workers : run subtasks in this many worker processes (subtask i of each
         operator on worker i % workers), connected by the TCP exchange with
         credit-based flow control; None runs everything in this process.
@@ -80,24 +61,28 @@ class Environment(SourceDeclarations):
         workers=N)``: each worker a Spark barrier task (see docs/spark-cluster.md).
     allow_pickle : let streams of pickled Python objects cross processes
         (unpickling runs code the sender chose; only for trusted workers).
-    bind_host : interface the workers' exchange listens on (loopback by default).
+    checkpoint, restart, network, debloat, metrics : the configuration objects
+        (``pyflowbuf.config``): ``CheckpointConfig`` (checkpoints, off while
+        its interval is None; see docs/checkpoints.md), ``RestartConfig``,
+        ``NetworkConfig`` (segments, buffers, buffer timeout, record size,
+        TCP), ``DebloatConfig`` (or ``debloat=True``), ``MetricsConfig``
+        (samples to a JSON-lines log, Prometheus, a live view). The Environment
+        holds them as ``checkpoint_config``, ``restart_config``, ...
+    segment_size, num_segments, buffer_timeout, output_buffers, max_record_size,
+    credit_based, bind_host, metrics_interval, metrics_log, prometheus_port,
+    live_view, checkpoint_interval, checkpoint_dir, checkpoint_timeout,
+    checkpoints_retained, checkpointing_mode, checkpoint_alignment,
+    alignment_timeout, restart_attempts, debloat_target, debloat_period,
+    debloat_samples, debloat_threshold, min_buffer_size : the same settings
+        as flat keywords (``pyflowbuf.config.FLAT`` names the field of each:
+        ``checkpoint_interval`` is ``CheckpointConfig.interval``), readable
+        and settable as attributes. A setting given both ways is a
+        ``ConfigurationError``. ``checkpoint_mode`` is the old spelling of
+        ``checkpoint_alignment`` (deprecated).
     control_port : open the job's control endpoint on ``bind_host`` at this port
         (0: a free one), for ``pyflowbuf savepoint`` and ``pyflowbuf stop``; it
         writes ``<checkpoint_dir>/_control.json`` (mode 0600) while the job
         runs. Needs checkpointing. None (default): no endpoint.
-    credit_based : False uses the pre-credit mode (TCP window only), to compare.
-    checkpoint_interval, checkpoint_dir, checkpoint_timeout, checkpoints_retained,
-    restart_attempts, checkpointing_mode : checkpoints (off while the interval
-        is None) and recovery; see docs/checkpoints.md.
-    checkpoint_mode : "aligned" (default: barriers wait behind queued data) or
-        "unaligned" (barriers overtake it and the checkpoint stores it; needs
-        exactly-once).
-    alignment_timeout : with "unaligned", start each checkpoint aligned and
-        switch it to unaligned after this many seconds (Flink's aligned
-        checkpoint timeout); None or 0: unaligned from the start.
-    debloat, debloat_target, debloat_period, debloat_samples, debloat_threshold,
-    min_buffer_size : buffer debloating (off by default): in-flight data sized
-        by time, and pool memory given back; see "Buffer debloating".
 
     An Environment executes its graph once, as Flink's does: ``execute()``,
     ``execute_async()`` or ``execute_iter()``, one of them, one time. Build a
@@ -114,94 +99,60 @@ class Environment(SourceDeclarations):
         sorted(out.result)        # ['a', 'b', 'b']
     """
 
-    def __init__(self, parallelism: int = 1, *, segment_size: int = 32 * 1024,
-                 num_segments: int | None = None, buffer_timeout: float = 0.1,
-                 chaining: bool = True, output_buffers: tuple | None = None,
-                 max_batch: int = 1024, max_record_size: int = 64 * 1024 * 1024,
-                 metrics_interval: float = 1.0, name: str = "job",
-                 metrics_log: str | os.PathLike | None = None, prometheus_port: int | None = None,
-                 live_view: bool = False, workers: int | None = None, allow_pickle: bool = False,
-                 bind_host: str = "127.0.0.1", credit_based: bool = True,
-                 checkpoint_interval: float | None = None, checkpoint_dir: str | os.PathLike | None = None,
-                 checkpoint_timeout: float = 600.0, checkpoints_retained: int = 2,
-                 restart_attempts: int = 0, checkpointing_mode: str = "exactly_once",
-                 checkpoint_mode: str = "aligned", alignment_timeout: float | None = None,
-                 debloat: bool = False, debloat_target: float = 1.0, debloat_period: float = 0.2,
-                 debloat_samples: int = 20, debloat_threshold: float = 0.25, min_buffer_size: int = 256,
-                 cluster: Any = None, max_parallelism: int = DEFAULT_MAX_PARALLELISM,
-                 control_port: int | None = None):
+    def __init__(self, parallelism: int = 1, *, max_parallelism: int = DEFAULT_MAX_PARALLELISM,
+                 chaining: bool = True, max_batch: int = 1024, name: str = "job", workers: int | None = None,
+                 cluster: Any = None, allow_pickle: bool = False, control_port: int | None = None,
+                 checkpoint: CheckpointConfig | None = None, restart: RestartConfig | None = None,
+                 network: NetworkConfig | None = None, debloat: DebloatConfig | bool = UNSET,
+                 metrics: MetricsConfig | None = None,
+                 segment_size: int = UNSET, num_segments: int | None = UNSET, buffer_timeout: float = UNSET,
+                 output_buffers: tuple | None = UNSET, max_record_size: int = UNSET, credit_based: bool = UNSET,
+                 bind_host: str = UNSET, metrics_interval: float = UNSET,
+                 metrics_log: str | os.PathLike | None = UNSET, prometheus_port: int | None = UNSET,
+                 live_view: bool = UNSET, checkpoint_interval: float | None = UNSET,
+                 checkpoint_dir: str | os.PathLike | None = UNSET, checkpoint_timeout: float = UNSET,
+                 checkpoints_retained: int = UNSET, checkpointing_mode: str = UNSET,
+                 checkpoint_alignment: str = UNSET, alignment_timeout: float | None = UNSET,
+                 restart_attempts: int = UNSET, debloat_target: float = UNSET, debloat_period: float = UNSET,
+                 debloat_samples: int = UNSET, debloat_threshold: float = UNSET, min_buffer_size: int = UNSET,
+                 checkpoint_mode: str = UNSET):
+        given = locals()
+        flat = {k: given[k] for k in (*_config.FLAT, *_config.DEPRECATED)
+                if k != "debloat" and given[k] is not UNSET}
+        groups = {"checkpoint": checkpoint, "restart": restart, "network": network, "metrics": metrics,
+                  "debloat": None if debloat is UNSET else debloat}
+        for group, obj in _config.resolve(groups, flat).items():
+            setattr(self, _config.GROUPS[group][1], obj)
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
-        self.segment_size = segment_size
-        self.num_segments = num_segments
-        self.buffer_timeout = buffer_timeout
         self.chaining = chaining
-        self.output_buffers = output_buffers
         self.max_batch = max_batch
-        self.max_record_size = max_record_size
-        self.metrics_interval = metrics_interval
-        self.metrics_log = metrics_log
-        self.prometheus_port = prometheus_port
-        self.live_view = live_view
         self.name = name
         self.workers = workers
-        self.allow_pickle = allow_pickle
-        self.bind_host = bind_host
-        self.credit_based = credit_based
-        self.checkpoint_interval = checkpoint_interval
-        self.checkpoint_dir = checkpoint_dir
-        self.checkpoint_timeout = checkpoint_timeout
-        self.checkpoints_retained = checkpoints_retained
-        self.restart_attempts = restart_attempts
-        self.checkpointing_mode = checkpointing_mode
-        self.checkpoint_mode = checkpoint_mode
-        self.alignment_timeout = alignment_timeout
-        # buffer debloating (off by default, as in Flink): runtime/debloat.py
-        self.debloat = debloat
-        self.debloat_target = debloat_target
-        self.debloat_period = debloat_period
-        self.debloat_samples = debloat_samples
-        self.debloat_threshold = debloat_threshold
-        self.min_buffer_size = min_buffer_size
         self.cluster = cluster
+        self.allow_pickle = allow_pickle
         self.control_port = control_port
         # `pyflowbuf run --parallelism/--workers`: in place before any stream is declared
         for setting, value in _overrides.current().items():
             setattr(self, setting, value)
         self._check_settings()
-        _warn_milliseconds(self)
-        self.buffer_timeout = float(buffer_timeout)
         self.nodes: list[Node] = []
         self.last_execution = None
         self._claim_lock = threading.Lock()
         self._claimed_by = None        # the job that ran (or runs) this graph
 
     def _check_settings(self) -> None:
-        """Every setting, checked at construction and again before a job starts
+        """The settings outside the config objects (which check themselves) and
+        those that must agree, at construction and again before a job starts
         (the attributes are public, so they may have changed in between)."""
         _positive_int("parallelism", self.parallelism)
         check_max_parallelism(self.max_parallelism)
         _positive_int("max_batch", self.max_batch)
-        _check_debloat(self)
-        if self.num_segments is not None:
-            _positive_int("num_segments", self.num_segments)
-        if not _number(self.buffer_timeout) or not 0 <= self.buffer_timeout < math.inf:
-            raise ConfigurationError(f"buffer_timeout must be >= 0 seconds, got {self.buffer_timeout!r}")
-        if self.output_buffers is not None:
-            ob = self.output_buffers
-            if not isinstance(ob, (tuple, list)) or len(ob) != 2:
-                raise ConfigurationError(f"output_buffers must be a (min, max) pair, got {ob!r}")
-            lo, hi = ob
-            _positive_int("output_buffers max", hi)
-            if not _int(lo) or not 0 <= lo <= hi:
-                raise ConfigurationError(f"output_buffers must be (min, max) with 0 <= min <= max, got {ob!r}")
-        ss = self.segment_size
-        _positive_int("segment_size", ss)
-        if ss & (ss - 1) or not 256 <= ss <= 1 << 20:
-            raise ConfigurationError(f"segment_size must be a power of two between 256 and 1048576, got {ss}")
-        _positive_int("max_record_size", self.max_record_size)
-        if self.max_record_size >= 1 << 32:
-            raise ConfigurationError(f"max_record_size must be < 2**32, got {self.max_record_size}")
+        _job_name("name", self.name)
+        for group, (cls, attr) in _config.GROUPS.items():
+            if not isinstance(getattr(self, attr), cls):
+                raise ConfigurationError(f"{attr} must be a pyflowbuf.{cls.__name__}, got {getattr(self, attr)!r}")
+        _config.check_together(self.network_config, self.debloat_config)
         if self.workers is not None:
             _positive_int("workers", self.workers)
         if self.cluster is not None:
@@ -212,41 +163,26 @@ class Environment(SourceDeclarations):
                 raise ConfigurationError(
                     "give the number of workers to the cluster (SparkCluster(spark, workers=N)), not also "
                     "Environment(workers=...)")
-        if not _number(self.metrics_interval) or not 0 < self.metrics_interval < math.inf:
-            raise ConfigurationError(f"metrics_interval must be > 0 seconds, got {self.metrics_interval!r}")
-        port = self.prometheus_port
-        if port is not None and (not _int(port) or not 0 <= port <= 65535):
-            raise ConfigurationError(f"prometheus_port must be an int in 0..65535 (0: a free port), got {port!r}")
-        _job_name("name", self.name)
-        ci = self.checkpoint_interval
-        if ci is not None and (not _number(ci) or not 0 < ci < math.inf):
-            raise ConfigurationError(f"checkpoint_interval must be None (off) or seconds > 0, got {ci!r}")
-        if not _number(self.checkpoint_timeout) or not 0 < self.checkpoint_timeout < math.inf:
-            raise ConfigurationError(f"checkpoint_timeout must be seconds > 0, got {self.checkpoint_timeout!r}")
-        _positive_int("checkpoints_retained", self.checkpoints_retained)
-        if not _int(self.restart_attempts) or self.restart_attempts < 0:
-            raise ConfigurationError(f"restart_attempts must be an int >= 0, got {self.restart_attempts!r}")
-        if self.checkpointing_mode not in MODES:
-            raise ConfigurationError(
-                f"checkpointing_mode must be one of {MODES}, got {self.checkpointing_mode!r}")
-        if self.checkpoint_mode not in ALIGNMENTS:
-            raise ConfigurationError(
-                f"checkpoint_mode must be one of {ALIGNMENTS}, got {self.checkpoint_mode!r}")
-        at = self.alignment_timeout
-        if at is not None and (not _number(at) or not 0 <= at < math.inf):
-            raise ConfigurationError(f"alignment_timeout must be None or seconds >= 0, got {at!r}")
-        if at is not None and self.checkpoint_mode != "unaligned":
-            raise ConfigurationError(
-                "alignment_timeout switches a checkpoint from aligned to unaligned: it needs "
-                "checkpoint_mode='unaligned' (with alignment_timeout=0 every checkpoint is unaligned "
-                "from the start)")
-        if self.checkpoint_mode == "unaligned" and self.checkpointing_mode != "exactly_once":
-            raise ConfigurationError(
-                "checkpoint_mode='unaligned' needs checkpointing_mode='exactly_once' (at-least-once "
-                "checkpoints never block a channel, so there is nothing to overtake)")
-        if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, (str, os.PathLike)):
-            raise ConfigurationError(f"checkpoint_dir must be a path or an fsspec URL, got {self.checkpoint_dir!r}")
         _control.check_settings(self)
+
+    def configuration(self) -> dict:
+        """The keyword arguments that build an Environment with these settings:
+        the plain ones and one config object per group (no graph, no job).
+
+        Example::
+
+            env = fb.Environment(parallelism=2, checkpoint_interval=1.0)
+            kw = env.configuration()
+            kw["checkpoint"]                   # CheckpointConfig(interval=1.0, ...)
+            twin = fb.Environment(**kw)        # the same settings, an empty graph
+        """
+        out = {"parallelism": self.parallelism, "max_parallelism": self.max_parallelism,
+               "chaining": self.chaining, "max_batch": self.max_batch, "name": self.name,
+               "workers": self.workers, "cluster": self.cluster, "allow_pickle": self.allow_pickle,
+               "control_port": self.control_port}
+        for group, (_, attr) in _config.GROUPS.items():
+            out[group] = getattr(self, attr)
+        return out
 
     def checkpoints(self) -> list:
         """The checkpoints of the running or last job, oldest first: id, kind
@@ -279,33 +215,8 @@ class Environment(SourceDeclarations):
         return node
 
     def _check_node_kind(self, node: Node) -> None:
-        """A declared or inferred kind the settings cannot carry: every record
-        of the stream would fail where it is serialized, and in a chained job
-        perhaps never, so it is refused where the stream is declared."""
-        kind = node.kind
-        if kind is None:
-            return
-        what = f"{node.name!r}"
-        if isinstance(kind, np.dtype):
-            if kind.hasobject:
-                raise ConfigurationError(
-                    f"{what}: rows of dtype {kind} hold Python object references, which cannot travel as "
-                    "bytes; use a dtype of fixed-width fields, or a record kind ('pickle', 'numpy')")
-            if kind.itemsize == 0:
-                raise ConfigurationError(f"{what}: rows of dtype {kind} are 0 bytes wide; give the dtype fields")
-            if kind.itemsize > self.segment_size:
-                raise ConfigurationError(
-                    f"{what}: rows of dtype {kind} are {kind.itemsize} bytes wide and a row must fit one "
-                    f"segment: raise segment_size (now {self.segment_size}) to at least {kind.itemsize} "
-                    "rounded up to a power of two, or send the rows as records (kind='numpy')")
-            return
-
-        core = getattr(get_serializer(kind), "core_kind", None)
-        width = _FIXED_WIDTH.get(core)
-        if width is not None and self.max_record_size < width:
-            raise ConfigurationError(
-                f"{what}: its {core} records are {width} bytes each, over max_record_size="
-                f"{self.max_record_size}: every record would be refused; raise max_record_size")
+        net = self.network_config
+        check_node_kind(node, net.segment_size, net.max_record_size)
 
     # ---- running ----
     def plan(self):
@@ -409,7 +320,7 @@ class Environment(SourceDeclarations):
         if self.control_port is not None:
             raise ConfigurationError("execute_iter runs without a control endpoint: control_port is for "
                                      "execute() and execute_async()")
-        if self.checkpoint_interval is not None and self.restart_attempts:
+        if self.checkpoint_config.enabled and self.restart_config.attempts:
             raise ConfigurationError(
                 "execute_iter hands records to the caller before a checkpoint covers them, so a restart "
                 "would hand them out again: with restart_attempts > 0 use collect() or write_text()")
@@ -429,10 +340,10 @@ class Environment(SourceDeclarations):
     def _claim(self, job_name, restore_from=None, allow_non_restored_state=False):
         """The execution of this graph, once: checks everything that can be
         checked before anything starts, then takes the Environment."""
-        if restore_from is not None and self.checkpoint_interval is None:
+        if restore_from is not None and not self.checkpoint_config.enabled:
             raise ConfigurationError("restore_from needs checkpointing: set checkpoint_interval (and checkpoint_dir)")
         self._check_settings()
-        self._check_graph()
+        check_graph(self.nodes)
         check_operator_ids(self)
         for node in self.nodes:
             self._check_node_kind(node)
@@ -457,22 +368,6 @@ class Environment(SourceDeclarations):
         job.restore_from = restore_from
         job.allow_non_restored_state = bool(allow_non_restored_state)
         return job
-
-    def _check_graph(self) -> None:
-        """A job that could do nothing visible is refused: with nothing
-        declared, or without a sink, it would run (perhaps for a long time)
-        and every record would vanish without a word."""
-        if not self.nodes:
-            raise ConfigurationError(
-                "this Environment has nothing to run: declare a source (from_collection, read_text, ..), "
-                "the operators and a sink (collect(), print(), write_text(), sink(fn), to_iterator()) "
-                "before execute()")
-        if not any(n.is_sink for n in self.nodes):
-            ends = [n.name for n in self.nodes if not n.consumers]
-            raise ConfigurationError(
-                f"this job has no sink: the records of {', '.join(repr(e) for e in ends)} would go nowhere; "
-                "end the stream with collect(), print(), write_text(), write_parquet(), sink(fn) or "
-                "to_iterator()")
 
     def _unclaim(self, job):
         """A job that could not start ran nothing: the graph is still unused."""

@@ -219,7 +219,7 @@ def _run_once(out_dir, quick, phase_seconds, interval, calibration_seconds, phas
     else:
         import tempfile
         # Flink's defaults: what an aligned barrier waits behind is what they hold
-        buffers = dict(segment_size=32 * 1024, checkpoint_interval=iv, checkpoint_mode=checkpoint_mode,
+        buffers = dict(segment_size=32 * 1024, checkpoint_interval=iv, checkpoint_alignment=checkpoint_mode,
                        checkpoint_dir=tempfile.mkdtemp(prefix="pyflowbuf-experiment-"))
         if debloat:
             buffers["debloat_target"] = debloat_target

@@ -41,14 +41,14 @@ from pyflowbuf.runtime.outputs import check_commits
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 
-MODES = ("exactly_once", "at_least_once")
-ALIGNMENTS = ("aligned", "unaligned")
 DEFAULT_CHECKPOINT_DIR = "checkpoints"
 
 
 @dataclass
-class CheckpointConfig:
-    """The checkpoint settings of an Environment (see ``Environment``)."""
+class CheckpointSettings:
+    """What one job's checkpoints run with, from the Environment's
+    ``CheckpointConfig`` and ``RestartConfig`` and the settings of the job
+    that storage and restore need."""
 
     interval: float
     directory: str
@@ -57,7 +57,7 @@ class CheckpointConfig:
     restart_attempts: int = 0
     mode: str = "exactly_once"
     allow_pickle: bool = False
-    alignment: str = "aligned"            # checkpoint_mode
+    alignment: str = "aligned"
     alignment_timeout: float | None = None
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
 
@@ -72,16 +72,14 @@ class CheckpointConfig:
         return self.alignment == "unaligned" and bool(self.alignment_timeout)
 
     @classmethod
-    def from_env(cls, env) -> "CheckpointConfig | None":
-        interval = getattr(env, "checkpoint_interval", None)
-        if interval is None:
+    def from_env(cls, env) -> "CheckpointSettings | None":
+        c = env.checkpoint_config
+        if not c.enabled:
             return None
-        return cls(interval=interval, directory=os.fspath(env.checkpoint_dir or DEFAULT_CHECKPOINT_DIR),
-                   timeout=env.checkpoint_timeout, retained=env.checkpoints_retained,
-                   restart_attempts=env.restart_attempts, mode=env.checkpointing_mode,
-                   allow_pickle=env.allow_pickle, alignment=getattr(env, "checkpoint_mode", "aligned"),
-                   alignment_timeout=getattr(env, "alignment_timeout", None),
-                   max_parallelism=getattr(env, "max_parallelism", DEFAULT_MAX_PARALLELISM))
+        return cls(interval=c.interval, directory=os.fspath(c.directory or DEFAULT_CHECKPOINT_DIR),
+                   timeout=c.timeout, retained=c.retained, restart_attempts=env.restart_config.attempts,
+                   mode=c.mode, allow_pickle=env.allow_pickle, alignment=c.alignment,
+                   alignment_timeout=c.alignment_timeout, max_parallelism=env.max_parallelism)
 
 
 @dataclass
@@ -122,7 +120,7 @@ class CheckpointCoordinator:
     attempt reaches the new one (a worker told "trigger" before "go" quit).
     """
 
-    def __init__(self, config: CheckpointConfig, storage, job_name: str = "job"):
+    def __init__(self, config: CheckpointSettings, storage, job_name: str = "job"):
         self.config = config
         self.storage = storage
         self.job_name = job_name
@@ -792,7 +790,7 @@ def check_sources(meta, states, sources) -> None:
                 f"checkpoint {meta.checkpoint_id}: source {name!r} ({key}): {exc}", source=name) from None
 
 
-def check_rewindable(config: CheckpointConfig, name, source) -> None:
+def check_rewindable(config: CheckpointSettings, name, source) -> None:
     """Exactly-once recovery replays the sources from their recorded positions."""
     if config.mode == "exactly_once" and not source.rewindable:
         why = getattr(source, "not_rewindable_because", None)     # a source that explains itself

@@ -27,13 +27,12 @@ restarts, metrics, collect) and takes the workers from a launcher:
 talking to the driver over ``pyflowbuf.net.control``: authenticated TCP,
 no pickle). A launcher has ``check``, ``launch`` (one attempt's workers as
 ``{channel: worker}``), ``exit_report``, ``lost``, ``stop``, ``end_attempt``
-and ``close``; ``run_worker`` is the worker's part under either.
+and ``close``; ``run_worker`` (``pyflowbuf.runtime.worker``) is the worker's
+part under either.
 """
 from __future__ import annotations
 
 import faulthandler
-import hashlib
-import hmac
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -47,115 +46,25 @@ import logging
 import warnings
 
 from pyflowbuf import errors
-from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
+from pyflowbuf.checkpoint import CheckpointStorage
+from pyflowbuf.checkpoint.storage import TaskStateHandle
+from pyflowbuf.net import new_secret
 from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.runtime import restore as restore_mod
 from pyflowbuf.runtime import outputs as sink_outputs
-from pyflowbuf.runtime.sinks import CollectSink
-from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution, check_output_pools
+from pyflowbuf.runtime.deployment import check_output_pools
+from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution
 from pyflowbuf.runtime.metrics import MetricsRelay, close_listeners, make_listeners
+from pyflowbuf.runtime.worker import (DRIVER, EXCLUSIVE_BUFFERS, FLOATING_BUFFERS, RemoteContext, attempt_secret,
+                                      placement, run_worker)
 
 log = logging.getLogger("pyflowbuf.cluster")
 
-DRIVER = -1
 START_TIMEOUT_S = 60.0
-DRAIN_TIMEOUT_S = 120.0
 # a worker whose pipe closed is exiting: how long the driver waits to learn how
 EXIT_STATUS_WAIT_S = 5.0
 # what of a crashed worker's faulthandler output goes into the failure
 CRASH_LOG_LIMIT = 16 * 1024
-# buffers of each remote input channel, and floating ones per gate (Flink's defaults)
-EXCLUSIVE_BUFFERS = 2
-FLOATING_BUFFERS = 8
-
-
-def placement(workers: int):
-    def place(vertex, subtask):
-        return DRIVER if vertex.is_iterator else subtask % workers
-    return place
-
-
-class RemoteContext:
-    """The network side of one process: a NetworkServer for its exports
-    (started only if something is exported) and a ConnectionManager for its
-    remote input channels."""
-
-    def __init__(self, secret, env, exclusive_buffers=EXCLUSIVE_BUFFERS, floating_buffers=FLOATING_BUFFERS,
-                 *, host=None, port_range=None):
-        self.secret = secret
-        self.env = env
-        self.exclusive_buffers = exclusive_buffers
-        self.floating_buffers = floating_buffers
-        self.host = env.bind_host if host is None else host
-        self.port_range = port_range
-        # the handshake announces this as the largest buffer a consumer must take
-        self.server = NetworkServer(secret, host=self.host, max_buffer_size=env.segment_size)
-        self.manager = ConnectionManager(secret, credit_based=env.credit_based)
-        self.addresses: dict = {}
-        self.exports: list = []
-        self.collected = None        # the worker's CollectShipper (checkpoints need it before tasks run)
-
-    def start_server(self):
-        if self.port_range is None:
-            return self.server.start()
-        # a firewall lets only these ports through: take the first free one
-        lo, hi = self.port_range
-        for port in range(lo, hi + 1):
-            server = NetworkServer(self.secret, host=self.host, port=port, max_buffer_size=self.env.segment_size)
-            try:
-                address = server.start()
-            except OSError:
-                server.close()
-                continue
-            self.server.close()
-            self.server = server
-            return address
-        raise errors.PortUnavailableError(
-            f"no free port in port_range={self.port_range!r} on {self.host} for the exchange's server")
-
-    def _check_kind(self, kind):
-        from pyflowbuf.serializers import get_serializer
-
-        if not self.env.allow_pickle and get_serializer(kind).in_process_only:
-            raise ValueError(
-                f"a stream of kind {kind!r} would cross processes, and decoding it (unpickling) runs "
-                "code the sender chose: give the operator a kind= that crosses processes (int64, "
-                "float64, str, bytes, struct for tuples, lists and dicts of plain values, arrow, "
-                "pandas, numpy) or pass Environment(allow_pickle=True) if every worker is trusted")
-
-    def export(self, partition_id, subpartition, queue, kind, on_error):
-        self._check_kind(kind)
-        self.server.export(partition_id, subpartition, queue, kind=kind,
-                           allow_pickle=self.env.allow_pickle, on_release=on_error)
-        self.exports.append((partition_id, subpartition))
-
-    def connect(self, network_pool, gate, specs, kind, on_error):
-        self._check_kind(kind)
-        excl, floating = self.manager.create_input_pools(
-            network_pool, len(specs), self.exclusive_buffers, self.floating_buffers)
-        channels = []
-        for (worker, pid, sub, queue), pool in zip(specs, excl):
-            ch = self.manager.create_channel(
-                tuple(self.addresses[worker]), pid, sub, queue, pool, floating, kind=kind,
-                allow_pickle=self.env.allow_pickle, on_error=lambda _ch, exc: on_error(exc))
-            ch.attach_gate(gate)
-            channels.append(ch)
-        return channels
-
-    def tasks_armed(self, tasks):
-        """The job armed its tasks for checkpoints; none runs yet."""
-        if self.collected is not None:
-            self.collected.restored(tasks)
-
-    def exports_drained(self) -> bool:
-        return all(self.server.export_state(p, s) in ("finished", "released", None) for p, s in self.exports)
-
-    def close(self):
-        for closer in (self.manager.close, self.server.close):
-            try:
-                closer()
-            except Exception:
-                pass
 
 
 def _caller_stacklevel() -> int:
@@ -272,14 +181,6 @@ def _die_with_parent():
             pass
 
 
-def attempt_secret(secret: bytes, attempt: int) -> bytes:
-    """The shared secret of one attempt of a job: the job's secret bound to
-    the attempt number, so that a connection of another attempt (a worker
-    of an attempt that was stopped for a restart) fails authentication and
-    can neither send into nor take from the processes of this one."""
-    return hmac.new(secret, b"pyflowbuf attempt %d" % attempt, hashlib.sha256).digest()
-
-
 def describe_exit(code) -> str:
     """A worker's exit status in words: ``killed by SIGSEGV (exit code -11)``."""
     if code is None:
@@ -291,122 +192,6 @@ def describe_exit(code) -> str:
             name = f"signal {-code}"
         return f"killed by {name} (exit code {code})"
     return f"exit code {code}"
-
-
-def _secondary(exc, op) -> bool:
-    """Failures that follow another one (cancellation, a peer going away)."""
-    return op == "remote exchange" or isinstance(exc, (errors.CancelledError, errors.ConnectionLostError))
-
-
-class _Sender:
-    """``conn.send`` for the threads of a worker (the control loop, task
-    threads finishing, snapshot writers): one message at a time, each with
-    the worker's attempt number (the driver ignores those of an attempt it
-    has restarted), and a lock that lets a caller keep several messages
-    together in order."""
-
-    def __init__(self, conn, attempt=0):
-        self.conn = conn
-        self.attempt = attempt
-        self.lock = threading.RLock()
-
-    def __call__(self, msg):
-        with self.lock:
-            self.conn.send((self.attempt, msg))
-
-
-class CollectShipper:
-    """Ships a worker's ``collect()`` records to the driver as increments
-    ``{node id: {subtask: (start, records)}}``: the driver replaces its list
-    from ``start`` on. Increments go out ahead of every acknowledgement and
-    final state on the same pipe, so by the time a checkpoint completes the
-    driver holds every record it covers, even if the worker dies right
-    after. A restored collect sink keeps the records its checkpoint counted:
-    here they are placeholders (the driver has them), and the first increment
-    (``start`` = that count) drops what the failed attempt collected after it."""
-
-    def __init__(self, env, send: _Sender):
-        self.parts = {n.id: n.collect_parts for n in env.nodes if n.collect_parts is not None}
-        self.send = send
-        self.shipped: dict = {}      # (node id, subtask) -> records the driver has
-
-    def restored(self, tasks):
-        sync: dict = {}
-        for t in tasks:
-            for i, op in enumerate(t.operators):
-                if not isinstance(op, CollectSink):
-                    continue
-                state = t.restore["operators"][i] if t.restore is not None else None
-                keep = state["records"] if state else 0
-                # the sink keeps list[:keep] when it opens, then appends after it
-                op.target[t.index] = [None] * keep
-                self.shipped[(op.node_id, t.index)] = keep
-                sync.setdefault(op.node_id, {})[t.index] = (keep, [])
-        if sync:
-            self.send(("collected", sync))
-
-    def increments(self) -> dict:
-        out: dict = {}
-        for nid, parts in self.parts.items():
-            # list() copies at once: a sink task may add its subtask meanwhile
-            for sub, records in list(parts.items()):
-                start = self.shipped.get((nid, sub), 0)
-                end = len(records)       # sinks only append (after their restore)
-                if end > start:
-                    out.setdefault(nid, {})[sub] = (start, records[start:end])
-                    self.shipped[(nid, sub)] = end
-        return out
-
-    def flush(self):
-        with self.send.lock:
-            inc = self.increments()
-            if inc:
-                self.send(("collected", inc))
-
-
-class WorkerCoordinator:
-    """The checkpoint coordinator as a worker's tasks see it: its config and
-    storage (each task writes its own state file to the shared
-    ``checkpoint_dir``), and acknowledgements, declines and final states
-    sent to the driver, whose CheckpointCoordinator completes checkpoints."""
-
-    def __init__(self, config, storage, send: _Sender, collected: CollectShipper):
-        self.config = config
-        self.storage = storage
-        self._send = send
-        self._collected = collected
-
-    def _post(self, msg, with_records=False):
-        try:
-            with self._send.lock:
-                if with_records:
-                    self._collected.flush()
-                self._send(msg)
-        except (OSError, ValueError) as exc:
-            # the driver is gone: the control thread sees it too and cancels the job
-            log.debug("pyflowbuf: worker could not reach the driver: %s", exc)
-
-    _savepoints: dict = {}
-
-    def register_savepoint(self, checkpoint_id, path) -> None:
-        """Checkpoint ``checkpoint_id`` is a savepoint into ``path`` (told with its trigger)."""
-        from pyflowbuf.checkpoint import SavepointStorage
-
-        self._savepoints = dict(self._savepoints)
-        self._savepoints[checkpoint_id] = SavepointStorage(path, allow_pickle=self.storage.allow_pickle,
-                                                           checkpoint_id=checkpoint_id)
-
-    def storage_for(self, checkpoint_id):
-        return self._savepoints.get(checkpoint_id, self.storage)
-
-    def acknowledge(self, task_key, checkpoint_id, handle, alignment_ms, commits, summary=None) -> None:
-        self._post(("ack", task_key, checkpoint_id, handle.to_dict(), alignment_ms, list(commits), summary), True)
-
-    def decline(self, task_key, checkpoint_id, reason) -> None:
-        self._post(("decline", task_key, checkpoint_id, str(reason)))
-
-    def task_finished(self, task_key, state, commits, snapshotted: int = 0, summary=None) -> None:
-        self._post(("finished", task_key, state, list(commits), snapshotted, summary), True)
 
 
 def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, output=None):
@@ -427,101 +212,6 @@ def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, outp
         except Exception:  # noqa: BLE001
             pass
         os._exit(0)
-
-
-def run_worker(env, me, workers, secret, conn, attempt=0, *, host=None, port_range=None, info=None,
-               join_control=False):
-    """Worker ``me``'s part of a job, talking to the driver on ``conn`` (a
-    pipe, or a ``pyflowbuf.net.control.ControlChannel``): announce the
-    exchange's address, wait for every worker's and the checkpoint to
-    restore, run the tasks placed here, answer the driver's control
-    messages, report the end. Returns once everything it started (task
-    threads, the exchange's sockets and threads, the control thread) is
-    gone and ``conn`` is closed, so a process that runs worker after worker
-    (a Spark Python worker) starts each one clean. ``info`` (executor,
-    host) is added to every task's metrics. ``join_control``: wait for the
-    control thread (a pipe's recv() is not woken by close(), so a forked
-    worker, which exits at once, does not wait)."""
-    remote = None
-    listener = None
-    send = _Sender(conn, attempt)
-
-    def metrics(job):
-        m = job.metrics()
-        if info:
-            for task in m.values():
-                if isinstance(task, dict):
-                    task.update(info)
-        return m
-
-    try:
-        remote = RemoteContext(attempt_secret(secret, attempt), env, host=host, port_range=port_range)
-        remote.collected = shipper = CollectShipper(env, send)
-        job = JobExecution(env, placement(workers), me, remote)
-        config = ckpt.CheckpointConfig.from_env(env)
-        if config is not None:
-            from pyflowbuf.checkpoint import CheckpointStorage
-
-            storage = CheckpointStorage(config.directory, retained=config.retained,
-                                        allow_pickle=config.allow_pickle)
-            job.checkpoint_config = config
-            job.coordinator = WorkerCoordinator(config, storage, send, shipper)
-        send(("ready", remote.start_server()))
-        sent_attempt, msg = conn.recv()
-        if msg[0] != "go" or sent_attempt != attempt:
-            return
-        remote.addresses = {int(w): tuple(a) for w, a in msg[1].items()}
-        job.restore_from = msg[2]       # a checkpoint id the driver chose, or None
-        job.start()
-
-        def listen():
-            try:
-                while True:
-                    sent_attempt, (what, *args) = conn.recv()
-                    if sent_attempt != attempt:
-                        continue        # (cannot happen: one channel per attempt) not ours
-                    if what == "cancel":
-                        job.cancel()
-                    elif what == "trigger":
-                        job.trigger_sources(*args)
-                    elif what == "complete":
-                        job.notify_complete(*args)
-                    elif what == "abort":
-                        job.abort_checkpoint(*args)
-                    elif what == "unaligned":
-                        job.switch_to_unaligned(*args)
-            except (EOFError, OSError, errors.ProtocolError):
-                job.cancel()   # the driver is gone
-        listener = threading.Thread(target=listen, name="pyflowbuf: worker control", daemon=True)
-        listener.start()
-        while not job._done.wait(env.metrics_interval):
-            send(("metrics", metrics(job)))
-        try:
-            job.join()
-        except errors.JobFailedError:
-            task, op, exc, tb = job.failure
-            send(("failed", task, op, f"{type(exc).__name__}: {exc}", tb, _secondary(exc, op), metrics(job)))
-            return
-        # consumers elsewhere may still be reading our exports
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while not job.cancelled and not remote.exports_drained() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        # job.metrics() is the final sample now: join() returned after it
-        with send.lock:
-            send(("done", shipper.increments(), job.summary(), metrics(job)))
-    except BaseException as exc:  # noqa: BLE001 - report everything to the driver
-        try:
-            # (a peer lost while connecting is secondary: the peer's own death says why)
-            send(("failed", f"worker {me}", "worker", f"{type(exc).__name__}: {exc}",
-                  traceback.format_exc(), _secondary(exc, "worker")))
-        except Exception:
-            pass
-    finally:
-        if remote is not None:
-            remote.close()
-        conn.close()
-        if listener is not None and join_control:
-            listener.join(CANCEL_GRACE_S)   # the closed channel ends its recv()
 
 
 class ForkLauncher:
@@ -635,6 +325,55 @@ class ForkLauncher:
         self._close_crash_logs()
 
 
+def check_every_process(env, vertices, edges, workers) -> None:
+    """Every process checks its own pools too, but by then the others are
+    running: refuse a deadlocking setting here, before any worker starts."""
+    place = placement(workers)
+    processes = [(lambda v, i, w=w: place(v, i) == w, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS))
+                 for w in range(workers)]
+    if any(v.is_iterator for v in vertices):
+        processes.append((lambda v, i: place(v, i) == DRIVER, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS)))
+    check_output_pools(env, edges, processes)
+
+
+class CollectedRecords:
+    """The ``collect()`` records the driver holds, per node and subtask, from
+    the workers' increments (``CollectShipper``): an increment replaces the
+    records from its start on, so a restored attempt drops what the failed
+    one collected after its checkpoint; a gap means records a checkpoint
+    covers were lost, and fails the job."""
+
+    def __init__(self):
+        self.results: dict = {}      # node id -> {subtask: [records]}
+        self.base: dict = {}         # (node id, subtask) -> index of the first record held
+
+    def add(self, w, increments, restarts):
+        for nid, subs in increments.items():
+            parts = self.results.setdefault(nid, {})
+            for sub, (start, records) in subs.items():
+                have = parts.setdefault(sub, [])
+                base = self.base.get((nid, sub), 0)
+                at = start - base
+                if not 0 <= at <= len(have):
+                    if have or restarts:
+                        raise errors.FlowBufError(
+                            f"worker {w} sent collected records of subtask {sub} from #{start}, but the "
+                            f"driver holds #{base} to #{base + len(have)}: records a checkpoint covers were lost")
+                    # restore_from a checkpoint of an earlier run: the records it
+                    # covers were that run's results (as for a job in one process)
+                    self.base[(nid, sub)] = base = start
+                    at = 0
+                del have[at:]
+                have.extend(records)
+
+    def hand_over(self, nodes):
+        """Into the collect sinks' results, where the caller reads them."""
+        for node in nodes:
+            if node.collect_parts is not None and node.id in self.results:
+                node.collect_parts.clear()
+                node.collect_parts.update(self.results[node.id])
+
+
 class ClusterExecution(Execution):
     """Same surface as JobExecution (start/join/cancel/iterate/metrics/summary/done)."""
 
@@ -660,8 +399,7 @@ class ClusterExecution(Execution):
         # same way: see CheckpointCoordinator.attach.
         self.attempt = 0
         self._summaries: dict = {}
-        self._results: dict = {}
-        self._collect_base: dict = {}        # (node id, subtask) -> index of the first record held
+        self._collected = CollectedRecords()
         self._finished_workers: set = set()
         self._send_lock = threading.Lock()   # the coordinator's thread and the driver's both send
         self.local = None
@@ -669,19 +407,12 @@ class ClusterExecution(Execution):
         self.sampler = None              # a MetricsRelay once started
         self.started = self.ended = None
         self.startup_s = None
-        # Every process checks its own pools too, but by then the others are
-        # running: refuse a deadlocking setting here, before any fork.
         vertices, edges = env.plan()
-        place = placement(self.workers)
-        processes = [(lambda v, i, w=w: place(v, i) == w, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS))
-                     for w in range(self.workers)]
-        if any(v.is_iterator for v in vertices):
-            processes.append((lambda v, i: place(v, i) == DRIVER, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS)))
-        check_output_pools(env, edges, processes)
+        check_every_process(env, vertices, edges, self.workers)
         self._worker_sinks = sorted({n.name for n in env.nodes if n.user_sink})
         self.vertices = vertices
         # checkpoints: the coordinator lives here, for every worker's tasks
-        self.checkpoint_config = ckpt.CheckpointConfig.from_env(env)
+        self.checkpoint_config = ckpt.CheckpointSettings.from_env(env)
         self.coordinator = None
         self.restore_from = None       # set by Environment.execute(restore_from=...)
         self.restored_from = None      # the checkpoint id the job (or its last attempt) started from
@@ -696,13 +427,13 @@ class ClusterExecution(Execution):
         # The listeners live here, not in the workers: one Prometheus port,
         # one log, one live view for the whole job; a busy port is refused
         # before any worker is forked.
-        self.sampler = MetricsRelay(self.env.metrics_interval, make_listeners(self.env))
+        self.sampler = MetricsRelay(self.env.metrics_config.interval, make_listeners(self.env))
         self.started = time.monotonic()
         try:
             restore_id = self._start_checkpointing() if self.checkpoint_config is not None else None
             # before the fork: the workers' sinks inherit what it decided
             sink_outputs.prepare_outputs(self.env.nodes, restoring=restore_id is not None,
-                                    checkpoint_dir=self.env.checkpoint_dir)
+                                    checkpoint_dir=self.env.checkpoint_config.directory)
             self._start_workers(restore_id)
             # from execute() to every worker running (forked, or Spark tasks scheduled and reporting)
             self.startup_s = time.monotonic() - self.started
@@ -829,11 +560,9 @@ class ClusterExecution(Execution):
         if what == "metrics":
             relay.update(w, msg[1])
         elif what == "collected":
-            self._collect(w, msg[1])
+            self._collected.add(w, msg[1], self.restarts)
         elif what == "ack":
             _, key, n, handle, alignment_ms, commits, summary = msg
-            from pyflowbuf.checkpoint.storage import TaskStateHandle
-
             self.coordinator.acknowledge(key, n, TaskStateHandle.from_dict(handle), alignment_ms, commits, summary)
         elif what == "decline":
             self.coordinator.decline(msg[1], msg[2], msg[3])
@@ -842,7 +571,7 @@ class ClusterExecution(Execution):
             self.coordinator.task_finished(key, state, commits, snapshotted, summary)
         elif what == "done":
             self._finished_workers.add(w)
-            self._collect(w, msg[1])
+            self._collected.add(w, msg[1], self.restarts)
             self._summaries[w] = msg[2]
             relay.update(w, msg[3])
         elif what == "failed":
@@ -852,25 +581,6 @@ class ClusterExecution(Execution):
             self._fail(*msg[1:5], secondary=msg[5])
         else:
             raise errors.ProtocolError(f"unknown message {what!r} from worker {w}")
-
-    def _collect(self, w, increments):
-        for nid, subs in increments.items():
-            parts = self._results.setdefault(nid, {})
-            for sub, (start, records) in subs.items():
-                have = parts.setdefault(sub, [])
-                base = self._collect_base.get((nid, sub), 0)
-                at = start - base
-                if not 0 <= at <= len(have):
-                    if have or self.restarts:
-                        raise errors.FlowBufError(
-                            f"worker {w} sent collected records of subtask {sub} from #{start}, but the "
-                            f"driver holds #{base} to #{base + len(have)}: records a checkpoint covers were lost")
-                    # restore_from a checkpoint of an earlier run: the records it
-                    # covers were that run's results (as for a job in one process)
-                    self._collect_base[(nid, sub)] = base = start
-                    at = 0
-                del have[at:]
-                have.extend(records)
 
     def _fail(self, task, op, text, tb, secondary, attempt=None):
         with self._lock:
@@ -908,8 +618,6 @@ class ClusterExecution(Execution):
     def _start_checkpointing(self):
         """The coordinator, before any worker is forked; returns the id of the
         checkpoint to restore (``restore_from``), or None."""
-        from pyflowbuf.checkpoint import CheckpointStorage
-
         config = self.checkpoint_config
         # refused here, before a worker exists, rather than as a worker's failure
         for v in self.vertices:
@@ -990,11 +698,6 @@ class ClusterExecution(Execution):
     def trigger_sources(self, checkpoint_id, options=None):
         self._broadcast(("trigger", checkpoint_id, options))
 
-    def stop_after_savepoint(self, checkpoint_id):
-        """Stop-with-savepoint: it completed and its commits are done; end the job."""
-        self.stopped_with_savepoint = checkpoint_id
-        threading.Thread(target=self.cancel, name="pyflowbuf: stop with savepoint", daemon=True).start()
-
     def notify_complete(self, checkpoint_id):
         self._broadcast(("complete", checkpoint_id))
 
@@ -1003,9 +706,6 @@ class ClusterExecution(Execution):
 
     def switch_to_unaligned(self, checkpoint_id):
         self._broadcast(("unaligned", checkpoint_id))
-
-    def checkpoints(self) -> list:
-        return [] if self.coordinator is None else self.coordinator.checkpoints()
 
     def _kill(self):
         self.launcher.stop(graceful=not self.cancelled)
@@ -1018,10 +718,7 @@ class ClusterExecution(Execution):
         monitor = getattr(self, "_monitor", None)
         if monitor is not None and self._done.is_set() and monitor is not threading.current_thread():
             monitor.join(CANCEL_GRACE_S)    # it has set _done: only its last lines are left
-        for node in self.env.nodes:
-            if node.collect_parts is not None and node.id in self._results:
-                node.collect_parts.clear()
-                node.collect_parts.update(self._results[node.id])
+        self._collected.hand_over(self.env.nodes)
         if self.local is not None:
             self.local.remote.close()
 
@@ -1064,9 +761,6 @@ class ClusterExecution(Execution):
     @property
     def tasks(self):
         return []
-
-    def metrics(self) -> dict:
-        return {} if self.sampler is None else self.sampler.latest()
 
     def summary(self) -> dict:
         out = {}

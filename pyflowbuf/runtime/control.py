@@ -93,13 +93,13 @@ def check_settings(env) -> None:
     with checkpoints (what it controls are savepoints) in a local
     ``checkpoint_dir`` (the control file holds a secret: it is written with
     mode 0600, which only a local file system keeps)."""
-    port = getattr(env, "control_port", None)
+    port = env.control_port
     if port is None:
         return
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise errors.ConfigurationError(
             f"control_port must be None (no control endpoint) or an int in 0..65535 (0: a free port), got {port!r}")
-    if env.checkpoint_interval is None:
+    if not env.checkpoint_config.enabled:
         raise errors.ConfigurationError(
             "control_port opens the endpoint `pyflowbuf savepoint` and `pyflowbuf stop` reach, and savepoints need "
             "checkpointing: set checkpoint_interval (and checkpoint_dir)")
@@ -305,7 +305,7 @@ class ControlEndpoint:
     @classmethod
     def open(cls, env) -> "ControlEndpoint | None":
         """The endpoint ``env.control_port`` asks for, bound; None without one."""
-        return None if getattr(env, "control_port", None) is None else cls(env)
+        return None if env.control_port is None else cls(env)
 
     @property
     def port(self) -> int:

@@ -32,19 +32,11 @@ the period after throughput does.
 from __future__ import annotations
 
 import math
-import numbers
 import threading
 import time
 from dataclasses import dataclass
 
-from pyflowbuf.errors import ConfigurationError
 from pyflowbuf.runtime.exchange import MultiInput
-
-DEFAULT_TARGET = 1.0
-DEFAULT_PERIOD = 0.2
-DEFAULT_SAMPLES = 20
-DEFAULT_THRESHOLD = 0.25
-DEFAULT_MIN_BUFFER_SIZE = 256
 
 # Free segments' pages are handed back again every this many periods while
 # buffers are debloated: segments that were in use (full) at the last pass
@@ -55,40 +47,17 @@ RELEASE_EVERY = 5
 STALE_PERIODS = 2
 
 
-def _real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
-
-
-def check_settings(env) -> None:
-    """Validate the Environment's debloat settings (ConfigurationError names
-    the parameter)."""
-    if not isinstance(env.debloat, bool):
-        raise ConfigurationError(f"debloat must be True or False, got {env.debloat!r}")
-    for name in ("debloat_target", "debloat_period"):
-        v = getattr(env, name)
-        if not _real(v) or not 0 < v < math.inf:
-            raise ConfigurationError(f"{name} must be a number of seconds > 0, got {v!r}")
-    s = env.debloat_samples
-    if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1:
-        raise ConfigurationError(f"debloat_samples must be an int >= 1, got {s!r}")
-    t = env.debloat_threshold
-    if not _real(t) or not 0 <= t <= 1:
-        raise ConfigurationError(f"debloat_threshold must be a fraction in [0, 1] (0.25 = 25 %), got {t!r}")
-    m = env.min_buffer_size
-    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
-        raise ConfigurationError(f"min_buffer_size must be an int >= 1 (bytes), got {m!r}")
-    if isinstance(env.segment_size, numbers.Integral) and m > env.segment_size:
-        raise ConfigurationError(
-            f"min_buffer_size ({m}) must be <= segment_size ({env.segment_size}): a buffer is at most one segment")
-
-
 @dataclass(frozen=True)
-class DebloatConfig:
-    target: float = DEFAULT_TARGET
-    period: float = DEFAULT_PERIOD
-    samples: int = DEFAULT_SAMPLES
-    threshold: float = DEFAULT_THRESHOLD
-    min_size: int = DEFAULT_MIN_BUFFER_SIZE
+class DebloatSettings:
+    """What a job's debloaters run with: the Environment's ``DebloatConfig``
+    (``min_size`` is its ``min_buffer_size``) and the segment size, the
+    largest buffer."""
+
+    target: float = 1.0
+    period: float = 0.2
+    samples: int = 20
+    threshold: float = 0.25
+    min_size: int = 256
     max_size: int = 32 * 1024
 
     @property
@@ -96,9 +65,10 @@ class DebloatConfig:
         return 2.0 / (self.samples + 1)
 
     @classmethod
-    def from_env(cls, env) -> "DebloatConfig":
-        return cls(float(env.debloat_target), float(env.debloat_period), int(env.debloat_samples),
-                   float(env.debloat_threshold), int(env.min_buffer_size), int(env.segment_size))
+    def from_env(cls, env) -> "DebloatSettings":
+        c = env.debloat_config
+        return cls(float(c.target), float(c.period), int(c.samples), float(c.threshold), int(c.min_buffer_size),
+                   int(env.network_config.segment_size))
 
 
 class BufferDebloater:
@@ -107,7 +77,7 @@ class BufferDebloater:
     ``update`` takes one period's measurement and returns the size to
     announce upstream, or None when the change is below the threshold."""
 
-    def __init__(self, config: DebloatConfig, initial_size: int | None = None):
+    def __init__(self, config: DebloatSettings, initial_size: int | None = None):
         self.config = config
         start = config.max_size if initial_size is None else initial_size
         self._ema = float(min(max(start, config.min_size), config.max_size))
@@ -178,7 +148,7 @@ def output_pool_cap(lo: int, hi: int, nsub: int, segment_size: int, channels) ->
 class GateDebloat:
     """One input gate's debloater, fed by the consuming task's mailbox."""
 
-    def __init__(self, side, config: DebloatConfig, multi=None, index: int = 0):
+    def __init__(self, side, config: DebloatSettings, multi=None, index: int = 0):
         self.side = side
         self.gate = side.gate
         self.multi = multi                       # a MultiInput's shared wait counts as idle too
@@ -255,7 +225,7 @@ class GateDebloat:
         }
 
 
-def gates_of(task, config: DebloatConfig) -> list:
+def gates_of(task, config: DebloatSettings) -> list:
     """GateDebloats for every input gate of ``task`` (none for a source)."""
     inp = task.input
     if inp is None:
@@ -271,7 +241,7 @@ class DebloatTimer(threading.Thread):
     output pools and gives free segments' pages back. It sleeps on an Event
     between periods."""
 
-    def __init__(self, job, config: DebloatConfig):
+    def __init__(self, job, config: DebloatSettings):
         super().__init__(name="pyflowbuf: debloat", daemon=True)
         self.job = job
         self.config = config
@@ -392,9 +362,9 @@ class DebloatTimer(threading.Thread):
 
 def start_timer(job):
     """Start the job's DebloatTimer when its Environment turned debloating on."""
-    if not getattr(job.env, "debloat", False):
+    if not job.env.debloat_config.enabled:
         return None
-    timer = DebloatTimer(job, DebloatConfig.from_env(job.env))
+    timer = DebloatTimer(job, DebloatSettings.from_env(job.env))
     timer.start()
     return timer
 

@@ -1,5 +1,5 @@
-"""Running a job: memory, exchanges and subtask threads; failure and cancel;
-metric sampling."""
+"""Running a job: its attempts (each deployed by ``deployment.Deployment``),
+subtask threads, failure and cancel, checkpoints and restarts, metric sampling."""
 from __future__ import annotations
 
 import gc
@@ -12,16 +12,13 @@ import time
 import traceback
 
 from pyflowbuf import errors
-from pyflowbuf._core.channel import BufferQueue, InputGate
-from pyflowbuf._core.memory import NetworkBufferPool, Notifier
 from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.runtime import debloat
 from pyflowbuf.runtime import outputs as sink_outputs
 from pyflowbuf.runtime import restore as restore_mod
-from pyflowbuf.runtime.exchange import EdgeKind, InputSide, MultiInput, OutputSide
+from pyflowbuf.runtime.deployment import Deployment, check_output_pools, output_pool_size, segments_needed
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
-from pyflowbuf.runtime.sources import rate_limiter
 from pyflowbuf.runtime.task import Subtask
 
 # How long a cancelled job waits for its threads: tasks blocked in C wake at
@@ -38,80 +35,6 @@ def check_timeout(timeout):
         raise errors.ConfigurationError(
             f"timeout must be None or a number of seconds > 0, got {timeout!r}")
     return timeout
-
-
-def output_pool_size(env, nsub: int) -> tuple:
-    """(min, max) segments of an output pool feeding ``nsub`` subpartitions."""
-    if env.output_buffers is not None:
-        return tuple(env.output_buffers)
-    return nsub + 1, 2 * nsub + 8
-
-
-def subpartitions(edge) -> int:
-    return 1 if edge.pointwise else edge.target.parallelism
-
-
-def segments_needed(env, edges, here, remote_buffers=None) -> int:
-    """Segments for every output pool of this process at its cap, plus the
-    exclusive and floating buffers of its remote input channels
-    (``remote_buffers``: (exclusive per channel, floating per gate)): memory
-    is bounded by construction and no pool ever waits on another pool's share."""
-    total = 0
-    for e in edges:
-        up, down = e.source, e.target
-        total += sum(here(up, i) for i in range(up.parallelism)) * output_pool_size(env, subpartitions(e))[1]
-        if remote_buffers is not None:
-            exclusive, floating = remote_buffers
-            for j in range(down.parallelism):
-                if here(down, j):
-                    n = sum(not here(up, i) for i in range(up.parallelism) if not e.pointwise or i == j)
-                    if n:
-                        total += n * exclusive + floating
-    return total
-
-
-def check_output_pools(env, edges, processes) -> None:
-    """Refuse output pools that can deadlock, before anything starts.
-
-    A RecordWriter holds one buffer per subpartition and asks for the next one
-    only after shipping a full one, so a pool of ``subpartitions`` segments
-    always progresses (its consumers recycle what it shipped) and a smaller
-    max never does once records reach every subpartition. Flink's default
-    min is one more; this writer does not need it (events travel beside the
-    buffers, not in pool segments), and the tests run pools of exactly one
-    segment per subpartition. When ``num_segments`` cannot hold every pool at
-    its max, pools compete for the segments above their guaranteed min, and a
-    pool whose min is below its subpartitions can wait forever on segments
-    that other blocked pools hold.
-    ``processes``: (here(vertex, subtask), remote_buffers) per process."""
-    for e in edges:
-        nsub = subpartitions(e)
-        lo, hi = output_pool_size(env, nsub)
-        where = (f"the output pool of {e.source.name!r} feeding {e.target.name!r} "
-                 f"({e.partitioner}, {nsub} subpartition{'s' if nsub > 1 else ''} per producer)")
-        if hi < nsub:
-            raise errors.ConfigurationError(
-                f"output_buffers={env.output_buffers!r} caps {where} at {hi} segment{'s' if hi > 1 else ''}; "
-                f"its RecordWriter holds a buffer per subpartition, so the job would deadlock: give "
-                f"output_buffers a max of at least {nsub}, e.g. output_buffers=({min(lo, nsub)}, {nsub}), "
-                "or leave it unset for Flink's (subpartitions + 1, 2 * subpartitions + 8)")
-    if env.num_segments is None:
-        return      # sized for every pool at its max: the mins do not matter
-    for here, remote_buffers in processes:
-        needed = segments_needed(env, edges, here, remote_buffers)
-        if env.num_segments >= needed:
-            continue
-        for e in edges:
-            nsub = subpartitions(e)
-            lo, _ = output_pool_size(env, nsub)
-            if lo < nsub and any(here(e.source, i) for i in range(e.source.parallelism)):
-                raise errors.ConfigurationError(
-                    f"output_buffers={env.output_buffers!r} guarantees the output pool of {e.source.name!r} "
-                    f"feeding {e.target.name!r} ({nsub} subpartitions) a min of {lo} segment"
-                    f"{'s' if lo > 1 else ''}, and num_segments={env.num_segments} is too few for every "
-                    f"pool to reach its max ({needed} needed), so pools compete for the rest and this one "
-                    f"can wait forever on segments that other blocked pools hold: give output_buffers a min "
-                    f"of at least {nsub}, or num_segments >= {needed} (or leave num_segments unset)")
 
 
 class Execution:
@@ -218,6 +141,18 @@ class Execution:
         self._close()
         return path
 
+    def stop_after_savepoint(self, checkpoint_id):
+        """Stop-with-savepoint: savepoint ``checkpoint_id`` completed and its
+        commits are done; the job ends without processing anything more."""
+        self.stopped_with_savepoint = checkpoint_id
+        threading.Thread(target=self.cancel, name="pyflowbuf: stop with savepoint", daemon=True).start()
+
+    def checkpoints(self) -> list:
+        return [] if self.coordinator is None else self.coordinator.checkpoints()
+
+    def metrics(self) -> dict:
+        return {} if self.sampler is None else self.sampler.latest()
+
     @property
     def done(self):
         return self._done.is_set()
@@ -258,7 +193,7 @@ class JobExecution(Execution):
         check_output_pools(env, self.edges, [(self._here, self._remote_buffers())])
         # checkpoints: on when the Environment asks; a worker process is given
         # its config and a proxy of the driver's coordinator (cluster.py)
-        self.checkpoint_config = ckpt.CheckpointConfig.from_env(env) if remote is None else None
+        self.checkpoint_config = ckpt.CheckpointSettings.from_env(env) if remote is None else None
         self.coordinator = None
         self.restore_from = None       # set by Environment.execute(restore_from=...)
         self.restored_from = None      # the checkpoint id the job (or its last attempt) started from
@@ -282,112 +217,19 @@ class JobExecution(Execution):
         return segments_needed(self.env, self.edges, self._here, self._remote_buffers())
 
     def _build(self):
-        env = self.env
-        num_segments = env.num_segments or max(self._segments_needed() + 16, 64)
-        self.network_pool = net = NetworkBufferPool(num_segments, env.segment_size)
-        self.network_pools.append(net)
-        self._queues = []  # every BufferQueue, to give back what is left in them
-        inputs = {}      # (vertex id, subtask) -> {input index: InputSide}
-        notifiers = {}   # (vertex id, subtask) -> the one Notifier all its gates wake
-        self.notifiers = notifiers
-        outputs = {}     # (vertex id, subtask) -> [OutputSide]
-        here = self._here
-        for k, e in enumerate(self.edges):
-            up, down = e.source, e.target
-            kind = EdgeKind(e.kind)
-            # A kind fixed by the graph is checked on both ends of a remote
-            # channel; an inferred one travels in-band (EVT_KIND) as bytes.
-            wire_kind = kind.value.core_kind if kind.fixed and not kind.is_rows else "bytes"
-            needed = [(i, j) for i in range(up.parallelism) for j in range(down.parallelism)
-                      if not e.pointwise or i == j]
-            queues = {}
-            for i, j in needed:
-                if here(up, i) or here(down, j):
-                    q = queues[i, j] = BufferQueue(net)
-                    self._queues.append(q)
-                    if not here(down, j):
-                        self.remote.export(f"{k}/{i}", j, q, wire_kind, self._remote_failed)
-                        self._exported.add(id(q))
-            pools = {}
-            for i in range(up.parallelism):
-                if not here(up, i):
-                    continue
-                mine = [queues[i, j] for (a, j) in needed if a == i]
-                lo, hi = self._output_pool_size(len(mine))
-                # Unaligned checkpoints: a task waits for an output buffer
-                # between batches, where it can take an overtaking barrier, so
-                # a freed buffer must wake it (the one Notifier of its inputs).
-                waker = None
-                if self._gate_output:
-                    waker = notifiers.setdefault((up.id, i), Notifier())
-                pools[i] = pool = net.create_pool(lo, hi, waker)
-                side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, env.max_record_size,
-                                  timestamped=e.timestamped)
-                side.max_parallelism = env.max_parallelism
-                side.consumer = down.head.name
-                if e.tag is not None:       # the task routes that node's side records here
-                    side.tag, side.source_node = e.tag, e.source_node.id
-                side.remote = [id(q) in self._exported for q in mine]
-                outputs.setdefault((up.id, i), []).append(side)
-            for j in range(down.parallelism):
-                if not here(down, j):
-                    continue
-                sides = inputs.setdefault((down.id, j), {})
-                if e.input_index in sides:
-                    raise ValueError(f"two edges feed input {e.input_index} of {down.name!r}")
-                producers = [i for (i, b) in needed if b == j]
-                chans = [queues[i, j] for i in producers]
-                remote_from = [i for i in producers if not here(up, i)]
-                notifier = notifiers.get((down.id, j))
-                if notifier is None:
-                    notifier = notifiers[down.id, j] = Notifier()
-                gate = InputGate(chans, notifier)
-                remote_channels = []
-                if remote_from:
-                    remote_channels = self.remote.connect(
-                        net, gate, [(self.placement(up, i), f"{k}/{i}", j, queues[i, j]) for i in remote_from],
-                        wire_kind, self._remote_failed)
-                sides[e.input_index] = InputSide(
-                    gate, kind, env.max_record_size, [pools[i] for i in producers if i in pools],
-                    remote_channels=remote_channels, allow_pickle=env.allow_pickle,
-                    owned=down.is_iterator and not down.head.zero_copy, timestamped=e.timestamped)
-
-        for v in self.vertices:
-            for i in range(v.parallelism):
-                if not here(v, i):
-                    continue
-                if v.is_iterator:
-                    self.iterator_input = inputs[(v.id, 0)][0]
-                    continue
-                head = v.head
-                ops = [n.make_operator() for n in v.nodes if n.make_operator is not None]
-                for n, op in zip([n for n in v.nodes if n.make_operator is not None], ops):
-                    op.node_id = n.id
-                    op.uid = n.operator_uid
-                    op.out_kind = n.kind
-                    op.timestamped = n.timestamped
-                source = head.source() if head.source is not None else None
-                limiter = rate_limiter(head.rate_limit)
-                if limiter is not None:
-                    limiter = limiter.for_subtask(v.parallelism)
-                sides = inputs.get((v.id, i), {})
-                if v.num_inputs > 1:
-                    input_side = MultiInput([sides[k] for k in range(v.num_inputs)])
-                else:
-                    # one input: the task reads its InputSide directly, nothing in between
-                    input_side = sides.get(0)
-                task = Subtask(self, v, i, ops, outputs.get((v.id, i), []),
-                               source=source, input_side=input_side, rate_limiter=limiter)
-                if self._gate_output:
-                    task.notifier = notifiers.get((v.id, i))
-                self.tasks.append(task)
+        """This attempt's memory, exchanges and subtasks (``Deployment``)."""
+        d = Deployment(self)
+        self.network_pool, self._queues, self.notifiers = d.network_pool, d.queues, d.notifiers
+        self.network_pools.append(d.network_pool)
+        self._exported |= d.exported
+        self.tasks, self.iterator_input = d.tasks, d.iterator_input
 
     @property
     def _gate_output(self) -> bool:
         """Whether tasks wait for output buffers between batches (unaligned
         checkpoints: see Subtask._wait_for_output)."""
-        env = self.env
-        return env.checkpoint_interval is not None and getattr(env, "checkpoint_mode", "aligned") == "unaligned"
+        c = self.env.checkpoint_config
+        return c.enabled and c.alignment == "unaligned"
 
     def _remote_failed(self, exc):
         """A remote channel or export failed (peer died, protocol error, the
@@ -415,8 +257,8 @@ class JobExecution(Execution):
             if self.remote is None:
                 # a worker process is forked after the driver did this
                 sink_outputs.prepare_outputs(self.env.nodes, restoring=self.restored_from is not None,
-                                        checkpoint_dir=self.env.checkpoint_dir)
-            self.sampler = MetricsSampler(self, self.env.metrics_interval, listeners)
+                                        checkpoint_dir=self.env.checkpoint_config.directory)
+            self.sampler = MetricsSampler(self, self.env.metrics_config.interval, listeners)
         except BaseException:
             close_listeners(listeners)
             self._stop_checkpointing()
@@ -623,12 +465,6 @@ class JobExecution(Execution):
             if t.source is not None:
                 t.post(lambda t=t: t.trigger_checkpoint(checkpoint_id, options))
 
-    def stop_after_savepoint(self, checkpoint_id):
-        """Stop-with-savepoint: savepoint ``checkpoint_id`` completed and its
-        commits are done; the job ends without processing anything more."""
-        self.stopped_with_savepoint = checkpoint_id
-        threading.Thread(target=self.cancel, name="pyflowbuf: stop with savepoint", daemon=True).start()
-
     def notify_complete(self, checkpoint_id):
         for t in self.tasks:
             t.post(lambda t=t: t.notify_checkpoint_complete(checkpoint_id))
@@ -640,9 +476,6 @@ class JobExecution(Execution):
     def switch_to_unaligned(self, checkpoint_id):
         for t in self.tasks:
             t.post(lambda t=t: t.switch_to_unaligned(checkpoint_id))
-
-    def checkpoints(self) -> list:
-        return [] if self.coordinator is None else self.coordinator.checkpoints()
 
     def task_failed(self, task, exc):
         with self._lock:
@@ -716,8 +549,5 @@ class JobExecution(Execution):
             self._close()
 
     # ---- inspection ----
-    def metrics(self) -> dict:
-        return {} if self.sampler is None else self.sampler.latest()
-
     def summary(self) -> dict:
         return {} if self.sampler is None else self.sampler.summary()

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import inspect
 import os
 import socket
 import threading
@@ -45,6 +44,7 @@ import uuid
 
 from pyflowbuf import errors
 from pyflowbuf.api import Environment
+from pyflowbuf.config import MetricsConfig
 from pyflowbuf.net.control import ControlListener, connect_control
 from pyflowbuf.net.protocol import new_secret
 from pyflowbuf.runtime.cluster import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution, run_worker
@@ -60,8 +60,7 @@ SPARK_ERROR_LIMIT = 8 * 1024
 
 def _settings(env) -> dict:
     """The Environment's constructor arguments, as it holds them now."""
-    names = [p for p in inspect.signature(Environment.__init__).parameters if p not in ("self", "cluster")]
-    return {name: getattr(env, name) for name in names}
+    return {k: v for k, v in env.configuration().items() if k != "cluster"}
 
 
 class JobDescription:
@@ -85,8 +84,10 @@ class JobDescription:
 
     def environment(self, bind_host: str) -> Environment:
         # the driver serves metrics (log, Prometheus, live view) for the whole job
-        settings = {**self.settings, "workers": None, "bind_host": bind_host, "metrics_log": None,
-                    "prometheus_port": None, "live_view": False}
+        # ... and the control endpoint: a worker's part of the job has none
+        settings = {**self.settings, "workers": None, "control_port": None,
+                    "network": self.settings["network"].replace(bind_host=bind_host),
+                    "metrics": MetricsConfig(interval=self.settings["metrics"].interval)}
         env = Environment(**settings)
         env.nodes = self.nodes
         return env
