@@ -192,7 +192,7 @@ def _run(args) -> int:
     try:
         if args.control_port is not None:
             env.control_port = args.control_port       # checked with every setting when the job starts
-        if args.savepoint_on_stop is not None and env.checkpoint_interval is None:
+        if args.savepoint_on_stop is not None and not env.checkpoint_config.enabled:
             raise CliError(f"--savepoint-on-stop needs checkpointing, and the Environment of {args.job} has "
                            "checkpoint_interval=None")
         outcome = runner.run(env, args.job, restore, report=_say, savepoint_on_stop=args.savepoint_on_stop)

@@ -176,7 +176,7 @@ def restore_arg(value: str | None, env: Environment, spec: str):
     as ``execute(restore_from=...)`` takes them."""
     if value is None:
         return None
-    if env.checkpoint_interval is None:
+    if not env.checkpoint_config.enabled:
         raise CliError(f"--restore needs checkpointing, and the Environment of {spec} has checkpoint_interval=None")
     if value == "latest":
         return "latest"
@@ -221,8 +221,8 @@ def _run(env, spec, restore, report, savepoint_on_stop=None) -> dict:
     t0 = time.monotonic()
     job = None
     outcome = {"job": env.name, "spec": spec, "parallelism": env.parallelism, "workers": env.workers,
-               "checkpoint_dir": (os.fspath(env.checkpoint_dir or DEFAULT_CHECKPOINT_DIR)
-                                  if env.checkpoint_interval is not None else None),
+               "checkpoint_dir": (os.fspath(env.checkpoint_config.directory or DEFAULT_CHECKPOINT_DIR)
+                                  if env.checkpoint_config.enabled else None),
                "restore": restore}
     try:
         job = env.execute_async(restore_from=restore)

@@ -333,7 +333,7 @@ def _run_once(out_dir, quick, phase_seconds, interval, calibration_seconds, phas
         "network_pool_segments": job.network_pool.total_segments,
         "max_network_pool_in_use": watch.net_max,
         "memory_polls": watch.polls,
-        "segment_size": env.segment_size,
+        "segment_size": env.network_config.segment_size,
         "debloat": debloat,
         "checkpoint_mode": checkpoint_mode,
         "checkpoint_durations": [(round(c["trigger_time"] - t_wall0, 3), c["duration_s"])

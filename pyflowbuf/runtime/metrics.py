@@ -61,14 +61,15 @@ def make_listeners(env) -> list:
     binds a port, the one thing here that can fail for reasons outside the job
     (PortUnavailableError), and must fail before anything else is opened."""
     listeners: list = []
+    m = env.metrics_config
     try:
-        if env.prometheus_port is not None or env.live_view:
-            if env.prometheus_port is not None:
-                listeners.append(monitoring.PrometheusExporter(env.prometheus_port, env.name))
-            if env.live_view:
+        if m.prometheus_port is not None or m.live_view:
+            if m.prometheus_port is not None:
+                listeners.append(monitoring.PrometheusExporter(m.prometheus_port, env.name))
+            if m.live_view:
                 listeners.append(monitoring.LiveView(env.name))
-        if env.metrics_log:
-            listeners.append(JsonLinesLog(env.metrics_log, env.name))
+        if m.log:
+            listeners.append(JsonLinesLog(m.log, env.name))
     except BaseException:
         close_listeners(listeners)
         raise
