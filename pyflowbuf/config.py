@@ -432,6 +432,12 @@ def resolve(groups: dict, flat: dict) -> dict:
                 f"Environment got {group}={cls.__name__}(...) and also {both}: one setting, given twice; "
                 f"set it in the {cls.__name__} only")
         out[group] = given
+    tuned = sorted(name for name in flat if FLAT[name][0] == "debloat" and name != "debloat")
+    if tuned and not out["debloat"].enabled:
+        # tuning a switched-off mechanism is almost always a forgotten debloat=True
+        warnings.warn(f"Environment({', '.join(n + '=...' for n in tuned)}) tunes buffer debloating, which is off: "
+                      "pass debloat=True as well (or drop the setting)", UserWarning,
+                      stacklevel=_caller_stacklevel())
     return out
 
 

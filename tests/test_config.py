@@ -83,6 +83,8 @@ def test_flat_keywords_and_config_objects_give_the_same_environment(pair):
     flat, objects = pair
     with warnings.catch_warnings():
         warnings.simplefilter("error")         # no unit warning, no deprecation for the current names
+        # (but debloat settings without debloat=True say that debloating is off)
+        warnings.filterwarnings("ignore", ".*tunes buffer debloating", UserWarning)
         a = fb.Environment(**flat)
         b = fb.Environment(**objects)
     assert a.configuration() == b.configuration()
@@ -267,3 +269,12 @@ def test_a_job_runs_with_config_objects(tmp_path):
     out = env.from_sequence(0, 2000).map(lambda x: x * 2).collect()
     env.execute(timeout=60)
     assert sorted(out.result) == [2 * x for x in range(2000)]
+
+
+def test_tuning_debloating_without_switching_it_on_warns():
+    with pytest.warns(UserWarning, match="debloat=True"):
+        env = fb.Environment(debloat_target=0.5)
+    assert not env.debloat_config.enabled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fb.Environment(debloat=True, debloat_target=0.5).debloat_config.enabled

@@ -463,11 +463,11 @@ def test_a_nan_timestamp_column_is_refused():
                                             ("metrics_interval", 5000)])
 def test_settings_that_look_like_milliseconds_warn(setting, value):
     with pytest.warns(errors.UnitWarning, match=setting):
-        fb.Environment(**{setting: value})
+        fb.Environment(**{setting: value}, **({"debloat": True} if setting.startswith("debloat") else {}))
 
 
 def test_settings_in_plausible_seconds_do_not_warn(recwarn):
-    fb.Environment(checkpoint_interval=30, buffer_timeout=0.1, checkpoint_timeout=600, debloat_target=1.0)
+    fb.Environment(checkpoint_interval=30, buffer_timeout=0.1, checkpoint_timeout=600, debloat=True, debloat_target=1.0)
     env = fb.Environment()
     env.from_collection([1]).assign_timestamps(lambda r: r, watermark_interval=0.2)
     assert not [w for w in recwarn if issubclass(w.category, errors.UnitWarning)]
