@@ -234,19 +234,7 @@ class Subtask(threading.Thread):
         while not job.cancelled:
             if mailbox.mails:
                 mailbox.drain()
-            if checkpoints.stopping is not None:
-                # stop-with-savepoint: nothing after its barrier, until the
-                # job ends (or the savepoint fails and reading goes on)
-                for out in outputs:
-                    out.flush()
-                time.sleep(0.01)
-                continue
-            if mailbox.notifier is not None and mailbox.output_blocked():
-                mailbox.wait_for_output()
-                # under backpressure pull what one buffer holds, so a trigger
-                # waits for at most one buffer's worth of writing
-                if policy.bytes_per_record:
-                    policy.size = max(1, min(policy.size, int(job.env.segment_size // policy.bytes_per_record)))
+            if (checkpoints.stopping is not None or mailbox.notifier is not None) and self._source_waits(policy):
                 continue
             self.current_operator = self.vertex.head.name
             if policy.slow:
@@ -282,6 +270,26 @@ class Subtask(threading.Thread):
             written = sum(o.bytes for o in outputs)
             policy.observe(len(batch), pulled_ns, written - bytes_before)
             bytes_before = written
+
+    def _source_waits(self, policy) -> bool:
+        """Whether the source waits instead of pulling now: after the barrier
+        of a stop-with-savepoint (until the job ends, or the savepoint fails
+        and reading goes on), or while no output buffer is free (unaligned
+        checkpoints: see Mailbox.output_blocked)."""
+        if self.checkpoints.stopping is not None:
+            for out in self.outputs:
+                out.flush()
+            time.sleep(0.01)
+            return True
+        if self.mailbox.output_blocked():
+            self.mailbox.wait_for_output()
+            # under backpressure pull what one buffer holds, so a trigger
+            # waits for at most one buffer's worth of writing
+            if policy.bytes_per_record:
+                size = int(self.job.env.segment_size // policy.bytes_per_record)
+                policy.size = max(1, min(policy.size, size))
+            return True
+        return False
 
     def _finish(self):
         self.event_time.finish()
