@@ -219,8 +219,9 @@ class Subtask(threading.Thread):
     def _run_source(self):
         job, src, limiter = self.job, self.source, self.rate_limiter
         outputs, mailbox, checkpoints = self.outputs, self.mailbox, self.checkpoints
-        walk = self.chain.walk
-        self.current_operator = self.vertex.head.name
+        chain, head = self.chain, self.vertex.head.name
+        walk = chain.walk
+        chain.current_operator = head
         src.open(self.index, self.vertex.parallelism)
         if self.restore is not None and self.restore.get("source") is not None:
             src.seek(self.restore["source"])
@@ -236,7 +237,7 @@ class Subtask(threading.Thread):
                 mailbox.drain()
             if (checkpoints.stopping is not None or mailbox.notifier is not None) and self._source_waits(policy):
                 continue
-            self.current_operator = self.vertex.head.name
+            chain.current_operator = head
             if policy.slow:
                 # the source may block for a while: ship what is buffered first
                 # (Flink's OutputFlusher would, on the buffer timeout)
