@@ -45,10 +45,9 @@ from typing import Any
 from pyflowbuf import errors
 from pyflowbuf.api import Stream
 from pyflowbuf.checkpoint import dumps, loads
-from pyflowbuf.runtime.operators import Operator
+from pyflowbuf.runtime.operators import Operator, Output
 from pyflowbuf.api.side_outputs import OutputTag
 from pyflowbuf.runtime.side_outputs import LATE, SideOutputs
-from pyflowbuf.runtime.timers import TimerOperator
 from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner
 
 __all__ = ["OperatorHarness"]
@@ -130,11 +129,8 @@ class OperatorHarness:
                 "harness does not have: declare it with watermark_interval=0 and no idle_timeout")
         if restore is not None:
             op.restore_state(restore)
-        # A timer operator uses its task only to be woken by the wall clock
-        # (a thread): without one, the harness fires its processing-time
-        # timers itself in advance_processing_time.
-        if hasattr(op, "task") and not isinstance(op, TimerOperator):
-            op.task = _TaskStandIn(self)
+        # what it emits between calls comes to the harness, as it goes to a task's chain
+        op.chain_output = _HarnessOutput(self)
         # operators that read the wall clock (processing-time windows) read
         # the harness's processing time instead
         if hasattr(op, "clock"):
@@ -362,10 +358,11 @@ class OperatorHarness:
             mail.pop(0)()
 
 
-class _TaskStandIn:
-    """The calls an operator makes on its task (``SubTask``), for an
-    operator alone in the harness: mails run after the call that posted
-    them, and what it emits goes to the harness's output."""
+class _HarnessOutput(Output):
+    """The ``Output`` of an operator alone in the harness: mails run after
+    the call that posted them, what it emits goes to the harness's output,
+    and nothing is scheduled on a wall clock (the harness has none: its
+    processing-time timers fire in ``advance_processing_time``)."""
 
     def __init__(self, harness: OperatorHarness):
         self._h = harness
@@ -373,13 +370,16 @@ class _TaskStandIn:
     def post(self, mail) -> None:
         self._h._mail.append(mail)
 
-    def emit_after(self, op, records) -> None:
+    def schedule(self, deadline, mail):
+        return None
+
+    def emit(self, records) -> None:
         self._h._emit(records, self._h._fired())
 
-    def emit_watermark_after(self, op, wm, force=False) -> None:
-        self._h._emit_watermark(wm, force)
+    def emit_watermark(self, watermark, force=False) -> None:
+        self._h._emit_watermark(watermark, force)
 
-    def emit_idle_after(self, op) -> None:
+    def emit_idle(self) -> None:
         self._h.events.append(("idle", None))
 
 

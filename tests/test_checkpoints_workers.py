@@ -554,54 +554,6 @@ def test_barriers_cross_tcp_in_order_and_a_blocked_channel_holds_back_only_itsel
         server.close()
 
 
-def test_a_task_never_reads_past_an_event_that_ended_its_idle_read():
-    """The idle read of a task's loop can end at an event (a barrier). Reading
-    again before handling it let the reader go past it: the records behind
-    the barrier were processed first, and a second event replaced the first,
-    so a barrier got lost and its checkpoint hung until the end of input."""
-    from types import SimpleNamespace
-
-    from pyflowbuf.runtime.task import Subtask
-
-    class Input:
-        """Records 1, 2; then barrier 1 ends the idle read; behind it record
-        3 and barrier 2."""
-        finished = False
-        notifier = SimpleNamespace(notify=lambda: None)
-
-        def __init__(self):
-            self.script = [[1, 2], [], ("event", (0, BARRIER, 1, 0)), [3], ("event", (0, BARRIER, 2, 0))]
-            self.pending = None
-
-        @property
-        def has_event(self):
-            return self.pending is not None
-
-        def read(self, max_records, timeout):
-            assert self.pending is None, "read past a pending event"
-            if not self.script:
-                self.finished = True
-                return []
-            step = self.script.pop(0)
-            if isinstance(step, tuple):
-                self.pending = step[1]
-                return []
-            return step
-
-        def take_event(self):
-            ev, self.pending = self.pending, None
-            return ev
-
-    seen = []
-    job = SimpleNamespace(cancelled=False, env=SimpleNamespace(buffer_timeout=0.001, max_batch=100),
-                          event_handler=lambda task, ev, i: seen.append(("event", ev[2])))
-    vertex = SimpleNamespace(name="v", parallelism=1, head=SimpleNamespace(name="v"))
-    task = Subtask(job, vertex, 0, [], [], input_side=Input())
-    task._process = lambda batch: seen.extend(batch)
-    task._run_input()
-    assert seen == [1, 2, ("event", 1), 3, ("event", 2)]
-
-
 def test_a_restore_in_which_a_branch_had_finished_reads_its_ends(tmp_path):
     """A checkpoint taken after one branch of the job had ended holds that
     branch's subtasks as finished. Restored with workers, they read their

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf import errors
+from pyflowbuf.runtime.operators import Output
 from pyflowbuf.runtime import watermarks as wmk
 from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner, WatermarkValve
 
@@ -174,7 +175,9 @@ def test_valve_needs_channels():
 
 # ---- the assigner, driven by hand ----
 
-class FakeTask:
+class FakeOutput(Output):
+    """An assigner's Output: mails run when the test says, no wall clock."""
+
     def __init__(self):
         self.mail = []
         self.sent = []
@@ -182,20 +185,23 @@ class FakeTask:
     def post(self, mail):
         self.mail.append(mail)
 
+    def schedule(self, deadline, mail):
+        return None
+
     def run_mail(self):
         while self.mail:
             self.mail.pop(0)()
 
-    def emit_watermark_after(self, op, wm, force=False):
+    def emit_watermark(self, wm, force=False):
         self.sent.append(wm)
 
-    def emit_idle_after(self, op):
+    def emit_idle(self):
         self.sent.append("idle")
 
 
 def test_assigner_emits_after_the_batch_through_the_mailbox():
     op = TimestampsAssigner("ts", lambda r: r, 1.0, None, 0.0)
-    op.task = task = FakeTask()
+    op.chain_output = task = FakeOutput()
     op.open(0, 1)
     assert op.process_batch([5, 3, 4]) == [5, 3, 4]
     assert task.sent == []                          # not inside the batch: after it
@@ -213,7 +219,7 @@ def test_assigner_emits_after_the_batch_through_the_mailbox():
 
 def test_assigner_datetimes_and_checkpoint():
     op = TimestampsAssigner("ts", lambda r: r, 0.0, None, 0.0)
-    op.task = FakeTask()
+    op.chain_output = FakeOutput()
     op.open(0, 1)
     op.process_batch([dt.datetime(1970, 1, 1, 0, 0, 10)])
     assert op.max_ts == 10.0

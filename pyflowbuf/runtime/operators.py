@@ -37,6 +37,50 @@ _NOT_RECORDS = (str, bytes, bytearray, memoryview, tuple, dict)
 _GENERATOR = types.GeneratorType
 
 
+class Output:
+    """What an operator is given instead of its task (``op.chain_output``, set
+    before ``open``): where it sends what it makes outside of a batch, and
+    how it gets called back in its task's thread. The task's chain gives each
+    of its operators one (``runtime.task.chain.ChainOutput``); so does
+    ``pyflowbuf.testing.OperatorHarness``. Records returned from
+    ``process_batch``, ``on_watermark`` and ``finish`` never go through it.
+
+    Example (an operator that fires on a processing-time tick)::
+
+        def open(self, subtask, parallelism):
+            super().open(subtask, parallelism)
+            self.chain_output.schedule(time.time() + 1.0, self.tick)
+
+        def tick(self):                     # in the task's thread
+            self.chain_output.emit(self.flush_buffered())
+    """
+
+    def post(self, mail) -> None:
+        """Run ``mail()`` in the task's thread, between batches."""
+        raise NotImplementedError
+
+    def schedule(self, deadline: float, mail):
+        """Post ``mail`` at wall-clock ``deadline`` (``time.time()`` seconds);
+        a handle for ``ProcessingTimeService.cancel``, or None where there is
+        no wall clock (the harness)."""
+        raise NotImplementedError
+
+    def emit(self, records: list) -> None:
+        """Records made outside of a batch (a processing-time timer), with
+        their times in ``fired_ts`` on a timestamped stream: through the
+        operators after this one, then to the task's outputs."""
+        raise NotImplementedError
+
+    def emit_watermark(self, watermark: float, force: bool = False) -> None:
+        """Watermark ``watermark`` made here (an assigner): through the
+        operators after this one, then downstream if it rose (or ``force``)."""
+        raise NotImplementedError
+
+    def emit_idle(self) -> None:
+        """This operator's input went idle (an assigner's idle timeout)."""
+        raise NotImplementedError
+
+
 class Operator:
     """One step of a chain. ``name`` shows in metrics and errors.
 
@@ -56,12 +100,14 @@ class Operator:
     check_output = True
     _find_misfit: Any = None
     # set by the job: whether the output stream carries timestamps; and the
-    # times of what on_watermark / finish / a timer made (see task._joined_ts)
+    # times of what on_watermark / finish / a timer made (see runtime.task.chain)
     timestamped = False
     fired_ts: Any = None
     # the side outputs it declared (a runtime.side_outputs.SideOutputs), set
     # by its task; None for the operators that declare none
     side: Any = None
+    # its Output (set by its task before open); None while not running
+    chain_output: Any = None
 
     def __init__(self, name: str):
         self.name = name

@@ -301,14 +301,14 @@ def takes_context(fn: Callable, base: int) -> bool:
 
 class TimerOperator(Operator):
     """Shared by operators that keep timers: the timer service, the task
-    hooks that fire them, and emitting what they make outside of a batch."""
+    hooks that fire them, and emitting what they make outside of a batch
+    (through its ``Output``)."""
 
     event_time = True
 
     def __init__(self, name):
         super().__init__(name)
         self.timers = TimerService()
-        self.task = None
         self._proc_handle = None
         self._proc_deadline = math.inf
 
@@ -325,20 +325,20 @@ class TimerOperator(Operator):
 
     def _schedule_processing(self):
         t = self.timers.processing.peek_time()
-        task = self.task
-        if t is None or task is None or t >= self._proc_deadline:
+        output = self.chain_output
+        if t is None or output is None or t >= self._proc_deadline:
             return
         if self._proc_handle is not None:
             ProcessingTimeService.cancel(self._proc_handle)
         self._proc_deadline = t
-        self._proc_handle = schedule(t, lambda: task.post(self._processing_mail))
+        self._proc_handle = output.schedule(t, self._processing_mail)
 
     def _processing_mail(self):
         """In the task thread: fire the processing-time timers that are due."""
         self._proc_handle = None
         self._proc_deadline = math.inf
         out = self.fire_processing(time.time())
-        self.task.emit_after(self, out)     # (also ships what timers sent to side outputs)
+        self.chain_output.emit(out)     # (also ships what timers sent to side outputs)
         self._schedule_processing()
 
     def on_watermark(self, watermark):

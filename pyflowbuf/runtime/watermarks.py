@@ -35,7 +35,6 @@ import numpy as np
 from pyflowbuf import errors
 from pyflowbuf._core.serde import ts_apply, ts_max
 from pyflowbuf.runtime.operators import Operator
-from pyflowbuf.runtime.processing_time import schedule
 from pyflowbuf.serializers import short_repr
 
 NO_WATERMARK = -math.inf
@@ -216,7 +215,6 @@ class TimestampsAssigner(Operator):
         self.interval = interval
         self.max_ts = NO_WATERMARK
         self.emitted = NO_WATERMARK
-        self.task = None
 
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
@@ -226,7 +224,7 @@ class TimestampsAssigner(Operator):
         self.is_idle = False
         self._closed = False
         self._timer = None
-        if self.task is not None and (self.interval > 0 or self.idle_timeout is not None):
+        if self.chain_output is not None and (self.interval > 0 or self.idle_timeout is not None):
             self._schedule_tick()
         if self.max_ts > NO_WATERMARK:
             # restored: the watermark goes out again before the first record,
@@ -311,11 +309,11 @@ class TimestampsAssigner(Operator):
 
     # ---- emission, in the task's thread, between batches ----
     def _post_emit(self, force=False):
-        task = self.task
-        if task is None or self._mail_pending:
+        output = self.chain_output
+        if output is None or self._mail_pending:
             return
         self._mail_pending = True
-        task.post(lambda: self._emit(force))
+        output.post(lambda: self._emit(force))
 
     def _emit(self, force=False):
         self._mail_pending = False
@@ -325,14 +323,13 @@ class TimestampsAssigner(Operator):
         self._last_emit_ns = time.monotonic_ns()
         if wm > self.emitted or force:
             self.emitted = max(wm, self.emitted)
-            self.task.emit_watermark_after(self, self.emitted, force=force)
+            self.chain_output.emit_watermark(self.emitted, force=force)
 
     def _schedule_tick(self):
         period = self.interval if self.interval > 0 else 0.2
         if self.idle_timeout is not None:
             period = min(period, max(self.idle_timeout / 2, 0.01))
-        task = self.task
-        self._timer = schedule(time.time() + period, lambda: task.post(self._tick))
+        self._timer = self.chain_output.schedule(time.time() + period, self._tick)
 
     def _tick(self):
         if self._closed:
@@ -343,7 +340,7 @@ class TimestampsAssigner(Operator):
         if (self.idle_timeout is not None and not self.is_idle
                 and now - self._last_record_ns >= self.idle_timeout * 1e9):
             self.is_idle = True
-            self.task.emit_idle_after(self)
+            self.chain_output.emit_idle()
         self._schedule_tick()
 
     def finish(self):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import itertools
 import math
 import time
 from array import array as _array
@@ -201,24 +202,38 @@ class WindowOperator(_WindowOutput, TimerOperator):
     def _records(self, batch, times):
         """The window results (and tagged late records) of ``batch``, whose
         records' times ``times`` gives in order; (records, their times or None)."""
-        key_fn = self.key_fn
         wm = self.timers.watermark
         out: list = []
         late: list = []         # (record, time)
         self._ots = [] if self.timestamped else None
         if self.merging:
-            for x, t in zip(batch, times):
-                if type(t) is not float:
-                    t = to_seconds(t)
-                if not self._add_to_session(key_fn(x), t, x, wm, out):
-                    late.append((x, t))
-            return self._finish_batch(out, late), self._last_ts
-        windows, add, create, lateness = self.windows, self._add, self._create, self.lateness
-        assign = self.assigner.assign
-        register = self.timers.event.register
-        if type(self.assigner) is Tumbling:
+            self._session_batch(batch, times, wm, out, late, self._add_to_session)
+        elif type(self.assigner) is Tumbling:
             self._tumbling_batch(batch, times, out, late)
-            return self._finish_batch(out, late), self._last_ts
+        else:
+            self._assign_batch(batch, times, wm, out, late)
+        return self._finish_batch(out, late), self._last_ts
+
+    # what a firing trigger does (TriggerWindowOperator's differ): every
+    # ``every`` records, or at the end and with each late record
+    every = None
+    at_end = True
+    counts = None
+
+    def _session_batch(self, batch, times, wm, out, late, add_to_session):
+        key_fn = self.key_fn
+        for x, t in zip(batch, times):
+            if type(t) is not float:
+                t = to_seconds(t)
+            if not add_to_session(key_fn(x), t, x, wm, out):
+                late.append((x, t))
+
+    def _assign_batch(self, batch, times, wm, out, late):
+        """Each record (``times`` gives their times in order) into the windows
+        its assigner gives it and the watermark has not dropped; records
+        placed in none are ``late`` (record, time)."""
+        key_fn, windows, add, create, lateness = self.key_fn, self.windows, self._add, self._create, self.lateness
+        assign, every, counts, at_end = self.assigner.assign, self.every, self.counts, self.at_end
         for x, t in zip(batch, times):
             if type(t) is not float:
                 t = to_seconds(t)
@@ -232,18 +247,32 @@ class WindowOperator(_WindowOutput, TimerOperator):
                 wk = (k, start, end)
                 acc = windows.get(wk, _MISSING)
                 if acc is _MISSING:
+                    self._new_window(wk, t, wm)
                     acc = create()
-                    if end > wm:
-                        register(wk, end)
-                    else:       # fires right below, once; only its cleanup is ahead
-                        self.cleanup.register(wk, end + lateness)
+                elif acc is _EMPTY:
+                    acc = create()
                 windows[wk] = add(x, acc)
                 placed = True
-                if end <= wm:                   # fired before: fire again with this record
-                    self._emit(k, start, end, windows[wk], out)
+                if every is not None:
+                    c = counts.get(wk, 0) + 1
+                    if c >= every:
+                        c = 0
+                        self._fire(wk, "late" if end <= wm else "early", out)
+                    counts[wk] = c
+                elif at_end and end <= wm:      # fired before: fire again with this record
+                    self._fire(wk, "late", out)
             if not placed:
                 late.append((x, t))
-        return self._finish_batch(out, late), self._last_ts
+
+    def _new_window(self, wk, t, wm):
+        end = wk[2]
+        if end > wm:
+            self.timers.event.register(wk, end)
+        else:       # fires right away, once; only its cleanup is ahead
+            self.cleanup.register(wk, end + self.lateness)
+
+    def _fire(self, wk, firing, out):
+        self._emit(wk[0], wk[1], wk[2], self.windows[wk], out, firing)
 
     def _tumbling_batch(self, batch, times, out, late):
         """``process_batch`` for tumbling windows, the common case: one window
@@ -332,10 +361,21 @@ class WindowOperator(_WindowOutput, TimerOperator):
             self._emit(k, lo, hi, acc, out)
         return True
 
-    # ---- time ----
+    # ---- time: what fires, with its times in fired_ts ----
     def fire_event(self, watermark):
-        out: list = []
         self._ots = [] if self.timestamped else None
+        out = self._fire_event(watermark)
+        self.fired_ts, self._ots = self._ots, None
+        return out
+
+    def fire_processing(self, now):
+        self._ots = [] if self.timestamped else None
+        out = self._fire_processing(now)
+        self.fired_ts, self._ots = self._ots, None
+        return out
+
+    def _fire_event(self, watermark):
+        out: list = []
         pop, lateness = self.timers.event.pop_due, self.lateness
         while True:
             due = pop(watermark)
@@ -356,10 +396,9 @@ class WindowOperator(_WindowOutput, TimerOperator):
             if due is None:
                 break
             self._purge(due[0])
-        self.fired_ts, self._ots = self._ots, None
         return self._checked(out)
 
-    def fire_processing(self, now):
+    def _fire_processing(self, now):
         return []
 
     def _acc(self, wk):
@@ -469,78 +508,22 @@ class TriggerWindowOperator(WindowOperator):
 
     # ---- records ----
     def process_ts(self, batch, ts):
-        self._ots = [] if self.timestamped else None
-        if ts is None or self.processing:
-            return self.process_batch(batch), self._last_ts
-        # process_batch asks ts_fn once per record, in order: the times that
-        # travel with the records answer instead
-        nxt, saved = iter(ts).__next__, self.ts_fn
-        self.ts_fn = lambda x: nxt()
-        try:
-            out = self.process_batch(batch)
-        finally:
-            self.ts_fn = saved
-        return out, self._last_ts
+        # the times that travel with the records, else ts_fn's
+        return self._records(batch, map(self.ts_fn, batch) if ts is None else ts)
 
-    def process_batch(self, batch):
-        key_fn, ts_fn = self.key_fn, self.ts_fn
+    def _records(self, batch, times):
         out: list = []
-        processing = self.processing
-        if processing:
-            now = self.clock()
-            wm = NO_WATERMARK
+        late: list = []
+        self._ots = [] if self.timestamped else None
+        if self.processing:     # (processing-time sessions take the default trigger only)
+            wm, times, add_to_session = NO_WATERMARK, itertools.repeat(self.clock()), self._add_to_session
         else:
-            wm = self.timers.watermark
+            wm, add_to_session = self.timers.watermark, self._add_to_triggered_session
         if self.merging:
-            if processing:      # processing-time sessions take the default trigger only
-                for x in batch:
-                    self._add_to_session(key_fn(x), now, x, wm, out)
-                return self._finish_batch(out, [])
-            late: list = []
-            for x in batch:
-                t = ts_fn(x)
-                if type(t) is not float:
-                    t = to_seconds(t)
-                if not self._add_to_triggered_session(key_fn(x), t, x, wm, out):
-                    late.append((x, t))
-            return self._finish_batch(out, late)
-        late = []
-        windows, add, create, lateness = self.windows, self._add, self._create, self.lateness
-        assign, every, counts, at_end = self.assigner.assign, self.every, self.counts, self.at_end
-        for x in batch:
-            if processing:
-                t = now
-            else:
-                t = ts_fn(x)
-                if type(t) is not float:
-                    t = to_seconds(t)
-            k = None
-            placed = False
-            for start, end in assign(t):
-                if end + lateness <= wm:
-                    continue                    # this window is gone
-                if k is None:
-                    k = key_fn(x)
-                wk = (k, start, end)
-                acc = windows.get(wk, _MISSING)
-                if acc is _MISSING:
-                    self._new_window(wk, t, wm)
-                    acc = create()
-                elif acc is _EMPTY:
-                    acc = create()
-                windows[wk] = add(x, acc)
-                placed = True
-                if every is not None:
-                    c = counts.get(wk, 0) + 1
-                    if c >= every:
-                        c = 0
-                        self._fire(wk, "late" if end <= wm else "early", out)
-                    counts[wk] = c
-                elif at_end and end <= wm:      # fired before: fire again with this record
-                    self._fire(wk, "late", out)
-            if not placed:
-                late.append((x, t))
-        return self._finish_batch(out, late)
+            self._session_batch(batch, times, wm, out, late, add_to_session)
+        else:
+            self._assign_batch(batch, times, wm, out, late)
+        return self._finish_batch(out, late), self._last_ts
 
     # ---- event-time sessions with a trigger ----
     # A session is [start, end, contents (or _EMPTY once purged), records
@@ -616,36 +599,6 @@ class TriggerWindowOperator(WindowOperator):
                 return s
         return None
 
-    def _fire_event_sessions(self, watermark):
-        out: list = []
-        pop, register = self.timers.event.pop_due, self.timers.event.register
-        while True:
-            due = pop(watermark)
-            if due is None:
-                break
-            (tag, wk), t = due
-            entry = self._session(wk)
-            if entry is None:
-                continue
-            if tag == 0:
-                self._fire_session(wk[0], entry, "on_time", out)
-            else:
-                self._fire_session(wk[0], entry, "early", out)
-                f = _next_multiple(t, self.interval)
-                entry[4] = f if f < wk[2] else None
-                if entry[4] is not None:
-                    register((1, wk), f)
-        pop = self.cleanup.pop_due
-        while True:
-            due = pop(watermark)
-            if due is None:
-                break
-            entry = self._session(due[0])
-            if entry is not None:
-                self.unfired_dropped += entry[3]
-            self._purge(due[0])
-        return self._checked(out)
-
     def _new_window(self, wk, t, wm):
         end = wk[2]
         if self.processing:
@@ -678,47 +631,47 @@ class TriggerWindowOperator(WindowOperator):
         (self.timers.processing if self.processing else self.timers.event).delete(wk, t)
 
     # ---- time ----
-    def fire_event(self, watermark):
-        self._ots = [] if self.timestamped else None
-        out = self._fire_event(watermark)
-        self.fired_ts, self._ots = self._ots, None
-        return out
-
-    def fire_processing(self, now):
-        self._ots = [] if self.timestamped else None
-        out = self._fire_processing(now)
-        self.fired_ts, self._ots = self._ots, None
-        return out
-
     def _fire_event(self, watermark):
+        """Windows (or sessions) at their end and at their early firings; the
+        cleanup of those past their allowed lateness."""
         if self.processing:
             return []
-        if self.merging:
-            return self._fire_event_sessions(watermark)
         out: list = []
-        windows, interval = self.windows, self.interval
+        merging, windows, interval = self.merging, self.windows, self.interval
         pop, register = self.timers.event.pop_due, self.timers.event.register
         while True:
             due = pop(watermark)
             if due is None:
                 break
             (tag, wk), t = due
-            if wk not in windows:
+            entry = self._session(wk) if merging else wk if wk in windows else None
+            if entry is None:
                 continue
-            if tag == 0:
-                self._fire(wk, "on_time", out)
+            firing = "on_time" if tag == 0 else "early"
+            if merging:
+                self._fire_session(wk[0], entry, firing, out)
             else:
-                self._fire(wk, "early", out)
+                self._fire(wk, firing, out)
+            if tag != 0:
                 f = _next_multiple(t, interval)
-                if f < wk[2]:
+                if f >= wk[2]:
+                    f = None
+                if merging:
+                    entry[4] = f
+                if f is not None:
                     register((1, wk), f)    # due now if the watermark is past it: fires in this loop
         pop = self.cleanup.pop_due
         while True:
             due = pop(watermark)
             if due is None:
                 break
-            windows.pop(due[0], None)
-            self.unfired_dropped += self.counts.pop(due[0], 0)
+            wk = due[0]
+            if merging:
+                entry = self._session(wk)
+                self.unfired_dropped += entry[3] if entry is not None else 0
+            else:
+                self.unfired_dropped += self.counts.pop(wk, 0)
+            self._purge(wk)
         return self._checked(out)
 
     def _fire_processing(self, now):

@@ -1,0 +1,138 @@
+"""The input processor: the default action of a subtask's mailbox loop when
+it reads input gates, one loop for one input or several.
+
+A task with several inputs (union, connect) reads a ``MultiInput`` and hands
+each batch, and each event, on with the index of the input it came from; a
+task with one input reads its ``InputSide`` through ``OneInput``, which
+answers the same way with index 0. The loop is written once, so its guards
+hold for both.
+"""
+from __future__ import annotations
+
+import time
+
+from pyflowbuf._core.events import BARRIER, CANCEL_BARRIER, EVT_WATERMARK
+from pyflowbuf.runtime.exchange import MultiInput
+from pyflowbuf.runtime.task.mailbox import OutputFlusher
+
+
+class OneInput:
+    """One ``InputSide`` read as a ``MultiInput`` of one: ``read`` gives
+    ``(0, batch)``, ``take_event`` ``(0, event)``."""
+
+    __slots__ = ("side", "sides")
+
+    def __init__(self, side):
+        self.side = side
+        self.sides = (side,)
+
+    def read(self, max_records, timeout):
+        side = self.side
+        # An event that ended the last read is still pending: reading again
+        # would go past it (and a second event would replace it, so a barrier
+        # got lost and its alignment hung until end of input). MultiInput.read
+        # keeps the same rule.
+        if side.has_event:
+            return 0, []
+        return 0, side.read(max_records, timeout)
+
+    def take_event(self):
+        ev = self.side.take_event()
+        return None if ev is None else (0, ev)
+
+    @property
+    def finished(self):
+        return self.side.finished
+
+
+class InputProcessor:
+    """Reads a subtask's inputs and hands what comes to its parts: batches to
+    the operator chain, barriers to the checkpoint side, watermarks to event
+    time, any other event to ``job.event_handler(task, event, input_index)``.
+
+    Between reads it runs the mailbox, waits for an output buffer where
+    outputs are gated (unaligned checkpoints), and ships partly filled
+    buffers before it idles and on the buffer timeout.
+    """
+
+    def __init__(self, task, input_side, chain, mailbox, checkpoints, event_time, outputs: list):
+        self.task = task
+        self.job = task.job
+        self.input = input_side if isinstance(input_side, MultiInput) else OneInput(input_side)
+        self.sides = list(self.input.sides)
+        self.chain = chain
+        self.mailbox = mailbox
+        self.checkpoints = checkpoints
+        self.event_time = event_time
+        self.outputs = outputs
+        self.records_in = 0
+        mailbox.take_priority_events = self.take_priority_events
+
+    def run(self) -> None:
+        """Read until every input has ended (or the job is cancelled)."""
+        job, inp, mailbox, checkpoints = self.job, self.input, self.mailbox, self.checkpoints
+        mails, outputs, sides = mailbox.mails, self.outputs, self.sides
+        env = job.env
+        flusher = OutputFlusher(outputs, env.buffer_timeout)
+        per_record, max_batch = env.buffer_timeout == 0, env.max_batch
+        idle_wait = max(env.buffer_timeout, 0.05)
+        process = self.chain.process
+        timestamped = self.chain.timestamped
+        while not job.cancelled:
+            if mails:
+                mailbox.drain()
+            if mailbox.notifier is not None and mailbox.output_blocked():
+                mailbox.wait_for_output()
+                continue
+            index, batch = inp.read(max_batch, 0)
+            if checkpoints.aligner is not None:
+                checkpoints.check_channel_ends()
+            if not batch:
+                got = inp.take_event()
+                if got is not None:
+                    self.on_event(got[1], got[0])
+                    continue
+                if inp.finished:
+                    return
+                flusher.flush()     # about to idle: ship what is buffered first (Flink flushes too)
+                index, batch = inp.read(max_batch, idle_wait)
+                if not batch:
+                    continue
+            self.records_in += len(batch)
+            ts = sides[index].ts if timestamped else None
+            if per_record:
+                for i, rec in enumerate(batch):
+                    process([rec], None if ts is None else ts[i:i + 1], index)
+                    for out in outputs:
+                        out.flush()
+            else:
+                process(batch, ts, index)
+                flusher.flush_if_due(time.monotonic_ns())
+
+    def on_event(self, event, input_index: int = 0) -> None:
+        """An event other than end-of-partition, with the index of the input
+        that delivered it: ``event`` is (channel, kind, aux, flags), channel
+        counted within that input's gate."""
+        kind = event[1]
+        if (kind == BARRIER or kind == CANCEL_BARRIER) and self.checkpoints.aligner is not None:
+            self.checkpoints.on_barrier(event, input_index)
+            return
+        if kind == EVT_WATERMARK:
+            self.event_time.on_event(event, input_index)
+            return
+        handler = self.job.event_handler
+        if handler is not None:
+            handler(self.task, event, input_index)
+
+    def take_priority_events(self) -> bool:
+        """Barriers that overtook the queued input (unaligned), taken while
+        the task waits for an output buffer; whether there were any."""
+        took = False
+        for i, side in enumerate(self.sides):
+            if side.reader is None or side.has_event:
+                continue
+            ev = side.reader.poll_priority()
+            if ev is not None:
+                took = True
+                self.on_event(ev, i)
+        return took
