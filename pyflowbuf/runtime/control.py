@@ -103,7 +103,7 @@ def check_settings(env) -> None:
         raise errors.ConfigurationError(
             "control_port opens the endpoint `pyflowbuf savepoint` and `pyflowbuf stop` reach, and savepoints need "
             "checkpointing: set checkpoint_interval (and checkpoint_dir)")
-    control_file_path(env.checkpoint_dir)
+    control_file_path(env.checkpoint_config.directory)
 
 
 def control_file_path(checkpoint_dir) -> str:
@@ -264,8 +264,8 @@ class ControlEndpoint:
 
     def __init__(self, env, *, handshake_timeout: float = P.DEFAULT_HANDSHAKE_TIMEOUT):
         check_settings(env)
-        self.path = control_file_path(env.checkpoint_dir)
-        self.host = env.bind_host
+        self.path = control_file_path(env.checkpoint_config.directory)
+        self.host = env.network_config.bind_host
         self.handshake_timeout = handshake_timeout
         self.secret = P.new_secret()
         self.token = uuid.uuid4().hex

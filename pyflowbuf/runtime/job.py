@@ -227,7 +227,7 @@ class JobExecution(Execution):
     @property
     def _gate_output(self) -> bool:
         """Whether tasks wait for output buffers between batches (unaligned
-        checkpoints: see Subtask._wait_for_output)."""
+        checkpoints: see Mailbox.wait_for_output in runtime/task/mailbox.py)."""
         c = self.env.checkpoint_config
         return c.enabled and c.alignment == "unaligned"
 

@@ -72,10 +72,10 @@ class InputProcessor:
         """Read until every input has ended (or the job is cancelled)."""
         job, inp, mailbox, checkpoints = self.job, self.input, self.mailbox, self.checkpoints
         mails, outputs, sides = mailbox.mails, self.outputs, self.sides
-        env = job.env
-        flusher = OutputFlusher(outputs, env.buffer_timeout)
-        per_record, max_batch = env.buffer_timeout == 0, env.max_batch
-        idle_wait = max(env.buffer_timeout, 0.05)
+        timeout, max_batch = job.env.network_config.buffer_timeout, job.env.max_batch
+        flusher = OutputFlusher(outputs, timeout)
+        per_record = timeout == 0
+        idle_wait = max(timeout, 0.05)
         process = self.chain.process
         timestamped = self.chain.timestamped
         while not job.cancelled:
