@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pyflowbuf._core.channel import BARRIER
 from pyflowbuf._core.events import EVT_WATERMARK
+from pyflowbuf.config import NetworkConfig
 from pyflowbuf.runtime.exchange import MultiInput
 from pyflowbuf.runtime.task.input import InputProcessor
 from pyflowbuf.runtime.task.mailbox import Mailbox
@@ -82,7 +83,7 @@ def _run(scripts, buffer_timeout=0.001):
         assert list(ts) == [float(r[1]) for r in batch], "the times of another input's batch"
         seen.extend(("record", input_index, r) for r in batch)
 
-    job = SimpleNamespace(cancelled=False, env=SimpleNamespace(buffer_timeout=buffer_timeout, max_batch=100),
+    job = SimpleNamespace(cancelled=False, env=SimpleNamespace(network_config=NetworkConfig(buffer_timeout=buffer_timeout), max_batch=100),
                           event_handler=lambda task, ev, i: seen.append(("barrier", i, ev[2])))
     task = SimpleNamespace(job=job)
     chain = SimpleNamespace(process=process, timestamped=True)
