@@ -84,7 +84,10 @@ class SinkDeclarations:
         """One line per record (``str(record)``) in the directory ``path``:
         ``part-<subtask>-<seq>.txt`` files (one per subtask without
         checkpoints; read them back with ``read_text`` on each, or
-        ``sorted(glob.glob(f"{path}/part-*"))``).
+        ``sorted(glob.glob(f"{path}/part-*"))``). ``path`` is a local
+        directory or any fsspec URL (``s3://bucket/out``, ``file:///mnt/out``;
+        ``memory://`` in a job in one process only), written through its
+        file system.
 
         Each part is written under a hidden name (``.part-...inprogress``)
         and renamed into place when committed: when the job ends, or with
@@ -128,6 +131,7 @@ class SinkDeclarations:
         may be all None, or for one schema across subtasks. Rows are buffered
         into row groups of ``row_group_size`` rows (default 131072).
 
+        ``path`` as for ``write_text`` (a local directory or an fsspec URL).
         Parts are committed as ``write_text``'s are (hidden until committed;
         with checkpointing on, exactly once across failures; readers skip
         names starting with ``.``), and ``mode`` works the same way.

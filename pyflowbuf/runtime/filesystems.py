@@ -243,7 +243,7 @@ class Directory:
         if self.local:
             os.remove(self.root)
         else:
-            self.fs.rm(self.root)
+            self.fs.rm_file(self.root)
 
     def names(self) -> list:
         if self.local:
@@ -263,8 +263,19 @@ class Directory:
             else:
                 os.remove(p)
         else:
-            p = self._p(name)
-            self.fs.rm(p, recursive=self.fs.isdir(p))
+            self._rm(self._p(name))
+
+    def _rm(self, p):
+        # file by file: the generic rm expands glob characters in the names
+        if self.fs.isdir(p):
+            for f in self.fs.find(p, withdirs=False):
+                self.fs.rm_file(f)
+            try:
+                self.fs.rmdir(p)
+            except (OSError, NotImplementedError):
+                pass        # object stores have no directories to remove
+        else:
+            self.fs.rm_file(p)
 
     def open_write(self, name: str, text: bool, encoding: str = "utf-8"):
         if self.local:
@@ -275,8 +286,14 @@ class Directory:
     def rename(self, src_name: str, dst_name: str):
         if self.local:
             os.replace(os.path.join(self.root, src_name), os.path.join(self.root, dst_name))
+        elif type(self.fs).mv is not fsspec.AbstractFileSystem.mv:
+            self.fs.mv(self._p(src_name), self._p(dst_name))     # the file system's own rename
         else:
-            self.fs.mv(self._p(src_name), self._p(dst_name))
+            # the generic mv expands glob characters in the directory's name;
+            # object stores copy and delete anyway (a repeat after a crash
+            # between the two copies again: the commit stays idempotent)
+            self.fs.cp_file(self._p(src_name), self._p(dst_name))
+            self.fs.rm_file(self._p(src_name))
 
     def has(self, name: str) -> bool:
         if self.local:

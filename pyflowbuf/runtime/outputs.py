@@ -39,7 +39,7 @@ import re
 
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import UnsafeCommitError
-from pyflowbuf.runtime.filesystems import Directory, canonical, is_url, split
+from pyflowbuf.runtime.filesystems import Directory, canonical, is_process_local, is_url, split
 
 log = logging.getLogger("pyflowbuf")
 
@@ -70,9 +70,20 @@ class FileOutput:
         self.what = what
         self.parallelism = None       # the sink's, set when it is declared
         self.seq_start = 0            # the first part number of a fresh run (append: after what is there)
+        self.declared_in = os.getpid()
         suffixes = "|".join(re.escape(s) for s in (suffix, *legacy_suffixes))
         self._final = re.compile(rf"{_PART}(?:{suffixes})\Z")
         self._pending = re.compile(rf"\.{_PART}(?:{suffixes})\.inprogress\Z")
+
+    def check_process(self) -> None:
+        """Refuse a ``memory://`` directory in a process other than the one
+        that declared the sink (a forked worker, a Spark executor): what it
+        wrote there would never reach the driver, which commits it."""
+        if self.declared_in != os.getpid() and is_process_local(self.path):
+            raise errors.ConfigurationError(
+                f"{self.what}: {self.path} is in one process's memory, and this subtask runs in another "
+                f"process (workers=N or a SparkCluster): its parts would be lost. Write to a file system "
+                "every process reaches (a local path, file://, s3://, ...)")
 
     def part_path(self, subtask: int, seq: int, pending: bool) -> str:
         return self.dir.path(self.part_name(subtask, seq, pending))

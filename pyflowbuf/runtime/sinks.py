@@ -120,6 +120,7 @@ class _PartFileSink(Operator):
 
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
+        self.output.check_process()
         self.dir.makedirs()
         restored = self.seq is not None
         if not restored:

@@ -29,8 +29,9 @@ Before anything is submitted the driver refuses, each with a
 ``ConfigurationError`` naming the setting: dynamic allocation, more workers
 than free task slots, Spark network encryption without
 ``allow_unencrypted=True`` (the exchange authenticates but does not
-encrypt), and a local checkpoint or sink path with a master whose executors
-may run on other hosts.
+encrypt), a local checkpoint, sink or source path (not an fsspec URL) with a
+master whose executors may run on other hosts, and a ``memory://`` location
+(one process's memory) with any master.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from pyflowbuf import errors
 from pyflowbuf.api import Environment
 from pyflowbuf.net.control import ControlListener, connect_control
 from pyflowbuf.net.protocol import new_secret
+from pyflowbuf.runtime import filesystems as fsx
 from pyflowbuf.runtime.cluster import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution, run_worker
 
 # how long the pre-submit check waits for executors to register (a session
@@ -97,12 +99,16 @@ def _local_master(master: str) -> bool:
     return master.startswith("local")
 
 
-def _is_local_path(location) -> bool:
-    import fsspec
-
-    fs, _ = fsspec.core.url_to_fs(os.fspath(location))
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return any(p in ("file", "local") for p in protocols)
+def _locations(env):
+    """(what, location) of every file location the job's tasks reach: the
+    checkpoint directory, the file sinks' directories, the file sources' paths."""
+    if env.checkpoint_dir is not None:
+        yield "checkpoint_dir", os.fspath(env.checkpoint_dir)
+    for node in env.nodes:
+        if node.file_output is not None:
+            yield f"sink {node.name!r}", node.file_output.path
+        for p in getattr(node, "input_paths", None) or ():
+            yield f"source {node.name!r}", p
 
 
 class SparkCluster:
@@ -184,19 +190,18 @@ class SparkCluster:
                         "SparkCluster(..., allow_unencrypted=True) if the records may cross the network "
                         "in the clear")
         master = self._conf("spark.master", self.sc.master)
-        if not _local_master(master):
-            if env.checkpoint_dir is not None and _is_local_path(env.checkpoint_dir):
+        for what, location in _locations(env):
+            if fsx.is_process_local(location):
                 raise errors.ConfigurationError(
-                    f"checkpoint_dir={os.fspath(env.checkpoint_dir)!r} is a local path, but with master "
-                    f"{master!r} the workers may run on other hosts, which cannot reach it: give an fsspec "
-                    "URL every host reaches (s3://, gs://, hdfs://, abfs://, a shared mount as file:// only "
-                    "if it is mounted on every host)")
-            for node in env.nodes:
-                if node.file_output is not None:
-                    raise errors.ConfigurationError(
-                        f"sink {node.name!r} writes to the local path {node.file_output.path!r}, but with "
-                        f"master {master!r} its subtasks may run on other hosts: collect() the records, or "
-                        "write them where every host reaches (a sink(fn) to a database or object store)")
+                    f"{what}: {location!r} is in the driver's memory (memory://), and the Spark tasks run in "
+                    "other processes: give a local path (local masters only) or an fsspec URL every "
+                    "executor reaches")
+            if not _local_master(master) and not fsx.is_url(location):
+                raise errors.ConfigurationError(
+                    f"{what}: {location!r} is a local path, but with master {master!r} the workers may run on "
+                    "other hosts, which cannot reach it: give an fsspec URL every host reaches (s3://, "
+                    "gs://, hdfs://, abfs://; file:///... names a shared mount, which must then be mounted "
+                    "at that path on every host)")
         self._check_slots()
 
     def free_slots(self) -> int:
