@@ -109,9 +109,11 @@ class SinkDeclarations:
         path = _output_path(path, name)
         output = FileOutput(path, ".txt", check_mode(mode, f"write_text {name!r}"), f"write_text {name!r}",
                             legacy_suffixes=("",))
-        env = self.env
+        # the operator factory travels to the workers (a SparkCluster pickles
+        # it): it holds plain values, never the Environment
+        transactional = self.env.checkpoint_interval is not None
         node = self._then(name, lambda: sink_ops.TextFileSink(name, path, output=output,
-                                                         transactional=env.checkpoint_interval is not None),
+                                                              transactional=transactional),
                           parallelism, None, sink=True)
         output.parallelism = node.parallelism
         node.file_output = output
@@ -147,11 +149,11 @@ class SinkDeclarations:
         output = FileOutput(path, ".parquet", check_mode(mode, f"write_parquet {name!r}"),
                             f"write_parquet {name!r}")
         schema = sink_ops.parquet_settings(schema, compression)
-        env = self.env
+        transactional = self.env.checkpoint_interval is not None
         node = self._then(name, lambda: sink_ops.ParquetFileSink(name, path, schema=schema,
-                                                            row_group_size=row_group_size,
-                                                            compression=compression, output=output,
-                                                            transactional=env.checkpoint_interval is not None),
+                                                                 row_group_size=row_group_size,
+                                                                 compression=compression, output=output,
+                                                                 transactional=transactional),
                           parallelism, None, sink=True)
         output.parallelism = node.parallelism
         node.file_output = output
