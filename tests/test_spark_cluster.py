@@ -6,6 +6,7 @@ jobs are few: each costs seconds on a two-core machine.
 """
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -81,7 +82,19 @@ def windowed_counts(env):
                .collect())
 
 
-def test_keyed_windowed_job_on_two_executors_equals_one_process(spark):
+def _says_where_it_runs():
+    said = []       # a copy per barrier task (the closure travels pickled)
+
+    def fn(r):
+        if not said:
+            said.append(r)
+            print(f"hello from pid {os.getpid()}")
+            print(f"a warning from pid {os.getpid()}", file=sys.stderr)
+        return r
+    return fn
+
+
+def test_keyed_windowed_job_on_two_executors_equals_one_process(spark, capsys):
     ref_env = fb.Environment(parallelism=2)
     ref = windowed_counts(ref_env)
     ref_env.execute(timeout=60)
@@ -89,9 +102,16 @@ def test_keyed_windowed_job_on_two_executors_equals_one_process(spark):
     cluster = SparkCluster(spark, workers=2)
     env = fb.Environment(parallelism=2, cluster=cluster)
     out = windowed_counts(env)
+    (env.from_sequence(0, 100, parallelism=2).map(_says_where_it_runs(), parallelism=2)
+        .sink(lambda x: None, parallelism=2))
     env.execute(timeout=300)
 
     assert sorted(out.result) == sorted(ref.result)
+    # what the workers print reaches the caller's stdout and stderr
+    pids = {m["pid"] for m in env.metrics().values()}
+    printed = capsys.readouterr()
+    assert sorted(printed.out.split("\n")) == sorted(["", *(f"hello from pid {p}" for p in pids)])
+    assert sorted(printed.err.split("\n")) == sorted(["", *(f"a warning from pid {p}" for p in pids)])
     assert len(out.result) == 13 * 15
     metrics = env.metrics()
     pids = {m["pid"] for m in metrics.values()}

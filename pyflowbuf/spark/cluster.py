@@ -38,8 +38,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import inspect
+import io
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -58,6 +60,10 @@ SLOTS_WAIT_S = 10.0
 CANCEL_WAIT_S = 30.0
 # what of Spark's error message goes into a worker's failure
 SPARK_ERROR_LIMIT = 8 * 1024
+# a worker's printed text goes to the driver by whole lines, or in pieces of this size
+OUTPUT_CHUNK = 64 * 1024
+# after an attempt: how long the driver waits for the rest of the workers' output
+OUTPUT_WAIT_S = 5.0
 
 
 def _settings(env) -> dict:
@@ -290,16 +296,86 @@ def run_barrier_task(spec, w, addresses, host=None):
     return os.getpid()
 
 
+class _ForwardedOutput(io.TextIOBase):
+    """A barrier task's ``sys.stdout`` / ``sys.stderr`` while it runs: what
+    the job's code prints (and warnings, logging to stderr, a thread's
+    uncaught traceback) goes to the driver, whole lines at a time, over the
+    task's output channel, where the caller sees it as with ``workers=N``.
+    If the driver cannot be reached it goes where it went before (the
+    executor's log)."""
+
+    def __init__(self, channel, name, lock, before):
+        super().__init__()
+        self._channel = channel
+        self._name = name
+        self._lock = lock       # one per channel: frames of stdout and stderr never interleave
+        self._before = before
+        self._parts: list = []
+        self._size = 0
+
+    @property
+    def encoding(self):
+        return "utf-8"
+
+    def writable(self):
+        return True
+
+    def fileno(self):
+        # C-level writers (faulthandler) write where the stream wrote before
+        return self._before.fileno()
+
+    def write(self, text):
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        with self._lock:
+            self._parts.append(text)
+            self._size += len(text)
+            if "\n" in text or self._size >= OUTPUT_CHUNK:
+                self._send()
+        return len(text)
+
+    def flush(self):
+        with self._lock:
+            self._send()
+
+    def _send(self):
+        text = "".join(self._parts)
+        self._parts, self._size = [], 0
+        if not text:
+            return
+        try:
+            self._channel.send((self._name, text))
+        except Exception:  # noqa: BLE001 - the driver is gone: the executor's own log keeps it
+            try:
+                self._before.write(text)
+            except Exception:  # noqa: BLE001
+                pass
+
+
 def _run_barrier_task(spec, w, host, info):
-    conn = connect_control(spec.driver, control_secret(spec.secret, spec.attempt), timeout=spec.start_timeout,
-                           allow_pickle=spec.allow_pickle)
+    secret = control_secret(spec.secret, spec.attempt)
+    output = connect_control(spec.driver, secret, timeout=spec.start_timeout, allow_pickle=False)
+    saved = sys.stdout, sys.stderr
     try:
-        conn.send((spec.attempt, ("hello", w, info)))
-        env = spec.description.environment(bind_host=host)
-        run_worker(env, w, spec.description.workers, spec.secret, conn, spec.attempt, host=host,
-                   port_range=spec.port_range, info=info, join_control=True)
+        output.send((spec.attempt, ("output", w)))
+        lock = threading.Lock()
+        sys.stdout = _ForwardedOutput(output, "stdout", lock, saved[0])
+        sys.stderr = _ForwardedOutput(output, "stderr", lock, saved[1])
+        conn = connect_control(spec.driver, secret, timeout=spec.start_timeout, allow_pickle=spec.allow_pickle)
+        try:
+            conn.send((spec.attempt, ("hello", w, info)))
+            env = spec.description.environment(bind_host=host)
+            run_worker(env, w, spec.description.workers, spec.secret, conn, spec.attempt, host=host,
+                       port_range=spec.port_range, info=info, join_control=True)
+        finally:
+            conn.close()
     finally:
-        conn.close()
+        forwarded = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = saved      # Spark reuses this Python worker
+        for stream in forwarded:
+            if isinstance(stream, _ForwardedOutput):
+                stream.flush()
+        output.close()
 
 
 class SparkLauncher:
@@ -324,6 +400,7 @@ class SparkLauncher:
         self._error = None              # the Spark job's error, as text
         self._lost_reported = False
         self._lock = threading.Lock()
+        self._relays: list = []         # (output channel, thread) of the current attempt's workers
 
     def check(self, execution):
         self.cluster.check(self.env)
@@ -404,6 +481,9 @@ class SparkLauncher:
                 except (EOFError, errors.ProtocolError):
                     ch.close()
                     continue
+                if msg[0] == "output" and sent_attempt == attempt:
+                    self._relay(ch, msg[1])
+                    continue
                 w = msg[1] if msg[0] == "hello" else None
                 if sent_attempt != attempt or not isinstance(w, int) or not 0 <= w < self.workers \
                         or w in conns.values():
@@ -417,6 +497,33 @@ class SparkLauncher:
                 ch.close()
             self.stop(graceful=False)
             raise
+
+    def _relay(self, ch, w):
+        """Print what worker ``w`` prints, on the ``sys.stdout`` / ``sys.stderr``
+        the caller has at that moment (a notebook's, a redirect_stdout)."""
+        def run():
+            try:
+                while True:
+                    name, text = ch.recv()
+                    out = sys.stderr if name == "stderr" else sys.stdout
+                    if out is not None and isinstance(text, str):
+                        out.write(text)
+                        out.flush()
+            except Exception:  # noqa: BLE001 - the end of the channel, or a caller's stream that broke
+                pass
+
+        thread = threading.Thread(target=run, name=f"pyflowbuf: output of worker {w}", daemon=True)
+        thread.start()
+        self._relays.append((ch, thread))
+
+    def _end_relays(self):
+        """Every worker's output has arrived (its task closed the channel) or,
+        after OUTPUT_WAIT_S, is given up."""
+        relays, self._relays = self._relays, []
+        deadline = time.monotonic() + OUTPUT_WAIT_S
+        for ch, thread in relays:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            ch.close()
 
     def _run_spark_job(self, spec, tag, attempt):
         sc = self.sc
@@ -486,10 +593,12 @@ class SparkLauncher:
         return (f"the Spark job of the attempt ({self._tag}) failed", f"Spark reported: {self._error}")
 
     def end_attempt(self):
+        self._end_relays()
         self._thread = None
 
     def close(self):
         self.stop(graceful=False)
+        self._end_relays()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
