@@ -254,3 +254,16 @@ def _fail_once_in_worker(tmp_path):
             raise RuntimeError(f"injected failure at {x}")
         return x
     return fn
+
+
+def test_overwrite_never_removes_a_checkpoint_dir_given_as_a_file_url(tmp_path):
+    out = tmp_path / "out"
+    os.makedirs(out)
+    (out / "old").write_text("x")
+    with pytest.raises(errors.ConfigurationError, match="checkpoint_dir"):
+        write("text", out.as_uri(), range(5), 1, mode="overwrite", checkpoint_interval=0.05,
+              checkpoint_dir=(out / "chk").as_uri())
+    with pytest.raises(errors.ConfigurationError, match="checkpoint_dir"):
+        write("text", out, range(5), 1, mode="overwrite", checkpoint_interval=0.05,
+              checkpoint_dir=(out / "chk").as_uri())
+    assert (out / "old").exists()

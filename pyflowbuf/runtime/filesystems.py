@@ -49,6 +49,16 @@ def is_process_local(path) -> bool:
     return "memory" in protocols
 
 
+def as_local(path):
+    """The local path a path or a ``file://`` URL names; None for other URLs."""
+    path = os.fspath(path)
+    if not is_url(path):
+        return os.path.abspath(path)
+    fs, p = url_fs(path)
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return p if "file" in protocols or "local" in protocols else None
+
+
 def canonical(path) -> str:
     """The absolute local path, or the URL with its file system's own spelling
     of the path (``memory://a`` -> ``memory:///a``)."""

@@ -39,7 +39,7 @@ import re
 
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import UnsafeCommitError
-from pyflowbuf.runtime.filesystems import Directory, canonical, is_process_local, is_url, split
+from pyflowbuf.runtime.filesystems import Directory, as_local, canonical, is_process_local, is_url, split
 
 log = logging.getLogger("pyflowbuf")
 
@@ -141,10 +141,13 @@ class FileOutput:
 
 
 def _inside(inner: str, outer: str) -> bool:
-    if is_url(inner) or is_url(outer):
+    a, b = as_local(inner), as_local(outer)
+    if a is None or b is None:          # an object store's URL: the same only if spelt the same
+        if (a is None) != (b is None):
+            return False
         inner, outer = canonical(inner).rstrip("/"), canonical(outer).rstrip("/")
         return inner == outer or inner.startswith(outer + "/")
-    inner, outer = os.path.realpath(inner), os.path.realpath(outer)
+    inner, outer = os.path.realpath(a), os.path.realpath(b)
     return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
 
