@@ -745,3 +745,20 @@ def test_read_csv_over_an_fsspec_url_is_exactly_once_across_a_failure(tmp_path):
     env.execute(120)
     assert fail.fired and env.last_execution.restarts == 1
     assert collections.Counter(h.result) == collections.Counter((r["id"], r["s"]) for r in table.to_pylist())
+
+
+def test_a_bounded_line_from_a_file_whose_readline_takes_no_limit():
+    """fsspec's buffered files (s3, gcs, http) have readline() without a
+    size: the bound of a monitored file's last line is kept all the same."""
+    import io
+
+    from pyflowbuf.runtime.sources import _readline
+
+    class NoLimit(io.BytesIO):
+        def readline(self):
+            return super().readline()
+
+    f = NoLimit(b"abcdef\nxy")
+    assert _readline(f, 3) == b"abc" and f.tell() == 3
+    assert _readline(f, 10) == b"def\n" and f.tell() == 7
+    assert _readline(f, 10) == b"xy"
