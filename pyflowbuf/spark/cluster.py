@@ -298,8 +298,8 @@ def run_barrier_task(spec, w, addresses, host=None):
 
 class _ForwardedOutput(io.TextIOBase):
     """A barrier task's ``sys.stdout`` / ``sys.stderr`` while it runs: what
-    the job's code prints (and warnings, logging to stderr, a thread's
-    uncaught traceback) goes to the driver, whole lines at a time, over the
+    the job's code prints (and warnings, a thread's uncaught traceback,
+    whatever is written to ``sys.stdout``/``sys.stderr``) goes to the driver, whole lines at a time, over the
     task's output channel, where the caller sees it as with ``workers=N``.
     If the driver cannot be reached it goes where it went before (the
     executor's log)."""
