@@ -11,7 +11,14 @@ spark_cluster_vs_workers
     every worker running to the end). Goal >= 0.9.
 spark_cluster_two_vs_one
     a CPU-bound Python map then a keyed count: 2 barrier tasks / 1 (goal
-    >= 1.6 on 2 cores; the machine's other load counts against it).
+    >= 1.6 on 2 cores; the machine's other load counts against it). Next to
+    it, ``spark_cluster_{two,one}_cores_used``: the CPU seconds the workers'
+    Python processes spent while the job ran / its running time (read from
+    /proc on this host), i.e. how many cores the machine gave the job. With
+    2 free cores "two" uses ~2 and "one" ~1 (its map subtasks share one
+    interpreter); a two_vs_one near 1 with both near 1 core is a busy
+    machine, not a cost of the job (the CPU seconds per record are reported
+    too: ``spark_cluster_{two,one}_cpu_us_per_record``).
 spark_cluster_vs_spark_sql_window
     the same kind of windowed count over a cached DataFrame (key, ts): ours
     with ``run_dataflow`` (2 workers) and the vectorized Arrow window path
@@ -25,7 +32,11 @@ spark_cluster_recovery_s
     from a task's failure (after a checkpoint) to the first record the
     restored job processes: cancel, a new attempt, restore.
 
-Run: ``python benchmarks/run.py spark_cluster [--quick] [--json]``.
+Run: ``python benchmarks/run.py spark_cluster [--quick] [--json]``. The
+quick run (under 3 minutes on a quiet 2-core machine) starts one session,
+warms each section once (the first Spark job of a kind starts Python
+workers and compiles), and repeats each case three times (the SQL
+comparison, whose runs take longest, twice).
 """
 from __future__ import annotations
 
@@ -95,12 +106,24 @@ def cpu_work(x: int) -> int:
     return x if acc >= 0 else acc       # the record itself: its timestamp and key
 
 
+def _cpu_s(pid):
+    """CPU seconds (user + system) of a process of this host, or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(quick: bool = False) -> dict:
     n = 200_000 if quick else 1_000_000
     n_cpu = 30_000 if quick else 120_000
-    reps = 2 if quick else 5
+    reps = 3 if quick else 5      # 3: a median that is one run, not the mean of two
+    reps_sql = 2 if quick else 5
     n_sql = 600_000 if quick else 5_000_000
-    rep = common.Report("spark_cluster", quick, params={"records": n, "cpu_records": n_cpu, "sql_records": n_sql, "repeats": reps,
+    n_recovery = 10_000 if quick else 20_000
+    rep = common.Report("spark_cluster", quick, params={"records": n, "cpu_records": n_cpu, "sql_records": n_sql, "repeats": reps, "sql_repeats": reps_sql,
                                                         "master": "local-cluster[2,1,1024]"})
     # the functions of this module travel to the executors by value: they cannot import it
     from pyspark import cloudpickle
@@ -135,14 +158,23 @@ def main(quick: bool = False) -> dict:
                       .window(fb.Tumbling(1.0))
                       .aggregate(fb.Count(), window_function=lambda k, w, c: (k, c))
                       .collect())
-            running, _ = _run_rate(env, out)
+            job = env.execute_async()
+            while len(job.launcher.tasks) < workers and not job.done:
+                time.sleep(0.005)
+            pids = [t["pid"] for t in job.launcher.tasks.values()]
+            before = [_cpu_s(p) for p in pids]
+            job.join(600)
+            after = [_cpu_s(p) for p in pids]
+            ex = env.last_execution
+            running = (ex.ended - ex.started) - ex.startup_s
             if sum(c for _, c in out.result) != n_cpu:
                 raise AssertionError(f"counted {sum(c for _, c in out.result)} of {n_cpu} records")
-            return n_cpu / running
+            cpu = sum(a - b for a, b in zip(after, before)) if None not in before + after else float("nan")
+            return {"rate": n_cpu / running, "cores": cpu / running, "cpu_us": cpu / n_cpu * 1e6}
         return run
 
     try:
-        spark_window()      # warm-up: the executors' Python workers start
+        # (interleaved's warm-up round starts the executors' Python workers)
         rep.section("keyed 1 s tumbling count with a Python map, parallelism 2")
         with common.progress("windows", reps) as adv:
             s = common.interleaved({"spark_cluster": spark_window, "workers": workers_window}, reps, advance=adv)
@@ -158,12 +190,16 @@ def main(quick: bool = False) -> dict:
         rep.add("spark_cluster_one_records_per_s", c.median("one"), "records/s", spread=c.spread("one"))
         rep.add("spark_cluster_two_vs_one", c.ratio("two", "one"), "x", goal=Goal(">=", 1.6, "x"),
                 note="ideal 2 on 2 cores")
+        for case in ("two", "one"):
+            rep.add(f"spark_cluster_{case}_cores_used", c.median(case, "cores"), "cores",
+                    note="the workers' CPU seconds / running time: what the machine gave")
+            rep.add(f"spark_cluster_{case}_cpu_us_per_record", c.median(case, "cpu_us"), "us")
 
         rep.section("windowed count over a DataFrame: run_dataflow vs Spark SQL")
         df = sql_frame(spark, n_sql)
-        with common.progress("sql", reps) as adv:
+        with common.progress("sql", reps_sql) as adv:
             q = common.interleaved({"ours": lambda: dataflow_window(df, n_sql),
-                                    "spark_sql": lambda: sql_window(df, n_sql)}, reps, advance=adv)
+                                    "spark_sql": lambda: sql_window(df, n_sql)}, reps_sql, advance=adv)
         rep.add("run_dataflow_window_records_per_s", q.median("ours"), "records/s", spread=q.spread("ours"))
         rep.add("spark_sql_window_records_per_s", q.median("spark_sql"), "records/s",
                 spread=q.spread("spark_sql"))
@@ -176,7 +212,7 @@ def main(quick: bool = False) -> dict:
         startups.sort()
         rep.add("spark_cluster_startup_s", startups[len(startups) // 2], "s",
                 note="execute() to every worker task running (median)")
-        rep.add("spark_cluster_recovery_s", recovery_s(spark), "s", goal=Goal("<=", 10.0, "s"),
+        rep.add("spark_cluster_recovery_s", recovery_s(spark, n_recovery), "s", goal=Goal("<=", 10.0, "s"),
                 note="a task's failure to the first record processed after the restore")
     finally:
         spark.stop()
@@ -234,7 +270,7 @@ def _check_same():
         raise AssertionError("run_dataflow and Spark SQL counted different windows")
 
 
-def recovery_s(spark) -> float:
+def recovery_s(spark, n=20_000) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         failed, recovered, ckdir = (os.path.join(tmp, name) for name in ("failed", "recovered", "checkpoints"))
 
@@ -253,10 +289,10 @@ def recovery_s(spark) -> float:
         env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=2), checkpoint_interval=0.5,
                              checkpoint_dir=ckdir, restart_attempts=1, name="recovery")
         # parallelism 1: the next call of fn after the failure is the restored job's
-        out = (env.from_sequence(0, 20_000, rate_limit=4000).map(fn, name="fails once", parallelism=1)
+        out = (env.from_sequence(0, n, rate_limit=4000).map(fn, name="fails once", parallelism=1)
                   .key_by(lambda x: x % 7).map(lambda x: x, parallelism=2).collect())
         env.execute(timeout=600)
-        if sorted(out.result) != list(range(20_000)) or env.last_execution.restarts != 1:
+        if sorted(out.result) != list(range(n)) or env.last_execution.restarts != 1:
             raise AssertionError("the recovery run was not exactly once with one restart")
         with open(failed) as f:
             t_fail = float(f.read())

@@ -152,3 +152,118 @@ def test_read_text_of_a_write_text_directory_says_how_to_read_it(tmp_path):
     got = parts[0].union(*parts[1:]).collect() if len(parts) > 1 else parts[0].collect()
     env.execute()
     assert sorted(got.result) == ["a", "b", "c"]
+
+
+# ---------------------------------------------------------------- fsspec URLs
+
+fsspec = pytest.importorskip("fsspec")
+
+
+def url_rows(sink, url):
+    """The committed rows under an fsspec URL, read through fsspec (hidden parts skipped)."""
+    fs, root = fsspec.core.url_to_fs(url)
+    rows = []
+    for name in sorted(fs.ls(root, detail=False)):
+        base = name.rsplit("/", 1)[-1]
+        if not base.startswith("part-"):
+            continue
+        with fs.open(name, "rb") as fh:
+            if sink == "parquet":
+                rows += [r["value"] for r in pq.read_table(fh).to_pylist()]
+            else:
+                rows += [int(x) for x in fh.read().decode().splitlines()]
+    return sorted(rows)
+
+
+@pytest.fixture
+def memory_url():
+    import uuid
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    # glob characters in the name on purpose: fsspec's generic mv/rm would
+    # expand them; the sink names its files literally
+    root = f"/pyflowbuf-sink-{uuid.uuid4().hex[:8]}[1]"
+    yield f"memory://{root}/out"
+    for key in [k for k in MemoryFileSystem.store if k.startswith(root)]:
+        del MemoryFileSystem.store[key]
+    MemoryFileSystem.pseudo_dirs[:] = [d for d in MemoryFileSystem.pseudo_dirs if not d.startswith(root)]
+
+
+@pytest.mark.parametrize("sink", ["parquet", "text"])
+def test_modes_on_an_fsspec_url_in_one_process(memory_url, sink):
+    """memory:// is one process's: a job in one process writes there through
+    fsspec, with the modes and the layout of a local directory."""
+    write(sink, memory_url, range(10), 3)
+    assert url_rows(sink, memory_url) == list(range(10))
+    fs, root = fsspec.core.url_to_fs(memory_url)
+    names = sorted(n.rsplit("/", 1)[-1] for n in fs.ls(root, detail=False))
+    suffix = ".parquet" if sink == "parquet" else ".txt"
+    assert names == [f"part-{i:05d}-000000{suffix}" for i in range(3)]     # every part committed
+    with pytest.raises(errors.OutputExistsError, match="mode='overwrite'"):
+        write(sink, memory_url, range(100, 106), 1)
+    write(sink, memory_url, range(100, 106), 2, mode="overwrite")
+    assert url_rows(sink, memory_url) == list(range(100, 106))
+    write(sink, memory_url, range(200, 204), 2, mode="append")
+    assert url_rows(sink, memory_url) == list(range(100, 106)) + list(range(200, 204))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="workers need fork")
+def test_a_memory_url_is_refused_in_worker_processes(memory_url):
+    with pytest.raises(errors.JobFailedError, match="one process's memory"):
+        write("text", memory_url, range(10), 2, workers=2)
+
+
+@pytest.mark.parametrize("sink", ["parquet", "text"])
+@pytest.mark.parametrize("workers", [None, 2])
+def test_a_restored_job_over_a_file_url_commits_exactly_once(tmp_path, sink, workers):
+    """A failure after a checkpoint: the restored job's parts under a file://
+    URL (the fsspec path, renamed through fsspec by the driver's commit) hold
+    every record once, and nothing is left in progress."""
+    if workers and not hasattr(os, "fork"):
+        pytest.skip("workers need fork")
+    from pipeline_helpers import FailOnceAfterCheckpoint
+
+    url = (tmp_path / "out").as_uri()
+    fail = FailOnceAfterCheckpoint(at=300)
+    env = fb.Environment(parallelism=2, workers=workers, checkpoint_interval=0.05,
+                         checkpoint_dir=(tmp_path / "chk").as_uri(), restart_attempts=2)
+    fail.env = env
+    s = (env.from_sequence(0, 3000, parallelism=2, rate_limit=20_000)
+            .map(fail if workers is None else _fail_once_in_worker(tmp_path), name="fails once"))
+    if sink == "parquet":
+        s.write_parquet(url, parallelism=2)
+    else:
+        s.write_text(url, parallelism=2)
+    env.execute(120)
+    ex = env.last_execution
+    assert ex.restarts == 1 and ex.restored_from is not None
+    assert url_rows(sink, url) == list(range(3000))
+    assert not [n for n in os.listdir(tmp_path / "out") if n.startswith(".")]
+
+
+def _fail_once_in_worker(tmp_path):
+    """In a worker process: fail once, after a checkpoint has completed (a marker file)."""
+    marker, chk = str(tmp_path / "failed"), str(tmp_path / "chk")
+
+    def fn(x):
+        if x % 50 == 0 and not os.path.exists(marker) and os.path.isdir(chk) and any(
+                n.startswith("chk-") and os.path.exists(os.path.join(chk, n, "_metadata")) for n in os.listdir(chk)):
+            with open(marker, "w") as f:
+                f.write(str(x))
+            raise RuntimeError(f"injected failure at {x}")
+        return x
+    return fn
+
+
+def test_overwrite_never_removes_a_checkpoint_dir_given_as_a_file_url(tmp_path):
+    out = tmp_path / "out"
+    os.makedirs(out)
+    (out / "old").write_text("x")
+    with pytest.raises(errors.ConfigurationError, match="checkpoint_dir"):
+        write("text", out.as_uri(), range(5), 1, mode="overwrite", checkpoint_interval=0.05,
+              checkpoint_dir=(out / "chk").as_uri())
+    with pytest.raises(errors.ConfigurationError, match="checkpoint_dir"):
+        write("text", out, range(5), 1, mode="overwrite", checkpoint_interval=0.05,
+              checkpoint_dir=(out / "chk").as_uri())
+    assert (out / "old").exists()

@@ -3,6 +3,7 @@ cancellation, backpressure), the order-keeping envelopes, and the checks of
 pipeline output against a declared schema."""
 import collections
 import gc
+import os
 import random
 import threading
 import time
@@ -483,3 +484,34 @@ def test_no_segment_leaks_after_many_partitions():
     del out
     gc.collect()
     assert not pyflowbuf_threads() or all(not t.is_alive() for t in pyflowbuf_threads())
+
+
+# ---------------------------------------------------------------- a reused Python worker
+
+def _census():
+    gc.collect()
+    return len(gc.get_objects()), threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+@pytest.mark.parametrize("preserve_order, parallelism", [(True, 1), (False, 2), (True, 2)])
+def test_partitions_in_one_reused_worker_leave_nothing_behind(preserve_order, parallelism):
+    """Spark runs partition after partition in one reused Python worker:
+    after a warm-up (caches filled once), more partitions through arrow_udf
+    leave no objects, threads or descriptors behind. A leak of one object per
+    partition would show as 40 here."""
+    fn = arrow_udf(lambda s: s.map(lambda b: b), pa.schema([("id", pa.int64())]), preserve_order=preserve_order,
+                   parallelism=parallelism)
+
+    def partition():
+        out = list(fn(iter(batches(6))))
+        assert sum(b.num_rows for b in out) == 600
+
+    for _ in range(10):
+        partition()
+    objects, threads, fds = _census()
+    for _ in range(40):
+        partition()
+    objects_after, threads_after, fds_after = _census()
+    assert (threads_after, fds_after) == (threads, fds)
+    assert objects_after - objects < 20, f"{objects_after - objects} more objects after 40 partitions"

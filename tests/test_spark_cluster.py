@@ -6,6 +6,7 @@ jobs are few: each costs seconds on a two-core machine.
 """
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -81,7 +82,19 @@ def windowed_counts(env):
                .collect())
 
 
-def test_keyed_windowed_job_on_two_executors_equals_one_process(spark):
+def _says_where_it_runs():
+    said = []       # a copy per barrier task (the closure travels pickled)
+
+    def fn(r):
+        if not said:
+            said.append(r)
+            print(f"hello from pid {os.getpid()}")
+            print(f"a warning from pid {os.getpid()}", file=sys.stderr)
+        return r
+    return fn
+
+
+def test_keyed_windowed_job_on_two_executors_equals_one_process(spark, capsys):
     ref_env = fb.Environment(parallelism=2)
     ref = windowed_counts(ref_env)
     ref_env.execute(timeout=60)
@@ -89,9 +102,16 @@ def test_keyed_windowed_job_on_two_executors_equals_one_process(spark):
     cluster = SparkCluster(spark, workers=2)
     env = fb.Environment(parallelism=2, cluster=cluster)
     out = windowed_counts(env)
+    (env.from_sequence(0, 100, parallelism=2).map(_says_where_it_runs(), parallelism=2)
+        .sink(lambda x: None, parallelism=2))
     env.execute(timeout=300)
 
     assert sorted(out.result) == sorted(ref.result)
+    # what the workers print reaches the caller's stdout and stderr
+    pids = {m["pid"] for m in env.metrics().values()}
+    printed = capsys.readouterr()
+    assert sorted(printed.out.split("\n")) == sorted(["", *(f"hello from pid {p}" for p in pids)])
+    assert sorted(printed.err.split("\n")) == sorted(["", *(f"a warning from pid {p}" for p in pids)])
     assert len(out.result) == 13 * 15
     metrics = env.metrics()
     pids = {m["pid"] for m in metrics.values()}
@@ -131,13 +151,27 @@ def test_refusals_before_submission(spark, conf, tmp_path):
     _refused(SparkCluster(spark, workers=2), match="spark.network.crypto.enabled.*allow_unencrypted")
     conf("spark.network.crypto.enabled", "false")
 
+    # a memory:// location is the driver's memory, whatever the master
+    _refused(SparkCluster(spark, workers=2), {"checkpoint_interval": 1.0, "checkpoint_dir": "memory://ck"},
+             match="checkpoint_dir.*memory://")
     conf("spark.master", "spark://elsewhere:7077")      # executors on other hosts
     _refused(SparkCluster(spark, workers=2), {"checkpoint_interval": 1.0, "checkpoint_dir": str(tmp_path)},
-             match="checkpoint_dir=")
+             match="checkpoint_dir: .* local path.*fsspec URL")
     env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=2))
     env.from_sequence(0, 10).write_text(str(tmp_path / "out"))
-    with pytest.raises(errors.ConfigurationError, match="local path"):
+    with pytest.raises(errors.ConfigurationError, match="sink 'write_text'.* local path.*fsspec URL"):
         env.execute(timeout=60)
+    (tmp_path / "in.txt").write_text("a\n")
+    env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=2))
+    env.read_text(str(tmp_path / "in.txt"), name="lines").collect()
+    with pytest.raises(errors.ConfigurationError, match="source 'lines'.* local path.*fsspec URL"):
+        env.execute(timeout=60)
+    # the fsspec alternative passes the check (file:// names a mount every host has)
+    cluster = SparkCluster(spark, workers=2)
+    env = fb.Environment(parallelism=2, cluster=cluster, checkpoint_interval=1.0,
+                         checkpoint_dir=(tmp_path / "ck").as_uri())
+    env.read_text((tmp_path / "in.txt").as_uri()).write_text((tmp_path / "out2").as_uri())
+    cluster.check(env)
 
     assert len(sc.statusTracker().getJobIdsForGroup(None)) == jobs_before    # nothing was submitted
 
@@ -224,15 +258,24 @@ def _fails_once(marker, ckdir):
 
 
 def test_task_failure_after_a_checkpoint_restarts_once_exactly_once(spark, tmp_path):
+    """Also over fsspec: the checkpoints and a write_text sink under file://
+    URLs, written by the executors' Python workers; the driver commits the
+    parts through fsspec, exactly once across the restore."""
     marker, ckdir = str(tmp_path / "failed-once"), str(tmp_path / "checkpoints")
     env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=2), checkpoint_interval=0.3,
-                         checkpoint_dir=ckdir, restart_attempts=2)
-    out = (env.from_sequence(0, N_FAIL, rate_limit=3000)
-              .map(_fails_once(marker, ckdir), name="fails once")
-              .key_by(lambda x: x % 7)
-              .map(lambda x: x, parallelism=2, name="after")
-              .collect())
+                         checkpoint_dir=(tmp_path / "checkpoints").as_uri(), restart_attempts=2)
+    after = (env.from_sequence(0, N_FAIL, rate_limit=3000)
+                .map(_fails_once(marker, ckdir), name="fails once")
+                .key_by(lambda x: x % 7)
+                .map(lambda x: x, parallelism=2, name="after"))
+    out = after.collect()
+    after.write_text((tmp_path / "out").as_uri(), parallelism=2)
     env.execute(timeout=300)
+    lines = []
+    for name in sorted(os.listdir(tmp_path / "out")):
+        assert name.startswith("part-"), name       # nothing left in progress
+        lines += (tmp_path / "out" / name).read_text().splitlines()
+    assert sorted(map(int, lines)) == list(range(N_FAIL))
     assert os.path.exists(marker)
     ex = env.last_execution
     assert ex.restarts == 1
@@ -292,6 +335,47 @@ def _executor_jvm(python_worker_pid):
     raise AssertionError(f"no JVM above Python worker {python_worker_pid}")
 
 
+def _wait_for_executors(cluster, slots=2, timeout=120):
+    """Until the killed executor's replacement has registered (Spark's
+    standalone worker starts a new JVM): the tests after it need both."""
+    deadline = time.monotonic() + timeout
+    while cluster.free_slots() < slots:
+        assert time.monotonic() < deadline, f"fewer than {slots} task slots {timeout} s after the kill"
+        time.sleep(0.25)
+    return time.monotonic()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="finds the executor's JVM through /proc")
+def test_sigkill_of_an_executor_jvm_with_none_back_within_start_timeout_fails_clearly(spark, tmp_path):
+    """The restart after a lost executor waits start_timeout for a free slot
+    per worker; a new executor JVM takes longer than 1.5 s to start and
+    register, so the job fails, naming the setting, instead of waiting (or
+    leaving a barrier job that Spark would only give up on after minutes)."""
+    cluster = SparkCluster(spark, workers=2, start_timeout=1.5)
+    env = fb.Environment(parallelism=2, cluster=cluster, checkpoint_interval=0.3,
+                         checkpoint_dir=str(tmp_path / "ck"), restart_attempts=2)
+    (env.from_sequence(0, 10_000_000, rate_limit=3000)
+        .key_by(lambda x: x % 7).map(lambda x: x, parallelism=2).collect())
+    job = env.execute_async()
+    deadline = time.monotonic() + 120
+    while not (job.launcher.tasks and any(c["status"] == "completed" for c in env.checkpoints())):
+        assert time.monotonic() < deadline and not job.done, "no checkpoint completed"
+        time.sleep(0.1)
+    os.kill(_executor_jvm(job.launcher.tasks[1]["pid"]), 9)
+    killed = time.monotonic()
+    with pytest.raises(errors.JobFailedError, match=r"no executor came back within start_timeout=1\.5|"
+                                                    r"did not start within start_timeout=1\.5") as info:
+        job.join(120)
+    failed_after = time.monotonic() - killed
+    assert "recovery" in str(info.value)
+    assert job.restarts == 1
+    assert "lost its control channel" in job.restart_failures[0][2] or "Spark job" in job.restart_failures[0][2]
+    assert failed_after < 60, f"the job took {failed_after:.1f} s to fail"
+    back = _wait_for_executors(cluster) - killed
+    print(f"failed {failed_after:.1f} s after the kill; the executor was back after {back:.1f} s")
+    assert not spark.sparkContext.statusTracker().getActiveJobsIds(), "the failed attempt's Spark job still runs"
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="finds the executor's JVM through /proc")
 def test_sigkill_of_an_executor_jvm_recovers_exactly_once(spark, tmp_path):
     n = 15_000
@@ -312,6 +396,7 @@ def test_sigkill_of_an_executor_jvm_recovers_exactly_once(spark, tmp_path):
     assert "lost its control channel" in job.restart_failures[0][2] or "Spark job" in job.restart_failures[0][2]
     assert job.restored_from is not None
     assert sorted(out.result) == list(range(n))
+    _wait_for_executors(SparkCluster(spark, workers=2))
 
 
 # ---------------------------------------------------------------- the main job's step

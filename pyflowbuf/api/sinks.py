@@ -84,7 +84,10 @@ class SinkDeclarations:
         """One line per record (``str(record)``) in the directory ``path``:
         ``part-<subtask>-<seq>.txt`` files (one per subtask without
         checkpoints; read them back with ``read_text`` on each, or
-        ``sorted(glob.glob(f"{path}/part-*"))``).
+        ``sorted(glob.glob(f"{path}/part-*"))``). ``path`` is a local
+        directory or any fsspec URL (``s3://bucket/out``, ``file:///mnt/out``;
+        ``memory://`` in a job in one process only), written through its
+        file system.
 
         Each part is written under a hidden name (``.part-...inprogress``)
         and renamed into place when committed: when the job ends, or with
@@ -106,9 +109,11 @@ class SinkDeclarations:
         path = _output_path(path, name)
         output = FileOutput(path, ".txt", check_mode(mode, f"write_text {name!r}"), f"write_text {name!r}",
                             legacy_suffixes=("",))
-        env = self.env
+        # the operator factory travels to the workers (a SparkCluster pickles
+        # it): it holds plain values, never the Environment
+        transactional = self.env.checkpoint_config.enabled
         node = self._then(name, lambda: sink_ops.TextFileSink(name, path, output=output,
-                                                         transactional=env.checkpoint_interval is not None),
+                                                              transactional=transactional),
                           parallelism, None, sink=True)
         output.parallelism = node.parallelism
         node.file_output = output
@@ -128,6 +133,7 @@ class SinkDeclarations:
         may be all None, or for one schema across subtasks. Rows are buffered
         into row groups of ``row_group_size`` rows (default 131072).
 
+        ``path`` as for ``write_text`` (a local directory or an fsspec URL).
         Parts are committed as ``write_text``'s are (hidden until committed;
         with checkpointing on, exactly once across failures; readers skip
         names starting with ``.``), and ``mode`` works the same way.
@@ -143,11 +149,11 @@ class SinkDeclarations:
         output = FileOutput(path, ".parquet", check_mode(mode, f"write_parquet {name!r}"),
                             f"write_parquet {name!r}")
         schema = sink_ops.parquet_settings(schema, compression)
-        env = self.env
+        transactional = self.env.checkpoint_config.enabled
         node = self._then(name, lambda: sink_ops.ParquetFileSink(name, path, schema=schema,
-                                                            row_group_size=row_group_size,
-                                                            compression=compression, output=output,
-                                                            transactional=env.checkpoint_interval is not None),
+                                                                 row_group_size=row_group_size,
+                                                                 compression=compression, output=output,
+                                                                 transactional=transactional),
                           parallelism, None, sink=True)
         output.parallelism = node.parallelism
         node.file_output = output

@@ -14,6 +14,7 @@ from pyflowbuf._validation import _check_kind, _parallelism, _positive_int, _seq
 from pyflowbuf.api.stream import Stream
 from pyflowbuf.connectors import socket_text as st
 from pyflowbuf.errors import ConfigurationError
+from pyflowbuf.runtime import filesystems as fsx
 from pyflowbuf.runtime import sources as srcs
 from pyflowbuf.serializers import infer_kind
 
@@ -21,10 +22,14 @@ from pyflowbuf.serializers import infer_kind
 class SourceDeclarations:
     """The ``Environment``'s methods that declare sources."""
 
-    def _source(self, name, source, kind, rate_limit, parallelism=1) -> "Stream":
+    def _source(self, name, source, kind, rate_limit, parallelism=1, paths=None) -> "Stream":
         srcs.rate_limiter(rate_limit)   # a bad rate_limit= fails here, not in the running task
         node = self._add(name=name, parallelism=parallelism, source=source, kind=kind,
                          rate_limit=rate_limit)
+        if paths is not None:
+            # where a file source reads: checked by a SparkCluster before it submits
+            node.input_paths = [os.fspath(p) for p in paths] if isinstance(paths, (list, tuple)) \
+                else [os.fspath(paths)]
         return Stream(self, node)
 
     def from_iterable(self, iterable: Iterable, *, kind: Any = None, name: str = "iterable",
@@ -105,7 +110,8 @@ class SourceDeclarations:
     def read_text(self, path, *, encoding: str = "utf-8", name: str = "read_text", rate_limit=None,
                   monitor: float | None = None, monitor_timeout: float | None = None,
                   parallelism: int | None = None) -> "Stream":
-        """Lines of a text file; the source tracks byte offsets.
+        """Lines of a text file (a local path or an fsspec URL such as
+        ``s3://bucket/log.txt``); the source tracks byte offsets.
 
         Each record is one line as a ``str`` without its line break, decoded
         with ``encoding``; the byte offset makes a restore resume exactly. A
@@ -129,25 +135,26 @@ class SourceDeclarations:
             factory, kind = connectors.monitor.text_source(
                 path, encoding=encoding, monitor=monitor, monitor_timeout=monitor_timeout,
                 what=f"read_text {name!r}")
-            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
+            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism), path)
         _not_monitored("read_text", monitor_timeout, parallelism)
-        if not os.path.exists(path):
+        if not fsx.exists(path):
             raise FileNotFoundError(path)
-        if os.path.isdir(path):
+        if fsx.isdir(path):
             # e.g. the directory of part files write_text made: reading its
             # parts in some order of our choosing would be a guess
             raise IsADirectoryError(
                 f"read_text reads one file, and {path} is a directory (write_text writes a directory of "
                 "part files): read each part, e.g. env.read_text(p) for p in "
-                f"sorted(glob.glob('{os.path.join(os.fspath(path), 'part-*')}')), joined with union()")
-        return self._source(name, lambda: srcs.TextFileSource(path, encoding), "str", rate_limit)
+                f"sorted(glob.glob('{fsx.join(os.fspath(path), 'part-*')}')), joined with union()")
+        return self._source(name, lambda: srcs.TextFileSource(path, encoding), "str", rate_limit, paths=path)
 
     def read_parquet(self, path, *, columns: list | None = None, batch_size: int = 65536,
                      as_: str = "records", parallelism: int | None = None, name: str = "read_parquet",
                      rate_limit=None, monitor: float | None = None, monitor_timeout: float | None = None,
                      schema=None) -> "Stream":
         """Rows of Parquet files (pyarrow): ``path`` is a file, a directory
-        (its files, hidden ``.``/``_`` names skipped), a glob or a list of them.
+        (its files, hidden ``.``/``_`` names skipped), a glob or a list of them,
+        each a local path or an fsspec URL (``s3://bucket/events/``).
 
         ``as_``: ``"records"`` (a dict per row), ``"tuples"`` (a tuple per row,
         in column order), ``"arrow"`` (RecordBatches of up to ``batch_size``
@@ -176,14 +183,14 @@ class SourceDeclarations:
             factory, kind = connectors.monitor.parquet_source(
                 path, columns=columns, schema=schema, batch_size=batch_size, as_=as_, monitor=monitor,
                 monitor_timeout=monitor_timeout, what=f"read_parquet {name!r}")
-            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
+            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism), path)
         _not_monitored("read_parquet", monitor_timeout)
         if schema is not None:
             raise ConfigurationError("read_parquet: schema= is for monitor= (the files to come); a bounded "
                                      "read takes the files' own schema")
         factory, kind = connectors.parquet_source(path, columns=columns, batch_size=batch_size, as_=as_,
                                                   what=f"read_parquet {name!r}")
-        return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
+        return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism), path)
 
     def read_csv(self, path, *, columns: list | None = None, column_types=None, column_names: list | None = None,
                  header: bool = True, delimiter: str = ",", quote_char: str = '"', batch_size: int = 65536,
@@ -222,14 +229,14 @@ class SourceDeclarations:
                 path, columns=columns, column_types=column_types, column_names=column_names, header=header,
                 delimiter=delimiter, quote_char=quote_char, batch_size=batch_size, block_size=block_size,
                 as_=as_, monitor=monitor, monitor_timeout=monitor_timeout, what=f"read_csv {name!r}")
-            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
+            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism), path)
         _not_monitored("read_csv", monitor_timeout)
 
         factory, kind = connectors.csv_source(
             path, columns=columns, column_types=column_types, column_names=column_names, header=header,
             delimiter=delimiter, quote_char=quote_char, batch_size=batch_size, block_size=block_size,
             as_=as_, what=f"read_csv {name!r}")
-        return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism))
+        return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism), path)
 
     def socket_text(self, host: str, port: int, delimiter: str = "\n", *, encoding: str = "utf-8",
                     max_retries: int | None = 5, retry_delay: float = 0.5, max_retry_delay: float = 10.0,

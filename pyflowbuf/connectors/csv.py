@@ -1,12 +1,11 @@
 """The CSV file source: byte ranges of each file, parsed in blocks by pyarrow.csv."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from pyflowbuf import errors
 from pyflowbuf.errors import FileFormatError
+from pyflowbuf.runtime import filesystems as fsx
 from pyflowbuf.runtime.sources import file_fingerprint
 from pyflowbuf.connectors.files import DEFAULT_BATCH_ROWS, DEFAULT_CSV_BLOCK, _FileSource, _check_common, _kind, _pyarrow, list_files
 
@@ -90,12 +89,12 @@ class CsvPlan:
         self.quote = quote_char.encode() if isinstance(quote_char, str) and quote_char else None
         self.delimiter = delimiter.encode()
         # an empty file has no rows and no header; the first other one gives them
-        first = next((f for f in self.files if os.path.getsize(f) > 0), None)
+        first = next((f for f in self.files if fsx.size(f) > 0), None)
         if first is None:
             raise FileFormatError(f"{what}: every file is empty: {self.files[0]}"
                                   f"{' ...' if len(self.files) > 1 else ''}")
         self.first = first
-        with open(first, "rb") as fh:
+        with fsx.open_input(first) as fh:
             head = fh.read(block_size)
             if header and b"\n" not in head:      # a header line longer than a block
                 head += fh.readline()
@@ -237,7 +236,7 @@ class CsvFileSource(_FileSource):
     def _file(self, f):
         if self._fh is None or self._fh[0] != f:
             self._close_file()
-            self._fh = (f, open(self.files[f], "rb"))
+            self._fh = (f, fsx.open_input(self.files[f]), fsx.size(self.files[f]))
         return self._fh[1]
 
     def _range(self, f):
@@ -247,7 +246,7 @@ class CsvFileSource(_FileSource):
         if r is not None:
             return r
         fh = self._file(f)
-        size = os.fstat(fh.fileno()).st_size
+        size = self._fh[2]
         data = 0
         if size == 0:
             self._ranges[f] = r = (0, 0)
@@ -306,7 +305,7 @@ class CsvFileSource(_FileSource):
             return self._block[2]
         a, b = self._range(f)
         fh = self._file(f)
-        size = os.fstat(fh.fileno()).st_size
+        size = self._fh[2]
         if start + self.plan.block_size >= b:
             return self._line_end(fh, b - 1, size)
         fh.seek(start)

@@ -2,13 +2,11 @@
 data into records, and the reading loop (``_FileSource``)."""
 from __future__ import annotations
 
-import errno
-import glob
 import os
-
 
 from pyflowbuf import errors
 from pyflowbuf.errors import FileFormatError
+from pyflowbuf.runtime import filesystems as fsx
 from pyflowbuf.runtime.sources import Source, incompatible
 
 MODES = ("records", "tuples", "arrow", "pandas")
@@ -55,7 +53,8 @@ def _hidden(name: str) -> bool:
 
 def list_files(path, what: str) -> list[str]:
     """The files ``path`` names, sorted: a file, a directory (every file below
-    it, hidden names skipped), a glob pattern, or a list of these."""
+    it, hidden names skipped), a glob pattern, or a list of these; each a
+    local path or an fsspec URL (the files then named by canonical URLs)."""
     if isinstance(path, (list, tuple)):
         if not path:
             raise errors.ConfigurationError(f"{what}: the list of paths is empty")
@@ -66,23 +65,19 @@ def list_files(path, what: str) -> list[str]:
     if not isinstance(path, (str, os.PathLike)):
         raise errors.ConfigurationError(f"{what}: path must be a path, a glob or a list of them, got {path!r}")
     path = os.fspath(path)
-    if os.path.isfile(path):
-        return [path]
-    if os.path.isdir(path):
-        found = []
-        for root, dirs, files in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if not _hidden(d))
-            found.extend(os.path.join(root, f) for f in files if not _hidden(f))
+    if fsx.isfile(path):
+        return [fsx.canonical(path) if fsx.is_url(path) else path]
+    if fsx.isdir(path):
+        found = sorted(fsx.list_tree(path))
         if not found:
-            raise FileNotFoundError(errno.ENOENT, f"{what}: the directory holds no data files", path)
-        return sorted(found)
-    if any(c in path for c in _GLOB_CHARS):
-        found = sorted(p for p in glob.glob(path, recursive=True)
-                       if os.path.isfile(p) and not _hidden(os.path.basename(p)))
-        if not found:
-            raise FileNotFoundError(errno.ENOENT, f"{what}: no file matches the pattern", path)
+            raise fsx.not_found(what, "the directory holds no data files", path)
         return found
-    raise FileNotFoundError(errno.ENOENT, f"{what}: no such file or directory", path)
+    if any(c in path for c in _GLOB_CHARS):
+        found = sorted(fsx.glob_files(path))
+        if not found:
+            raise fsx.not_found(what, "no file matches the pattern", path)
+        return found
+    raise fsx.not_found(what, "no such file or directory", path)
 
 
 def _plain_type(pa, t) -> bool:

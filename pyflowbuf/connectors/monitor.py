@@ -36,7 +36,6 @@ file stream source).
 """
 from __future__ import annotations
 
-import glob
 import math
 import numbers
 import os
@@ -47,8 +46,9 @@ import zlib
 
 from pyflowbuf import errors
 from pyflowbuf.connectors.csv import CsvFileSource, CsvPlan, csv_source as bounded_csv_source
-from pyflowbuf.connectors.files import _GLOB_CHARS, _check_common, _hidden, _kind, _pyarrow
+from pyflowbuf.connectors.files import _GLOB_CHARS, _check_common, _kind, _pyarrow
 from pyflowbuf.connectors.parquet import ParquetFileSource, ParquetPlan, _schema_str
+from pyflowbuf.runtime import filesystems as fsx
 from pyflowbuf.runtime.sources import Source, TextFileSource, file_fingerprint, incompatible
 
 # How long one pull may wait before the task gets an empty batch.
@@ -75,9 +75,9 @@ def check_watched(path, what) -> str:
     path = os.fspath(path)
     if any(c in path for c in _GLOB_CHARS):
         return path
-    if os.path.isdir(path):
+    if fsx.isdir(path):
         return path
-    if os.path.isfile(path):
+    if fsx.isfile(path):
         raise errors.ConfigurationError(
             f"{what}: monitor= watches a directory or a glob for new files, and {path} is a file: "
             "read it without monitor=, or watch its directory")
@@ -85,26 +85,12 @@ def check_watched(path, what) -> str:
 
 
 def scan(path) -> dict:
-    """{absolute path: (size, mtime_ns)} of the files ``path`` (a directory
-    or a glob) names now, hidden names skipped. Files that vanish while
-    being listed are left out."""
-    out = {}
-    if any(c in path for c in _GLOB_CHARS):
-        names = [p for p in glob.glob(path, recursive=True) if not _hidden(os.path.basename(p))]
-    else:
-        names = []
-        for root, dirs, files in os.walk(path):
-            dirs[:] = [d for d in dirs if not _hidden(d)]
-            names.extend(os.path.join(root, f) for f in files if not _hidden(f))
-    for p in names:
-        try:
-            st = os.stat(p)
-        except OSError:
-            continue
-        if not os.path.isfile(p):
-            continue
-        out[os.path.abspath(p)] = (st.st_size, st.st_mtime_ns)
-    return out
+    """{absolute path or canonical URL: (size, modification stamp)} of the
+    files ``path`` (a directory or a glob, local or an fsspec URL) names
+    now, hidden names skipped. Files that vanish while being listed are
+    left out."""
+    found = fsx.glob_files(path) if any(c in path for c in _GLOB_CHARS) else fsx.list_tree(path)
+    return {(p if fsx.is_url(p) else os.path.abspath(p)): st for p, st in found.items()}
 
 
 def owner(path: str, parallelism: int) -> int:
@@ -294,7 +280,7 @@ class MonitoredFileSource(Source):
                         f"({now[1]} bytes now, or other contents): its position would be applied to other data")
 
     def identity(self):
-        return {**self.settings, "monitor": os.path.abspath(self.path)}
+        return {**self.settings, "monitor": fsx.canonical(self.path)}
 
     def check_identity(self, recorded, position):
         super().check_identity(recorded, position)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pyflowbuf import errors
 from pyflowbuf.errors import FileFormatError
+from pyflowbuf.runtime import filesystems as fsx
 from pyflowbuf.runtime.sources import file_fingerprint
 from pyflowbuf.connectors.files import DEFAULT_BATCH_ROWS, _FileSource, _check_common, _kind, _pyarrow, list_files
 
@@ -60,6 +61,9 @@ def _schema_str(schema) -> str:
 
 def _parquet_file(pq, path, what):
     try:
+        if fsx.is_url(path):
+            fs, p = fsx.url_fs(path)
+            return pq.ParquetFile(p, filesystem=fs)
         return pq.ParquetFile(path)
     except (OSError, ValueError) as exc:
         if isinstance(exc, FileNotFoundError):

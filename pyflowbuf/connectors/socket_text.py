@@ -111,7 +111,7 @@ def check_arguments(host, port, delimiter, encoding, max_retries, retry_delay, m
 
 def check_checkpointing(env, name) -> None:
     """The socket source cannot rewind: exactly-once checkpoints are refused."""
-    if env.checkpoint_interval is not None and env.checkpointing_mode != "at_least_once":
+    if env.checkpoint_config.enabled and env.checkpoint_config.mode != "at_least_once":
         raise errors.ConfigurationError(not_rewindable_message(name))
 
 

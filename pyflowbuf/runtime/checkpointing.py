@@ -37,7 +37,7 @@ from pyflowbuf.runtime.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_infligh
 from pyflowbuf.runtime.keygroups import DEFAULT_MAX_PARALLELISM
 from pyflowbuf.runtime.restore import metadata_properties, stored_state
 from pyflowbuf.runtime.metrics import publish_checkpoint
-from pyflowbuf.runtime.outputs import check_commits
+from pyflowbuf.runtime import outputs as outputs_mod
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 
@@ -438,16 +438,9 @@ class CheckpointCoordinator:
 # ---------------------------------------------------------------- sink commits
 
 def run_commits(commits, outputs) -> None:
-    """Carry out sink commit actions; each is idempotent, so a commit repeated
-    after a failure (the notification may have been lost) changes nothing.
-    ``outputs``: the FileOutputs of the job's sinks; an action none of them
-    can produce (read back from a crafted ``_metadata``) refuses them all."""
-    check_commits(commits, outputs)
-    for _, src, dst in commits:
-        if os.path.exists(src):
-            os.replace(src, dst)
-        elif not os.path.exists(dst):
-            log.warning("pyflowbuf: committed file %s is missing (and %s too)", dst, src)
+    """Carry out sink commit actions (``runtime/outputs.py``: checked against
+    the job's part-file sinks, then each rename done where the files are)."""
+    outputs_mod.run_commits(commits, outputs)
 
 
 # ---------------------------------------------------------------- a subtask's side

@@ -19,19 +19,29 @@ Modes, checked by the driver once before anything runs (Spark's save modes):
 * ``"append"``: what is there stays; this run's parts are numbered after the
   highest sequence number found, so no name can collide.
 
-A sink commit is a rename of one pending part into its final name. Commits
-come back from ``_metadata`` on a restore, so before any of them runs each is
-checked against the sinks of the job's current graph (``check_commits``): a
-file that is not a pending part of one of those directories is never moved.
+``path`` is a local path or any fsspec URL (``s3://bucket/out``,
+``file:///shared/out``, ``memory://out`` in a job in one process): the
+directory's files are listed, written, removed and renamed through ``os``
+for a local path (the fast path) and through the URL's fsspec file system
+otherwise (``runtime/filesystems.py``).
+
+A sink commit is a rename of one pending part into its final name, carried
+out by the driver where the files are (``run_commits``). Commits come back
+from ``_metadata`` on a restore, so before any of them runs each is checked
+against the sinks of the job's current graph (``check_commits``): a file
+that is not a pending part of one of those directories is never moved.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
-import shutil
 
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import UnsafeCommitError
+from pyflowbuf.runtime.filesystems import Directory, as_local, canonical, is_process_local, is_url, split
+
+log = logging.getLogger("pyflowbuf")
 
 MODES = ("error", "overwrite", "append")
 
@@ -53,19 +63,34 @@ class FileOutput:
     by worker processes): the driver's ``prepare`` sets ``seq_start``."""
 
     def __init__(self, path, suffix: str, mode: str = "error", what: str = "sink", legacy_suffixes=()):
-        self.path = os.path.abspath(os.fspath(path))
+        self.dir = Directory(path)
+        self.path = self.dir.url        # an absolute local path, or a canonical URL
         self.suffix = suffix
         self.mode = mode
         self.what = what
         self.parallelism = None       # the sink's, set when it is declared
         self.seq_start = 0            # the first part number of a fresh run (append: after what is there)
+        self.declared_in = os.getpid()
         suffixes = "|".join(re.escape(s) for s in (suffix, *legacy_suffixes))
         self._final = re.compile(rf"{_PART}(?:{suffixes})\Z")
         self._pending = re.compile(rf"\.{_PART}(?:{suffixes})\.inprogress\Z")
 
+    def check_process(self) -> None:
+        """Refuse a ``memory://`` directory in a process other than the one
+        that declared the sink (a forked worker, a Spark executor): what it
+        wrote there would never reach the driver, which commits it."""
+        if self.declared_in != os.getpid() and is_process_local(self.path):
+            raise errors.ConfigurationError(
+                f"{self.what}: {self.path} is in one process's memory, and this subtask runs in another "
+                f"process (workers=N or a SparkCluster): its parts would be lost. Write to a file system "
+                "every process reaches (a local path, file://, s3://, ...)")
+
     def part_path(self, subtask: int, seq: int, pending: bool) -> str:
+        return self.dir.path(self.part_name(subtask, seq, pending))
+
+    def part_name(self, subtask: int, seq: int, pending: bool) -> str:
         name = f"part-{subtask:05d}-{seq:06d}{self.suffix}"
-        return os.path.join(self.path, f".{name}.inprogress" if pending else name)
+        return f".{name}.inprogress" if pending else name
 
     def parse(self, name: str):
         """(subtask, seq, pending) of a part file name of this sink, else None."""
@@ -83,15 +108,15 @@ class FileOutput:
     def prepare(self, *, restoring: bool, checkpoint_dir=None) -> None:
         """Apply ``mode`` to the directory; ``restoring``: the job starts from a
         checkpoint, so this sink's own part files are expected there."""
-        path = self.path
-        if os.path.lexists(path) and not os.path.isdir(path):
+        path, d = self.path, self.dir
+        if d.exists_as_file():
             if self.mode != "overwrite":
                 raise errors.OutputExistsError(
                     f"{self.what}: {path} exists and is not a directory; the sink writes a directory of part "
                     "files: remove it, choose another path, or pass mode='overwrite'")
-            os.remove(path)
-        os.makedirs(path, exist_ok=True)
-        names = sorted(os.listdir(path))
+            d.remove_self()
+        d.makedirs()
+        names = sorted(d.names())
         foreign = [n for n in names if not (restoring and self._own(n))]
         if self.mode == "error":
             shown = [n for n in foreign if _visible(n)]
@@ -109,20 +134,20 @@ class FileOutput:
                     f"{self.what}: mode='overwrite' would remove the checkpoint_dir {checkpoint_dir}, which is "
                     f"inside the output directory {path}: put them apart")
             for n in foreign:
-                p = os.path.join(path, n)
-                if os.path.isdir(p) and not os.path.islink(p):
-                    shutil.rmtree(p)
-                else:
-                    os.remove(p)
+                d.remove(n)
         else:   # append: after every part number already there
             seqs = [p[1] for p in map(self.parse, names) if p is not None]
             self.seq_start = max(seqs) + 1 if seqs else 0
 
 
 def _inside(inner: str, outer: str) -> bool:
-    if "://" in inner:
-        return False
-    inner, outer = os.path.realpath(inner), os.path.realpath(outer)
+    a, b = as_local(inner), as_local(outer)
+    if a is None or b is None:          # an object store's URL: the same only if spelt the same
+        if (a is None) != (b is None):
+            return False
+        inner, outer = canonical(inner).rstrip("/"), canonical(outer).rstrip("/")
+        return inner == outer or inner.startswith(outer + "/")
+    inner, outer = os.path.realpath(a), os.path.realpath(b)
     return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
 
@@ -138,21 +163,50 @@ def prepare_outputs(nodes, *, restoring: bool, checkpoint_dir=None) -> None:
 
 # ---------------------------------------------------------------- commits
 
+def _dir_key(directory: str) -> str:
+    """What names one directory however it is spelt: the real local path, or
+    the canonical URL."""
+    return canonical(directory) if is_url(directory) else os.path.realpath(directory)
+
+
 def check_commits(commits, outputs) -> None:
     """Refuse, before any file moves, a commit action that the sinks
     ``outputs`` (FileOutput) cannot have produced: a rename whose source is
     not a pending part file of a subtask of one of their directories, whose
     target is not that part's final name in the same directory, with a ``..``
     in it, or whose source is a link."""
+    _check(commits, outputs)
+
+
+def _check(commits, outputs) -> list:
+    """(FileOutput, source name, target name) of each action, once all are checked."""
     dirs = {}
     for out in outputs:
-        dirs.setdefault(os.path.realpath(out.path), []).append(out)
+        dirs.setdefault(_dir_key(out.path), []).append(out)
+    checked = []
     for action in commits:
         why = _refusal(action, dirs)
-        if why is not None:
+        if isinstance(why, str):
             raise UnsafeCommitError(
                 f"refusing sink commit {action!r}: {why}; only the renames of this job's part-file sinks "
                 f"run (directories: {sorted(dirs) or 'none'})", action=action)
+        checked.append(why)
+    return checked
+
+
+def run_commits(commits, outputs) -> None:
+    """Carry out sink commit actions where the files are (``os`` for a local
+    directory, the URL's fsspec file system otherwise); each is idempotent,
+    so a commit repeated after a failure (the notification may have been
+    lost) changes nothing. ``outputs``: the FileOutputs of the job's sinks;
+    an action none of them can produce (read back from a crafted
+    ``_metadata``) refuses them all."""
+    for out, src, dst in _check(commits, outputs):
+        d = out.dir
+        if d.has(src):
+            d.rename(src, dst)
+        elif not d.has(dst):
+            log.warning("pyflowbuf: committed file %s is missing (and %s too)", d.path(dst), d.path(src))
 
 
 def _refusal(action, dirs):
@@ -164,15 +218,17 @@ def _refusal(action, dirs):
         return "a rename takes two paths"
     _, src, dst = action
     for p in (src, dst):
-        if ".." in re.split(r"[/\\]", p):
+        if ".." in re.split(r"[/\\]", p.split("://", 1)[-1]):
             return f"{p!r} holds '..'"
-    src_dir, src_name = os.path.split(src)
-    dst_dir, dst_name = os.path.split(dst)
-    here = os.path.realpath(src_dir)
+    if is_url(src) != is_url(dst):
+        return "the target is not in the source's directory"
+    src_dir, src_name = split(src)
+    dst_dir, dst_name = split(dst)
+    here = _dir_key(src_dir)
     outs = dirs.get(here)
     if outs is None:
         return f"{src_dir!r} is not the directory of a sink of this job"
-    if os.path.realpath(dst_dir) != here:
+    if _dir_key(dst_dir) != here:
         return "the target is not in the source's directory"
     for out in outs:
         p = out.parse(src_name)
@@ -183,7 +239,7 @@ def _refusal(action, dirs):
             continue
         if out.parse(dst_name) != (sub, seq, False) or dst_name != src_name[1:-len(".inprogress")]:
             return f"{dst_name!r} is not the final name of {src_name!r}"
-        if os.path.islink(src) or os.path.islink(dst):
+        if out.dir.is_link(src_name) or out.dir.is_link(dst_name):
             return "a part file is a link"
-        return None
+        return out, src_name, dst_name
     return f"{src_name!r} is not a pending part file of a sink subtask"

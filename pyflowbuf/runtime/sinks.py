@@ -6,8 +6,6 @@ commits (see ``runtime/outputs.py`` for the output modes and the commit).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from pyflowbuf import errors
@@ -105,7 +103,8 @@ class _PartFileSink(Operator):
     With checkpoints a part is committed only when a checkpoint covering it
     completes (or the job ends): Flink's two-phase commit, so readers never
     see records a recovery will write again. Subclasses write the file
-    (``_open_file``, ``_write``, ``_close_file``, ``_has_file``)."""
+    (``_open_file``, ``_write``, ``_close_file``: whether it left a part
+    to commit, ``_has_file``)."""
 
     kind = "sink"
     suffix = ""
@@ -113,41 +112,46 @@ class _PartFileSink(Operator):
     def __init__(self, name, path, transactional=False, output=None):
         super().__init__(name)
         self.output = output if output is not None else FileOutput(path, self.suffix, what=name)
-        self.path = self.output.path
-        self.dir = self.output.path
+        self.path = self.output.path     # a local path or a canonical fsspec URL
+        self.dir = self.output.dir       # where the files are listed, written and renamed
         self.transactional = transactional
         self.seq = None
         self.uncommitted: list = []     # (checkpoint id, action) until a checkpoint covering it completes
 
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
-        os.makedirs(self.dir, exist_ok=True)
+        self.output.check_process()
+        self.dir.makedirs()
         restored = self.seq is not None
         if not restored:
             self.seq = self.output.seq_start
         # what an earlier attempt left uncommitted will be written again, and
         # so will the parts it committed after the checkpoint restored now
-        for name in os.listdir(self.dir):
+        for name in self.dir.names():
             p = self.output.parse(name)
             if p is not None and p[0] == subtask and (p[2] or (restored and p[1] >= self.seq)):
-                os.remove(os.path.join(self.dir, name))
+                self.dir.remove(name)
         self._remove_orphans()
         if not self.transactional:
-            self._open_file(self._part(True))
+            self._open_file(self._name(True))
 
     def _part(self, hidden: bool) -> str:
         return self.output.part_path(self.subtask, self.seq, hidden)
 
+    def _name(self, hidden: bool) -> str:
+        return self.output.part_name(self.subtask, self.seq, hidden)
+
     def process_batch(self, batch):
         if not self._has_file():
-            self._open_file(self._part(True))
+            self._open_file(self._name(True))
         self._write(batch)
         return []
 
     def _close_part(self, checkpoint_id):
         if not self._has_file():
             return
-        self._close_file()
+        if not self._close_file():
+            return
         self.uncommitted.append((checkpoint_id, ("rename", self._part(True), self._part(False))))
         self.seq += 1
 
@@ -189,15 +193,15 @@ class _PartFileSink(Operator):
         not, numbered from the checkpoint's on (or never committed)."""
         if not self._orphans:
             return
-        for name in os.listdir(self.dir):
+        for name in self.dir.names():
             p = self.output.parse(name)
             if p is not None and str(p[0]) in self._orphans and (p[2] or p[1] >= self._orphans[str(p[0])]):
-                os.remove(os.path.join(self.dir, name))
+                self.dir.remove(name)
 
     def finish(self):
         if not self.transactional and self._has_file():
-            self._close_file()
-            os.replace(self._part(True), self._part(False))
+            if self._close_file():
+                self.dir.rename(self._name(True), self._name(False))
         return []
 
 
@@ -215,8 +219,8 @@ class TextFileSink(_PartFileSink):
     def _has_file(self):
         return self.fh is not None
 
-    def _open_file(self, path):
-        self.fh = open(path, "w", encoding=self.encoding)
+    def _open_file(self, name):
+        self.fh = self.dir.open_write(name, text=True, encoding=self.encoding)
 
     def _write(self, batch):
         self.fh.write("".join(f"{x}\n" for x in batch))
@@ -224,6 +228,7 @@ class TextFileSink(_PartFileSink):
     def _close_file(self):
         self.fh.close()
         self.fh = None
+        return True
 
 
 _ROW_GROUP_ROWS = 128 * 1024
@@ -296,11 +301,13 @@ class ParquetFileSink(_PartFileSink):
     def _has_file(self):
         return self.file is not None
 
-    def _open_file(self, path):
-        self.file = path
+    def _open_file(self, name):
+        # a local part is written by Arrow itself (no Python file object in between)
+        self.file = self.output.part_path(self.subtask, self.seq, True) if self.dir.local else \
+            self.dir.open_write(name, text=False)
         if self.schema is not None:
             # a job whose input is empty still leaves a file that gives the schema
-            self.writer = self.pq.ParquetWriter(path, self.schema, compression=self.compression)
+            self.writer = self.pq.ParquetWriter(self.file, self.schema, compression=self.compression)
 
     def _write(self, batch):
         table = self._table(batch)
@@ -329,10 +336,18 @@ class ParquetFileSink(_PartFileSink):
 
     def _close_file(self):
         self._flush(everything=True)
-        if self.writer is not None:
+        written = self.writer is not None
+        if written:
             self.writer.close()
             self.writer = None
+        if not isinstance(self.file, str):
+            self.file.close()       # the writer leaves a file object it was given open
+            if not written:
+                self.dir.remove(self._name(True))
         self.file = None
+        # no rows and no schema: no Parquet file can be written (there is no
+        # schema to give), so the subtask leaves no part
+        return written
 
     def snapshot_state(self):
         state = super().snapshot_state()

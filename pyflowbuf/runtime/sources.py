@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.errors import IncompatibleCheckpointError
+from pyflowbuf.runtime import filesystems as fsx
 
 
 class Source:
@@ -229,13 +230,27 @@ def _is_utf8(encoding: str) -> bool:
 
 
 def _is_parquet(path) -> bool:
-    with open(path, "rb") as fh:
+    with fsx.open_input(path) as fh:
         return fh.read(4) == b"PAR1"
 
 
+def _readline(fh, limit):
+    """A line of at most ``limit`` bytes (fsspec's buffered files take no limit)."""
+    try:
+        return fh.readline(limit)
+    except TypeError:
+        at = fh.tell()
+        raw = fh.readline()
+        if len(raw) > limit:
+            raw = raw[:limit]
+            fh.seek(at + limit)
+        return raw
+
+
 class TextFileSource(Source):
-    """Lines of a text file (without the newline). The byte offset of the next
-    line is the position, so a checkpoint can rewind exactly."""
+    """Lines of a text file (without the newline), a local path or an fsspec
+    URL. The byte offset of the next line is the position, so a checkpoint
+    can rewind exactly."""
 
     default_kind = "str"
     rewindable = True
@@ -253,7 +268,7 @@ class TextFileSource(Source):
         super().open(subtask, parallelism)
         if parallelism != 1:
             raise ValueError("read_text has parallelism 1")
-        self._fh = open(self.path, "rb")
+        self._fh = fsx.open_input(self.path)
         self._fh.seek(self.offset)
 
     def next_batch(self, max_records):
@@ -266,7 +281,7 @@ class TextFileSource(Source):
             if end is None:
                 raw = fh.readline()
             elif end > self.offset:
-                raw = fh.readline(end - self.offset)
+                raw = _readline(fh, end - self.offset)
             else:
                 break
             if not raw:
@@ -282,7 +297,7 @@ class TextFileSource(Source):
         return lines or None
 
     def _not_text(self, exc, batch_start, in_batch):
-        with open(self.path, "rb") as fh:
+        with fsx.open_input(self.path) as fh:
             line = fh.read(batch_start).count(b"\n") + 1 + in_batch
         return errors.FileFormatError(
             f"read_text: {self.path}, line {line}: not {self.encoding} text ({exc.reason} at byte {exc.start} "
@@ -302,14 +317,14 @@ class TextFileSource(Source):
     # after the position is fine (a log that grew while the job was down);
     # another file, or one rewritten before the position, is refused.
     def identity(self):
-        fd = self._fh.fileno() if self._fh is not None and not self._fh.closed else None
-        return {"kind": "read_text", "path": os.path.abspath(self.path), "encoding": self.encoding,
-                "offset": self.offset, **_prefix_fingerprint(fd, self.path, self.offset)}
+        fh = self._fh if self._fh is not None and not self._fh.closed else None
+        return {"kind": "read_text", "path": fsx.canonical(self.path), "encoding": self.encoding,
+                "offset": self.offset, **_prefix_fingerprint(fh, self.path, self.offset)}
 
     def check_identity(self, recorded, position):
         if not isinstance(recorded, dict) or recorded.get("kind") != "read_text":
             raise incompatible(self, f"the checkpoint's source was not a read_text ({recorded!r})")
-        path = os.path.abspath(self.path)
+        path = fsx.canonical(self.path)
         if recorded.get("path") != path:
             raise incompatible(self, f"the checkpoint read {recorded.get('path')}, this source reads {path}: "
                                      "its position would be applied to another file")
@@ -317,7 +332,7 @@ class TextFileSource(Source):
             raise incompatible(self, f"the checkpoint decoded {path} as {recorded.get('encoding')!r}, "
                                      f"this source as {self.encoding!r}")
         offset = recorded.get("offset")
-        size = os.path.getsize(path)
+        size = fsx.size(path)
         if not isinstance(offset, int) or size < offset:
             raise incompatible(self, f"{path} has {size} bytes, and the checkpoint had read {offset}: "
                                      "the file was replaced or truncated")
@@ -335,26 +350,27 @@ class TextFileSource(Source):
 FINGERPRINT_BYTES = 64 * 1024
 
 
-def _prefix_fingerprint(fd, path, end) -> dict:
-    """CRC-32 of the first and of the last FINGERPRINT_BYTES of ``path[:end]``."""
-    own = fd is None
-    if own:
-        fd = os.open(path, os.O_RDONLY)
-    try:
-        n = min(end, FINGERPRINT_BYTES)
-        head = os.pread(fd, n, 0)
-        tail = os.pread(fd, n, end - n)
-    finally:
-        if own:
-            os.close(fd)
+def _prefix_fingerprint(fh, path, end) -> dict:
+    """CRC-32 of the first and of the last FINGERPRINT_BYTES of ``path[:end]``
+    (read through ``fh`` when it is open; a reading position it has is kept)."""
+    n = min(end, FINGERPRINT_BYTES)
+    if fh is not None and fsx.is_url(path):
+        at = fh.tell()
+        head, tail = fsx.read_at(path, 0, n, fh), fsx.read_at(path, end - n, n, fh)
+        fh.seek(at)
+    elif fh is not None:
+        head, tail = fsx.read_at(path, 0, n, fh), fsx.read_at(path, end - n, n, fh)
+    else:
+        with fsx.open_input(path) as f:
+            head, tail = fsx.read_at(path, 0, n, f), fsx.read_at(path, end - n, n, f)
     return {"head": zlib.crc32(head), "tail": zlib.crc32(tail)}
 
 
 def file_fingerprint(path) -> list:
-    """[absolute path, size, CRC-32 of the first and of the last FINGERPRINT_BYTES]."""
-    size = os.path.getsize(path)
+    """[absolute path or canonical URL, size, CRC-32 of the first and of the last FINGERPRINT_BYTES]."""
+    size = fsx.size(path)
     fp = _prefix_fingerprint(None, path, size)
-    return [os.path.abspath(path), size, fp["head"], fp["tail"]]
+    return [fsx.canonical(path), size, fp["head"], fp["tail"]]
 
 
 def incompatible(source, why):

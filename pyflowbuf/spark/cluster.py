@@ -29,15 +29,18 @@ Before anything is submitted the driver refuses, each with a
 ``ConfigurationError`` naming the setting: dynamic allocation, more workers
 than free task slots, Spark network encryption without
 ``allow_unencrypted=True`` (the exchange authenticates but does not
-encrypt), and a local checkpoint or sink path with a master whose executors
-may run on other hosts.
+encrypt), a local checkpoint, sink or source path (not an fsspec URL) with a
+master whose executors may run on other hosts, and a ``memory://`` location
+(one process's memory) with any master.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -47,7 +50,9 @@ from pyflowbuf.api import Environment
 from pyflowbuf.config import MetricsConfig
 from pyflowbuf.net.control import ControlListener, connect_control
 from pyflowbuf.net.protocol import new_secret
-from pyflowbuf.runtime.cluster import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution, run_worker
+from pyflowbuf.runtime import filesystems as fsx
+from pyflowbuf.runtime.cluster import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution
+from pyflowbuf.runtime.worker import run_worker
 
 # how long the pre-submit check waits for executors to register (a session
 # just started has none yet) before it counts the free slots
@@ -56,6 +61,10 @@ SLOTS_WAIT_S = 10.0
 CANCEL_WAIT_S = 30.0
 # what of Spark's error message goes into a worker's failure
 SPARK_ERROR_LIMIT = 8 * 1024
+# a worker's printed text goes to the driver by whole lines, or in pieces of this size
+OUTPUT_CHUNK = 64 * 1024
+# after an attempt: how long the driver waits for the rest of the workers' output
+OUTPUT_WAIT_S = 5.0
 
 
 def _settings(env) -> dict:
@@ -98,12 +107,16 @@ def _local_master(master: str) -> bool:
     return master.startswith("local")
 
 
-def _is_local_path(location) -> bool:
-    import fsspec
-
-    fs, _ = fsspec.core.url_to_fs(os.fspath(location))
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return any(p in ("file", "local") for p in protocols)
+def _locations(env):
+    """(what, location) of every file location the job's tasks reach: the
+    checkpoint directory, the file sinks' directories, the file sources' paths."""
+    if env.checkpoint_config.directory is not None:
+        yield "checkpoint_dir", os.fspath(env.checkpoint_config.directory)
+    for node in env.nodes:
+        if node.file_output is not None:
+            yield f"sink {node.name!r}", node.file_output.path
+        for p in getattr(node, "input_paths", None) or ():
+            yield f"source {node.name!r}", p
 
 
 class SparkCluster:
@@ -185,19 +198,18 @@ class SparkCluster:
                         "SparkCluster(..., allow_unencrypted=True) if the records may cross the network "
                         "in the clear")
         master = self._conf("spark.master", self.sc.master)
-        if not _local_master(master):
-            if env.checkpoint_dir is not None and _is_local_path(env.checkpoint_dir):
+        for what, location in _locations(env):
+            if fsx.is_process_local(location):
                 raise errors.ConfigurationError(
-                    f"checkpoint_dir={os.fspath(env.checkpoint_dir)!r} is a local path, but with master "
-                    f"{master!r} the workers may run on other hosts, which cannot reach it: give an fsspec "
-                    "URL every host reaches (s3://, gs://, hdfs://, abfs://, a shared mount as file:// only "
-                    "if it is mounted on every host)")
-            for node in env.nodes:
-                if node.file_output is not None:
-                    raise errors.ConfigurationError(
-                        f"sink {node.name!r} writes to the local path {node.file_output.path!r}, but with "
-                        f"master {master!r} its subtasks may run on other hosts: collect() the records, or "
-                        "write them where every host reaches (a sink(fn) to a database or object store)")
+                    f"{what}: {location!r} is in the driver's memory (memory://), and the Spark tasks run in "
+                    "other processes: give a local path (local masters only) or an fsspec URL every "
+                    "executor reaches")
+            if not _local_master(master) and not fsx.is_url(location):
+                raise errors.ConfigurationError(
+                    f"{what}: {location!r} is a local path, but with master {master!r} the workers may run on "
+                    "other hosts, which cannot reach it: give an fsspec URL every host reaches (s3://, "
+                    "gs://, hdfs://, abfs://; file:///... names a shared mount, which must then be mounted "
+                    "at that path on every host)")
         self._check_slots()
 
     def free_slots(self) -> int:
@@ -286,16 +298,86 @@ def run_barrier_task(spec, w, addresses, host=None):
     return os.getpid()
 
 
+class _ForwardedOutput(io.TextIOBase):
+    """A barrier task's ``sys.stdout`` / ``sys.stderr`` while it runs: what
+    the job's code prints (and warnings, a thread's uncaught traceback,
+    whatever is written to ``sys.stdout``/``sys.stderr``) goes to the driver, whole lines at a time, over the
+    task's output channel, where the caller sees it as with ``workers=N``.
+    If the driver cannot be reached it goes where it went before (the
+    executor's log)."""
+
+    def __init__(self, channel, name, lock, before):
+        super().__init__()
+        self._channel = channel
+        self._name = name
+        self._lock = lock       # one per channel: frames of stdout and stderr never interleave
+        self._before = before
+        self._parts: list = []
+        self._size = 0
+
+    @property
+    def encoding(self):
+        return "utf-8"
+
+    def writable(self):
+        return True
+
+    def fileno(self):
+        # C-level writers (faulthandler) write where the stream wrote before
+        return self._before.fileno()
+
+    def write(self, text):
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        with self._lock:
+            self._parts.append(text)
+            self._size += len(text)
+            if "\n" in text or self._size >= OUTPUT_CHUNK:
+                self._send()
+        return len(text)
+
+    def flush(self):
+        with self._lock:
+            self._send()
+
+    def _send(self):
+        text = "".join(self._parts)
+        self._parts, self._size = [], 0
+        if not text:
+            return
+        try:
+            self._channel.send((self._name, text))
+        except Exception:  # noqa: BLE001 - the driver is gone: the executor's own log keeps it
+            try:
+                self._before.write(text)
+            except Exception:  # noqa: BLE001
+                pass
+
+
 def _run_barrier_task(spec, w, host, info):
-    conn = connect_control(spec.driver, control_secret(spec.secret, spec.attempt), timeout=spec.start_timeout,
-                           allow_pickle=spec.allow_pickle)
+    secret = control_secret(spec.secret, spec.attempt)
+    output = connect_control(spec.driver, secret, timeout=spec.start_timeout, allow_pickle=False)
+    saved = sys.stdout, sys.stderr
     try:
-        conn.send((spec.attempt, ("hello", w, info)))
-        env = spec.description.environment(bind_host=host)
-        run_worker(env, w, spec.description.workers, spec.secret, conn, spec.attempt, host=host,
-                   port_range=spec.port_range, info=info, join_control=True)
+        output.send((spec.attempt, ("output", w)))
+        lock = threading.Lock()
+        sys.stdout = _ForwardedOutput(output, "stdout", lock, saved[0])
+        sys.stderr = _ForwardedOutput(output, "stderr", lock, saved[1])
+        conn = connect_control(spec.driver, secret, timeout=spec.start_timeout, allow_pickle=spec.allow_pickle)
+        try:
+            conn.send((spec.attempt, ("hello", w, info)))
+            env = spec.description.environment(bind_host=host)
+            run_worker(env, w, spec.description.workers, spec.secret, conn, spec.attempt, host=host,
+                       port_range=spec.port_range, info=info, join_control=True)
+        finally:
+            conn.close()
     finally:
-        conn.close()
+        forwarded = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = saved      # Spark reuses this Python worker
+        for stream in forwarded:
+            if isinstance(stream, _ForwardedOutput):
+                stream.flush()
+        output.close()
 
 
 class SparkLauncher:
@@ -320,6 +402,7 @@ class SparkLauncher:
         self._error = None              # the Spark job's error, as text
         self._lost_reported = False
         self._lock = threading.Lock()
+        self._relays: list = []         # (output channel, thread) of the current attempt's workers
 
     def check(self, execution):
         self.cluster.check(self.env)
@@ -400,6 +483,9 @@ class SparkLauncher:
                 except (EOFError, errors.ProtocolError):
                     ch.close()
                     continue
+                if msg[0] == "output" and sent_attempt == attempt:
+                    self._relay(ch, msg[1])
+                    continue
                 w = msg[1] if msg[0] == "hello" else None
                 if sent_attempt != attempt or not isinstance(w, int) or not 0 <= w < self.workers \
                         or w in conns.values():
@@ -413,6 +499,33 @@ class SparkLauncher:
                 ch.close()
             self.stop(graceful=False)
             raise
+
+    def _relay(self, ch, w):
+        """Print what worker ``w`` prints, on the ``sys.stdout`` / ``sys.stderr``
+        the caller has at that moment (a notebook's, a redirect_stdout)."""
+        def run():
+            try:
+                while True:
+                    name, text = ch.recv()
+                    out = sys.stderr if name == "stderr" else sys.stdout
+                    if out is not None and isinstance(text, str):
+                        out.write(text)
+                        out.flush()
+            except Exception:  # noqa: BLE001 - the end of the channel, or a caller's stream that broke
+                pass
+
+        thread = threading.Thread(target=run, name=f"pyflowbuf: output of worker {w}", daemon=True)
+        thread.start()
+        self._relays.append((ch, thread))
+
+    def _end_relays(self):
+        """Every worker's output has arrived (its task closed the channel) or,
+        after OUTPUT_WAIT_S, is given up."""
+        relays, self._relays = self._relays, []
+        deadline = time.monotonic() + OUTPUT_WAIT_S
+        for ch, thread in relays:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            ch.close()
 
     def _run_spark_job(self, spec, tag, attempt):
         sc = self.sc
@@ -482,10 +595,12 @@ class SparkLauncher:
         return (f"the Spark job of the attempt ({self._tag}) failed", f"Spark reported: {self._error}")
 
     def end_attempt(self):
+        self._end_relays()
         self._thread = None
 
     def close(self):
         self.stop(graceful=False)
+        self._end_relays()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
