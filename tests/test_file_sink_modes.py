@@ -267,3 +267,10 @@ def test_overwrite_never_removes_a_checkpoint_dir_given_as_a_file_url(tmp_path):
         write("text", out, range(5), 1, mode="overwrite", checkpoint_interval=0.05,
               checkpoint_dir=(out / "chk").as_uri())
     assert (out / "old").exists()
+
+
+def test_a_memory_checkpoint_dir_is_refused_with_worker_processes_before_they_start():
+    env = fb.Environment(workers=2, checkpoint_interval=0.5, checkpoint_dir="memory://pyflowbuf-test-ck")
+    env.from_sequence(0, 100).map(lambda x: x + 1).collect()
+    with pytest.raises(fb.errors.ConfigurationError, match="checkpoint_dir.*memory"):
+        env.execute()

@@ -50,6 +50,7 @@ from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint.storage import TaskStateHandle
 from pyflowbuf.net import new_secret
 from pyflowbuf.runtime import checkpointing as ckpt
+from pyflowbuf.runtime import filesystems as fsx
 from pyflowbuf.runtime import restore as restore_mod
 from pyflowbuf.runtime import outputs as sink_outputs
 from pyflowbuf.runtime.deployment import check_output_pools
@@ -334,6 +335,13 @@ def check_every_process(env, vertices, edges, workers) -> None:
     if any(v.is_iterator for v in vertices):
         processes.append((lambda v, i: place(v, i) == DRIVER, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS)))
     check_output_pools(env, edges, processes)
+    directory = env.checkpoint_config.directory
+    if env.checkpoint_config.enabled and directory is not None and fsx.is_process_local(directory):
+        # each worker would write its task states into its own memory, where
+        # neither the driver's coordinator nor a restarted worker finds them
+        raise errors.ConfigurationError(
+            f"checkpoint_dir {os.fspath(directory)!r} is in one process's memory, and this job's tasks run in "
+            f"{workers} other processes: use a directory every process reaches (a local path, file://, s3://, ...)")
 
 
 class CollectedRecords:
