@@ -1,5 +1,6 @@
 """The package's layout: import circles (tools/import_cycles.py) and the
 function-local imports that used to hide them."""
+import ast
 import importlib.util
 import os
 import textwrap
@@ -19,9 +20,9 @@ KNOWN_CIRCLES: set = set()
 # pair must not import each other, directly or through others, lazily or not.
 REMOVED = [
     ("pyflowbuf.monitoring", "pyflowbuf.runtime.metrics"),
-    ("pyflowbuf.runtime.timers", "pyflowbuf.runtime.watermarks"),
+    ("pyflowbuf.time.timers", "pyflowbuf.time.watermarks"),
     ("pyflowbuf.serializers", "pyflowbuf.serializers_arrow"),
-    ("pyflowbuf.connectors", "pyflowbuf.runtime.sources"),
+    ("pyflowbuf.connectors", "pyflowbuf.connectors.sources"),
     ("pyflowbuf.api.stream", "pyflowbuf.windows.operator"),
     ("pyflowbuf.api.windowed", "pyflowbuf.windows.aggregates"),
     # the stream classes and what window(), join() and interval_join() return:
@@ -78,6 +79,75 @@ def test_no_new_function_local_imports_of_pyflowbuf_modules(graph):
                      f"(then add it to KNOWN_LAZY, saying so): {new}")
     gone = KNOWN_LAZY - found
     assert not gone, f"lazy imports gone: remove {sorted(gone)} from KNOWN_LAZY"
+
+
+# The layers, bottom-up (README "How it works"; each package's README.md). A
+# module belongs to the layer of the longest entry that names it or a package
+# above it; "pyflowbuf" names the top-level package module only. Each
+# module-level import goes down to a lower layer or sideways within its own.
+LAYERS = [
+    ("foundation", ["pyflowbuf._core", "pyflowbuf.includes", "pyflowbuf.errors", "pyflowbuf._version",
+                    "pyflowbuf.kinds", "pyflowbuf.config", "pyflowbuf.monitoring", "pyflowbuf.serializers",
+                    "pyflowbuf.serializers_arrow", "pyflowbuf._validation"]),
+    ("exchange", ["pyflowbuf.exchange", "pyflowbuf.net"]),
+    ("checkpoint", ["pyflowbuf.checkpoint"]),
+    ("operators", ["pyflowbuf.operators"]),
+    ("time", ["pyflowbuf.time"]),
+    ("windows", ["pyflowbuf.windows"]),
+    ("connectors", ["pyflowbuf.connectors"]),
+    ("runtime", ["pyflowbuf.runtime"]),           # the job graph, the task, the coordinator, one job here
+    ("cluster", ["pyflowbuf.cluster"]),
+    ("api", ["pyflowbuf.api"]),
+    ("spark", ["pyflowbuf.spark"]),
+    ("applications", ["pyflowbuf", "pyflowbuf.__main__", "pyflowbuf.testing", "pyflowbuf.cli", "pyflowbuf.demo",
+                      "pyflowbuf.experiments", "pyflowbuf.spark.demo", "pyflowbuf.spark.cluster_demo"]),
+]
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, None
+    for i, (_, entries) in enumerate(LAYERS):
+        for e in entries:
+            hit = module == e if e == "pyflowbuf" else module == e or module.startswith(e + ".")
+            if hit and len(e) > best:
+                best, rank = len(e), i
+    return rank
+
+
+def module_level_imports():
+    """(module, line, target) of every import outside a function."""
+    files = import_cycles.module_files()
+    out = []
+    for module, path in files.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node, in_function in import_cycles._imports(tree):
+            if in_function:
+                continue
+            for target in import_cycles._targets(node, module, path.endswith("__init__.py"), files):
+                if target and target != module:
+                    out.append((module, node.lineno, target))
+    return out
+
+
+def test_every_module_has_a_layer():
+    modules = import_cycles.module_files()
+    assert not [m for m in modules if layer_of(m) is None]
+    named = {e for _, entries in LAYERS for e in entries}
+    assert not named - set(modules), "a layer names a module that is gone: update LAYERS"
+
+
+def test_imports_go_down_the_layers():
+    up = sorted(f"{m}:{line} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+                for m, line, t in module_level_imports() if layer_of(t) > layer_of(m))
+    assert not up, "imports up the layers:\n" + "\n".join(up)
+
+
+def test_layer_check_sees_an_import_up(tmp_path):
+    # the moved exchange sides importing the runtime would be caught
+    assert layer_of("pyflowbuf.exchange.sides") < layer_of("pyflowbuf.runtime.job")
+    assert layer_of("pyflowbuf.spark.demo") > layer_of("pyflowbuf.spark.cluster")
+    assert layer_of("pyflowbuf") == len(LAYERS) - 1 and layer_of("pyflowbuf.errors") == 0
 
 
 # ---------------------------------------------------------------- the tool itself

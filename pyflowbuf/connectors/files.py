@@ -9,7 +9,7 @@ import os
 
 from pyflowbuf import errors
 from pyflowbuf.errors import FileFormatError
-from pyflowbuf.runtime.sources import Source, incompatible
+from pyflowbuf.connectors.sources import Source, incompatible
 
 MODES = ("records", "tuples", "arrow", "pandas")
 DEFAULT_BATCH_ROWS = 65536

@@ -33,11 +33,11 @@ from fsspec.implementations.local import LocalFileSystem
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpointError, IncompatibleCheckpointError,
                                           SavepointStorage, UnsupportedStateError)
-from pyflowbuf.runtime.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_inflight, encode_inflight  # noqa: F401
-from pyflowbuf.runtime.keygroups import DEFAULT_MAX_PARALLELISM
+from pyflowbuf.checkpoint.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_inflight, encode_inflight  # noqa: F401
+from pyflowbuf.checkpoint.keygroups import DEFAULT_MAX_PARALLELISM
 from pyflowbuf.runtime.restore import metadata_properties, stored_state
 from pyflowbuf.runtime.metrics import publish_checkpoint
-from pyflowbuf.runtime.outputs import check_commits
+from pyflowbuf.connectors.outputs import check_commits
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 

@@ -150,7 +150,7 @@ class Operator:
     def restore_state(self, state: Any) -> None:
         """Called before ``open`` when the job restores from a checkpoint."""
 
-    # ---- state that moves between parallelisms (pyflowbuf.runtime.keygroups) ----
+    # ---- state that moves between parallelisms (pyflowbuf.checkpoint.keygroups) ----
     # A keyed operator (``keyed_state``) hands its snapshot over as maps and
     # timer lists whose entries belong to keys; checkpoints store each with
     # the key group of every entry, and a restore at any parallelism gives
