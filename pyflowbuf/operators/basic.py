@@ -103,7 +103,7 @@ class Operator:
     # times of what on_watermark / finish / a timer made (see runtime.task.chain)
     timestamped = False
     fired_ts: Any = None
-    # the side outputs it declared (a runtime.side_outputs.SideOutputs), set
+    # the side outputs it declared (an operators.side_outputs.SideOutputs), set
     # by its task; None for the operators that declare none
     side: Any = None
     # its Output (set by its task before open); None while not running

@@ -182,7 +182,7 @@ class JobExecution(Execution):
         self._exported = set()         # ids of queues a remote consumer drains
         check_output_pools(env, self.edges, [(self._here, self._remote_buffers())])
         # checkpoints: on when the Environment asks; a worker process is given
-        # its config and a proxy of the driver's coordinator (cluster.py)
+        # its config and a proxy of the driver's coordinator (cluster/driver.py)
         self.checkpoint_config = ckpt.CheckpointSettings.from_env(env) if remote is None else None
         self.coordinator = None
         self.restore_from = None       # set by Environment.execute(restore_from=...)
