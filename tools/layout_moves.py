@@ -5,8 +5,10 @@ that carries imports and mentions over to the new paths.
     python tools/layout_moves.py check [PATHS...]     # exit 1 if an old path is still named
     python tools/layout_moves.py table                # old -> new, one a line
 
-Without PATHS both walk the default roots: pyflowbuf/, tests/, benchmarks/,
-docs/, examples/, tools/ and README.md (files ending .py, .md, .pyi, .pxd).
+Without PATHS, ``rewrite`` first moves (``git mv``) any module file still at
+an old path (one a merged branch added, see ARRIVING; ``check`` reports it),
+and both walk the default roots: pyflowbuf/, tests/, benchmarks/, docs/,
+examples/, tools/ and README.md (files ending .py, .md, .pyi, .pxd).
 They rewrite and look for:
 
 * dotted module paths (``pyflowbuf.runtime.watermarks``, also inside strings
@@ -25,6 +27,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import subprocess
 import sys
 
 # old module -> new module. Bottom-up by the layer it went to.
@@ -53,6 +56,12 @@ MOVES = {
     "pyflowbuf.runtime.control": "pyflowbuf.cluster.control",
     "pyflowbuf.net.control": "pyflowbuf.cluster.control_channel",
 }
+# Modules that branches cut before the moves add to the old flat folder: moved
+# (git mv) by ``rewrite`` once a merge brings them, like the ones above.
+ARRIVING = {
+    "pyflowbuf.runtime.filesystems": "pyflowbuf.connectors.filesystems",    # f-spark: fsspec paths of files
+}
+MOVES.update(ARRIVING)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOTS = ("pyflowbuf", "tests", "benchmarks", "docs", "examples", "tools", "README.md")
@@ -156,6 +165,21 @@ def files(paths=None):
                     yield full
 
 
+def move_files() -> list:
+    """``git mv`` each old module file that is still there (a merged branch
+    added or kept it) to its new path; the moves done, as (old, new) paths."""
+    done = []
+    for old, new in MOVES.items():
+        src, dst = (os.path.join(REPO, "pyflowbuf", _path(m)) for m in (old, new))
+        if os.path.exists(src):
+            if os.path.exists(dst):
+                raise SystemExit(f"both {src} and {dst} exist: merge them by hand, then run again")
+            subprocess.check_call(["git", "mv", src, dst], cwd=REPO)
+            done.append((src, dst))
+            print(f"moved {os.path.relpath(src, REPO)} -> {os.path.relpath(dst, REPO)}")
+    return done
+
+
 def main(argv) -> int:
     if not argv or argv[0] not in ("rewrite", "check", "table"):
         print(__doc__)
@@ -166,6 +190,13 @@ def main(argv) -> int:
             print(f"{old} -> {new}")
         return 0
     bad = 0
+    if cmd == "rewrite" and not paths:
+        move_files()
+    elif cmd == "check":
+        for old in MOVES:
+            if os.path.exists(os.path.join(REPO, "pyflowbuf", _path(old))):
+                print(f"pyflowbuf/{_path(old)}: still at its old path (run rewrite)")
+                bad += 1
     for path in files(paths):
         with open(path, encoding="utf-8") as f:
             text = f.read()
