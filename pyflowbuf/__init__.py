@@ -16,13 +16,13 @@ from pyflowbuf import errors
 from pyflowbuf.config import CheckpointConfig, DebloatConfig, MetricsConfig, NetworkConfig, RestartConfig
 from pyflowbuf.api import (AllWindowedStream, CollectSink, ConnectedStreams, Environment, IntervalJoin, IteratorSink,
                            JoinedStreams, KeyedStream, OutputTag, Stream, WindowedStream, WindowResult)
-from pyflowbuf.runtime.sources import RateLimiter
+from pyflowbuf.connectors.sources import RateLimiter
 from pyflowbuf import windows
 from pyflowbuf.windows import (AggregateFunction, ContinuousEventTimeTrigger, Count, CountTrigger, CountWindow,
                                EventTimeTrigger, ProcessingTimeTrigger, PurgingTrigger, RecordRange, Session,
                                SessionProcessingTime, Sliding, SlidingProcessingTime, Sum, TimeWindow, Tumbling,
                                TumblingProcessingTime, WindowContext)
-from pyflowbuf.runtime.timers import KeyedProcessFunction
+from pyflowbuf.time.timers import KeyedProcessFunction
 
 __all__ = [
     "__version__", "errors", "stable_hash",

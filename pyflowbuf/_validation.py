@@ -4,6 +4,7 @@ Below the API layer, so that the windows package can use them too."""
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import os
 
@@ -11,8 +12,19 @@ import numpy as np
 
 from pyflowbuf.config import _number, _positive_int  # noqa: F401 - _positive_int: shared with the API modules
 from pyflowbuf.errors import ConfigurationError
-from pyflowbuf.runtime.job import check_timeout
 from pyflowbuf.serializers import get_serializer, kind_label
+
+
+def check_timeout(timeout):
+    """A job timeout: None (wait as long as it takes) or a number of seconds > 0."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0 \
+            or math.isnan(timeout):
+        raise ConfigurationError(
+            f"timeout must be None or a number of seconds > 0, got {timeout!r}")
+    return timeout
+
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 

@@ -45,10 +45,10 @@ from typing import Any
 from pyflowbuf import errors
 from pyflowbuf.api import Stream
 from pyflowbuf.checkpoint import dumps, loads
-from pyflowbuf.runtime.operators import Operator, Output
+from pyflowbuf.operators.basic import Operator, Output
 from pyflowbuf.api.side_outputs import OutputTag
-from pyflowbuf.runtime.side_outputs import LATE, SideOutputs
-from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner
+from pyflowbuf.operators.side_outputs import LATE, SideOutputs
+from pyflowbuf.time.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner
 
 __all__ = ["OperatorHarness"]
 
@@ -83,7 +83,7 @@ class OperatorHarness:
 
     Example::
 
-        from pyflowbuf.runtime.timers import KeyedProcessOperator
+        from pyflowbuf.time.timers import KeyedProcessOperator
         from pyflowbuf.testing import OperatorHarness
 
         def fn(key, record, state, ctx):

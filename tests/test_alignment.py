@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pyflowbuf.runtime.alignment import ABORT, SNAPSHOT, BarrierAligner
+from pyflowbuf.checkpoint.alignment import ABORT, SNAPSHOT, BarrierAligner
 
 
 class Channels:

@@ -17,8 +17,8 @@ import pyflowbuf as fb
 from pipeline_helpers import read_parts, resume_job, running_counts
 from pyflowbuf import checkpoint, errors
 from pyflowbuf.checkpoint import CheckpointStorage
-from pyflowbuf.runtime import outputs
-from pyflowbuf.runtime.sources import TextFileSource
+from pyflowbuf.connectors import outputs
+from pyflowbuf.connectors.sources import TextFileSource
 
 
 def text_job(chk, out, n=3000, mode="error"):
@@ -163,7 +163,7 @@ def test_latest_checkpoint_tells_none_from_damaged(tmp_path):
 def test_a_restored_sink_drops_the_parts_it_committed_after_its_checkpoint(tmp_path):
     """A newer checkpoint damaged: the restore falls back to an older one, and
     what the newer one committed is written again by the restored job."""
-    from pyflowbuf.runtime.sinks import TextFileSink
+    from pyflowbuf.connectors.sinks import TextFileSink
 
     out = outputs.FileOutput(tmp_path, ".txt")
     out.parallelism = 2

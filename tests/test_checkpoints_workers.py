@@ -193,7 +193,7 @@ def test_a_worker_killed_by_a_signal_is_reported_with_the_signal_and_its_stacks(
 def test_a_worker_that_dies_before_the_job_starts_is_reported_with_its_signal(tmp_path, monkeypatch):
     """A worker gone before "go" failed the start (or a restart) with a bare
     EOFError or BrokenPipeError; now the error says which worker and how it died."""
-    from pyflowbuf.runtime import cluster
+    from pyflowbuf.cluster import driver as cluster
 
     monkeypatch.setattr(cluster, "_worker_main", lambda *args: os.kill(os.getpid(), signal.SIGKILL))
     env = fb.Environment(workers=2, chaining=False)
@@ -208,7 +208,7 @@ def test_a_peer_lost_while_a_worker_starts_is_not_the_reason_of_the_failure(tmp_
     """Worker 1 cannot reach worker 0 while it starts (worker 0 is dying):
     that ConnectionLostError follows worker 0's death and must not stand for
     the job's failure (or a restart's reason) in its place."""
-    from pyflowbuf.runtime import cluster
+    from pyflowbuf.cluster import driver as cluster
 
     def start(self):
         if self.me == 0:
@@ -226,7 +226,7 @@ def test_a_peer_lost_while_a_worker_starts_is_not_the_reason_of_the_failure(tmp_
 def test_messages_and_failures_of_an_earlier_attempt_are_ignored(tmp_path):
     """Fencing: after a restart (attempt 1) a late word of attempt 0 (its
     failure, its pipe closing) starts nothing; the same word of attempt 1 does."""
-    from pyflowbuf.runtime.cluster import ClusterExecution
+    from pyflowbuf.cluster.driver import ClusterExecution
 
     env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
                          restart_attempts=2, chaining=False)
@@ -337,7 +337,7 @@ def test_a_completion_under_way_when_a_restart_detaches_is_finished_first(tmp_pa
 def test_a_connection_of_another_attempt_is_refused():
     """Workers of attempt n authenticate with the job's secret bound to n:
     a client of another attempt cannot request (or receive) anything."""
-    from pyflowbuf.runtime.cluster import attempt_secret
+    from pyflowbuf.cluster.driver import attempt_secret
 
     secret = new_secret()
     nbp = NetworkBufferPool(64, 4096)

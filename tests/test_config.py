@@ -16,7 +16,7 @@ from hypothesis import given, strategies as st
 import pyflowbuf as fb
 from pyflowbuf import config, errors
 from pyflowbuf.runtime.checkpointing import CheckpointSettings
-from pyflowbuf.runtime.debloat import DebloatSettings
+from pyflowbuf.exchange.debloat import DebloatSettings
 
 _CLASSES = {group: cls for group, (cls, _) in config.GROUPS.items()}
 

@@ -711,7 +711,7 @@ def test_file_sources_read_an_fsspec_url_as_a_local_directory(tmp_path, memory_r
 
 
 def test_read_text_of_one_fsspec_file_and_its_position(memory_root):
-    from pyflowbuf.runtime.sources import TextFileSource
+    from pyflowbuf.connectors.sources import TextFileSource
 
     fs = fsspec.filesystem("memory")
     with fs.open(f"{memory_root}/a.txt", "wb") as f:
@@ -752,7 +752,7 @@ def test_a_bounded_line_from_a_file_whose_readline_takes_no_limit():
     size: the bound of a monitored file's last line is kept all the same."""
     import io
 
-    from pyflowbuf.runtime.sources import _readline
+    from pyflowbuf.connectors.sources import _readline
 
     class NoLimit(io.BytesIO):
         def readline(self):

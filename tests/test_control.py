@@ -1,4 +1,4 @@
-"""A running job's control endpoint (pyflowbuf/runtime/control.py) and the
+"""A running job's control endpoint (pyflowbuf/cluster/control.py) and the
 commands that use it, ``pyflowbuf savepoint`` and ``pyflowbuf stop``
 (pyflowbuf/cli/control.py): real jobs, in this process and as ``python -m
 pyflowbuf run`` processes; the output they commit is compared with one run
@@ -23,8 +23,8 @@ import pyflowbuf as fb
 from pyflowbuf.cli import main
 from pyflowbuf.errors import ConfigurationError, PortUnavailableError
 from pyflowbuf.net import protocol as P
-from pyflowbuf.net.control import _NO_BUFFERS
-from pyflowbuf.runtime import control
+from pyflowbuf.cluster.control_channel import _NO_BUFFERS
+from pyflowbuf.cluster import control
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [ROOT, os.environ.get("PYTHONPATH")] if p))

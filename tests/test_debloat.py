@@ -13,7 +13,7 @@ from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf.errors import ConfigurationError
-from pyflowbuf.runtime.debloat import BufferDebloater, DebloatSettings, output_pool_cap
+from pyflowbuf.exchange.debloat import BufferDebloater, DebloatSettings, output_pool_cap
 
 SEG = 32 * 1024
 

@@ -4,7 +4,7 @@ import pathlib
 import re
 
 from pyflowbuf._core import channel, events
-from pyflowbuf.runtime import exchange
+from pyflowbuf.exchange import sides as exchange
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMES = ("END_OF_PARTITION", "BARRIER", "CANCEL_BARRIER", "END_OF_DATA", "USER_EVENT",

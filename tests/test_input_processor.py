@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pyflowbuf._core.channel import BARRIER
 from pyflowbuf._core.events import EVT_WATERMARK
 from pyflowbuf.config import NetworkConfig
-from pyflowbuf.runtime.exchange import MultiInput
+from pyflowbuf.exchange.sides import MultiInput
 from pyflowbuf.runtime.task.input import InputProcessor
 from pyflowbuf.runtime.task.mailbox import Mailbox
 

@@ -25,7 +25,7 @@ from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf._core.channel import BufferQueue
 from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf import serializers as S
-from pyflowbuf.runtime import operators as ops
+from pyflowbuf.operators import basic as ops
 
 from reference_model import ref_stable_hash
 

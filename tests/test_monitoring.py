@@ -17,7 +17,7 @@ from rich.console import Console
 from pyflowbuf import monitoring
 from pyflowbuf.api import Environment
 from pyflowbuf.runtime.metrics import backpressure_level
-from pyflowbuf.runtime.sources import RateLimiter
+from pyflowbuf.connectors.sources import RateLimiter
 
 METRIC_KEYS = {"busy_ms_per_s", "idle_ms_per_s", "backpressured_ms_per_s", "records_in", "records_out",
                "records_in_per_s", "records_out_per_s", "bytes_in", "bytes_out", "bytes_in_per_s",

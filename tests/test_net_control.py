@@ -1,5 +1,5 @@
 """The driver <-> worker control channel for workers on other hosts
-(pyflowbuf.net.control): authenticated, bounded, never unpickling."""
+(pyflowbuf.cluster.control_channel): authenticated, bounded, never unpickling."""
 import socket
 import struct
 import threading
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyflowbuf import errors
-from pyflowbuf.net.control import MAX_MESSAGE, ControlListener, connect_control
+from pyflowbuf.cluster.control_channel import MAX_MESSAGE, ControlListener, connect_control
 
 SECRET = b"s" * 32
 

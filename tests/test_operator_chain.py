@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from pyflowbuf import errors
 from pyflowbuf._core.events import EVT_WATERMARK
-from pyflowbuf.runtime import watermarks as wmk
-from pyflowbuf.runtime.operators import Operator
+from pyflowbuf.time import watermarks as wmk
+from pyflowbuf.operators.basic import Operator
 from pyflowbuf.runtime.task.chain import OperatorChain
 from pyflowbuf.runtime.task.event_time import EventTime
 

@@ -19,6 +19,9 @@ def _wanted():
     files = [p for ext in ("pyx", "pxi", "pxd", "pyi") for p in CORE.glob(f"*.{ext}")]
     files += list((ROOT / "pyflowbuf" / "includes").glob("*.pxd")) + list((ROOT / "csrc").glob("*.h"))
     files.append(ROOT / "pyflowbuf" / "py.typed")
+    # every module of every package (the layers of issue 19 are packages: a new
+    # folder without its __init__.py would be left out of the wheel)
+    files += [p for p in (ROOT / "pyflowbuf").rglob("*.py") if "__pycache__" not in p.parts]
     return {str(p.relative_to(ROOT)) for p in files}
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import pyflowbuf as fb
 from pyflowbuf import errors
-from pyflowbuf.runtime.sinks import ParquetFileSink
+from pyflowbuf.connectors.sinks import ParquetFileSink
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

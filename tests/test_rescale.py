@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import pyflowbuf as fb
 from pyflowbuf.checkpoint import SavepointStorage
 from pyflowbuf.errors import ConfigurationError
-from pyflowbuf.runtime import keygroups as kg
+from pyflowbuf.checkpoint import keygroups as kg
 from reference_model import ref_stable_hash
 from test_serde import Pipe, read_channel
 
@@ -245,7 +245,7 @@ def test_keyed_state_split_by_group_and_merged_per_range_is_the_state_of_the_ran
     operator (every entry with its key group): restored whole it is the
     snapshot; restored for a subtask's range it holds exactly that range's
     keys, their windows and their timers."""
-    from pyflowbuf.runtime.timers import KeyedProcessOperator
+    from pyflowbuf.time.timers import KeyedProcessOperator
     from pyflowbuf.windows.operator import WindowOperator, WindowSpec
 
     if p > maxp:

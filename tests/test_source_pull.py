@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf.runtime.pull import SLOW_PULL_NS, PullPolicy
-from pyflowbuf.runtime.sources import RateLimiter, payload_nbytes, rate_limiter
+from pyflowbuf.connectors.sources import RateLimiter, payload_nbytes, rate_limiter
 
 # buffer_timeout=600 below means "no timed flush during the test" on purpose, so
 # the warning for values that look like milliseconds is expected there.

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf import errors
-from pyflowbuf.runtime.timers import (KeyedProcessFunction, KeyedProcessOperator, ProcessingTimeService,
+from pyflowbuf.time.timers import (KeyedProcessFunction, KeyedProcessOperator, ProcessingTimeService,
                                       TimerQueue, takes_context)
 
 

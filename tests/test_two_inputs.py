@@ -25,7 +25,7 @@ from pyflowbuf._core.channel import BARRIER, BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool, Notifier
 from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf.errors import ConfigurationError, JobFailedError
-from pyflowbuf.runtime.exchange import EdgeKind, InputSide, MultiInput
+from pyflowbuf.exchange.sides import EdgeKind, InputSide, MultiInput
 
 from pipeline_helpers import assert_clean, run  # noqa: E402
 
@@ -323,7 +323,7 @@ def test_comap_of_keyed_and_unkeyed_streams_is_allowed():
 
 
 def test_two_input_operators_snapshot_and_restore_plain_state():
-    from pyflowbuf.runtime import operators as ops
+    from pyflowbuf.operators import basic as ops
 
     keyed = ops.KeyedCoProcess("j", lambda r: r[0], lambda r: r[0], order_fn, payment_fn)
     keyed.open(0, 1)

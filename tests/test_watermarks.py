@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf import errors
-from pyflowbuf.runtime.operators import Output
-from pyflowbuf.runtime import watermarks as wmk
-from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner, WatermarkValve
+from pyflowbuf.operators.basic import Output
+from pyflowbuf.time import watermarks as wmk
+from pyflowbuf.time.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner, WatermarkValve
 
 times = st.floats(allow_nan=False, allow_infinity=True, width=64)
 

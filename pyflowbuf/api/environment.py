@@ -21,12 +21,12 @@ from pyflowbuf.api.sinks import IteratorSink
 from pyflowbuf.api.sources import SourceDeclarations
 from pyflowbuf.config import UNSET, CheckpointConfig, DebloatConfig, MetricsConfig, NetworkConfig, RestartConfig
 from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError
-from pyflowbuf.runtime.cluster import ClusterExecution
+from pyflowbuf.cluster.driver import ClusterExecution
 from pyflowbuf.runtime.graph import Node, plan
-from pyflowbuf.runtime import control as _control
+from pyflowbuf.cluster import control as _control
 from pyflowbuf.runtime import overrides as _overrides
 from pyflowbuf.runtime.job import JobExecution
-from pyflowbuf.runtime.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
+from pyflowbuf.checkpoint.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from pyflowbuf.runtime.restore import check_operator_ids
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pyflowbuf.errors import ConfigurationError
 from pyflowbuf._validation import _check_kind, _kind_identity
-from pyflowbuf.runtime.side_outputs import LATE
+from pyflowbuf.operators.side_outputs import LATE
 from pyflowbuf.serializers import kind_label
 
 

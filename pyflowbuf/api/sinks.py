@@ -9,9 +9,9 @@ from typing import Callable
 from pyflowbuf._validation import _callable, _output_path, _positive_int
 from pyflowbuf.connectors import PrintSink
 from pyflowbuf.errors import ConfigurationError
-from pyflowbuf.runtime import sinks as sink_ops
+from pyflowbuf.connectors import sinks as sink_ops
 from pyflowbuf.runtime.graph import Node
-from pyflowbuf.runtime.outputs import FileOutput, check_mode
+from pyflowbuf.connectors.outputs import FileOutput, check_mode
 
 
 class SinkDeclarations:

@@ -14,8 +14,8 @@ from pyflowbuf._validation import _check_kind, _parallelism, _positive_int, _seq
 from pyflowbuf.api.stream import Stream
 from pyflowbuf.connectors import socket_text as st
 from pyflowbuf.errors import ConfigurationError
-from pyflowbuf.runtime import filesystems as fsx
-from pyflowbuf.runtime import sources as srcs
+from pyflowbuf.connectors import filesystems as fsx
+from pyflowbuf.connectors import sources as srcs
 from pyflowbuf.serializers import infer_kind
 
 

@@ -13,11 +13,11 @@ from pyflowbuf.api.side_outputs import LATE_TAG, declare_side_outputs, declared_
 from pyflowbuf.api.sinks import SinkDeclarations
 from pyflowbuf.api.windowed import AllWindowedStream, WindowedStream, _no_key
 from pyflowbuf.errors import ConfigurationError, UnitWarning
-from pyflowbuf.runtime import operators as ops
+from pyflowbuf.operators import basic as ops
 from pyflowbuf.runtime.graph import Input, Node, carried_timestamps
-from pyflowbuf.runtime.timers import (KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator,
+from pyflowbuf.time.timers import (KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator,
                                       ProcessOperator, takes_context)
-from pyflowbuf.runtime.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
+from pyflowbuf.time.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
 from pyflowbuf.serializers import get_serializer
 
 
@@ -465,7 +465,7 @@ class KeyedStream(Stream):
         """``fn(key, record, state_dict) -> iterable of outputs (or None)``.
 
         A ``fn`` that takes a fourth argument gets a context
-        (``pyflowbuf.runtime.timers.Context``): ``ctx.timestamp`` (the
+        (``pyflowbuf.time.timers.Context``): ``ctx.timestamp`` (the
         record's event time), ``ctx.watermark``,
         ``ctx.register_event_time_timer(t)``,
         ``ctx.register_processing_time_timer(t)``. On a stream with

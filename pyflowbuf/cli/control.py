@@ -1,5 +1,5 @@
 """``pyflowbuf savepoint`` and ``pyflowbuf stop``: act on a running job
-through its control endpoint (``pyflowbuf.runtime.control``).
+through its control endpoint (``pyflowbuf.cluster.control``).
 
 The job is found by the control file it writes into its checkpoint_dir
 (``CHECKPOINT_DIR`` names the directory or the file), or by ``--address
@@ -13,7 +13,7 @@ import os
 
 from pyflowbuf.cli import render
 from pyflowbuf.cli.checkpoints import CliError
-from pyflowbuf.runtime import control
+from pyflowbuf.cluster import control
 
 # what the client adds to --timeout before it gives up waiting for the answer:
 # the job itself gives up after --timeout and answers with the reason

@@ -25,7 +25,7 @@ from pyflowbuf.cli.checkpoints import CliError
 from pyflowbuf.errors import FlowBufError
 from pyflowbuf.runtime import overrides
 from pyflowbuf.runtime.checkpointing import DEFAULT_CHECKPOINT_DIR
-from pyflowbuf.runtime.control import local_path
+from pyflowbuf.cluster.control import local_path
 
 _CHK_DIR = re.compile(r"^chk-(0|[1-9][0-9]*)$")
 

@@ -5,7 +5,7 @@ import sys
 from typing import Any
 
 
-from pyflowbuf.runtime.operators import Operator
+from pyflowbuf.operators.basic import Operator
 
 # ---------------------------------------------------------------- print
 

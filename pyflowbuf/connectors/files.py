@@ -6,8 +6,8 @@ import os
 
 from pyflowbuf import errors
 from pyflowbuf.errors import FileFormatError
-from pyflowbuf.runtime import filesystems as fsx
-from pyflowbuf.runtime.sources import Source, incompatible
+from pyflowbuf.connectors import filesystems as fsx
+from pyflowbuf.connectors.sources import Source, incompatible
 
 MODES = ("records", "tuples", "arrow", "pandas")
 DEFAULT_BATCH_ROWS = 65536

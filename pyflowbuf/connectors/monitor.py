@@ -48,8 +48,8 @@ from pyflowbuf import errors
 from pyflowbuf.connectors.csv import CsvFileSource, CsvPlan, csv_source as bounded_csv_source
 from pyflowbuf.connectors.files import _GLOB_CHARS, _check_common, _kind, _pyarrow
 from pyflowbuf.connectors.parquet import ParquetFileSource, ParquetPlan, _schema_str
-from pyflowbuf.runtime import filesystems as fsx
-from pyflowbuf.runtime.sources import Source, TextFileSource, file_fingerprint, incompatible
+from pyflowbuf.connectors import filesystems as fsx
+from pyflowbuf.connectors.sources import Source, TextFileSource, file_fingerprint, incompatible
 
 # How long one pull may wait before the task gets an empty batch.
 POLL_S = 0.2

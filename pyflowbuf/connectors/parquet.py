@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pyflowbuf import errors
 from pyflowbuf.errors import FileFormatError
-from pyflowbuf.runtime import filesystems as fsx
-from pyflowbuf.runtime.sources import file_fingerprint
+from pyflowbuf.connectors import filesystems as fsx
+from pyflowbuf.connectors.sources import file_fingerprint
 from pyflowbuf.connectors.files import DEFAULT_BATCH_ROWS, _FileSource, _check_common, _kind, _pyarrow, list_files
 
 # ---------------------------------------------------------------- Parquet

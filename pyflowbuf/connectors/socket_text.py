@@ -43,7 +43,7 @@ import time
 
 from pyflowbuf import errors
 
-from pyflowbuf.runtime.sources import Source
+from pyflowbuf.connectors.sources import Source
 
 # How long one pull may wait for data before the task gets an empty batch.
 POLL_S = 0.2

@@ -33,11 +33,11 @@ from fsspec.implementations.local import LocalFileSystem
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpointError, IncompatibleCheckpointError,
                                           SavepointStorage, UnsupportedStateError)
-from pyflowbuf.runtime.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_inflight, encode_inflight  # noqa: F401
-from pyflowbuf.runtime.keygroups import DEFAULT_MAX_PARALLELISM
+from pyflowbuf.checkpoint.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_inflight, encode_inflight  # noqa: F401
+from pyflowbuf.checkpoint.keygroups import DEFAULT_MAX_PARALLELISM
 from pyflowbuf.runtime.restore import metadata_properties, stored_state
 from pyflowbuf.runtime.metrics import publish_checkpoint
-from pyflowbuf.runtime import outputs as outputs_mod
+from pyflowbuf.connectors import outputs as outputs_mod
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 
@@ -438,7 +438,7 @@ class CheckpointCoordinator:
 # ---------------------------------------------------------------- sink commits
 
 def run_commits(commits, outputs) -> None:
-    """Carry out sink commit actions (``runtime/outputs.py``: checked against
+    """Carry out sink commit actions (``connectors/outputs.py``: checked against
     the job's part-file sinks, then each rename done where the files are)."""
     outputs_mod.run_commits(commits, outputs)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pyflowbuf import errors
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool, Notifier
-from pyflowbuf.runtime.exchange import EdgeKind, InputSide, MultiInput, OutputSide
-from pyflowbuf.runtime.sources import rate_limiter
+from pyflowbuf.exchange.sides import EdgeKind, InputSide, MultiInput, OutputSide
+from pyflowbuf.connectors.sources import rate_limiter
 from pyflowbuf.runtime.task import Subtask
 
 

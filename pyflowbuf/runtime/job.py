@@ -3,19 +3,18 @@ subtask threads, failure and cancel, checkpoints and restarts, metric sampling."
 from __future__ import annotations
 
 import gc
-import math
 import os
 import uuid
-import numbers
 import threading
 import time
 import traceback
 
 from pyflowbuf import errors
+from pyflowbuf._validation import check_timeout
 from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.runtime import checkpointing as ckpt
-from pyflowbuf.runtime import debloat
-from pyflowbuf.runtime import outputs as sink_outputs
+from pyflowbuf.exchange import debloat
+from pyflowbuf.connectors import outputs as sink_outputs
 from pyflowbuf.runtime import restore as restore_mod
 from pyflowbuf.runtime.deployment import Deployment, check_output_pools, output_pool_size, segments_needed
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
@@ -26,15 +25,6 @@ from pyflowbuf.runtime.task import Subtask
 CANCEL_GRACE_S = 10.0
 
 
-def check_timeout(timeout):
-    """A job timeout: None (wait as long as it takes) or a number of seconds > 0."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0 \
-            or math.isnan(timeout):
-        raise errors.ConfigurationError(
-            f"timeout must be None or a number of seconds > 0, got {timeout!r}")
-    return timeout
 
 
 class Execution:
@@ -172,7 +162,7 @@ class JobExecution(Execution):
     """One process's share of a job. Without ``placement`` every subtask runs
     here (threads); with it, only the subtasks placed on worker ``me`` do, and
     exchanges with subtasks elsewhere go through ``remote`` (a
-    ``pyflowbuf.runtime.cluster.RemoteContext``)."""
+    ``pyflowbuf.cluster.driver.RemoteContext``)."""
 
     def __init__(self, env, placement=None, me=0, remote=None):
         self.env = env
@@ -192,7 +182,7 @@ class JobExecution(Execution):
         self._exported = set()         # ids of queues a remote consumer drains
         check_output_pools(env, self.edges, [(self._here, self._remote_buffers())])
         # checkpoints: on when the Environment asks; a worker process is given
-        # its config and a proxy of the driver's coordinator (cluster.py)
+        # its config and a proxy of the driver's coordinator (cluster/driver.py)
         self.checkpoint_config = ckpt.CheckpointSettings.from_env(env) if remote is None else None
         self.coordinator = None
         self.restore_from = None       # set by Environment.execute(restore_from=...)

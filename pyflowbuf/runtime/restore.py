@@ -2,7 +2,7 @@
 
 A checkpoint stores each subtask's state per operator id (``Stream.uid``, or
 one derived from the operator's name and its rank among operators of that
-name), keyed state split by key group (``pyflowbuf.runtime.keygroups``). A
+name), keyed state split by key group (``pyflowbuf.checkpoint.keygroups``). A
 restore maps that state to the operators of the job being started:
 
 * an operator whose id is in the checkpoint gets its state: keyed state, the
@@ -52,10 +52,10 @@ import numpy as np
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.container import dumps, loads
 from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
-from pyflowbuf.runtime import keygroups as kg
+from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.runtime.graph import assign_uids
-from pyflowbuf.runtime.inflight import decode_inflight
-from pyflowbuf.runtime.operators import Operator
+from pyflowbuf.checkpoint.inflight import decode_inflight
+from pyflowbuf.operators.basic import Operator
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 

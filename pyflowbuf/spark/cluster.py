@@ -10,7 +10,7 @@ Spark places the tasks; pyflowbuf moves the records between them.
 How one attempt runs:
 
 1. the driver listens for control connections on ``spark.driver.host``
-   (``pyflowbuf.net.control``: HMAC-SHA256 handshake under a secret drawn
+   (``pyflowbuf.cluster.control_channel``: HMAC-SHA256 handshake under a secret drawn
    for this attempt, then MessagePack frames; nothing is unpickled);
 2. from a background thread it submits ``N`` barrier tasks under a job tag
    (``sc.range(N, numSlices=N).barrier().mapPartitions(...)``); the job
@@ -19,7 +19,7 @@ How one attempt runs:
 3. each task starts a ``NetworkServer`` on its executor's address, connects
    to the driver, announces the server, receives every worker's address and
    the checkpoint to restore, and runs its share of the job
-   (``pyflowbuf.runtime.cluster.run_worker``);
+   (``pyflowbuf.cluster.driver.run_worker``);
 4. a failure (a task's error, or a control channel that closes early: a
    lost executor or Python worker) cancels the attempt's Spark job by its
    tag; the driver restores the latest complete checkpoint in a new attempt
@@ -48,11 +48,11 @@ import uuid
 from pyflowbuf import errors
 from pyflowbuf.api import Environment
 from pyflowbuf.config import MetricsConfig
-from pyflowbuf.net.control import ControlListener, connect_control
+from pyflowbuf.cluster.control_channel import ControlListener, connect_control
 from pyflowbuf.net.protocol import new_secret
-from pyflowbuf.runtime import filesystems as fsx
-from pyflowbuf.runtime.cluster import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution
-from pyflowbuf.runtime.worker import run_worker
+from pyflowbuf.connectors import filesystems as fsx
+from pyflowbuf.cluster.driver import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution
+from pyflowbuf.cluster.worker import run_worker
 
 # how long the pre-submit check waits for executors to register (a session
 # just started has none yet) before it counts the free slots

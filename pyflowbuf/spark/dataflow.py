@@ -24,8 +24,8 @@ import pyarrow as pa
 
 from pyflowbuf import errors
 from pyflowbuf.api import Environment
-from pyflowbuf.runtime.cluster import ClusterExecution
-from pyflowbuf.runtime.sources import Source
+from pyflowbuf.cluster.driver import ClusterExecution
+from pyflowbuf.connectors.sources import Source
 from pyflowbuf.spark._schema import conform_batch, resolve_schema, session_timezone
 from pyflowbuf.spark.cluster import SparkCluster, SparkLauncher, run_barrier_task
 

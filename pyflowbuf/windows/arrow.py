@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 from pyflowbuf import errors
-from pyflowbuf.runtime.timers import TimerOperator
-from pyflowbuf.runtime.watermarks import seconds_column
+from pyflowbuf.time.timers import TimerOperator
+from pyflowbuf.time.watermarks import seconds_column
 from pyflowbuf.windows.assigners import Sliding
 
 

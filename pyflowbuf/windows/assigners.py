@@ -8,7 +8,7 @@ import math
 from typing import NamedTuple
 
 from pyflowbuf import errors
-from pyflowbuf.runtime.watermarks import check_seconds
+from pyflowbuf.time.watermarks import check_seconds
 
 
 class TimeWindow(NamedTuple):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from array import array as _array
 
-from pyflowbuf.runtime.timers import TimerOperator
-from pyflowbuf.runtime.watermarks import to_seconds
+from pyflowbuf.time.timers import TimerOperator
+from pyflowbuf.time.watermarks import to_seconds
 
 
 class WindowJoinOperator(TimerOperator):

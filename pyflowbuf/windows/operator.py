@@ -18,10 +18,10 @@ import time
 from array import array as _array
 
 from pyflowbuf._core.serde import ts_select
-from pyflowbuf.runtime.operators import Operator
-from pyflowbuf.runtime.side_outputs import LATE, unknown_tag
-from pyflowbuf.runtime.timers import TimerOperator, TimerQueue, timer_service_snapshot
-from pyflowbuf.runtime.watermarks import NO_WATERMARK, to_seconds
+from pyflowbuf.operators.basic import Operator
+from pyflowbuf.operators.side_outputs import LATE, unknown_tag
+from pyflowbuf.time.timers import TimerOperator, TimerQueue, timer_service_snapshot
+from pyflowbuf.time.watermarks import NO_WATERMARK, to_seconds
 from pyflowbuf.windows.aggregates import Count
 from pyflowbuf.windows.assigners import RecordRange, TimeWindow, Tumbling
 from pyflowbuf.windows.triggers import ProcessingTimeTrigger

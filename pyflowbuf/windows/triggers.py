@@ -16,7 +16,7 @@ by the end of the input).
 from __future__ import annotations
 
 from pyflowbuf import errors
-from pyflowbuf.runtime.watermarks import check_seconds
+from pyflowbuf.time.watermarks import check_seconds
 
 
 class Trigger:

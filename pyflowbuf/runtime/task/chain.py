@@ -14,9 +14,9 @@ from __future__ import annotations
 from array import array as _array
 
 from pyflowbuf import errors
-from pyflowbuf.runtime.operators import Output
-from pyflowbuf.runtime.processing_time import schedule
-from pyflowbuf.runtime.side_outputs import SideOutputs
+from pyflowbuf.operators.basic import Output
+from pyflowbuf.time.processing_time import schedule
+from pyflowbuf.operators.side_outputs import SideOutputs
 
 
 class OperatorChain:

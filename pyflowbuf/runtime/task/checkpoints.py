@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pyflowbuf import errors
 from pyflowbuf._core.events import BARRIER, BARRIER_UNALIGNED, CANCEL_BARRIER
-from pyflowbuf.runtime.alignment import (CAPTURE, INFLIGHT_DONE, SNAPSHOT, SNAPSHOT_UNALIGNED,
+from pyflowbuf.checkpoint.alignment import (CAPTURE, INFLIGHT_DONE, SNAPSHOT, SNAPSHOT_UNALIGNED,
                                          BarrierAligner)
 from pyflowbuf.runtime.restore import summary_of
 from pyflowbuf.serializers import get_serializer

@@ -3,15 +3,15 @@ watermark's way through its chain, and what it last sent downstream."""
 from __future__ import annotations
 
 from pyflowbuf._core.events import EVT_WATERMARK
-from pyflowbuf.runtime import watermarks as _wm
-from pyflowbuf.runtime.watermarks import END_OF_TIME, NO_WATERMARK
+from pyflowbuf.time import watermarks as _wm
+from pyflowbuf.time.watermarks import END_OF_TIME, NO_WATERMARK
 
 
 class EventTime:
     """The watermarks of one subtask.
 
     A watermark (or idle marker) from an input channel goes into the valve
-    (``pyflowbuf.runtime.watermarks.WatermarkValve``), which combines the
+    (``pyflowbuf.time.watermarks.WatermarkValve``), which combines the
     channels of every input; a rise goes through the chain: each event-time
     operator fires what it completes (through the rest of the chain) and may
     hold the watermark back; what is left goes to every output after those

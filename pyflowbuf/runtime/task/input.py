@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from pyflowbuf._core.events import BARRIER, CANCEL_BARRIER, EVT_WATERMARK
-from pyflowbuf.runtime.exchange import MultiInput
+from pyflowbuf.exchange.sides import MultiInput
 from pyflowbuf.runtime.task.mailbox import OutputFlusher
 
 

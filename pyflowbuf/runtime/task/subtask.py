@@ -18,9 +18,9 @@ import time
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf.runtime.exchange import MultiInput
+from pyflowbuf.exchange.sides import MultiInput
 from pyflowbuf.runtime.pull import PullPolicy
-from pyflowbuf.runtime.sources import payload_nbytes
+from pyflowbuf.connectors.sources import payload_nbytes
 from pyflowbuf.runtime.task.chain import OperatorChain
 from pyflowbuf.runtime.task.checkpoints import SubtaskCheckpoints
 from pyflowbuf.runtime.task.event_time import EventTime
@@ -341,7 +341,7 @@ class Subtask(threading.Thread):
     def debloat_tick(self, gates) -> None:
         """Mail (buffer debloating): measure each input gate over the last
         period, announce new buffer sizes upstream, keep the figures for
-        ``counters``. ``gates``: this task's GateDebloats (runtime/debloat.py)."""
+        ``counters``. ``gates``: this task's GateDebloats (exchange/debloat.py)."""
         for g in gates:
             g.tick()
         self.debloat_gates = [g.snapshot for g in gates]

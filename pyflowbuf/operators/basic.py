@@ -103,7 +103,7 @@ class Operator:
     # times of what on_watermark / finish / a timer made (see runtime.task.chain)
     timestamped = False
     fired_ts: Any = None
-    # the side outputs it declared (a runtime.side_outputs.SideOutputs), set
+    # the side outputs it declared (an operators.side_outputs.SideOutputs), set
     # by its task; None for the operators that declare none
     side: Any = None
     # its Output (set by its task before open); None while not running
@@ -150,7 +150,7 @@ class Operator:
     def restore_state(self, state: Any) -> None:
         """Called before ``open`` when the job restores from a checkpoint."""
 
-    # ---- state that moves between parallelisms (pyflowbuf.runtime.keygroups) ----
+    # ---- state that moves between parallelisms (pyflowbuf.checkpoint.keygroups) ----
     # A keyed operator (``keyed_state``) hands its snapshot over as maps and
     # timer lists whose entries belong to keys; checkpoints store each with
     # the key group of every entry, and a restore at any parallelism gives

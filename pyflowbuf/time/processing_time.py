@@ -1,6 +1,6 @@
 """Processing time: one thread per process that calls callbacks at wall-clock
-(``time.time()``) deadlines. Processing-time timers (``pyflowbuf.runtime.timers``)
-and periodic watermark emission (``pyflowbuf.runtime.watermarks``) both schedule
+(``time.time()``) deadlines. Processing-time timers (``pyflowbuf.time.timers``)
+and periodic watermark emission (``pyflowbuf.time.watermarks``) both schedule
 on it; a callback only posts a mail to its task, which does the work in its own
 thread."""
 from __future__ import annotations

@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pyflowbuf.runtime.exchange import MultiInput
+from pyflowbuf.exchange.sides import MultiInput
 
 # Free segments' pages are handed back again every this many periods while
 # buffers are debloated: segments that were in use (full) at the last pass

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.errors import IncompatibleCheckpointError
-from pyflowbuf.runtime import filesystems as fsx
+from pyflowbuf.connectors import filesystems as fsx
 
 
 class Source:

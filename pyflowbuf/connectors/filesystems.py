@@ -10,7 +10,7 @@ job in one process, refused where tasks run in other processes.
 
 Example::
 
-    from pyflowbuf.runtime import filesystems as fsx
+    from pyflowbuf.connectors import filesystems as fsx
 
     fsx.is_url("s3://bucket/events/")            # True
     with fsx.open_input("memory://in/a.csv") as fh:

@@ -23,7 +23,7 @@ Modes, checked by the driver once before anything runs (Spark's save modes):
 ``file:///shared/out``, ``memory://out`` in a job in one process): the
 directory's files are listed, written, removed and renamed through ``os``
 for a local path (the fast path) and through the URL's fsspec file system
-otherwise (``runtime/filesystems.py``).
+otherwise (``connectors/filesystems.py``).
 
 A sink commit is a rename of one pending part into its final name, carried
 out by the driver where the files are (``run_commits``). Commits come back
@@ -39,7 +39,7 @@ import re
 
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import UnsafeCommitError
-from pyflowbuf.runtime.filesystems import Directory, as_local, canonical, is_process_local, is_url, split
+from pyflowbuf.connectors.filesystems import Directory, as_local, canonical, is_process_local, is_url, split
 
 log = logging.getLogger("pyflowbuf")
 

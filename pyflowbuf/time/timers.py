@@ -6,7 +6,7 @@ time twice gives one firing), fire in time order (ties in registration
 order), run in the task's thread, and go into checkpoints. Event-time timers
 fire when the watermark reaches their time; processing-time timers when the
 wall clock (``time.time()``) does: the process's processing-time thread
-(``pyflowbuf.runtime.processing_time``) posts a mail to the task at the
+(``pyflowbuf.time.processing_time``) posts a mail to the task at the
 earliest deadline, and the task fires the timers between batches.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ from array import array as _array
 from typing import Callable
 
 from pyflowbuf import errors
-from pyflowbuf.runtime.operators import Operator, _copy_key_dicts
+from pyflowbuf.operators.basic import Operator, _copy_key_dicts
 # the processing-time service lived here before; its names stay importable from here
-from pyflowbuf.runtime.processing_time import ProcessingTimeService, processing_time_service, schedule  # noqa: F401
-from pyflowbuf.runtime.side_outputs import unknown_tag
-from pyflowbuf.runtime.watermarks import NO_WATERMARK, to_seconds
+from pyflowbuf.time.processing_time import ProcessingTimeService, processing_time_service, schedule  # noqa: F401
+from pyflowbuf.operators.side_outputs import unknown_tag
+from pyflowbuf.time.watermarks import NO_WATERMARK, to_seconds
 
 
 class TimerQueue:

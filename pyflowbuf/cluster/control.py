@@ -48,7 +48,7 @@ import weakref
 
 from pyflowbuf import errors
 from pyflowbuf.net import protocol as P
-from pyflowbuf.net.control import _NO_BUFFERS, _check_nothing_staged
+from pyflowbuf.cluster.control_channel import _NO_BUFFERS, _check_nothing_staged
 from pyflowbuf.runtime.checkpointing import DEFAULT_CHECKPOINT_DIR
 
 CONTROL_FILE = "_control.json"

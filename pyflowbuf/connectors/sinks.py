@@ -2,15 +2,15 @@
 
 ``CollectSink`` and ``FunctionSink`` hand batches to the driver or to a user
 function; the part-file sinks (text, Parquet) write files that a checkpoint
-commits (see ``runtime/outputs.py`` for the output modes and the commit).
+commits (see ``connectors/outputs.py`` for the output modes and the commit).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf.runtime.operators import Operator, _is_dataframe
-from pyflowbuf.runtime.outputs import FileOutput
+from pyflowbuf.operators.basic import Operator, _is_dataframe
+from pyflowbuf.connectors.outputs import FileOutput
 from pyflowbuf.serializers import short_repr
 
 
@@ -97,7 +97,7 @@ class FunctionSink(Operator):
 
 class _PartFileSink(Operator):
     """A file sink: ``path`` is a directory of part files
-    ``part-<subtask>-<seq><suffix>`` (``pyflowbuf.runtime.outputs``), each
+    ``part-<subtask>-<seq><suffix>`` (``pyflowbuf.connectors.outputs``), each
     written under a hidden name and renamed into place when committed.
     Without checkpoints a subtask writes one part, committed when it ends.
     With checkpoints a part is committed only when a checkpoint covering it

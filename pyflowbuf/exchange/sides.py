@@ -71,7 +71,7 @@ class OutputSide:
     """One ResultPartition of a subtask: a LocalBufferPool, one BufferQueue per
     subpartition, and the partitioner deciding where each record goes."""
 
-    # key_by: route by key group (pyflowbuf.runtime.keygroups); 0 routes by
+    # key_by: route by key group (pyflowbuf.checkpoint.keygroups); 0 routes by
     # hash modulo the subpartitions (an exchange outside a job's graph)
     max_parallelism = 0
     # a side output's partition: the tag's name and the id of the node that

@@ -24,10 +24,10 @@ Launchers: ``ClusterExecution`` is the driver's part (coordinator, fencing,
 restarts, metrics, collect) and takes the workers from a launcher:
 ``ForkLauncher`` (the above: forked processes, pipes) or
 ``pyflowbuf.spark.cluster.SparkLauncher`` (Spark barrier tasks on executors,
-talking to the driver over ``pyflowbuf.net.control``: authenticated TCP,
+talking to the driver over ``pyflowbuf.cluster.control_channel``: authenticated TCP,
 no pickle). A launcher has ``check``, ``launch`` (one attempt's workers as
 ``{channel: worker}``), ``exit_report``, ``lost``, ``stop``, ``end_attempt``
-and ``close``; ``run_worker`` (``pyflowbuf.runtime.worker``) is the worker's
+and ``close``; ``run_worker`` (``pyflowbuf.cluster.worker``) is the worker's
 part under either.
 """
 from __future__ import annotations
@@ -50,13 +50,13 @@ from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint.storage import TaskStateHandle
 from pyflowbuf.net import new_secret
 from pyflowbuf.runtime import checkpointing as ckpt
-from pyflowbuf.runtime import filesystems as fsx
+from pyflowbuf.connectors import filesystems as fsx
 from pyflowbuf.runtime import restore as restore_mod
-from pyflowbuf.runtime import outputs as sink_outputs
+from pyflowbuf.connectors import outputs as sink_outputs
 from pyflowbuf.runtime.deployment import check_output_pools
 from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution
 from pyflowbuf.runtime.metrics import MetricsRelay, close_listeners, make_listeners
-from pyflowbuf.runtime.worker import (DRIVER, EXCLUSIVE_BUFFERS, FLOATING_BUFFERS, RemoteContext, attempt_secret,
+from pyflowbuf.cluster.worker import (DRIVER, EXCLUSIVE_BUFFERS, FLOATING_BUFFERS, RemoteContext, attempt_secret,
                                       placement, run_worker)
 
 log = logging.getLogger("pyflowbuf.cluster")

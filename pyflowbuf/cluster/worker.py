@@ -4,7 +4,7 @@ network side of its process (``RemoteContext``), the messages it sends the
 driver (``_Sender``), the collected records it ships ahead of every
 acknowledgement (``CollectShipper``), the checkpoint coordinator as its
 tasks see it (``WorkerCoordinator``), and ``run_worker``, its whole life.
-The driver's part is ``pyflowbuf.runtime.cluster``."""
+The driver's part is ``pyflowbuf.cluster.driver``."""
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +19,7 @@ from pyflowbuf.checkpoint import CheckpointStorage, SavepointStorage
 from pyflowbuf.net import ConnectionManager, NetworkServer
 from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.runtime.job import CANCEL_GRACE_S, JobExecution
-from pyflowbuf.runtime.sinks import CollectSink
+from pyflowbuf.connectors.sinks import CollectSink
 from pyflowbuf.serializers import get_serializer
 
 log = logging.getLogger("pyflowbuf.cluster")
@@ -244,7 +244,7 @@ class WorkerCoordinator:
 def run_worker(env, me, workers, secret, conn, attempt=0, *, host=None, port_range=None, info=None,
                join_control=False):
     """Worker ``me``'s part of a job, talking to the driver on ``conn`` (a
-    pipe, or a ``pyflowbuf.net.control.ControlChannel``): announce the
+    pipe, or a ``pyflowbuf.cluster.control_channel.ControlChannel``): announce the
     exchange's address, wait for every worker's and the checkpoint to
     restore, run the tasks placed here, answer the driver's control
     messages, report the end. Returns once everything it started (task
