@@ -84,6 +84,8 @@ class Environment(SourceDeclarations):
     checkpoint_interval, checkpoint_dir, checkpoint_timeout, checkpoints_retained,
     restart_attempts, checkpointing_mode : checkpoints (off while the interval
         is None) and recovery; see docs/checkpoints.md.
+    incremental_checkpoints : keyed state that did not change since the last
+        checkpoint is not written again (default True; savepoints are always whole).
     checkpoint_mode : "aligned" (default: barriers wait behind queued data) or
         "unaligned" (barriers overtake it and the checkpoint stores it; needs
         exactly-once).
@@ -123,7 +125,8 @@ class Environment(SourceDeclarations):
                  checkpoint_mode: str = "aligned", alignment_timeout: float | None = None,
                  debloat: bool = False, debloat_target: float = 1.0, debloat_period: float = 0.2,
                  debloat_samples: int = 20, debloat_threshold: float = 0.25, min_buffer_size: int = 256,
-                 cluster: Any = None, max_parallelism: int = DEFAULT_MAX_PARALLELISM):
+                 cluster: Any = None, max_parallelism: int = DEFAULT_MAX_PARALLELISM,
+                 incremental_checkpoints: bool = True):
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
         self.segment_size = segment_size
@@ -146,6 +149,7 @@ class Environment(SourceDeclarations):
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_timeout = checkpoint_timeout
         self.checkpoints_retained = checkpoints_retained
+        self.incremental_checkpoints = incremental_checkpoints
         self.restart_attempts = restart_attempts
         self.checkpointing_mode = checkpointing_mode
         self.checkpoint_mode = checkpoint_mode
@@ -217,6 +221,9 @@ class Environment(SourceDeclarations):
         if not _number(self.checkpoint_timeout) or not 0 < self.checkpoint_timeout < math.inf:
             raise ConfigurationError(f"checkpoint_timeout must be seconds > 0, got {self.checkpoint_timeout!r}")
         _positive_int("checkpoints_retained", self.checkpoints_retained)
+        if type(self.incremental_checkpoints) is not bool:
+            raise ConfigurationError(
+                f"incremental_checkpoints must be True or False, got {self.incremental_checkpoints!r}")
         if not _int(self.restart_attempts) or self.restart_attempts < 0:
             raise ConfigurationError(f"restart_attempts must be an int >= 0, got {self.restart_attempts!r}")
         if self.checkpointing_mode not in MODES:

@@ -759,6 +759,8 @@ class Subtask(threading.Thread):
 
     def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
         """Mail: checkpoint n is complete (its sink commits were carried out)."""
+        if self.checkpointing is not None:
+            self.checkpointing.confirm(checkpoint_id)
         for op in self.operators:
             op.notify_checkpoint_complete(checkpoint_id)
 
