@@ -14,8 +14,9 @@ from __future__ import annotations
 import ast
 import collections
 import os
-import time
+import shutil
 import tempfile
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,9 +27,10 @@ import pyflowbuf as fb
 from pyflowbuf.checkpoint import CheckpointStorage, CorruptCheckpointError, SavepointStorage
 from pyflowbuf.checkpoint import shared
 from pyflowbuf.runtime import keygroups as kg
-from pyflowbuf.runtime.checkpointing import CheckpointConfig, CheckpointCoordinator, TaskCheckpointing, task_key
+from pyflowbuf.runtime.checkpointing import (CheckpointConfig, CheckpointCoordinator, TaskCheckpointing,
+                                             latest_checkpoint, restore_plan, task_key)
 from pyflowbuf.runtime.operators import KeyedReduce
-from pyflowbuf.runtime.restore import RestorePlan, keyed_restore
+from pyflowbuf.runtime.restore import RestorePlan
 
 
 def _count(a, b):
@@ -238,8 +240,6 @@ def _torn_chain(tmp_path):
 
 
 def test_a_torn_file_in_the_chain_makes_every_checkpoint_referring_to_it_corrupt(tmp_path):
-    from pyflowbuf.runtime.checkpointing import latest_checkpoint
-
     job, base, newest, path = _torn_chain(tmp_path)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 3)
@@ -264,10 +264,6 @@ def test_a_flipped_byte_in_a_referenced_file_is_found_by_verify(tmp_path):
 
 
 def test_an_incremental_checkpoint_copied_elsewhere_is_refused_with_a_pointer_to_savepoints(tmp_path):
-    import shutil
-
-    from pyflowbuf.runtime.checkpointing import restore_plan
-
     job, base, newest, path = _torn_chain(tmp_path)
     copy = tmp_path / "moved" / f"chk-{newest}"
     shutil.copytree(job.storage.checkpoint_path(newest), copy)
@@ -290,7 +286,7 @@ def test_retention_retires_a_referenced_checkpoint_and_removes_it_once_unreferen
 
 
 def _keyed_job(env, n, out):
-    (env.from_sequence(0, n, rate_limit=40_000).uid("numbers")
+    (env.from_sequence(0, n, rate_limit=5_000).uid("numbers")
         .map(lambda x: (x % 997 if x < 2000 else x % 5, 1), kind="struct", name="pair")
         .key_by(lambda kv: kv[0])
         .reduce(_count, name="count").uid("count")
@@ -310,7 +306,7 @@ def test_a_job_resumed_from_an_incremental_checkpoint_at_another_parallelism(tmp
     """End to end: a keyed count at parallelism 2 with incremental
     checkpoints is cancelled; resumed from its latest checkpoint (which
     refers to earlier ones) at parallelism 3 it counts every record once."""
-    n = 12_000
+    n = 15_000
     ck, out = str(tmp_path / "chk"), str(tmp_path / "out")
     env = fb.Environment(parallelism=2, chaining=False, checkpoint_interval=0.05, checkpoint_dir=ck,
                          checkpoints_retained=1)

@@ -537,7 +537,7 @@ class TaskCheckpointing:
         # the keys they change; the others are written whole every time)
         self.chains: dict = {}
         config = coordinator.config
-        if config.incremental:
+        if getattr(config, "incremental", False):
             start, end = key_group_range(config.max_parallelism, task.vertex.parallelism, task.index)
             for i, op in enumerate(task.operators):
                 if op.keyed_state and op.tracks_changes:

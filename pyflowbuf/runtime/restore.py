@@ -28,14 +28,22 @@ The stored layout (format 2) of a subtask's STATE value::
                     "keyed": True, "key_groups": [0, 64], "value": <dumps(keyed value)>},
                    {"uid": "map#0", "name": "map", "type": "Map", "state": None}, ...]}
 
-A keyed value is ``{"maps": {name: {"entries": {key: ...}, "groups": uint16
-array}}, "timers": {name: {"times": [...], "keys": [...], "groups": uint16
-array}}, "common": ...}``: every entry with its key group beside it, in the
-order the operator holds them (written in that order, which is the fast
-one), so a restore at another parallelism picks its groups' entries without
-hashing a key. Each operator's value (and a per-subtask state) is one
+A keyed value is ``{"maps": {name: {"columns": ..., "groups": uint16 array}},
+"timers": {name: {"times": [...], "keys": [...], "groups": uint16 array}},
+"common": ...}``: every entry with its key group beside it, in the order the
+operator holds them (written in that order, which is the fast one), so a
+restore at another parallelism picks its groups' entries without hashing a
+key. A map is stored by columns (``pyflowbuf.checkpoint.columns``: numbers
+as arrays); checkpoints before that stored ``"entries": {key: ...}``, which
+is still read. Each operator's value (and a per-subtask state) is one
 ``container.dumps`` value, decoded once per restore whatever the number of
 new subtasks that share it.
+
+Incremental checkpoints (``pyflowbuf.checkpoint.shared``): a keyed entry
+that lists ``"written": [groups]`` and ``"refs": [{"checkpoint": id,
+"groups": [...]}]`` holds only the groups it wrote; the others are in the
+same subtask's state file of each checkpoint it refers to, and a restore
+merges them (``merge_keyed_values``).
 The checkpoint's ``_metadata`` repeats the layout in plain fields
 (``properties["state_format"]``, ``["max_parallelism"]``, ``["operators"]``:
 per operator id its name, type, parallelism, key groups and state bytes per
@@ -50,6 +58,7 @@ from operator import itemgetter
 import numpy as np
 
 from pyflowbuf import errors
+from pyflowbuf.checkpoint.columns import decode_map, encode_map
 from pyflowbuf.checkpoint.container import dumps, loads
 from pyflowbuf.checkpoint.storage import CorruptCheckpointError, IncompatibleCheckpointError
 from pyflowbuf.runtime import keygroups as kg
@@ -129,7 +138,8 @@ def keyed_value(op, raw, max_parallelism, start, end, uid, index, written=None):
         indexes.append(idx)
         if keep is not None:
             d, idx = _pick_entries(d, idx, keep, start)
-        value["maps"][name] = {"entries": d, "groups": idx}
+        # by columns: a map of tuples of numbers encodes as a few arrays (checkpoint.columns)
+        value["maps"][name] = {"columns": encode_map(d), "groups": idx}
     for name, (snap, key_of) in timers.items():
         times, keys = kg.flatten_timers(snap)
         idx = kg.group_index(keys if key_of is None else [key_of(k) for k in keys], max_parallelism)
@@ -147,6 +157,12 @@ def keyed_value(op, raw, max_parallelism, start, end, uid, index, written=None):
             f"[{start}, {end}) of its subtask {index}: its input was not partitioned by key_by with this "
             "job's max_parallelism, so its state could not be restored where its keys go")
     return value, int(np.unique(present).size)
+
+
+def map_entries(m) -> dict:
+    """A stored keyed map's entries: by columns (``checkpoint.columns``), or
+    a dict as checkpoints before them stored it."""
+    return m["entries"] if "entries" in m else decode_map(m["columns"])
 
 
 def _picked(idx, keep, start):
@@ -185,7 +201,7 @@ def merge_keyed_values(parts) -> dict:
             common = v["common"]
         pick = None if groups is None else np.asarray(groups, dtype=np.int64)
         for name, m in v["maps"].items():
-            d, g = m["entries"], np.asarray(m["groups"])
+            d, g = map_entries(m), np.asarray(m["groups"])
             if pick is not None:
                 sel = np.flatnonzero(np.isin(g, pick))
                 if len(sel) != len(g):
@@ -225,7 +241,7 @@ def keyed_restore(op, values, start=None, end=None):
     commons = []
     for v, owner in values:
         for name, m in v["maps"].items():
-            d, target = m["entries"], maps.setdefault(name, {})
+            d, target = map_entries(m), maps.setdefault(name, {})
             sel = _selection(m["groups"], start, end)
             if sel is None:
                 target.update(d)
