@@ -144,6 +144,8 @@ def check_restores(storage, meta, maxp, p2, want):
 actions = st.lists(st.one_of(
     # a few keys per batch: most key groups stay unchanged between checkpoints
     st.tuples(st.just("batch"), st.lists(st.integers(0, 200), min_size=1, max_size=4)),
+    # and now and then most of them change (the subtask stops recording changes for a while)
+    st.tuples(st.just("batch"), st.lists(st.integers(0, 200), min_size=60, max_size=120)),
     st.tuples(st.just("checkpoint"), st.sampled_from(["complete", "complete", "complete", "abort", "lost"])),
     st.tuples(st.just("savepoint"), st.just(None)),
 ), min_size=1, max_size=30)
@@ -184,9 +186,9 @@ def test_every_retained_incremental_checkpoint_restores_the_state_it_was_taken_o
 
 
 def test_an_unchanged_group_is_not_written_again_and_a_changed_one_is(tmp_path):
-    maxp = 8
+    maxp = 128
     job = _Job(str(tmp_path / "chk"), 1, maxp, retained=2)
-    keys = list(range(200))
+    keys = list(range(20))
     job.process(keys)
     first = job.storage.load_metadata(job.checkpoint())
     assert not shared.references(first)               # the first checkpoint is whole
@@ -214,21 +216,42 @@ def test_incremental_checkpoints_off_writes_every_group(tmp_path):
 
 
 def test_a_group_is_rewritten_once_its_copy_is_old(tmp_path):
-    job = _Job(str(tmp_path / "chk"), 1, 8, retained=1)
-    job.process(range(50))
+    job = _Job(str(tmp_path / "chk"), 1, 128, retained=1)
+    job.process(range(20))
     first = job.checkpoint()
-    for _ in range(kg.INCREMENTAL_MAX_AGE + 1):
+    for _ in range(kg.INCREMENTAL_MAX_AGE + 2):
         job.process([0])
         last = job.checkpoint()
     refs = shared.references(job.storage.load_metadata(last))
     assert all(r["checkpoint"] > first for r in refs)
     assert first not in job.storage.checkpoint_ids()              # nothing refers to it any more
-    check_restores(job.storage, job.storage.load_metadata(last), 8, 2, job.state())
+    assert refs
+    check_restores(job.storage, job.storage.load_metadata(last), 128, 2, job.state())
+
+
+def test_while_most_groups_change_changes_are_not_recorded_and_checkpoints_are_whole(tmp_path):
+    maxp = 8
+    job = _Job(str(tmp_path / "chk"), 1, maxp, retained=2)
+    op = job.tasks[0].operators[0]
+    assert op.touched == set()
+    job.process(range(100))                 # every group
+    job.checkpoint()
+    assert op.touched is None               # no set insert per record from here on
+    for i in range(kg.TRACK_PROBE_EVERY):
+        job.process(range(i, i + 3))
+        meta = job.storage.load_metadata(job.checkpoint())
+        assert not shared.references(meta)          # whole: the changes were not recorded
+        check_restores(job.storage, meta, maxp, 2, job.state())
+    assert op.touched == set()              # a probe: recording again
+    job.process([5])
+    meta = job.storage.load_metadata(job.checkpoint())
+    assert shared.references(meta) and op.touched == set()
+    check_restores(job.storage, meta, maxp, 3, job.state())
 
 
 def _torn_chain(tmp_path):
-    job = _Job(str(tmp_path / "chk"), 1, 8, retained=3)
-    job.process(range(100))
+    job = _Job(str(tmp_path / "chk"), 1, 128, retained=3)
+    job.process(range(20))
     base = job.checkpoint()
     job.process([0])
     job.checkpoint()
@@ -273,8 +296,8 @@ def test_an_incremental_checkpoint_copied_elsewhere_is_refused_with_a_pointer_to
 
 
 def test_retention_retires_a_referenced_checkpoint_and_removes_it_once_unreferenced(tmp_path):
-    job = _Job(str(tmp_path / "chk"), 1, 8, retained=1)
-    job.process(range(100))
+    job = _Job(str(tmp_path / "chk"), 1, 128, retained=1)
+    job.process(range(20))
     base = job.checkpoint()
     job.process([0])
     job.checkpoint()

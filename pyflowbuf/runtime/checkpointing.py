@@ -618,8 +618,9 @@ class TaskCheckpointing:
             states.append(op.snapshot_state())
             chain = None if chains is None else chains.get(i)
             if chain is not None:
-                touched, op.touched = op.touched, set()
-                increments.append(chain.plan(checkpoint_id, touched))
+                written, refs, track = chain.plan(checkpoint_id, op.touched)
+                op.touched = set() if track else None
+                increments.append((written, refs))
             else:
                 increments.append(None)
         state = {"vertex": t.vertex.name, "subtask": t.index, "finished": False,

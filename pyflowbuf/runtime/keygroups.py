@@ -83,6 +83,12 @@ def timers_from(pairs) -> list:
 # this many checkpoints, so a checkpoint refers to at most this many earlier
 # ones and retention never has to keep more than that many directories.
 INCREMENTAL_MAX_AGE = 10
+# Recording changed keys costs a set insert per record. When most groups
+# change between two checkpoints anyway, a subtask stops recording and
+# writes whole checkpoints, and records again over one interval in this
+# many to see whether that still holds.
+TRACK_PROBE_EVERY = 8
+TRACK_DIRTY_FRACTION = 0.5
 
 
 class GroupChain:
@@ -98,6 +104,11 @@ class GroupChain:
     the complete checkpoint that holds it. Whatever goes wrong (a checkpoint
     aborted, a notification lost) makes later checkpoints write more, never
     less: a completion only ever confirms what that very checkpoint wrote.
+
+    ``plan`` also says whether to record changed keys over the next
+    interval: not while most groups change anyway (``TRACK_DIRTY_FRACTION``),
+    probing again every ``TRACK_PROBE_EVERY`` checkpoints. An interval not
+    recorded (``touched`` None) counts as every group changed.
     """
 
     def __init__(self, max_parallelism: int, start: int, end: int):
@@ -105,20 +116,39 @@ class GroupChain:
         self.start, self.end = start, end
         self.held = np.full(end - start, -1, dtype=np.int64)   # complete checkpoint holding each group
         self.pending: dict[int, np.ndarray] = {}                 # checkpoint id -> groups it wrote (mask)
+        self.untracked = 0                    # intervals in a row not recorded
 
-    def plan(self, checkpoint_id: int, touched) -> tuple[list, dict]:
-        """The groups checkpoint ``checkpoint_id`` writes (absolute numbers)
-        and the others by the checkpoint that holds them: ``{id: [groups]}``.
-        ``touched``: the keys changed since the last snapshot."""
+    def plan(self, checkpoint_id: int, touched) -> tuple[list, dict, bool]:
+        """The groups checkpoint ``checkpoint_id`` writes (absolute numbers),
+        the others by the checkpoint that holds them (``{id: [groups]}``), and
+        whether to record the next interval's changes. ``touched``: the keys
+        changed since the last snapshot; None when they were not recorded."""
+        if touched is None:
+            written, refs = self._plan(checkpoint_id, None)
+            self.untracked += 1
+            return written, refs, self.untracked >= TRACK_PROBE_EVERY
+        self.untracked = 0
+        written, refs = self._plan(checkpoint_id, touched)
+        return written, refs, self._dirty_fraction <= TRACK_DIRTY_FRACTION
+
+    def _plan(self, checkpoint_id: int, touched) -> tuple[list, dict]:
         write = self.held < 0
         write |= self.held < checkpoint_id - INCREMENTAL_MAX_AGE
-        if touched:
+        self._dirty_fraction = 1.0
+        if touched is None:
+            write[:] = True
+        elif touched:
             g = group_index(list(touched), self.max_parallelism).astype(np.int64) - self.start
             # a key outside the range is the operator's input not partitioned by this
             # job's key groups: the whole state is written and the write refuses it
-            write[g[(g >= 0) & (g < write.size)]] = True
+            dirty = np.zeros(write.size, dtype=bool)
+            dirty[g[(g >= 0) & (g < write.size)]] = True
             if g.size and (g.min() < 0 or g.max() >= write.size):
-                write[:] = True
+                dirty[:] = True
+            self._dirty_fraction = float(dirty.mean())
+            write |= dirty
+        else:
+            self._dirty_fraction = 0.0
         for mask in self.pending.values():
             write |= mask
         self.pending[checkpoint_id] = write
