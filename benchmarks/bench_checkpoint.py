@@ -309,9 +309,10 @@ def main(quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="pyflowbuf-bench-") as tmp:
         n = p["n"]
         if p["min_run_s"]:
-            # size the input so that a plain run lasts MIN_RUN_S (a checkpointed one, longer)
-            rate = overhead_case(2_000_000, None, tmp)()
-            n = max(n, int(rate * p["min_run_s"] * 1.1))
+            # size the input so that a plain run lasts at least MIN_RUN_S: the calibration
+            # run's rate, with a margin for the load of a shared machine changing meanwhile
+            rate = max(overhead_case(2_000_000, None, tmp)() for _ in range(2))
+            n = max(n, int(rate * p["min_run_s"] * 1.6))
         p = dict(p, n=n)
         rep = common.Report("checkpoint", quick, params={**p, "keys": KEYS, "bp_keys": BP_KEYS, "chaining": False,
                                                           "segment_size": 32 * 1024, "checkpoint_interval_s": 1.0})
