@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import pyflowbuf as fb
 from pyflowbuf.checkpoint import CheckpointStorage, CorruptCheckpointError, SavepointStorage
 from pyflowbuf.checkpoint import dumps, loads, shared
-from pyflowbuf.checkpoint.columns import decode_map, encode_map
+from pyflowbuf.checkpoint.columns import decode_map, decode_rows, encode_map
 from pyflowbuf.runtime import keygroups as kg
 from pyflowbuf.runtime.checkpointing import (CheckpointConfig, CheckpointCoordinator, TaskCheckpointing,
                                              latest_checkpoint, restore_plan, task_key)
@@ -375,3 +375,13 @@ def test_a_map_stored_by_columns_comes_back_exactly(d):
     assert list(back.items()) == list(d.items())
     assert [(type(k), type(v)) for k, v in back.items()] == [(type(k), type(v)) for k, v in d.items()]
     assert all(repr(a) == repr(b) for a, b in zip(back.values(), d.values()))
+
+
+@settings(max_examples=100, deadline=None)
+@given(d=st.dictionaries(st.integers(), st.one_of(st.tuples(st.integers(), st.text(max_size=2)), st.floats(),
+                                                  st.text(max_size=2))), data=st.data())
+def test_rows_of_a_map_stored_by_columns_are_those_entries(d, data):
+    rows = sorted(data.draw(st.sets(st.integers(0, max(len(d) - 1, 0)), max_size=len(d))))
+    m = loads(dumps(encode_map(d)))
+    items = list(d.items())
+    assert repr(list(decode_rows(m, rows).items())) == repr([items[j] for j in rows])

@@ -72,3 +72,31 @@ def decode_map(m) -> dict:
         if len(values) != len(keys):
             raise _Corrupt("the columns of a stored map differ in length")
     return dict(zip(keys, values))
+
+
+def _take(c, rows) -> list:
+    if isinstance(c, np.ndarray):
+        _as_list(c[:0])             # (its dtype and shape checked)
+        return c[rows].tolist()
+    c = _as_list(c)
+    if len(rows) == 1:
+        return [c[rows[0]]]
+    return list(itemgetter(*rows)(c))
+
+
+def decode_rows(m, rows: list) -> dict:
+    """The entries at positions ``rows`` (ascending) of a map stored by
+    columns, without decoding the others (a restore at another parallelism
+    takes a subtask's key groups out of an old subtask's map)."""
+    if not rows:
+        return {}
+    if type(m) is not dict or "keys" not in m:
+        raise _Corrupt("a stored map has no keys column")
+    cols = m["fields"] if "fields" in m else [m.get("values")]
+    if type(cols) is not list or not cols or any(len(c) != len(m["keys"]) for c in cols):
+        raise _Corrupt("the columns of a stored map differ in length")
+    if rows[-1] >= len(m["keys"]):
+        raise _Corrupt("a stored map has fewer entries than its key groups")
+    keys = _take(m["keys"], rows)
+    fields = [_take(c, rows) for c in cols]
+    return dict(zip(keys, zip(*fields) if "fields" in m else fields[0]))

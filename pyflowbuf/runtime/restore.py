@@ -58,7 +58,7 @@ from operator import itemgetter
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf.checkpoint.columns import decode_map, encode_map
+from pyflowbuf.checkpoint.columns import decode_map, decode_rows, encode_map
 from pyflowbuf.checkpoint.container import dumps, loads
 from pyflowbuf.checkpoint.storage import CorruptCheckpointError, IncompatibleCheckpointError
 from pyflowbuf.runtime import keygroups as kg
@@ -241,12 +241,14 @@ def keyed_restore(op, values, start=None, end=None):
     commons = []
     for v, owner in values:
         for name, m in v["maps"].items():
-            d, target = map_entries(m), maps.setdefault(name, {})
+            target = maps.setdefault(name, {})
             sel = _selection(m["groups"], start, end)
             if sel is None:
-                target.update(d)
+                target.update(map_entries(m))
+            elif len(sel) and "entries" not in m:
+                target.update(decode_rows(m["columns"], sel))       # only the rows of this range
             elif len(sel):
-                items = list(d.items())
+                items = list(m["entries"].items())
                 # one C loop picks them (itemgetter of several gives a tuple, of one the item)
                 target.update(itemgetter(*sel)(items) if len(sel) > 1 else [items[sel[0]]])
         for name, t in v["timers"].items():
