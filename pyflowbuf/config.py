@@ -126,6 +126,9 @@ class CheckpointConfig(_Config):
     alignment_timeout : with ``"unaligned"``, start each checkpoint aligned
         and switch it to unaligned after this many seconds (Flink's aligned
         checkpoint timeout); None or 0: unaligned from the start.
+    incremental : write only the key groups of keyed state that changed since
+        the last checkpoint and refer to earlier checkpoints for the rest
+        (default True; savepoints are always whole, self-contained copies).
 
     Example::
 
@@ -142,6 +145,7 @@ class CheckpointConfig(_Config):
     mode: str = "exactly_once"
     alignment: str = "aligned"
     alignment_timeout: float | None = None
+    incremental: bool = True
 
     _SECONDS = {"interval": 1000, "timeout": 100_000, "alignment_timeout": 1000}
 
@@ -167,6 +171,8 @@ class CheckpointConfig(_Config):
                 "checkpoints never block a channel, so there is nothing to overtake)")
         if self.directory is not None and not isinstance(self.directory, (str, os.PathLike)):
             raise ConfigurationError(f"{n('directory')} must be a path or an fsspec URL, got {self.directory!r}")
+        if not isinstance(self.incremental, bool):
+            raise ConfigurationError(f"{n('incremental')} must be True or False, got {self.incremental!r}")
         self._warn_milliseconds()
 
     @property
@@ -364,7 +370,7 @@ FLAT = {
     "checkpoint_interval": ("checkpoint", "interval"), "checkpoint_dir": ("checkpoint", "directory"),
     "checkpoint_timeout": ("checkpoint", "timeout"), "checkpoints_retained": ("checkpoint", "retained"),
     "checkpointing_mode": ("checkpoint", "mode"), "checkpoint_alignment": ("checkpoint", "alignment"),
-    "alignment_timeout": ("checkpoint", "alignment_timeout"),
+    "alignment_timeout": ("checkpoint", "alignment_timeout"), "incremental_checkpoints": ("checkpoint", "incremental"),
     "restart_attempts": ("restart", "attempts"),
     "debloat": ("debloat", "enabled"), "debloat_target": ("debloat", "target"),
     "debloat_period": ("debloat", "period"), "debloat_samples": ("debloat", "samples"),

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
-from pyflowbuf.checkpoint import CheckpointStorage
+from pyflowbuf.checkpoint import CheckpointStorage, shared
 from pyflowbuf.checkpoint.codec import encode_value
 from pyflowbuf.checkpoint.container import FILE_METADATA, SEC_METADATA, _ContainerWriter
 from pyflowbuf.cli import build_parser, main, render
@@ -62,7 +62,7 @@ def committed_lines(out_dir):
 
 
 def job_source(ckdir, out, *, n, parallelism=2, rate=None, extra="", sink_parallelism=None, mode="aligned",
-               slow=False, interval=0.05):
+               slow=False, interval=0.05, incremental=True):
     return textwrap.dedent(f"""\
         import time
         import pyflowbuf as fb
@@ -77,7 +77,7 @@ def job_source(ckdir, out, *, n, parallelism=2, rate=None, extra="", sink_parall
 
         env = fb.Environment(parallelism={parallelism}, checkpoint_interval={interval}, checkpoint_dir={str(ckdir)!r},
                              checkpoints_retained=3, checkpoint_alignment={mode!r}, buffer_timeout=0.001,
-                             segment_size=256)
+                             segment_size=256, incremental_checkpoints={incremental!r})
         s = (env.from_sequence(0, {n}, rate_limit={rate!r})
                 .key_by(lambda n: n % {KEYS})
                 .process(count))
@@ -104,10 +104,13 @@ def clean_imports():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A checkpoint_dir with three complete checkpoints of a keyed count, taken
-    unaligned under backpressure (a slow map), so some hold in-flight data."""
+    unaligned under backpressure (a slow map), so some hold in-flight data.
+    Whole checkpoints (no incremental ones), so that the directory holds
+    exactly the three retained; test_incremental_checkpoints_are_listed_shown_and_verified
+    has the others."""
     d = tmp_path_factory.mktemp("cli")
     job = d / "job_unaligned.py"
-    job.write_text(job_source(d / "ck", d / "out", n=6000, mode="unaligned", slow=True))
+    job.write_text(job_source(d / "ck", d / "out", n=6000, mode="unaligned", slow=True, incremental=False))
     path = list(sys.path)
     try:
         code, out, err = cli("run", job, "--json")
@@ -218,6 +221,40 @@ def test_verify_passes_on_whole_checkpoints(checkpoints):
     assert data["ok"] and [c["status"] for c in data["checkpoints"]] == ["complete"] * 3
     code, out, _ = cli("checkpoints", "verify", os.path.join(checkpoints, "chk-" + str(data["checkpoints"][0]["id"])))
     assert code == 0 and "checksums ok" in out
+
+
+def test_incremental_checkpoints_are_listed_shown_and_verified(tmp_path, clean_imports):
+    """A keyed count whose late records touch few keys: its checkpoints refer
+    to earlier ones; a checkpoint kept only for the files they refer to is
+    listed as incomplete (retired), ``show`` names the references and
+    ``verify`` checks the referenced files too."""
+    job = tmp_path / "job_incr.py"
+    src = job_source(tmp_path / "ck", tmp_path / "out", n=4000, rate=8000, parallelism=1)
+    job.write_text(src.replace("key_by(lambda n: n % " + str(KEYS) + ")", "key_by(lambda n: n % 40 if n < 400 else 0)"))
+    code, out, err = cli("run", job, "--json")
+    assert code == 0, err
+    storage = CheckpointStorage(tmp_path / "ck")
+    newest = storage.latest()
+    refs = shared.references(newest)
+    assert refs, "the newest checkpoint refers to no earlier one"
+    code, out, err = cli("checkpoints", "list", tmp_path / "ck", "--json")
+    listed = {c["id"]: c for c in json.loads(out)["checkpoints"]}
+    for cid in set(shared.referenced_ids(newest)) - {m.checkpoint_id for m in storage.list_complete()}:
+        assert listed[cid]["status"] == "incomplete" and "retired" in listed[cid]["reason"]
+    code, out, err = cli("checkpoints", "show", tmp_path / "ck", "--json")
+    assert code == 0, err
+    assert json.loads(out)["properties"]["references"] == refs
+    code, table, err = cli("checkpoints", "show", tmp_path / "ck", "--state")
+    assert code == 0 and re.search(r"incremental: \d+ groups written here, refers to \d+ in chk-\d+", table), table
+    code, out, err = cli("checkpoints", "verify", tmp_path / "ck", "--json")
+    assert code == 0 and json.loads(out)["ok"], out
+    path = f"{storage.checkpoint_path(refs[0]['checkpoint'])}/{refs[0]['file']}"
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 1)
+    code, out, err = cli("checkpoints", "verify", tmp_path / "ck", newest.checkpoint_id, "--json")
+    assert code == 1
+    entry = json.loads(out)["checkpoints"][0]
+    assert entry["status"] in ("torn", "corrupt") and f"checkpoint {refs[0]['checkpoint']}" in entry["reason"]
 
 
 def test_a_deleted_or_truncated_task_file_is_torn(ckdir):
@@ -579,7 +616,9 @@ def test_restore_from_a_checkpoint_copied_elsewhere_reads_it_there(tmp_path, mon
     is restored from where it is, never replaced by the job's own checkpoint
     of that number."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "job.py").write_text(job_source("ck", "out", n=3000, rate=3000))
+    # whole checkpoints: an incremental one refers to files of earlier checkpoints and is refused
+    # elsewhere (test_incremental_checkpoints.py::test_an_incremental_checkpoint_copied_elsewhere_...)
+    (tmp_path / "job.py").write_text(job_source("ck", "out", n=3000, rate=3000, incremental=False))
     code, _, err = cli("run", "job.py")
     assert code == 0, err
     cid = CheckpointStorage("ck").latest().checkpoint_id
@@ -658,7 +697,9 @@ def test_the_docs_command_line_examples_run_as_written(tmp_path):
         [sys.executable, "-m", "pyflowbuf", "run", "job.py", "--restore", "latest"], cwd=tmp_path, env=ENV,
         capture_output=True, text=True, timeout=120).stderr
     assert committed_lines(tmp_path / "counts") == expected_lines(20_000)
-    assert all(c["status"] == "complete" for c in json.loads(outputs[-1])["checkpoints"])
+    # (a checkpoint retired by retention stays for the files later incremental ones refer to)
+    assert all(c["status"] == "complete" or "retired" in c["reason"]
+               for c in json.loads(outputs[-1])["checkpoints"])
 
 
 def test_a_module_of_a_package_by_its_dotted_name(tmp_path, monkeypatch, clean_imports):

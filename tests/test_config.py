@@ -41,6 +41,7 @@ _VALUES = {
     ("checkpoint", "mode"): st.just("exactly_once"),
     ("checkpoint", "alignment"): st.just("unaligned"),
     ("checkpoint", "alignment_timeout"): st.none() | st.floats(0, 10),
+    ("checkpoint", "incremental"): st.booleans(),
     ("restart", "attempts"): st.integers(0, 10),
     ("debloat", "enabled"): st.booleans(),
     ("debloat", "target"): st.floats(0.01, 10),

@@ -72,7 +72,7 @@ class Environment(SourceDeclarations):
     credit_based, bind_host, metrics_interval, metrics_log, prometheus_port,
     live_view, checkpoint_interval, checkpoint_dir, checkpoint_timeout,
     checkpoints_retained, checkpointing_mode, checkpoint_alignment,
-    alignment_timeout, restart_attempts, debloat_target, debloat_period,
+    alignment_timeout, incremental_checkpoints, restart_attempts, debloat_target, debloat_period,
     debloat_samples, debloat_threshold, min_buffer_size : the same settings
         as flat keywords (``pyflowbuf.config.FLAT`` names the field of each:
         ``checkpoint_interval`` is ``CheckpointConfig.interval``), readable
@@ -113,6 +113,7 @@ class Environment(SourceDeclarations):
                  checkpoint_dir: str | os.PathLike | None = UNSET, checkpoint_timeout: float = UNSET,
                  checkpoints_retained: int = UNSET, checkpointing_mode: str = UNSET,
                  checkpoint_alignment: str = UNSET, alignment_timeout: float | None = UNSET,
+                 incremental_checkpoints: bool = UNSET,
                  restart_attempts: int = UNSET, debloat_target: float = UNSET, debloat_period: float = UNSET,
                  debloat_samples: int = UNSET, debloat_threshold: float = UNSET, min_buffer_size: int = UNSET,
                  checkpoint_mode: str = UNSET):

@@ -77,3 +77,93 @@ def timers_from(pairs) -> list:
         else:
             out.append((t, [k]))
     return out
+
+
+# Incremental checkpoints re-write a group whose newest copy is older than
+# this many checkpoints, so a checkpoint refers to at most this many earlier
+# ones and retention never has to keep more than that many directories.
+INCREMENTAL_MAX_AGE = 10
+# Recording changed keys costs a set insert per record. When most groups
+# change between two checkpoints anyway, a subtask stops recording and
+# writes whole checkpoints, and records again over one interval in this
+# many to see whether that still holds.
+TRACK_PROBE_EVERY = 8
+TRACK_DIRTY_FRACTION = 0.5
+
+
+class GroupChain:
+    """Which key groups of one keyed operator of one subtask an incremental
+    checkpoint must write, and where the others already are.
+
+    The task thread calls ``plan`` at each snapshot and ``confirm`` when a
+    checkpoint completed (both in that thread, so no lock). A group is
+    written when a key of it changed since the last snapshot, when a
+    checkpoint not yet known complete wrote it (that copy may never count),
+    when no complete checkpoint holds it, or when the copy it would refer to
+    is ``INCREMENTAL_MAX_AGE`` checkpoints old; every other group refers to
+    the complete checkpoint that holds it. Whatever goes wrong (a checkpoint
+    aborted, a notification lost) makes later checkpoints write more, never
+    less: a completion only ever confirms what that very checkpoint wrote.
+
+    ``plan`` also says whether to record changed keys over the next
+    interval: not while most groups change anyway (``TRACK_DIRTY_FRACTION``),
+    probing again every ``TRACK_PROBE_EVERY`` checkpoints. An interval not
+    recorded (``touched`` None) counts as every group changed.
+    """
+
+    def __init__(self, max_parallelism: int, start: int, end: int):
+        self.max_parallelism = max_parallelism
+        self.start, self.end = start, end
+        self.held = np.full(end - start, -1, dtype=np.int64)   # complete checkpoint holding each group
+        self.pending: dict[int, np.ndarray] = {}                 # checkpoint id -> groups it wrote (mask)
+        self.untracked = 0                    # intervals in a row not recorded
+
+    def plan(self, checkpoint_id: int, touched) -> tuple[list, dict, bool]:
+        """The groups checkpoint ``checkpoint_id`` writes (absolute numbers),
+        the others by the checkpoint that holds them (``{id: [groups]}``), and
+        whether to record the next interval's changes. ``touched``: the keys
+        changed since the last snapshot; None when they were not recorded."""
+        if touched is None:
+            written, refs = self._plan(checkpoint_id, None)
+            self.untracked += 1
+            return written, refs, self.untracked >= TRACK_PROBE_EVERY
+        self.untracked = 0
+        written, refs = self._plan(checkpoint_id, touched)
+        return written, refs, self._dirty_fraction <= TRACK_DIRTY_FRACTION
+
+    def _plan(self, checkpoint_id: int, touched) -> tuple[list, dict]:
+        write = self.held < 0
+        write |= self.held < checkpoint_id - INCREMENTAL_MAX_AGE
+        self._dirty_fraction = 1.0
+        if touched is None:
+            write[:] = True
+        elif touched:
+            g = group_index(list(touched), self.max_parallelism).astype(np.int64) - self.start
+            # a key outside the range is the operator's input not partitioned by this
+            # job's key groups: the whole state is written and the write refuses it
+            dirty = np.zeros(write.size, dtype=bool)
+            dirty[g[(g >= 0) & (g < write.size)]] = True
+            if g.size and (g.min() < 0 or g.max() >= write.size):
+                dirty[:] = True
+            self._dirty_fraction = float(dirty.mean())
+            write |= dirty
+        else:
+            self._dirty_fraction = 0.0
+        for mask in self.pending.values():
+            write |= mask
+        self.pending[checkpoint_id] = write
+        if len(self.pending) > 64:           # never confirmed: the newest one covers the older ones
+            del self.pending[min(self.pending)]
+        refs: dict = {}
+        for j in np.flatnonzero(~write).tolist():
+            refs.setdefault(int(self.held[j]), []).append(j + self.start)
+        return (np.flatnonzero(write) + self.start).tolist(), refs
+
+    def confirm(self, checkpoint_id: int) -> None:
+        """Checkpoint ``checkpoint_id`` completed: what it wrote is held there."""
+        mask = self.pending.get(checkpoint_id)
+        if mask is None:
+            return
+        self.held[mask] = checkpoint_id
+        for n in [n for n in self.pending if n <= checkpoint_id]:
+            del self.pending[n]

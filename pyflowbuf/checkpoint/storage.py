@@ -48,6 +48,7 @@ from pyflowbuf.checkpoint.container import (FILE_METADATA, FILE_TASK_STATE, FORM
 from pyflowbuf.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CheckpointStateError,
                                          CorruptCheckpointError, PickleNotAllowedError, TaskStateNotFoundError,
                                          _Corrupt)
+from pyflowbuf.checkpoint import shared
 
 # The public names of the codec, the container and the errors lived here before
 # the split and stay importable from here.
@@ -362,6 +363,9 @@ class CheckpointStorage:
         Passed to fsspec (credentials, endpoints...).
     """
 
+    # whether earlier checkpoints lie beside this one (incremental references resolve)
+    _holds_chain = True
+
     def __init__(self, checkpoint_dir, retained: int = 2, allow_pickle: bool = False, *,
                  fsync: bool = True, storage_options: Mapping | None = None):
         if type(retained) is not int or retained < 1:
@@ -468,6 +472,15 @@ class CheckpointStorage:
             if size != h.size:
                 raise CorruptCheckpointError(f"the state file of task {h.task_key!r} has {size} bytes, "
                                              f"the task wrote {h.size}", checkpoint_id=cid, path=h.file)
+        for r in (properties or {}).get("references") or ():
+            path = f"{self.checkpoint_path(r['checkpoint'])}/{r['file']}"
+            try:
+                size = self.fs.size(path)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(f"checkpoint {cid} refers to {path}, which does not exist") from None
+            if size != r["size"]:
+                raise CorruptCheckpointError(f"checkpoint {cid} refers to {path} of {r['size']} bytes, it has "
+                                             f"{size}", checkpoint_id=cid, path=path)
         now = time.time()
         trigger = now if trigger_time is None else float(trigger_time)
         meta = CheckpointMetadata(cid, trigger, now, now - trigger if duration is None else float(duration),
@@ -530,16 +543,22 @@ class CheckpointStorage:
         """Keep the newest ``retained`` complete checkpoints; remove every other
         directory below the newest complete one (superseded, abandoned, corrupt).
         Directories above it are checkpoints still in progress."""
-        kept = 0
+        kept, drop = [], []
         for cid in sorted(self._ids(), reverse=True):
-            if kept >= self.retained:
-                self._remove(cid, f"beyond the {self.retained} retained")
+            if len(kept) >= self.retained:
+                drop.append((cid, f"beyond the {self.retained} retained"))
                 continue
             info = self._probe(cid, verify=False)
             if info.status == COMPLETED:
-                kept += 1
+                kept.append(info.metadata)
             elif kept:
-                why = "abandoned" if info.status == INCOMPLETE else f"corrupt: {info.error.reason}"
+                drop.append((cid, "abandoned" if info.status == INCOMPLETE else f"corrupt: {info.error.reason}"))
+        # files of dropped checkpoints that kept (incremental) ones refer to stay
+        needed = shared.needed_files(kept)
+        for cid, why in drop:
+            if cid in needed:
+                shared.retire(self, cid, needed[cid], why, log)
+            else:
                 self._remove(cid, why)
 
     # -- reading
@@ -568,6 +587,10 @@ class CheckpointStorage:
             with self.fs.open(path, "rb") as f:
                 data = bytearray(f.read())
         except FileNotFoundError:
+            if shared.is_retired(self, cid):
+                raise CheckpointNotFoundError(
+                    f"checkpoint {cid} was retired: its directory keeps only state files that later incremental "
+                    "checkpoints refer to") from None
             if self.fs.exists(directory):
                 raise CheckpointNotFoundError(f"checkpoint {cid} is not complete (no {METADATA_FILE})") from None
             raise CheckpointNotFoundError(f"no checkpoint {cid} under {self.url}") from None
@@ -592,7 +615,7 @@ class CheckpointStorage:
             for sec in _parse(src, FILE_TASK_STATE, keep=lambda kind: kind == SEC_INFO):
                 kinds.append(sec.kind)
                 if sec.kind == SEC_INFO:
-                    _check_info(_decode_section(sec, False), meta.checkpoint_id, h)
+                    _check_info(_decode_section(sec, False), h.checkpoint_id, h)
             _check_layout(kinds)
             if src.pos != h.size:
                 raise _Corrupt(f"file has {src.pos} bytes, metadata says {h.size}")
@@ -622,7 +645,65 @@ class CheckpointStorage:
                     raise CorruptCheckpointError(f"task {h.task_key!r}: {e}", checkpoint_id=cid, path=path) from e
                 except Exception as e:
                     raise CorruptCheckpointError(f"task {h.task_key!r}: {e}", checkpoint_id=cid, path=path) from e
+        self._check_references(meta, verify)
         return meta
+
+    def _check_references(self, meta: CheckpointMetadata, verify: bool) -> None:
+        """An incremental checkpoint is complete only with the files of earlier
+        checkpoints it refers to (``pyflowbuf.checkpoint.shared``)."""
+        cid = meta.checkpoint_id
+        try:
+            refs = shared.references(meta)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{METADATA_FILE}: {e}", checkpoint_id=cid, path=meta.path) from e
+        if refs and not self._holds_chain:
+            raise CorruptCheckpointError(
+                f"checkpoint {cid} is incremental: it refers to state files of checkpoint(s) "
+                f"{sorted({r['checkpoint'] for r in refs})} in the checkpoint_dir it was taken in, which are not "
+                f"here. Restore it from that checkpoint_dir, or take a savepoint (always self-contained) to move "
+                f"state", checkpoint_id=cid, path=meta.path)
+        for r in refs:
+            h = self._reference_handle(r)
+            path = f"{self.checkpoint_path(h.checkpoint_id)}/{h.file}"
+            try:
+                size = self.fs.size(path)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"checkpoint {cid} refers to the state file of task {h.task_key!r} in checkpoint "
+                    f"{h.checkpoint_id} ({h.file}), which is missing", checkpoint_id=cid, path=path) from None
+            if size != h.size:
+                raise CorruptCheckpointError(
+                    f"checkpoint {cid} refers to the state file of task {h.task_key!r} in checkpoint "
+                    f"{h.checkpoint_id}, which has {size} bytes, metadata says {h.size} (torn)",
+                    checkpoint_id=cid, path=path)
+            if verify:
+                try:
+                    self._verify_task_file(meta, h, path)
+                except Exception as e:
+                    raise CorruptCheckpointError(f"checkpoint {cid} refers to checkpoint {h.checkpoint_id}, task "
+                                                 f"{h.task_key!r}: {e}", checkpoint_id=cid, path=path) from e
+
+    @staticmethod
+    def _reference_handle(r: dict) -> TaskStateHandle:
+        return TaskStateHandle(r["checkpoint"], r["task"], r["file"], r["size"], 0, 0, r["alignment"], 0)
+
+    def read_shared_state(self, meta: CheckpointMetadata, checkpoint_id: int, task_key: str):
+        """The stored state of ``task_key`` in earlier checkpoint
+        ``checkpoint_id``, which incremental checkpoint ``meta`` refers to
+        (every checksum is checked). CorruptCheckpointError when ``meta``
+        lists no such reference or the file is damaged."""
+        try:
+            refs = shared.references(meta)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{METADATA_FILE}: {e}", checkpoint_id=meta.checkpoint_id,
+                                         path=meta.path) from e
+        r = next((r for r in refs if r["checkpoint"] == checkpoint_id and r["task"] == task_key), None)
+        if r is None or not self._holds_chain:
+            raise CorruptCheckpointError(
+                f"checkpoint {meta.checkpoint_id}: task {task_key!r} refers to checkpoint {checkpoint_id}, which "
+                f"its {METADATA_FILE} does not list among its references", checkpoint_id=meta.checkpoint_id,
+                path=meta.path)
+        return self._read_file(self._reference_handle(r)).state
 
     def _probe(self, cid: int, verify: bool) -> CheckpointInfo:
         path = self.fs.unstrip_protocol(self.checkpoint_path(cid))
@@ -677,6 +758,10 @@ class CheckpointStorage:
         h = metadata.tasks.get(task_key)
         if h is None:
             raise TaskStateNotFoundError(f"checkpoint {cid} holds no state for task {task_key!r}")
+        return self._read_file(h)
+
+    def _read_file(self, h: TaskStateHandle) -> TaskSnapshot:
+        cid, task_key = h.checkpoint_id, h.task_key
         path = f"{self.checkpoint_path(cid)}/{h.file}"
         try:
             size = self.fs.size(path)
@@ -732,7 +817,8 @@ class SavepointStorage(CheckpointStorage):
     or a ``chk-<id>`` directory restored from wherever it was copied to.
     ``_metadata`` and the task files lie side by side and refer to each other
     by name only, so the directory can be moved or copied as a whole.
-    Nothing here is ever pruned by retention.
+    Nothing here is ever pruned by retention. A copied incremental checkpoint
+    refers to files it does not hold: its restore is refused.
 
     ``checkpoint_id``: the id of the checkpoint to write; None to open an
     existing one (its id is read from its ``_metadata``)."""
@@ -742,6 +828,8 @@ class SavepointStorage(CheckpointStorage):
         super().__init__(path, retained=1, allow_pickle=allow_pickle, fsync=fsync,
                          storage_options=storage_options)
         self._cid = None if checkpoint_id is None else _check_id(checkpoint_id)
+
+    _holds_chain = False
 
     def __repr__(self):
         return f"SavepointStorage({self.url!r})"

@@ -242,6 +242,12 @@ def _operator_line(op: dict) -> str:
     groups = op.get("key_groups")
     if op.get("keyed") and isinstance(groups, (list, tuple)) and len(groups) == 2:
         line += f", key groups {groups[0]}..{groups[1] - 1}"
+    refs = op.get("refs")
+    if op.get("keyed") and isinstance(refs, list) and isinstance(op.get("written"), list):
+        # an incremental checkpoint: the groups it wrote, and where the others are
+        held = ", ".join(f"{len(r.get('groups') or ())} in chk-{r.get('checkpoint')}" for r in refs
+                         if isinstance(r, dict))
+        line += f" (incremental: {len(op['written'])} groups written here, refers to {held})"
     return line
 
 
@@ -270,8 +276,7 @@ def show(target: Target, *, state: bool = False) -> dict:
     cid = target.checkpoint_id if target.checkpoint_id is not None else _latest_with_metadata(storage)
     entry = describe(storage, cid, verify=False)
     if entry["status"] == INCOMPLETE:
-        raise CliError(f"checkpoint {cid} in {storage.url} is not complete: it has no {METADATA_FILE} "
-                       "(in progress, or abandoned by a job that stopped)")
+        raise CliError(f"checkpoint {cid} in {storage.url} is not complete: {entry['reason']}")
     raw = raw_metadata(storage, cid)          # damaged metadata: CorruptCheckpointError
     files = _files(storage, cid)
     props = raw.get("properties") if isinstance(raw.get("properties"), dict) else {}

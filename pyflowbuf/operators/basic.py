@@ -156,6 +156,11 @@ class Operator:
     # the key group of every entry, and a restore at any parallelism gives
     # the operator back the entries of its subtask's groups.
     keyed_state = False
+    # A keyed operator that records the keys it changes in ``touched`` (a set
+    # the task installs when checkpoints are incremental, None otherwise):
+    # a checkpoint then writes only the key groups of those keys.
+    tracks_changes = False
+    touched = None
 
     def keyed_parts(self, state) -> tuple[dict, dict, Any]:
         """A keyed snapshot as (maps, timers, common): ``maps`` {name: (dict,
@@ -356,12 +361,23 @@ class KeyedReduce(_Keyed):
     def process_batch(self, batch):
         key_fn, fn, state = self.key_fn, self.fn, self.state
         out = []
-        for x in batch:
-            k = key_fn(x)
-            if k in state:
-                x = fn(state[k], x)
-            state[k] = x
-            out.append(x)
+        touched = self.touched
+        if touched is None:
+            for x in batch:
+                k = key_fn(x)
+                if k in state:
+                    x = fn(state[k], x)
+                state[k] = x
+                out.append(x)
+        else:           # incremental checkpoints: a second loop keeps the plain one free of the test
+            mark = touched.add
+            for x in batch:
+                k = key_fn(x)
+                mark(k)
+                if k in state:
+                    x = fn(state[k], x)
+                state[k] = x
+                out.append(x)
         return self._checked(out)
 
     def process_ts(self, batch, ts):
@@ -374,6 +390,7 @@ class KeyedReduce(_Keyed):
         self.state = dict(state or {})
 
     keyed_state = True
+    tracks_changes = True
 
     def keyed_parts(self, state):
         return {"state": (state or {}, None)}, {}, None
@@ -401,6 +418,7 @@ class KeyedProcess(_Keyed):
         self.state = _copy_key_dicts(state)
 
     keyed_state = True
+    tracks_changes = True
 
     def keyed_parts(self, state):
         return {"state": (state or {}, None)}, {}, None
@@ -415,10 +433,13 @@ def _process_per_key(op, batch, key_fn, fn, ts=None):
     With ``ts`` (the batch's times): ``(records, their times)``, each record
     the time of the input it came from."""
     state, add = op.state, op._extend
+    mark = None if op.touched is None else op.touched.add     # incremental checkpoints
     out: list = []
     if ts is None:
         for x in batch:
             k = key_fn(x)
+            if mark is not None:
+                mark(k)
             st = state.get(k)
             if st is None:
                 st = state[k] = {}
@@ -427,6 +448,8 @@ def _process_per_key(op, batch, key_fn, fn, ts=None):
     counts: list = []
     for x in batch:
         k = key_fn(x)
+        if mark is not None:
+            mark(k)
         st = state.get(k)
         if st is None:
             st = state[k] = {}
@@ -546,6 +569,7 @@ class KeyedCoProcess(_TwoInput):
         self.state = _copy_key_dicts(state)
 
     keyed_state = True
+    tracks_changes = True
 
     def keyed_parts(self, state):
         return {"state": (state or {}, None)}, {}, None

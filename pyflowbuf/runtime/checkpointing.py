@@ -34,7 +34,8 @@ from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpointError, IncompatibleCheckpointError,
                                           SavepointStorage, UnsupportedStateError)
 from pyflowbuf.checkpoint.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_inflight, encode_inflight  # noqa: F401
-from pyflowbuf.checkpoint.keygroups import DEFAULT_MAX_PARALLELISM
+from pyflowbuf.checkpoint.keygroups import (DEFAULT_MAX_PARALLELISM, INCREMENTAL_MAX_AGE, GroupChain,
+                                         key_group_range)
 from pyflowbuf.runtime.restore import metadata_properties, stored_state
 from pyflowbuf.runtime.metrics import publish_checkpoint
 from pyflowbuf.connectors import outputs as outputs_mod
@@ -60,6 +61,7 @@ class CheckpointSettings:
     alignment: str = "aligned"
     alignment_timeout: float | None = None
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
+    incremental: bool = True              # CheckpointConfig.incremental
 
     @property
     def starts_unaligned(self) -> bool:
@@ -79,7 +81,8 @@ class CheckpointSettings:
         return cls(interval=c.interval, directory=os.fspath(c.directory or DEFAULT_CHECKPOINT_DIR),
                    timeout=c.timeout, retained=c.retained, restart_attempts=env.restart_config.attempts,
                    mode=c.mode, allow_pickle=env.allow_pickle, alignment=c.alignment,
-                   alignment_timeout=c.alignment_timeout, max_parallelism=env.max_parallelism)
+                   alignment_timeout=c.alignment_timeout, max_parallelism=env.max_parallelism,
+                   incremental=c.incremental)
 
 
 @dataclass
@@ -141,6 +144,9 @@ class CheckpointCoordinator:
         self._savepoints: dict = {}       # id -> _Pending of the savepoints triggered (their outcome)
         self.listeners: list = []      # metrics listeners with a checkpoint(entry) hook
         self.outputs: list = []        # the FileOutputs of the job's part-file sinks (run_commits)
+        # (checkpoint id, task key) -> its state file's reference entry, for the
+        # complete checkpoints in checkpoint_dir that incremental ones may refer to
+        self._files: dict = {}
 
     # ---- lifecycle ----
     def attach(self, execution, task_keys, finished=None) -> None:
@@ -359,6 +365,9 @@ class CheckpointCoordinator:
                       "savepoint": p.savepoint}
         properties.update(metadata_properties(p.summaries, self.config.max_parallelism))
         try:
+            refs = self._references(p)
+            if refs:
+                properties["references"] = refs
             meta = p.storage.complete(p.checkpoint_id, list(p.handles.values()), trigger_time=p.trigger_time,
                                       duration=duration, properties=properties)
         except Exception as exc:
@@ -370,6 +379,8 @@ class CheckpointCoordinator:
                 pass
             return
         run_commits(p.commits, self.outputs)
+        if not p.savepoint:
+            self._remember_files(meta)
         with self._lock:
             self.completed += 1
         self._record(p, "completed", duration, state_bytes=meta.state_bytes, size=meta.size,
@@ -383,6 +394,28 @@ class CheckpointCoordinator:
                 # stop-with-savepoint: the sources stopped at its barrier and
                 # its commits are done; the job ends here, nothing after it
                 execution.stop_after_savepoint(p.checkpoint_id)
+
+    def _references(self, p: _Pending) -> list:
+        """The files of earlier checkpoints that checkpoint ``p``'s incremental
+        task states refer to (``pyflowbuf.checkpoint.shared``)."""
+        out = []
+        for key, s in sorted(p.summaries.items()):
+            for cid in (s or {}).get("refs", ()):
+                ref = self._files.get((cid, key))
+                if ref is None or p.savepoint:
+                    raise CheckpointStateError(
+                        f"task {key} refers to checkpoint {cid}, which is not a complete checkpoint of this job")
+                out.append(ref)
+        return out
+
+    def _remember_files(self, meta) -> None:
+        for key, h in meta.tasks.items():
+            self._files[(meta.checkpoint_id, key)] = {"checkpoint": meta.checkpoint_id, "task": key,
+                                                      "file": h.file, "size": h.size, "alignment": h.alignment}
+        # (a reference reaches back at most INCREMENTAL_MAX_AGE checkpoints)
+        oldest = meta.checkpoint_id - 2 * INCREMENTAL_MAX_AGE - 2
+        for k in [k for k in self._files if k[0] < oldest]:
+            del self._files[k]
 
     def abort(self, checkpoint_id, reason, status="aborted") -> None:
         with self._lock:
@@ -491,6 +524,16 @@ class TaskCheckpointing:
                                for s, remote in enumerate(getattr(out, "remote", ())) if remote]
         for o, out in enumerate(task.outputs):
             out.overtaken_listener = lambda n, sub, items, o=o: self.output_overtaken(n, f"out/{o}/{sub}", items)
+        # incremental checkpoints: operator index -> its GroupChain (keyed operators that record
+        # the keys they change; the others are written whole every time)
+        self.chains: dict = {}
+        config = coordinator.config
+        if getattr(config, "incremental", False):
+            start, end = key_group_range(config.max_parallelism, task.vertex.parallelism, task.index)
+            for i, op in enumerate(task.operators):
+                if op.keyed_state and op.tracks_changes:
+                    op.touched = set()
+                    self.chains[i] = GroupChain(config.max_parallelism, start, end)
 
     def snapshot_unaligned(self, checkpoint_id: int, inputs: dict, alignment: str) -> None:
         """Snapshot now for a checkpoint whose in-flight data comes later:
@@ -556,12 +599,26 @@ class TaskCheckpointing:
         t = self.task
         commits: list = []
         states = []
-        for op in t.operators:
+        # a savepoint (and the final state, id -1) is whole and leaves the changes
+        # recorded since the last checkpoint to the next one
+        chains = self.chains if checkpoint_id >= 0 and self.chains and not isinstance(
+            self.coordinator.storage_for(checkpoint_id), SavepointStorage) else None
+        increments = []
+        for i, op in enumerate(t.operators):
             commits.extend(op.prepare_commit(checkpoint_id))
             states.append(op.snapshot_state())
+            chain = None if chains is None else chains.get(i)
+            if chain is not None:
+                written, refs, track = chain.plan(checkpoint_id, op.touched)
+                op.touched = set() if track else None
+                increments.append((written, refs))
+            else:
+                increments.append(None)
         state = {"vertex": t.vertex.name, "subtask": t.index, "finished": False,
                  "source": None if t.source is None else t.source.position(),
                  "operators": states}
+        if chains is not None:
+            state["increments"] = increments
         if t.source is not None:
             state["source_identity"] = t.source.identity()
         return state, commits
@@ -622,6 +679,12 @@ class TaskCheckpointing:
                 self.task.job.task_failed(self.task, exc)
             return
         self.coordinator.acknowledge(self.key, checkpoint_id, handle, alignment_ms, commits, summary)
+
+    def confirm(self, checkpoint_id: int) -> None:
+        """Checkpoint ``checkpoint_id`` completed (a mail, in the task's thread):
+        later incremental checkpoints may refer to the key groups it wrote."""
+        for chain in self.chains.values():
+            chain.confirm(checkpoint_id)
 
     def finished(self) -> None:
         """End of input: the final state (no record will change it any more)."""

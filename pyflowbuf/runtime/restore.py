@@ -28,14 +28,22 @@ The stored layout (format 2) of a subtask's STATE value::
                     "keyed": True, "key_groups": [0, 64], "value": <dumps(keyed value)>},
                    {"uid": "map#0", "name": "map", "type": "Map", "state": None}, ...]}
 
-A keyed value is ``{"maps": {name: {"entries": {key: ...}, "groups": uint16
-array}}, "timers": {name: {"times": [...], "keys": [...], "groups": uint16
-array}}, "common": ...}``: every entry with its key group beside it, in the
-order the operator holds them (written in that order, which is the fast
-one), so a restore at another parallelism picks its groups' entries without
-hashing a key. Each operator's value (and a per-subtask state) is one
+A keyed value is ``{"maps": {name: {"columns": ..., "groups": uint16 array}},
+"timers": {name: {"times": [...], "keys": [...], "groups": uint16 array}},
+"common": ...}``: every entry with its key group beside it, in the order the
+operator holds them (written in that order, which is the fast one), so a
+restore at another parallelism picks its groups' entries without hashing a
+key. A map is stored by columns (``pyflowbuf.checkpoint.columns``: numbers
+as arrays); checkpoints before that stored ``"entries": {key: ...}``, which
+is still read. Each operator's value (and a per-subtask state) is one
 ``container.dumps`` value, decoded once per restore whatever the number of
 new subtasks that share it.
+
+Incremental checkpoints (``pyflowbuf.checkpoint.shared``): a keyed entry
+that lists ``"written": [groups]`` and ``"refs": [{"checkpoint": id,
+"groups": [...]}]`` holds only the groups it wrote; the others are in the
+same subtask's state file of each checkpoint it refers to, and a restore
+merges them (``merge_keyed_values``).
 The checkpoint's ``_metadata`` repeats the layout in plain fields
 (``properties["state_format"]``, ``["max_parallelism"]``, ``["operators"]``:
 per operator id its name, type, parallelism, key groups and state bytes per
@@ -50,8 +58,9 @@ from operator import itemgetter
 import numpy as np
 
 from pyflowbuf import errors
+from pyflowbuf.checkpoint.columns import decode_map, decode_rows, encode_map
 from pyflowbuf.checkpoint.container import dumps, loads
-from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
+from pyflowbuf.checkpoint.storage import CorruptCheckpointError, IncompatibleCheckpointError
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.runtime.graph import assign_uids
 from pyflowbuf.checkpoint.inflight import decode_inflight
@@ -75,16 +84,24 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
     Runs in the snapshot writer's thread, not the task's."""
     v, i = task.vertex, task.index
     start, end = kg.key_group_range(max_parallelism, v.parallelism, i)
-    entries, summary_ops = [], {}
-    for op, raw in zip(task.operators, state["operators"]):
+    entries, summary_ops, referenced = [], {}, set()
+    increments = state.get("increments") or [None] * len(task.operators)
+    for op, raw, inc in zip(task.operators, state["operators"], increments):
         uid = getattr(op, "uid", None) or op.name
         e = {"uid": uid, "name": op.name, "type": type(op).__name__}
         info = {"name": op.name, "type": e["type"], "stateful": raw is not None, "keyed": False, "bytes": 0}
         if raw is not None and op.keyed_state:
-            value, present = keyed_value(op, raw, max_parallelism, start, end, uid, i)
+            written, refs = (None, None) if inc is None or not inc[1] else inc
+            value, present = keyed_value(op, raw, max_parallelism, start, end, uid, i, written)
             blob = dumps(value, allow_pickle=allow_pickle)
             e.update(keyed=True, key_groups=[start, end], value=blob)
             info.update(keyed=True, key_groups=[start, end], groups=present, bytes=len(blob))
+            if refs:
+                e["written"] = written
+                e["refs"] = [{"checkpoint": c, "groups": gs} for c, gs in sorted(refs.items())]
+                info["written_groups"] = len(written)
+                info["refs"] = {str(c): len(gs) for c, gs in sorted(refs.items())}
+                referenced.update(refs)
         else:
             blob = None if raw is None else dumps(raw, allow_pickle=allow_pickle)
             e["state"] = blob
@@ -92,31 +109,46 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
         entries.append(e)
         summary_ops[uid] = info
     out = dict(state)
+    out.pop("increments", None)
     out.update(format=STATE_FORMAT, parallelism=v.parallelism, max_parallelism=max_parallelism,
                operators=entries, source_uid=v.head.operator_uid if task.source is not None else None)
     summary = {"vertex": v.name, "subtask": i, "parallelism": v.parallelism, "finished": bool(state["finished"]),
                "source_uid": out["source_uid"], "uids": [e["uid"] for e in entries], "operators": summary_ops}
+    if referenced:
+        summary["refs"] = sorted(referenced)
     return out, summary
 
 
-def keyed_value(op, raw, max_parallelism, start, end, uid, index):
+def keyed_value(op, raw, max_parallelism, start, end, uid, index, written=None):
     """A keyed operator's snapshot as stored: its maps in their own order
     with the key group of each entry beside them (``groups``, uint16), its
     timers as parallel lists with theirs, and the keyless rest. Returns it
-    and the number of key groups it holds entries of."""
+    and the number of key groups it holds entries of. ``written``: only
+    the entries of these key groups (an incremental checkpoint)."""
     maps, timers, common = op.keyed_parts(raw)
     value = {"maps": {}, "timers": {}, "common": common}
     indexes = []
+    keep = None
+    if written is not None:
+        keep = np.zeros(end - start, dtype=bool)
+        keep[np.asarray(written, dtype=np.int64) - start] = True
     for name, (d, key_of) in maps.items():
         ks = list(d)
         idx = kg.group_index(ks if key_of is None else [key_of(k) for k in ks], max_parallelism)
-        value["maps"][name] = {"entries": d, "groups": idx}
         indexes.append(idx)
+        if keep is not None:
+            d, idx = _pick_entries(d, idx, keep, start)
+        # by columns: a map of tuples of numbers encodes as a few arrays (checkpoint.columns)
+        value["maps"][name] = {"columns": encode_map(d), "groups": idx}
     for name, (snap, key_of) in timers.items():
         times, keys = kg.flatten_timers(snap)
         idx = kg.group_index(keys if key_of is None else [key_of(k) for k in keys], max_parallelism)
-        value["timers"][name] = {"times": times, "keys": keys, "groups": idx}
         indexes.append(idx)
+        if keep is not None:
+            sel = _picked(idx, keep, start)
+            if sel is not None:
+                times, keys, idx = [times[j] for j in sel], [keys[j] for j in sel], idx[sel]
+        value["timers"][name] = {"times": times, "keys": keys, "groups": idx}
     present = np.concatenate(indexes) if indexes else np.empty(0, np.uint16)
     if present.size and (int(present.min()) < start or int(present.max()) >= end):
         stray = int(present[(present < start) | (present >= end)][0])
@@ -125,6 +157,78 @@ def keyed_value(op, raw, max_parallelism, start, end, uid, index):
             f"[{start}, {end}) of its subtask {index}: its input was not partitioned by key_by with this "
             "job's max_parallelism, so its state could not be restored where its keys go")
     return value, int(np.unique(present).size)
+
+
+def map_entries(m) -> dict:
+    """A stored keyed map's entries: by columns (``checkpoint.columns``), or
+    a dict as checkpoints before them stored it."""
+    return m["entries"] if "entries" in m else decode_map(m["columns"])
+
+
+def _picked(idx, keep, start):
+    """The positions of the entries whose group ``keep`` marks; None for all.
+    (Groups outside the range are kept: the caller's range check refuses them.)"""
+    rel = idx.astype(np.int64) - start
+    inside = (rel >= 0) & (rel < keep.size)
+    mask = ~inside
+    mask[inside] = keep[rel[inside]]
+    if mask.all():
+        return None
+    return np.flatnonzero(mask)
+
+
+def _pick_entries(d: dict, idx, keep, start):
+    sel = _picked(idx, keep, start)
+    if sel is None:
+        return d, idx
+    if not len(sel):
+        return {}, idx[:0]
+    items = list(d.items())
+    got = itemgetter(*sel.tolist())(items) if len(sel) > 1 else [items[int(sel[0])]]
+    return dict(got), idx[sel]
+
+
+def merge_keyed_values(parts) -> dict:
+    """One stored keyed value from an incremental checkpoint's own value and
+    those it refers to: ``parts`` is ``[(value, groups)]``, ``groups`` the key
+    groups to take from that value (None: all of it). The groups of the parts
+    are disjoint; timers come out in time order."""
+    maps: dict = {}
+    timers: dict = {}
+    common = None
+    for n, (v, groups) in enumerate(parts):
+        if n == 0:
+            common = v["common"]
+        pick = None if groups is None else np.asarray(groups, dtype=np.int64)
+        for name, m in v["maps"].items():
+            d, g = map_entries(m), np.asarray(m["groups"])
+            if pick is not None:
+                sel = np.flatnonzero(np.isin(g, pick))
+                if len(sel) != len(g):
+                    items = list(d.items())
+                    d = dict(itemgetter(*sel.tolist())(items)) if len(sel) > 1 else dict(items[j] for j in sel)
+                    g = g[sel]
+            acc = maps.setdefault(name, ({}, []))
+            acc[0].update(d)
+            acc[1].append(g)
+        for name, t in v["timers"].items():
+            times, keys, g = t["times"], t["keys"], np.asarray(t["groups"])
+            if pick is not None:
+                sel = np.flatnonzero(np.isin(g, pick)).tolist()
+                times, keys, g = [times[j] for j in sel], [keys[j] for j in sel], g[sel]
+            acc = timers.setdefault(name, ([], [], []))
+            acc[0].extend(times)
+            acc[1].extend(keys)
+            acc[2].append(g)
+    out = {"maps": {}, "timers": {}, "common": common}
+    for name, (d, gs) in maps.items():
+        out["maps"][name] = {"entries": d, "groups": np.concatenate(gs).astype(np.uint16)}
+    for name, (times, keys, gs) in timers.items():
+        order = sorted(range(len(times)), key=times.__getitem__)
+        g = np.concatenate(gs).astype(np.uint16)
+        out["timers"][name] = {"times": [times[j] for j in order], "keys": [keys[j] for j in order],
+                               "groups": g[order] if order else g}
+    return out
 
 
 def keyed_restore(op, values, start=None, end=None):
@@ -137,12 +241,14 @@ def keyed_restore(op, values, start=None, end=None):
     commons = []
     for v, owner in values:
         for name, m in v["maps"].items():
-            d, target = m["entries"], maps.setdefault(name, {})
+            target = maps.setdefault(name, {})
             sel = _selection(m["groups"], start, end)
             if sel is None:
-                target.update(d)
+                target.update(map_entries(m))
+            elif len(sel) and "entries" not in m:
+                target.update(decode_rows(m["columns"], sel))       # only the rows of this range
             elif len(sel):
-                items = list(d.items())
+                items = list(m["entries"].items())
                 # one C loop picks them (itemgetter of several gives a tuple, of one the item)
                 target.update(itemgetter(*sel)(items) if len(sel) > 1 else [items[sel[0]]])
         for name, t in v["timers"].items():
@@ -371,7 +477,8 @@ class RestorePlan:
         if same is not None:
             stored = self._read(same)
             restore = {"vertex": v.name, "finished": stored["finished"], "stored": stored,
-                       "operators": [self._decode_entry(op, e) for op, e in zip(task.operators, stored["operators"])],
+                       "operators": [self._decode_entry(op, same, e)
+                                     for op, e in zip(task.operators, stored["operators"])],
                        "source": stored.get("source")}
             for k in ("source_identity", "inflight", "input_kinds", "output_kinds"):
                 if k in stored:
@@ -400,22 +507,47 @@ class RestorePlan:
                 restore["has_source"] = True
         return restore
 
-    def _decode_entry(self, op, e):
+    def _decode_entry(self, op, task_key, e):
         if e is None:
             return None
         allow = self.storage.allow_pickle
         if e.get("keyed"):
-            return keyed_restore(op, [(loads(e["value"], allow_pickle=allow), None)])
+            return keyed_restore(op, [(self._value(task_key, e), None)])
         blob = e.get("state")
         return None if blob is None else loads(blob, allow_pickle=allow)
 
     def _value(self, task_key, e):
         """A keyed entry's value, decoded once per restore (new subtasks whose
-        ranges share an old subtask read it from here)."""
+        ranges share an old subtask read it from here). An incremental
+        checkpoint's entry holds the key groups it wrote and refers to the
+        earlier checkpoints that hold the others: merged here."""
         got = self._decoded.get((task_key, e["uid"]))
         if got is None:
-            got = self._decoded[(task_key, e["uid"])] = loads(e["value"], allow_pickle=self.storage.allow_pickle)
+            allow = self.storage.allow_pickle
+            got = loads(e["value"], allow_pickle=allow)
+            refs = e.get("refs")
+            if refs:
+                parts = [(got, None)]
+                for r in refs:
+                    old = self._read_shared(r["checkpoint"], task_key)
+                    oe = next((x for x in old["operators"] if x.get("uid") == e["uid"] and x.get("keyed")), None)
+                    if oe is None:
+                        raise CorruptCheckpointError(
+                            f"{self.where}: task {task_key!r} refers to checkpoint {r['checkpoint']} for the key "
+                            f"groups of operator {e['uid']!r}, whose state file there does not hold them",
+                            checkpoint_id=self.meta.checkpoint_id, path=self.meta.path)
+                    parts.append((loads(oe["value"], allow_pickle=allow), r["groups"]))
+                got = merge_keyed_values(parts)
+            self._decoded[(task_key, e["uid"])] = got
         return got
+
+    def _read_shared(self, checkpoint_id, task_key) -> dict:
+        """The stored state of ``task_key`` in an earlier checkpoint this one refers to."""
+        st = self._cache.get((checkpoint_id, task_key))
+        if st is None:
+            st = self._cache[(checkpoint_id, task_key)] = self.storage.read_shared_state(
+                self.meta, checkpoint_id, task_key)
+        return st
 
     def _operator_state(self, op, uid, v, i):
         olds = self._old_tasks_of(uid)

@@ -190,6 +190,8 @@ class SubtaskCheckpoints:
 
     def notify_complete(self, checkpoint_id: int) -> None:
         """Mail: checkpoint n is complete (its sink commits were carried out)."""
+        if self.checkpointing is not None:
+            self.checkpointing.confirm(checkpoint_id)    # incremental: what later checkpoints may refer to
         for op in self.operators:
             op.notify_checkpoint_complete(checkpoint_id)
 
