@@ -5,7 +5,6 @@ the same directory. Most commands run in this process (``main(argv)``); some
 through ``python -m pyflowbuf`` in a subprocess, Ctrl-C included."""
 from __future__ import annotations
 
-import contextlib
 import glob
 import io
 import json
@@ -24,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
+from cli_helpers import ENV, KEYS, ROOT, cli, committed_lines, expected_lines
 from pyflowbuf.checkpoint import CheckpointStorage, shared
 from pyflowbuf.checkpoint.codec import encode_value
 from pyflowbuf.checkpoint.container import FILE_METADATA, SEC_METADATA, _ContainerWriter
@@ -31,34 +31,13 @@ from pyflowbuf.cli import build_parser, main, render
 from pyflowbuf.cli.checkpoints import raw_metadata
 from pyflowbuf.runtime import overrides
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [ROOT, os.environ.get("PYTHONPATH")] if p))
-KEYS = 10
 
-
-def cli(*argv):
-    """Run one command in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
 
 
 def last_json(text):
     return json.loads(text.strip().splitlines()[-1])
 
 
-def expected_lines(n):
-    """What the keyed count below writes, each line once."""
-    return sorted(f"{k},{i}" for k in range(KEYS) for i in range(1, n // KEYS + 1))
-
-
-def committed_lines(out_dir):
-    lines = []
-    for path in glob.glob(os.path.join(out_dir, "part-*")):    # not the hidden in-progress ones
-        with open(path) as f:
-            lines += f.read().splitlines()
-    return sorted(lines)
 
 
 def job_source(ckdir, out, *, n, parallelism=2, rate=None, extra="", sink_parallelism=None, mode="aligned",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import io
 import json
 import os
 import socket
@@ -20,36 +19,15 @@ import time
 import pytest
 
 import pyflowbuf as fb
-from pyflowbuf.cli import main
+from cli_helpers import ENV, KEYS, cli, committed_lines, expected_lines
 from pyflowbuf.errors import ConfigurationError, PortUnavailableError
 from pyflowbuf.net import protocol as P
 from pyflowbuf.cluster.control_channel import _NO_BUFFERS
 from pyflowbuf.cluster import control
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [ROOT, os.environ.get("PYTHONPATH")] if p))
-KEYS = 10
 
 
-def cli(*argv):
-    """One command in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
 
-
-def expected_lines(n):
-    """What the keyed count writes in one run without a stop, each line once."""
-    return sorted(f"{k},{i}" for k in range(KEYS) for i in range(1, n // KEYS + 1))
-
-
-def committed_lines(out_dir):
-    lines = []
-    for path in glob.glob(os.path.join(out_dir, "part-*")):    # not the hidden in-progress ones
-        with open(path) as f:
-            lines += f.read().splitlines()
-    return sorted(lines)
 
 
 def count(key, n, state):
@@ -197,7 +175,8 @@ def slow_job(tmp_path):
 
 def test_the_control_file_is_private_names_the_endpoint_and_goes_with_the_job(tmp_path):
     env = control_env(tmp_path)
-    keyed_count(env, 600, str(tmp_path / "out"), rate=None)
+    # ~3 s at this rate: the file is still there when read (it goes when the job ends, joined or not)
+    keyed_count(env, 6000, str(tmp_path / "out"), rate=2000)
     job = env.execute_async()
     path = tmp_path / "ck" / control.CONTROL_FILE
     info = json.loads(path.read_text())

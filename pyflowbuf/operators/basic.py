@@ -399,17 +399,10 @@ class KeyedReduce(_Keyed):
         return maps.get("state", {})
 
 
-class KeyedProcess(_Keyed):
-    """``fn(key, value, state) -> iterable`` with ``state`` a per-key dict that
-    lives in the task (and goes into checkpoints)."""
-
-    def process_batch(self, batch):
-        return _process_per_key(self, batch, self.key_fn, self.fn)
-
-    def process_ts(self, batch, ts):
-        if ts is None:
-            return self.process_batch(batch), None
-        return _process_per_key(self, batch, self.key_fn, self.fn, ts)
+class _KeyDictState:
+    """State as one dict per key (``self.state``), stored per key group and
+    recorded per changed key (incremental checkpoints): the keyed process
+    operators, one input or two."""
 
     def snapshot_state(self):
         return _copy_key_dicts(self.state)
@@ -425,6 +418,20 @@ class KeyedProcess(_Keyed):
 
     def from_keyed_parts(self, maps, timers, commons):
         return maps.get("state", {})
+
+
+class KeyedProcess(_KeyDictState, _Keyed):
+    """``fn(key, value, state) -> iterable`` with ``state`` a per-key dict that
+    lives in the task (and goes into checkpoints)."""
+
+    def process_batch(self, batch):
+        return _process_per_key(self, batch, self.key_fn, self.fn)
+
+    def process_ts(self, batch, ts):
+        if ts is None:
+            return self.process_batch(batch), None
+        return _process_per_key(self, batch, self.key_fn, self.fn, ts)
+
 
 
 def _process_per_key(op, batch, key_fn, fn, ts=None):
@@ -544,7 +551,7 @@ class CoProcess(_TwoInput):
         self.state = dict(state or {})
 
 
-class KeyedCoProcess(_TwoInput):
+class KeyedCoProcess(_KeyDictState, _TwoInput):
     """``fn_i(key, record, state) -> iterable`` where ``key = key_fn_i(record)``
     and ``state`` is the per-key dict both inputs share: both inputs are hash
     partitioned with the same stable hash, so equal keys meet in one subtask."""
@@ -562,20 +569,6 @@ class KeyedCoProcess(_TwoInput):
             return self.process_input(batch, input_index), None
         return _process_per_key(self, batch, self.key_fns[input_index], self.fns[input_index], ts)
 
-    def snapshot_state(self):
-        return _copy_key_dicts(self.state)
-
-    def restore_state(self, state):
-        self.state = _copy_key_dicts(state)
-
-    keyed_state = True
-    tracks_changes = True
-
-    def keyed_parts(self, state):
-        return {"state": (state or {}, None)}, {}, None
-
-    def from_keyed_parts(self, maps, timers, commons):
-        return maps.get("state", {})
 
 
 def _is_dataframe(x) -> bool:
