@@ -348,7 +348,82 @@ class TaskStateWriter:
 # ---------------------------------------------------------------------------- the storage
 
 
-class CheckpointStorage:
+class _References:
+    """CheckpointStorage's part for what an incremental checkpoint refers to
+    (``checkpoint/shared.py``): checked on completion and load, read on restore."""
+
+    def _check_reference_sizes(self, cid: int, refs) -> None:
+        """Before an incremental checkpoint completes: every earlier file it
+        refers to is there, with the size it had when it was written."""
+        for r in refs:
+            path = f"{self.checkpoint_path(r['checkpoint'])}/{r['file']}"
+            try:
+                size = self.fs.size(path)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(f"checkpoint {cid} refers to {path}, which does not exist") from None
+            if size != r["size"]:
+                raise CorruptCheckpointError(f"checkpoint {cid} refers to {path} of {r['size']} bytes, it has "
+                                             f"{size}", checkpoint_id=cid, path=path)
+
+    def _check_references(self, meta: CheckpointMetadata, verify: bool) -> None:
+        """An incremental checkpoint is complete only with the files of earlier
+        checkpoints it refers to (``pyflowbuf.checkpoint.shared``)."""
+        cid = meta.checkpoint_id
+        try:
+            refs = shared.references(meta)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{METADATA_FILE}: {e}", checkpoint_id=cid, path=meta.path) from e
+        if refs and not self._holds_chain:
+            raise CorruptCheckpointError(
+                f"checkpoint {cid} is incremental: it refers to state files of checkpoint(s) "
+                f"{sorted({r['checkpoint'] for r in refs})} in the checkpoint_dir it was taken in, which are not "
+                f"here. Restore it from that checkpoint_dir, or take a savepoint (always self-contained) to move "
+                f"state", checkpoint_id=cid, path=meta.path)
+        for r in refs:
+            h = self._reference_handle(r)
+            path = f"{self.checkpoint_path(h.checkpoint_id)}/{h.file}"
+            try:
+                size = self.fs.size(path)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"checkpoint {cid} refers to the state file of task {h.task_key!r} in checkpoint "
+                    f"{h.checkpoint_id} ({h.file}), which is missing", checkpoint_id=cid, path=path) from None
+            if size != h.size:
+                raise CorruptCheckpointError(
+                    f"checkpoint {cid} refers to the state file of task {h.task_key!r} in checkpoint "
+                    f"{h.checkpoint_id}, which has {size} bytes, metadata says {h.size} (torn)",
+                    checkpoint_id=cid, path=path)
+            if verify:
+                try:
+                    self._verify_task_file(meta, h, path)
+                except Exception as e:
+                    raise CorruptCheckpointError(f"checkpoint {cid} refers to checkpoint {h.checkpoint_id}, task "
+                                                 f"{h.task_key!r}: {e}", checkpoint_id=cid, path=path) from e
+
+    @staticmethod
+    def _reference_handle(r: dict) -> TaskStateHandle:
+        return TaskStateHandle(r["checkpoint"], r["task"], r["file"], r["size"], 0, 0, r["alignment"], 0)
+
+    def read_shared_state(self, meta: CheckpointMetadata, checkpoint_id: int, task_key: str):
+        """The stored state of ``task_key`` in earlier checkpoint
+        ``checkpoint_id``, which incremental checkpoint ``meta`` refers to
+        (every checksum is checked). CorruptCheckpointError when ``meta``
+        lists no such reference or the file is damaged."""
+        try:
+            refs = shared.references(meta)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{METADATA_FILE}: {e}", checkpoint_id=meta.checkpoint_id,
+                                         path=meta.path) from e
+        r = next((r for r in refs if r["checkpoint"] == checkpoint_id and r["task"] == task_key), None)
+        if r is None or not self._holds_chain:
+            raise CorruptCheckpointError(
+                f"checkpoint {meta.checkpoint_id}: task {task_key!r} refers to checkpoint {checkpoint_id}, which "
+                f"its {METADATA_FILE} does not list among its references", checkpoint_id=meta.checkpoint_id,
+                path=meta.path)
+        return self._read_file(self._reference_handle(r)).state
+
+
+class CheckpointStorage(_References):
     """Checkpoints of one job under ``checkpoint_dir`` (path or fsspec URL).
 
     retained
@@ -472,15 +547,7 @@ class CheckpointStorage:
             if size != h.size:
                 raise CorruptCheckpointError(f"the state file of task {h.task_key!r} has {size} bytes, "
                                              f"the task wrote {h.size}", checkpoint_id=cid, path=h.file)
-        for r in (properties or {}).get("references") or ():
-            path = f"{self.checkpoint_path(r['checkpoint'])}/{r['file']}"
-            try:
-                size = self.fs.size(path)
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(f"checkpoint {cid} refers to {path}, which does not exist") from None
-            if size != r["size"]:
-                raise CorruptCheckpointError(f"checkpoint {cid} refers to {path} of {r['size']} bytes, it has "
-                                             f"{size}", checkpoint_id=cid, path=path)
+        self._check_reference_sizes(cid, (properties or {}).get("references") or ())
         now = time.time()
         trigger = now if trigger_time is None else float(trigger_time)
         meta = CheckpointMetadata(cid, trigger, now, now - trigger if duration is None else float(duration),
@@ -647,63 +714,6 @@ class CheckpointStorage:
                     raise CorruptCheckpointError(f"task {h.task_key!r}: {e}", checkpoint_id=cid, path=path) from e
         self._check_references(meta, verify)
         return meta
-
-    def _check_references(self, meta: CheckpointMetadata, verify: bool) -> None:
-        """An incremental checkpoint is complete only with the files of earlier
-        checkpoints it refers to (``pyflowbuf.checkpoint.shared``)."""
-        cid = meta.checkpoint_id
-        try:
-            refs = shared.references(meta)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{METADATA_FILE}: {e}", checkpoint_id=cid, path=meta.path) from e
-        if refs and not self._holds_chain:
-            raise CorruptCheckpointError(
-                f"checkpoint {cid} is incremental: it refers to state files of checkpoint(s) "
-                f"{sorted({r['checkpoint'] for r in refs})} in the checkpoint_dir it was taken in, which are not "
-                f"here. Restore it from that checkpoint_dir, or take a savepoint (always self-contained) to move "
-                f"state", checkpoint_id=cid, path=meta.path)
-        for r in refs:
-            h = self._reference_handle(r)
-            path = f"{self.checkpoint_path(h.checkpoint_id)}/{h.file}"
-            try:
-                size = self.fs.size(path)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    f"checkpoint {cid} refers to the state file of task {h.task_key!r} in checkpoint "
-                    f"{h.checkpoint_id} ({h.file}), which is missing", checkpoint_id=cid, path=path) from None
-            if size != h.size:
-                raise CorruptCheckpointError(
-                    f"checkpoint {cid} refers to the state file of task {h.task_key!r} in checkpoint "
-                    f"{h.checkpoint_id}, which has {size} bytes, metadata says {h.size} (torn)",
-                    checkpoint_id=cid, path=path)
-            if verify:
-                try:
-                    self._verify_task_file(meta, h, path)
-                except Exception as e:
-                    raise CorruptCheckpointError(f"checkpoint {cid} refers to checkpoint {h.checkpoint_id}, task "
-                                                 f"{h.task_key!r}: {e}", checkpoint_id=cid, path=path) from e
-
-    @staticmethod
-    def _reference_handle(r: dict) -> TaskStateHandle:
-        return TaskStateHandle(r["checkpoint"], r["task"], r["file"], r["size"], 0, 0, r["alignment"], 0)
-
-    def read_shared_state(self, meta: CheckpointMetadata, checkpoint_id: int, task_key: str):
-        """The stored state of ``task_key`` in earlier checkpoint
-        ``checkpoint_id``, which incremental checkpoint ``meta`` refers to
-        (every checksum is checked). CorruptCheckpointError when ``meta``
-        lists no such reference or the file is damaged."""
-        try:
-            refs = shared.references(meta)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{METADATA_FILE}: {e}", checkpoint_id=meta.checkpoint_id,
-                                         path=meta.path) from e
-        r = next((r for r in refs if r["checkpoint"] == checkpoint_id and r["task"] == task_key), None)
-        if r is None or not self._holds_chain:
-            raise CorruptCheckpointError(
-                f"checkpoint {meta.checkpoint_id}: task {task_key!r} refers to checkpoint {checkpoint_id}, which "
-                f"its {METADATA_FILE} does not list among its references", checkpoint_id=meta.checkpoint_id,
-                path=meta.path)
-        return self._read_file(self._reference_handle(r)).state
 
     def _probe(self, cid: int, verify: bool) -> CheckpointInfo:
         path = self.fs.unstrip_protocol(self.checkpoint_path(cid))
