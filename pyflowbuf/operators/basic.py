@@ -355,7 +355,21 @@ class _Keyed(Operator):
         self.state: dict = {}
 
 
-class KeyedReduce(_Keyed):
+class _PerKeyState:
+    """Keyed state as one map ``self.state`` (key -> value), stored per key
+    group and recorded per changed key (incremental checkpoints)."""
+
+    keyed_state = True
+    tracks_changes = True
+
+    def keyed_parts(self, state):
+        return {"state": (state or {}, None)}, {}, None
+
+    def from_keyed_parts(self, maps, timers, commons):
+        return maps.get("state", {})
+
+
+class KeyedReduce(_PerKeyState, _Keyed):
     """Rolling reduce per key; emits the updated aggregate for every input."""
 
     def process_batch(self, batch):
@@ -389,20 +403,11 @@ class KeyedReduce(_Keyed):
     def restore_state(self, state):
         self.state = dict(state or {})
 
-    keyed_state = True
-    tracks_changes = True
-
-    def keyed_parts(self, state):
-        return {"state": (state or {}, None)}, {}, None
-
-    def from_keyed_parts(self, maps, timers, commons):
-        return maps.get("state", {})
 
 
-class _KeyDictState:
-    """State as one dict per key (``self.state``), stored per key group and
-    recorded per changed key (incremental checkpoints): the keyed process
-    operators, one input or two."""
+class _KeyDictState(_PerKeyState):
+    """A dict per key (the keyed process operators, one input or two): copied
+    one level deep on snapshot and restore."""
 
     def snapshot_state(self):
         return _copy_key_dicts(self.state)
@@ -410,14 +415,6 @@ class _KeyDictState:
     def restore_state(self, state):
         self.state = _copy_key_dicts(state)
 
-    keyed_state = True
-    tracks_changes = True
-
-    def keyed_parts(self, state):
-        return {"state": (state or {}, None)}, {}, None
-
-    def from_keyed_parts(self, maps, timers, commons):
-        return maps.get("state", {})
 
 
 class KeyedProcess(_KeyDictState, _Keyed):
