@@ -74,21 +74,22 @@ def decode_map(m) -> dict:
     return dict(zip(keys, values))
 
 
-def _take(c, rows) -> list:
+def _take(c, rows, rows_list) -> list:
     if isinstance(c, np.ndarray):
         _as_list(c[:0])             # (its dtype and shape checked)
         return c[rows].tolist()
     c = _as_list(c)
-    if len(rows) == 1:
-        return [c[rows[0]]]
-    return list(itemgetter(*rows)(c))
+    if len(rows_list) == 1:
+        return [c[rows_list[0]]]
+    return list(itemgetter(*rows_list)(c))
 
 
-def decode_rows(m, rows: list) -> dict:
-    """The entries at positions ``rows`` (ascending) of a map stored by
-    columns, without decoding the others (a restore at another parallelism
-    takes a subtask's key groups out of an old subtask's map)."""
-    if not rows:
+def decode_rows(m, rows) -> dict:
+    """The entries at positions ``rows`` (ascending, an int64 array) of a map
+    stored by columns, without decoding the others (a restore at another
+    parallelism takes a subtask's key groups out of an old subtask's map)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not len(rows):
         return {}
     if type(m) is not dict or "keys" not in m:
         raise _Corrupt("a stored map has no keys column")
@@ -97,6 +98,8 @@ def decode_rows(m, rows: list) -> dict:
         raise _Corrupt("the columns of a stored map differ in length")
     if rows[-1] >= len(m["keys"]):
         raise _Corrupt("a stored map has fewer entries than its key groups")
-    keys = _take(m["keys"], rows)
-    fields = [_take(c, rows) for c in cols]
+    # (a NumPy column takes the array of positions, a list column a list of them)
+    rows_list = rows.tolist() if any(not isinstance(c, np.ndarray) for c in [m["keys"], *cols]) else None
+    keys = _take(m["keys"], rows, rows_list)
+    fields = [_take(c, rows, rows_list) for c in cols]
     return dict(zip(keys, zip(*fields) if "fields" in m else fields[0]))

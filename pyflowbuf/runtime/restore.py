@@ -248,6 +248,7 @@ def keyed_restore(op, values, start=None, end=None):
             elif len(sel) and "entries" not in m:
                 target.update(decode_rows(m["columns"], sel))       # only the rows of this range
             elif len(sel):
+                sel = sel.tolist()
                 items = list(m["entries"].items())
                 # one C loop picks them (itemgetter of several gives a tuple, of one the item)
                 target.update(itemgetter(*sel)(items) if len(sel) > 1 else [items[sel[0]]])
@@ -258,7 +259,7 @@ def keyed_restore(op, values, start=None, end=None):
                 got.extend(zip(t["times"], t["keys"]))
             else:
                 times, keys = t["times"], t["keys"]
-                got.extend((times[j], keys[j]) for j in sel)
+                got.extend((times[j], keys[j]) for j in sel.tolist())
         common = v["common"]
         if isinstance(common, dict) and owner is not None:
             common = dict(common, owner=owner)
@@ -273,14 +274,14 @@ def _time_of(pair):
 
 
 def _selection(groups, start, end):
-    """The positions of the entries in ``[start, end)``; None for all of them."""
+    """The positions of the entries in ``[start, end)`` (an int64 array); None for all of them."""
     if start is None:
         return None
     groups = np.asarray(groups)
     mask = (groups >= start) & (groups < end)
     if mask.all():
         return None
-    return np.flatnonzero(mask).tolist()
+    return np.flatnonzero(mask)
 
 
 def summary_of(stored: dict) -> dict:
