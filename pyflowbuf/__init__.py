@@ -14,8 +14,8 @@ from pyflowbuf._version import __version__
 from pyflowbuf._core.serde import stable_hash
 from pyflowbuf import errors
 from pyflowbuf.config import CheckpointConfig, DebloatConfig, MetricsConfig, NetworkConfig, RestartConfig
-from pyflowbuf.api import (AllWindowedStream, CollectSink, ConnectedStreams, Environment, IntervalJoin, IteratorSink,
-                           JoinedStreams, KeyedStream, OutputTag, Stream, WindowedStream, WindowResult)
+from pyflowbuf.api import (AllWindowedStream, CollectSink, ConnectedStreams, DataSink, Environment, IntervalJoin,
+                           IteratorSink, JoinedStreams, KeyedStream, OutputTag, Stream, WindowedStream, WindowResult)
 from pyflowbuf.connectors.sources import RateLimiter
 from pyflowbuf import windows
 from pyflowbuf.windows import (AggregateFunction, ContinuousEventTimeTrigger, Count, CountTrigger, CountWindow,
@@ -27,7 +27,7 @@ from pyflowbuf.time.timers import KeyedProcessFunction
 __all__ = [
     "__version__", "errors", "stable_hash",
     "Environment", "CheckpointConfig", "RestartConfig", "NetworkConfig", "DebloatConfig", "MetricsConfig",
-    "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink", "RateLimiter",
+    "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "DataSink", "IteratorSink", "RateLimiter",
     "WindowedStream", "AllWindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin",
     "windows", "Tumbling", "Sliding", "Session", "TimeWindow", "AggregateFunction", "Count", "Sum",
     "TumblingProcessingTime", "SlidingProcessingTime", "SessionProcessingTime", "CountWindow", "RecordRange",

@@ -153,3 +153,64 @@ def test_a_stateful_operator_without_uid_warns_when_checkpointing(tmp_path):
         warnings.simplefilter("error", OperatorIdWarning)
         env.execute(30)         # every stateful operator has a uid
         env2.execute(30)        # no checkpoints: nothing to warn about
+
+
+# ---- sinks have ids too: a file sink's part numbers are stored under it ----
+
+def _lines_job(env, out_dir, *, other_dir=None, sink_uid="lines", rate=None):
+    s = env.from_sequence(0, N, parallelism=2, rate_limit=rate).uid("numbers").map(lambda x: x * 2)
+    if other_dir is not None:
+        s.write_text(other_dir)          # a new sink of the same name, declared first
+    sink = s.write_text(out_dir)
+    return sink.uid(sink_uid) if sink_uid else sink
+
+
+def _lines(directory):
+    return sorted(int(line) for f in directory.glob("part-*") for line in f.read_text().splitlines())
+
+
+@pytest.mark.parametrize("workers", [None, 2])
+def test_a_sink_found_by_its_uid_when_a_sink_is_added_writes_exactly_once(tmp_path, workers):
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
+    handle = _lines_job(env, str(tmp_path / "out"), rate=3000)
+    assert isinstance(handle, fb.DataSink) and repr(handle) == "<DataSink 'write_text' uid='lines'>"
+    job = env.execute_async()
+    time.sleep(0.4)
+    path = job.stop(savepoint=str(tmp_path / "sp"))
+    assert 0 < len(_lines(tmp_path / "out")) < N, "the first run should stop before its end"
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck2"),
+                         workers=workers)
+    _lines_job(env, str(tmp_path / "out"), other_dir=str(tmp_path / "other"))
+    env.execute(60, restore_from=path)
+    assert _lines(tmp_path / "out") == [x * 2 for x in range(N)]
+
+
+def test_a_sink_whose_derived_id_moved_is_refused_rather_than_writing_over_its_parts(tmp_path):
+    """Without a uid, a sink declared before it moves the file sink's derived
+    id ("write_text#0" -> "#1"): restored without its state it would number
+    its parts from 0 again, over the committed ones. Refused, naming uid."""
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
+    _lines_job(env, str(tmp_path / "out"), sink_uid=None, rate=3000)
+    job = env.execute_async()
+    time.sleep(0.4)
+    path = job.stop(savepoint=str(tmp_path / "sp"))
+    before = _lines(tmp_path / "out")
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck2"))
+    _lines_job(env, str(tmp_path / "out"), other_dir=str(tmp_path / "other"), sink_uid=None)
+    with pytest.raises(fb.errors.OutputExistsError, match=r"no state of this sink \(operator id 'write_text#1'.*uid"):
+        env.execute(60, restore_from=path)
+    assert _lines(tmp_path / "out") == before          # nothing written over
+
+
+def test_sink_handles_take_uids_checked_like_streams():
+    env = fb.Environment()
+    s = env.from_sequence(0, 10).map(lambda x: x).uid("a")
+    with pytest.raises(ConfigurationError, match="already the id"):
+        s.sink(lambda r: None).uid("a")
+    with pytest.raises(TypeError):
+        s.print().uid("")
+    out = s.collect().uid("results")
+    assert out.uid("results") is out          # (its own id again is fine)
+    env.execute(30)
+    assert out.result == list(range(10))
+    assert {n.uid for n in env.nodes} >= {"a", "results"}

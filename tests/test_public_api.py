@@ -24,7 +24,7 @@ def test_all_holds_the_users_api_and_every_name_resolves():
     for name in pyflowbuf.__all__:
         assert hasattr(pyflowbuf, name), name
     assert not set(_CORE) & set(pyflowbuf.__all__)
-    for name in ("Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink",
+    for name in ("Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink", "DataSink",
                  "Tumbling", "Sliding", "Session", "Count", "Sum", "KeyedProcessFunction", "errors",
                  "CountWindow", "TumblingProcessingTime", "SlidingProcessingTime", "SessionProcessingTime",
                  "EventTimeTrigger", "ContinuousEventTimeTrigger", "CountTrigger", "PurgingTrigger",
@@ -61,6 +61,7 @@ def test_unknown_attribute_is_attribute_error():
 
 _DOCUMENTED = [
     api.Environment, api.Stream, api.KeyedStream, api.ConnectedStreams, api.CollectSink, api.IteratorSink,
+    api.DataSink,
     windows.TimeWindow, windows.WindowAssigner, windows.Tumbling, windows.Sliding, windows.Session,
     windows.AggregateFunction, windows.Count, windows.Sum, api.WindowedStream, api.WindowResult,
     api.JoinedStreams, api.IntervalJoin, api.OutputTag, testing.OperatorHarness,

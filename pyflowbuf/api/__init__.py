@@ -24,9 +24,9 @@ What lives where:
 from pyflowbuf.api.environment import Environment
 from pyflowbuf.api.side_outputs import OutputTag
 from pyflowbuf.api.joined import IntervalJoin, JoinedStreams
-from pyflowbuf.api.sinks import CollectSink, IteratorSink
+from pyflowbuf.api.sinks import CollectSink, DataSink, IteratorSink
 from pyflowbuf.api.stream import ConnectedStreams, KeyedStream, Stream, WindowResult
 from pyflowbuf.api.windowed import AllWindowedStream, WindowedStream
 
-__all__ = ["Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "IteratorSink",
+__all__ = ["Environment", "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "DataSink", "IteratorSink",
            "WindowedStream", "AllWindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin", "OutputTag"]

@@ -10,7 +10,7 @@ from pyflowbuf._validation import _callable, _output_path, _positive_int
 from pyflowbuf.connectors import PrintSink
 from pyflowbuf.errors import ConfigurationError
 from pyflowbuf.connectors import sinks as sink_ops
-from pyflowbuf.runtime.graph import Node
+from pyflowbuf.runtime.graph import Node, set_uid
 from pyflowbuf.connectors.outputs import FileOutput, check_mode
 
 
@@ -33,20 +33,22 @@ class SinkDeclarations:
             out.result          # [30, 10, 20]
         """
         handle = CollectSink()
-        node = self._then(name, lambda: sink_ops.CollectSink(name, handle._parts), parallelism, None, sink=True)
-        node.collect_parts = handle._parts
+        parts = handle._parts       # (the factory travels to workers: never the handle, which holds the env)
+        node = self._then(name, lambda: sink_ops.CollectSink(name, parts), parallelism, None, sink=True)
+        node.collect_parts = parts
+        handle._env, handle._node = self.env, node
         return handle
 
     def sink(self, fn: Callable, *, batched: bool = False, parallelism: int | None = None,
-             name: str = "sink") -> None:
+             name: str = "sink") -> "DataSink":
         """Call ``fn(record)`` (or ``fn(batch)`` with batched=True) in the sink task.
 
         With ``Environment(workers=N)`` the sink task runs in a worker process:
         what ``fn`` does to the caller's objects happens to the worker's copy
         (use ``collect()`` or ``to_iterator()`` to bring records back).
 
-        Returns None (a sink ends the stream). A ``fn`` that is not callable is a
-        ``TypeError``.
+        Returns a ``DataSink`` (a sink ends the stream; its ``uid()`` names it).
+        A ``fn`` that is not callable is a ``TypeError``.
 
         Example::
 
@@ -56,8 +58,10 @@ class SinkDeclarations:
         _callable(fn, "sink")
         node = self._then(name, lambda: sink_ops.FunctionSink(name, fn, batched), parallelism, None, sink=True)
         node.user_sink = True
+        return DataSink(self.env, node)
 
-    def print(self, prefix: str | None = None, *, parallelism: int | None = None, name: str = "print") -> None:
+    def print(self, prefix: str | None = None, *, parallelism: int | None = None,
+              name: str = "print") -> "DataSink":
         """Each record on stdout as ``str(record)``, as PyFlink's print():
         after ``"<subtask>> "`` (from 1) when the sink has several subtasks,
         ``"<prefix>> "`` / ``"<prefix>:<subtask>> "`` with a prefix. With
@@ -67,7 +71,8 @@ class SinkDeclarations:
         worker, all of it before ``execute()`` returns. Not transactional:
         after a restore, records since the checkpoint print again.
 
-        A ``prefix`` that is not a str is a ``ConfigurationError``.
+        Returns a ``DataSink``. A ``prefix`` that is not a str is a
+        ``ConfigurationError``.
 
         Example::
 
@@ -76,11 +81,10 @@ class SinkDeclarations:
         """
         if prefix is not None and not isinstance(prefix, str):
             raise ConfigurationError(f"print: prefix must be a str or None, got {prefix!r}")
-
-        self._then(name, lambda: PrintSink(name, prefix), parallelism, None, sink=True)
+        return DataSink(self.env, self._then(name, lambda: PrintSink(name, prefix), parallelism, None, sink=True))
 
     def write_text(self, path, *, parallelism: int | None = None, name: str = "write_text",
-                   mode: str = "error") -> None:
+                   mode: str = "error") -> "DataSink":
         """One line per record (``str(record)``) in the directory ``path``:
         ``part-<subtask>-<seq>.txt`` files (one per subtask without
         checkpoints; read them back with ``read_text`` on each, or
@@ -97,13 +101,15 @@ class SinkDeclarations:
         checkpoint being restored), ``"overwrite"`` removes it first,
         ``"append"`` adds new parts beside it (``OutputExistsError``).
 
-        A bad ``mode`` is a ``ConfigurationError`` here; output already in the
+        Returns a ``DataSink``: give the sink a stable id with ``.uid()``
+        (its pending parts are stored under it in checkpoints). A bad
+        ``mode`` is a ``ConfigurationError`` here; output already in the
         directory with ``mode="error"`` is ``OutputExistsError`` from
         ``execute()``, before anything runs.
 
         Example::
 
-            counts.write_text("out/counts", mode="overwrite")
+            counts.write_text("out/counts", mode="overwrite").uid("counts-out")
         """
 
         path = _output_path(path, name)
@@ -117,10 +123,11 @@ class SinkDeclarations:
                           parallelism, None, sink=True)
         output.parallelism = node.parallelism
         node.file_output = output
+        return DataSink(self.env, node)
 
     def write_parquet(self, path, *, parallelism: int | None = None, name: str = "write_parquet",
                       schema=None, row_group_size: int | None = None, compression="snappy",
-                      mode: str = "error") -> None:
+                      mode: str = "error") -> "DataSink":
         """Parquet files in the directory ``path``: ``part-<subtask>-<seq>.parquet``
         (pyarrow, the ``arrow`` extra), one per subtask without checkpoints.
 
@@ -136,7 +143,8 @@ class SinkDeclarations:
         ``path`` as for ``write_text`` (a local directory or an fsspec URL).
         Parts are committed as ``write_text``'s are (hidden until committed;
         with checkpointing on, exactly once across failures; readers skip
-        names starting with ``.``), and ``mode`` works the same way.
+        names starting with ``.``), and ``mode`` works the same way. Returns
+        a ``DataSink`` (``.uid()`` as for ``write_text``).
 
         Example::
 
@@ -157,6 +165,7 @@ class SinkDeclarations:
                           parallelism, None, sink=True)
         output.parallelism = node.parallelism
         node.file_output = output
+        return DataSink(self.env, node)
 
     def to_iterator(self, *, name: str = "iterator", zero_copy: bool = False) -> "IteratorSink":
         """A sink read by ``Environment.execute_iter`` in the caller's thread.
@@ -183,6 +192,48 @@ class SinkDeclarations:
 
 
 
+class DataSink:
+    """Handle of a sink declared by ``sink()``, ``print()``, ``write_text()``
+    or ``write_parquet()`` (as Flink's DataStreamSink): ``uid()`` gives the
+    sink a stable operator id, under which checkpoints store its state (a
+    file sink's parts not yet committed), so a later version of the job
+    that adds or removes sinks of the same kind still finds it.
+
+    Example::
+
+        rows.write_parquet("out/events").uid("events-out")
+    """
+
+    def __init__(self, env, node: Node):
+        self._env = env
+        self._node = node
+
+    @property
+    def name(self) -> str:
+        """The sink's operator name (its ``name=``).
+
+        Example::
+
+            stream.write_text("out/lines", name="lines").name      # "lines"
+        """
+        return self._node.name
+
+    def uid(self, uid: str) -> "DataSink":
+        """Give the sink a stable operator id (see ``Stream.uid``); returns
+        this handle. An id another operator of the job has is a
+        ``ConfigurationError``; one that is not a non-empty str a ``TypeError``.
+
+        Example::
+
+            stream.write_text("out/lines").uid("lines-out")
+        """
+        set_uid(self._env.nodes, self._node, uid)
+        return self
+
+    def __repr__(self):
+        return f"<DataSink {self._node.name!r} uid={self._node.uid!r}>"
+
+
 class CollectSink:
     """Handle of a ``collect()`` sink; ``result`` is filled when the job ends.
 
@@ -195,6 +246,18 @@ class CollectSink:
 
     def __init__(self):
         self._parts: dict = {}
+        self._env = self._node = None
+
+    def uid(self, uid: str) -> "CollectSink":
+        """Give the sink a stable operator id (see ``Stream.uid``, ``DataSink.uid``);
+        returns this handle.
+
+        Example::
+
+            out = stream.collect().uid("results")
+        """
+        set_uid(self._env.nodes, self._node, uid)
+        return self
 
     @property
     def result(self) -> list:

@@ -14,7 +14,7 @@ from pyflowbuf.api.sinks import SinkDeclarations
 from pyflowbuf.api.windowed import AllWindowedStream, WindowedStream, _no_key
 from pyflowbuf.errors import ConfigurationError, UnitWarning
 from pyflowbuf.operators import basic as ops
-from pyflowbuf.runtime.graph import Input, Node, carried_timestamps
+from pyflowbuf.runtime.graph import Input, Node, carried_timestamps, set_uid
 from pyflowbuf.time.timers import (KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator,
                                       ProcessOperator, takes_context)
 from pyflowbuf.time.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
@@ -68,12 +68,7 @@ class Stream(SinkDeclarations):
 
             counts = words.key_by(lambda w: w).reduce(add).uid("word-counts")
         """
-        if not isinstance(uid, str) or not uid:
-            raise TypeError(f"uid takes a non-empty str, got {uid!r}")
-        for n in self.env.nodes:
-            if n.uid == uid and n is not self.node:
-                raise ConfigurationError(f"uid {uid!r} is already the id of operator {n.name!r}")
-        self.node.uid = uid
+        set_uid(self.env.nodes, self.node, uid)
         return self
 
     # ---- partitioning ----

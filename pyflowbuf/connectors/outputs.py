@@ -70,6 +70,11 @@ class FileOutput:
         self.what = what
         self.parallelism = None       # the sink's, set when it is declared
         self.seq_start = 0            # the first part number of a fresh run (append: after what is there)
+        # set by a restore (runtime.restore.commit_outputs): whether the
+        # checkpoint holds this sink's state under its operator id (None: an
+        # older checkpoint that does not say)
+        self.restored_state = None
+        self.uid = None
         self.declared_in = os.getpid()
         suffixes = "|".join(re.escape(s) for s in (suffix, *legacy_suffixes))
         self._final = re.compile(rf"{_PART}(?:{suffixes})\Z")
@@ -117,12 +122,18 @@ class FileOutput:
             d.remove_self()
         d.makedirs()
         names = sorted(d.names())
-        foreign = [n for n in names if not (restoring and self._own(n))]
+        # A sink restored without state (a new sink, or one whose derived id
+        # moved) would number its parts from 0 again, over the ones there
+        own = restoring and self.restored_state is not False
+        foreign = [n for n in names if not (own and self._own(n))]
         if self.mode == "error":
             shown = [n for n in foreign if _visible(n)]
             if shown:
                 more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
-                why = ("that this job's checkpoint did not write" if restoring else
+                why = ("that this job's checkpoint did not write" if own else
+                       f"and the checkpoint being restored holds no state of this sink (operator id {self.uid!r}: "
+                       "a new sink, or one whose derived id changed with the job; give each sink a stable id "
+                       "with .uid(...))" if restoring else
                        "and the job does not restore a checkpoint that wrote it")
                 raise errors.OutputExistsError(
                     f"{self.what}: the output directory {path} is not empty ({', '.join(shown[:3])}{more}) "

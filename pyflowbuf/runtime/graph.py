@@ -170,6 +170,17 @@ def has_timestamps(node: Node) -> bool:
         seen[id(n)] = own
         stack.pop()
     return seen[id(node)]
+def set_uid(nodes: list, node, uid) -> None:
+    """``node.uid = uid`` for ``Stream.uid`` and a sink's ``uid``: a
+    non-empty str that no other node of the job has."""
+    if not isinstance(uid, str) or not uid:
+        raise TypeError(f"uid takes a non-empty str, got {uid!r}")
+    for n in nodes:
+        if n.uid == uid and n is not node:
+            raise errors.ConfigurationError(f"uid {uid!r} is already the id of operator {n.name!r}")
+    node.uid = uid
+
+
 def assign_uids(nodes: list) -> None:
     """Give every node without ``uid`` a derived one: its name and its rank
     among the nodes of that name (``"reduce#0"``), so adding, removing or

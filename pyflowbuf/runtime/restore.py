@@ -619,6 +619,8 @@ def commit_outputs(nodes, meta) -> list:
         old = ops.get(n.operator_uid)
         if old is not None and fo.parallelism is not None and old["parallelism"] > fo.parallelism:
             fo.parallelism = old["parallelism"]
+        fo.uid = n.operator_uid
+        fo.restored_state = bool(old and old.get("stateful")) if is_current(meta) else None
         out.append(fo)
     return out
 
