@@ -241,12 +241,18 @@ def keyed_restore(op, values, start=None, end=None):
     commons = []
     for v, owner in values:
         for name, m in v["maps"].items():
-            target = maps.setdefault(name, {})
             sel = _selection(m["groups"], start, end)
+            if "entries" not in m and (sel is None or len(sel)):
+                # a dict made here: the first is kept as it is (a copy would touch every entry again)
+                got = decode_map(m["columns"]) if sel is None else decode_rows(m["columns"], sel)
+                if name in maps:
+                    maps[name].update(got)
+                else:
+                    maps[name] = got
+                continue
+            target = maps.setdefault(name, {})
             if sel is None:
-                target.update(map_entries(m))
-            elif len(sel) and "entries" not in m:
-                target.update(decode_rows(m["columns"], sel))       # only the rows of this range
+                target.update(m["entries"])
             elif len(sel):
                 sel = sel.tolist()
                 items = list(m["entries"].items())
