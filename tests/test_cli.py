@@ -330,7 +330,6 @@ def test_an_incomplete_checkpoint_is_listed_and_not_shown(ckdir):
     ("ck", ["list", "{d}/ck/chk-{id}"], "`list` takes the checkpoint_dir"),
     ("ck", ["show", "{d}/ck", "999"], "holds no checkpoint 999"),
     ("ck", ["show", "{d}/ck/chk-{id}", "999"], "is checkpoint"),
-    ("meta", ["show", "{d}/loose"], "not a chk-<id> directory"),
     ("ck", ["verify", "{d}/ck", "x"], None),          # usage: exit code 2
 ])
 def test_errors_are_one_line_with_a_nonzero_exit_code(checkpoints, tmp_path, make, argv, message):
@@ -342,9 +341,6 @@ def test_errors_are_one_line_with_a_nonzero_exit_code(checkpoints, tmp_path, mak
         (tmp_path / "plain.txt").write_text("x")
     elif make == "ck":
         shutil.copytree(checkpoints, tmp_path / "ck")
-    elif make == "meta":
-        (tmp_path / "loose").mkdir()
-        shutil.copy(checkpoints / f"chk-{cid}" / "_metadata", tmp_path / "loose")
     args = ["checkpoints"] + [a.format(d=tmp_path, id=cid) for a in argv]
     if message is None:
         with pytest.raises(SystemExit) as e:
@@ -823,3 +819,44 @@ def test_random_damage_is_classified_as_the_files_and_the_storage_say(checkpoint
                     assert err.count("\n") == 1 and "Traceback" not in err
 
     check()
+
+
+def test_show_and_verify_take_a_savepoint_directory_with_a_table_per_operator(tmp_path):
+    """A savepoint is a directory of its own (no chk-<id> around it): show and
+    verify take it; show lists per operator id its state, key groups per
+    subtask and its tasks' in-flight bytes; list points to show."""
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.2, checkpoint_dir=str(tmp_path / "ck"))
+    (env.from_sequence(0, None, parallelism=2, rate_limit=2000).uid("numbers")
+        .key_by(lambda x: x % 5).reduce(lambda a, b: a + b).uid("sums")
+        .sink(lambda r: None).uid("drop"))
+    job = env.execute_async()
+    time.sleep(0.4)
+    sp = job.stop(savepoint=str(tmp_path / "sp"))
+    data = json.loads(cli("checkpoints", "show", sp, "--json")[1])
+    assert data["kind"] == "savepoint" and data["status"] == "complete"
+    ops = {o["uid"]: o for o in data["operators"]}
+    assert set(ops) == {"numbers", "sums", "drop"}
+    assert ops["sums"]["keyed"] and ops["sums"]["key_groups"] == [[0, 64], [64, 128]]
+    assert ops["sums"]["state_bytes"] > 0 and ops["sums"]["inflight_bytes"] == 0
+    assert ops["numbers"]["type"] == "source" and len(ops["sums"]["tasks"]) == 2
+    code, table, _ = cli("checkpoints", "show", os.path.join(sp, "_metadata"))
+    assert code == 0 and "(savepoint, complete)" in table
+    rows = {line.split()[0]: line.split() for line in table.split("operators")[-1].splitlines()[3:] if line.strip()}
+    assert rows["sums"][1:3] == ["reduce", "KeyedReduce"] and "0..63" in rows["sums"] and "64..127" in rows["sums"]
+    code, out, _ = cli("checkpoints", "verify", sp, "--json")
+    assert code == 0 and json.loads(out)["ok"]
+    code, _, err = cli("checkpoints", "list", sp)
+    assert code != 0 and "`show` and `verify` take one checkpoint" in err
+
+
+def test_a_copied_checkpoint_missing_its_task_files_is_shown_torn(checkpoints, tmp_path):
+    """A directory holding a `_metadata` is one checkpoint on its own (a
+    savepoint, a copied chk-<id>); without its task files it is torn."""
+    cid = CheckpointStorage(checkpoints).checkpoint_ids()[-1]
+    (tmp_path / "loose").mkdir()
+    shutil.copy(checkpoints / f"chk-{cid}" / "_metadata", tmp_path / "loose")
+    code, out, err = cli("checkpoints", "show", tmp_path / "loose")
+    assert code == 1 and f"checkpoint:      {cid} (checkpoint, torn)" in out and "missing" in out
+    assert f"checkpoint {cid} is torn" in err
+    code, out, _ = cli("checkpoints", "verify", tmp_path / "loose", "--json")
+    assert code == 1 and not json.loads(out)["ok"]

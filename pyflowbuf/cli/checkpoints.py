@@ -20,7 +20,7 @@ import fsspec
 
 from pyflowbuf.checkpoint.container import FILE_METADATA, SEC_METADATA, _decode_section, _MemSource, _parse
 from pyflowbuf.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, PickleNotAllowedError
-from pyflowbuf.checkpoint.storage import METADATA_FILE, CheckpointStorage
+from pyflowbuf.checkpoint.storage import METADATA_FILE, CheckpointStorage, SavepointStorage
 
 _CHK_DIR = re.compile(r"^chk-(0|[1-9][0-9]*)$")
 
@@ -59,8 +59,8 @@ def _children(fs, path) -> list[str]:
 
 def open_target(path, checkpoint_id: int | None = None) -> Target:
     """Resolve ``PATH`` (and an optional id): a ``chk-<id>`` directory, its
-    ``_metadata`` file, or a job's ``checkpoint_dir``. Anything else is a
-    CliError that says what was found."""
+    ``_metadata`` file, a savepoint's directory, or a job's
+    ``checkpoint_dir``. Anything else is a CliError that says what was found."""
     given = os.fspath(path)
     try:
         fs, p = _split(given)
@@ -86,8 +86,16 @@ def open_target(path, checkpoint_id: int | None = None) -> Target:
     ids = sorted(int(n[4:]) for n in names if _CHK_DIR.match(n))
     if not ids:
         if METADATA_FILE in names:
-            raise CliError(f"{given} holds a {METADATA_FILE} but is not a chk-<id> directory: this version reads "
-                           "checkpoints only in their chk-<id> directory inside the job's checkpoint_dir")
+            # a savepoint, or a chk-<id> directory copied under another name: one checkpoint on its own
+            storage = SavepointStorage(fs.unstrip_protocol(p))
+            try:
+                cid = storage.checkpoint_id
+            except CorruptCheckpointError as e:
+                raise CliError(f"{given}: its {METADATA_FILE} is damaged ({e}): the savepoint cannot be "
+                               "read") from None
+            if checkpoint_id is not None and checkpoint_id != cid:
+                raise CliError(f"{given} holds checkpoint {cid} (a savepoint), and the id given is {checkpoint_id}")
+            return Target(storage, cid, given)
         raise CliError(f"{given} is not a checkpoint directory: it holds no chk-<id> directories "
                        f"and no {METADATA_FILE}")
     if checkpoint_id is not None and checkpoint_id not in ids:
@@ -298,13 +306,39 @@ def show(target: Target, *, state: bool = False) -> dict:
         for row in tasks:
             row["state"] = _state_summary(storage, meta, row["task_key"])
     known_props = {"job", "mode", "alignment", "alignment_ms", "commits", "kind"}
-    return {**entry,
+    return {**entry, "operators": _operators(props, tasks),
             "job": props.get("job"), "mode": props.get("mode"),
             "commits": len(props["commits"]) if isinstance(props.get("commits"), list) else None,
             "format": raw.get("format"),
             "tasks": tasks,
             "properties": {k: v for k, v in props.items() if k not in known_props},
             "extra": {k: v for k, v in raw.items() if k not in _META_FIELDS and k != "kind"}}
+
+
+def _operators(props: dict, tasks: list) -> list:
+    """Per operator id (a state format 2 checkpoint's ``operators`` and
+    ``layout``): its name, type, parallelism, state bytes, the key groups of
+    each subtask, and the in-flight bytes of the tasks that hold it (the
+    channels into and out of a task are its chain's, not one operator's)."""
+    ops, layout = props.get("operators"), props.get("layout")
+    if not isinstance(ops, dict):
+        return []
+    layout = layout if isinstance(layout, dict) else {}
+    inflight = {t["task_key"]: t.get("inflight_bytes") or 0 for t in tasks}
+    out = []
+    for uid, o in ops.items():
+        if not isinstance(o, dict):
+            continue
+        subs = o.get("subtasks") if isinstance(o.get("subtasks"), dict) else {}
+        groups = sorted(tuple(v["key_groups"]) for v in subs.values()
+                        if isinstance(v, dict) and isinstance(v.get("key_groups"), list))
+        holders = [k for k, t in layout.items() if isinstance(t, dict)
+                   and (uid in (t.get("uids") or []) or t.get("source_uid") == uid)]
+        out.append({"uid": uid, "name": o.get("name"), "type": o.get("type"), "parallelism": o.get("parallelism"),
+                    "keyed": bool(o.get("keyed")), "stateful": bool(o.get("stateful")),
+                    "state_bytes": o.get("state_bytes"), "key_groups": [list(g) for g in groups],
+                    "inflight_bytes": sum(inflight.get(k, 0) for k in holders), "tasks": sorted(holders, key=_natural)})
+    return sorted(out, key=lambda o: _natural(str(o["uid"])))
 
 
 def verify(target: Target) -> dict:
