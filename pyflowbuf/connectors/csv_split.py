@@ -36,6 +36,7 @@ from pyflowbuf import errors
 from pyflowbuf.errors import FileFormatError
 from pyflowbuf.connectors import filesystems as fsx
 from pyflowbuf.connectors.files import _pyarrow
+from pyflowbuf.connectors.sources import incompatible
 
 CHUNK = 1 << 16
 
@@ -172,9 +173,9 @@ class Files:
 # ---------------------------------------------------------------- positions
 
 def _misfit(plan, what_pos, why):
-    return errors.ConfigurationError(
-        f"{plan.what}: the checkpoint's position {what_pos} does not fit the files read now ({why}): restore "
-        "with the files and settings of the run that took the checkpoint")
+    # (an IncompatibleCheckpointError, a ConfigurationError: the checkpoint was taken of other input)
+    return incompatible(plan, f"the checkpoint's position {what_pos} does not fit the files read now ({why}): "
+                              "restore with the files and settings of the run that took the checkpoint")
 
 
 def _ints(values) -> bool:
