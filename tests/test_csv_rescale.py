@@ -313,6 +313,25 @@ def test_a_csv_job_rescaled_twice_through_savepoints(tmp_path):
     assert summary(read_parquet_dir(out)) == (list(range(n)), {k: list(range(1, c + 1)) for k, c in counts.items()})
 
 
+def test_workers_resume_a_csv_job_at_another_parallelism(tmp_path):
+    """With workers=2 each process computes the plan for its own subtasks:
+    the same plan, so the runs fit together."""
+    n = 6000
+    d, out, ck, sp = (str(tmp_path / x) for x in ("in", "out", "ck", "sp"))
+    write_job_input(d, n)
+    env = fb.Environment(parallelism=2, workers=2, checkpoint_interval=0.1, checkpoint_dir=ck)
+    csv_job(env, d, out, 2, rate=3000)
+    job = env.execute_async()
+    time.sleep(1.0)
+    job.stop(savepoint=sp)
+    assert 0 < len(read_parquet_dir(out)) < n
+    env2 = fb.Environment(parallelism=3, workers=2, checkpoint_interval=0.1, checkpoint_dir=ck)
+    csv_job(env2, d, out, 3, rate=None)
+    env2.execute(120, restore_from=sp)
+    counts = collections.Counter(i % 11 for i in range(n))
+    assert summary(read_parquet_dir(out)) == (list(range(n)), {k: list(range(1, c + 1)) for k, c in counts.items()})
+
+
 def test_a_changed_file_refuses_a_rescaled_restore(tmp_path):
     n = 3000
     d, out, ck, sp = (str(tmp_path / x) for x in ("in", "out", "ck", "sp"))
