@@ -262,14 +262,27 @@ def rescale_positions(plan, positions, parallelism) -> list:
         units = []
         for j, pos in enumerate(positions):
             units.extend(_left_of(files, pos, j, len(positions)))
+        units.sort()
+        _check_disjoint(files, units)
     finally:
         files.close()
-    units.sort()
-    for u, v in zip(units, units[1:]):
-        if u[0] == v[0] and u[2] > v[1]:
-            raise _misfit(plan, [list(u), list(v)], f"two subtasks' positions share bytes {v[1]}..{min(u[2], v[2])} "
-                                                    f"of {plan.files[u[0]]}")
     return [{"units": [list(u) for u in run]} for run in deal(units, parallelism)]
+
+
+def _check_disjoint(files: Files, units):
+    """No line is in two units (sorted). Units may share bytes without
+    sharing a line: a block begun before the checkpoint ends after the line
+    across its share's end, where the next share, not begun, starts."""
+    reach = None        # the unit that reaches furthest into the file so far
+    for v in units:
+        f, start = v[0], v[1]
+        if reach is not None and reach[0] == f and reach[2] > start:
+            first = start if v[3] else first_line_start(files.fh(f), start, files.geometry(f)[0])
+            if first < min(reach[2], v[2]):
+                raise _misfit(files.plan, [list(reach), list(v)],
+                              f"the line at byte {first} of {files.plan.files[f]} is in both")
+        if reach is None or reach[0] != f or v[2] > reach[2]:
+            reach = v
 
 
 def deal(units, parallelism) -> list:
