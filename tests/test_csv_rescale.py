@@ -111,10 +111,11 @@ def run_stage(factory, p, positions, sizes, pulls):
 
 
 def rescaled(factory, positions, p):
-    """The plan every new subtask computes from the same positions: one."""
-    plans = [factory().rescale_positions(positions, p) for _ in range(2)]
-    assert plans[0] == plans[1]
-    plan = plans[0]
+    """The plan every new subtask computes from the same positions: one
+    (worked out again, not taken from what the first computation kept)."""
+    plan = factory().rescale_positions(positions, p)
+    assert plan == factory().rescale_positions(positions, p)
+    assert plan == csv_split.rescale_positions(factory().plan, positions, p)
     assert len(plan) == p and stored(plan) == plan
     check_balance(plan)
     return plan
@@ -203,6 +204,18 @@ def test_one_subtask_half_way_through_one_file_gives_four_subtasks_a_share(tmp_p
     # the partly read block stays whole, at the front of the first run
     first = plan[0]["units"][0]
     assert first[3] > 0 and first[1] == position[1]
+
+
+def test_the_subtasks_of_one_process_share_a_plan_but_not_its_lists(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text("id,t\n" + "".join(f"{i},v{i}\n" for i in range(300)))
+    factory = factory_of([str(path)], True)
+    positions = [[0, 5, 0]]
+    mine = factory().rescale_positions(positions, 3)
+    mine[0]["units"][0][1] = 999
+    mine[1]["units"].clear()
+    assert factory().rescale_positions(positions, 3) == csv_split.rescale_positions(factory().plan, positions, 3)
+    assert factory().rescale_positions(positions, 2) == csv_split.rescale_positions(factory().plan, positions, 2)
 
 
 def test_a_subtask_that_had_finished_and_one_that_had_not_begun(tmp_path):

@@ -146,6 +146,7 @@ class CsvPlan:
             self.out_schema = self.schema
         self.columns = columns
         self._identity = None
+        self.rescaled = None        # (positions and parallelism, the plan rescale_positions gave for them)
 
     def identity(self) -> dict:
         if self._identity is None:
@@ -298,7 +299,12 @@ class CsvFileSource(_FileSource):
         """The positions of ``parallelism`` subtasks from those of every
         subtask of a checkpoint at another parallelism: the bytes not yet
         read, cut into runs of about the same size (``csv_split``)."""
-        return csv_split.rescale_positions(self.plan, positions, parallelism)
+        # the new subtasks of one process share the plan: it is worked out once per restore
+        key = (repr(positions), parallelism)
+        done = self.plan.rescaled
+        if done is None or done[0] != key:
+            done = self.plan.rescaled = (key, csv_split.rescale_positions(self.plan, positions, parallelism))
+        return [{"units": [list(u) for u in run["units"]]} for run in done[1]]
 
     def seek(self, position):
         if not isinstance(position, dict):
