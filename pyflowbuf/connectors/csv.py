@@ -1,11 +1,31 @@
-"""The CSV file source: byte ranges of each file, parsed in blocks by pyarrow.csv."""
+"""The CSV file source: byte ranges of each file, parsed in blocks by pyarrow.csv.
+
+* **Split.** Subtask *i* of *p* reads, in every file, the lines that start in
+  its share of the bytes after the header line, ``[data + (size-data)*i//p,
+  data + (size-data)*(i+1)//p)``; the line across a share's end is the
+  share's last. Files are read in listing order.
+* **Blocks.** A share is parsed in blocks of about ``block_size`` bytes cut
+  after a line end (a line longer than a block is a block of its own), one
+  ``pyarrow.csv`` read each. A value holding a line break inside quotes is
+  refused (``FileFormatError``), the same at every parallelism.
+* **Position.** ``(file index, block start byte, rows emitted of that
+  block)``: a restore at the same parallelism reads the block again and
+  skips those rows. ``(number of files, 0, 0)``: the share is read.
+* **Rescaling.** A restore at another parallelism (``rescale_positions``)
+  gathers what every old subtask had left (its partly read block, the rest of
+  its shares) and cuts it by byte ranges into runs of about the same size,
+  one per new subtask, in file order (``connectors/csv_split.py``). Such a
+  subtask's position is explicit, ``{"units": [[file, start, end, row],
+  ...]}``, and rescales again. A restore into changed files is refused
+  (``identity``).
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from pyflowbuf import errors
 from pyflowbuf.errors import FileFormatError
-from pyflowbuf.connectors import filesystems as fsx
+from pyflowbuf.connectors import csv_split, filesystems as fsx
 from pyflowbuf.connectors.sources import file_fingerprint
 from pyflowbuf.connectors.files import DEFAULT_BATCH_ROWS, DEFAULT_CSV_BLOCK, _FileSource, _check_common, _kind, _pyarrow, list_files
 
@@ -101,7 +121,7 @@ class CsvPlan:
         header_len = 0
         names = None
         if header:
-            header_len, names = _header(pacsv, head, first, self.parse_options, what)
+            header_len, names = csv_split.header(pacsv, head, first, self.parse_options, what)
         self.header_names = names        # what every file's header line must say
         if column_names is not None:
             column_names = list(column_names)
@@ -126,6 +146,7 @@ class CsvPlan:
             self.out_schema = self.schema
         self.columns = columns
         self._identity = None
+        self.rescaled = None        # (positions and parallelism, the plan rescale_positions gave for them)
 
     def identity(self) -> dict:
         if self._identity is None:
@@ -191,37 +212,13 @@ def _column_types(pa, column_types, what):
         f"{what}: column_types must be a pyarrow.Schema or a dict of column name to type, got {column_types!r}")
 
 
-def _header(pacsv, head: bytes, path, parse_options, what):
-    """(length in bytes of the header line, its column names)."""
-    import pyarrow as pa  # optional dependency, present: the caller got pacsv from it
-
-    end = head.find(b"\n")
-    line = head if end < 0 else head[:end + 1]
-    if not line.strip():
-        raise FileFormatError(f"{what}: {path} has no header line (pass header=False for files without one)")
-    try:
-        # a file that is only a header line may lack its final newline: no rows
-        names = pacsv.read_csv(pa.BufferReader(line if end >= 0 else line + b"\n"), parse_options=parse_options,
-                               read_options=pacsv.ReadOptions(use_threads=False)).column_names
-    except pa.ArrowInvalid as exc:
-        raise FileFormatError(f"{what}: {path}: the header line does not parse: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise FileFormatError(f"{what}: {path}, line 1: the header line is not UTF-8 text ({exc.reason} at "
-                              f"byte {exc.start}){_not_csv_hint(head)}") from None
-    return len(line), names
-
-
-def _not_csv_hint(head: bytes) -> str:
-    if head.startswith(b"PAR1"):
-        return "; the file is Parquet: read it with read_parquet"
-    return "; read_csv reads UTF-8 (or ASCII) files: convert the file to UTF-8"
-
-
 class CsvFileSource(_FileSource):
     """Rows of CSV files; see the module's docstring for the split and the
     position."""
 
-    _CHUNK = 1 << 16
+    _units = None       # after a rescaled restore: [(file, start, end, row), ...]; None: this subtask's shares
+    _unit = 0           # the index in _units of the unit being read
+    _pending = 0        # rows of the next block emitted before the restore (a partly read block)
 
     def __init__(self, plan: CsvPlan, as_, batch_size):
         super().__init__(plan.what, plan.files, as_, batch_size)
@@ -229,6 +226,10 @@ class CsvFileSource(_FileSource):
         self._ranges = {}       # file index -> (first line start, range end) of this subtask
         self._fh = None
         self._block = None      # (file, start, end) of the block read last
+
+    def open(self, subtask, parallelism):
+        self._units, self._unit, self._pending = None, 0, 0
+        super().open(subtask, parallelism)
 
     def _unit_name(self, start):
         return f"the block of lines at byte {start}"
@@ -247,46 +248,12 @@ class CsvFileSource(_FileSource):
             return r
         fh = self._file(f)
         size = self._fh[2]
-        data = 0
-        if size == 0:
-            self._ranges[f] = r = (0, 0)
-            return r
-        if self.plan.header:
-            fh.seek(0)
-            head = fh.read(min(size, self.plan.block_size)) if size else b""
-            if len(head) == self.plan.block_size and b"\n" not in head:
-                head += self._read_to_line_end(fh, len(head))
-            data, names = _header(self._pacsv, head, self.files[f], self.plan.parse_options, self.what)
-            if names != self.plan.header_names:
-                raise FileFormatError(
-                    f"{self.what}: {self.files[f]} has the header {names}, {self.plan.first} has "
-                    f"{self.plan.header_names}: the files of one source share their columns")
-        p, i = self.parallelism, self.subtask
-        a = data + (size - data) * i // p
-        b = data + (size - data) * (i + 1) // p
+        data = csv_split.data_start(fh, size, self.plan, self.files[f], self._pacsv)
+        a, b = csv_split.share(data, size, self.subtask, self.parallelism)
         if a > data:
-            a = self._line_end(fh, a - 1, size)       # the line across a belongs to the range before
+            a = csv_split.line_end(fh, a - 1, size)       # the line across a belongs to the range before
         self._ranges[f] = r = (a, b)
         return r
-
-    def _read_to_line_end(self, fh, pos):
-        fh.seek(pos)
-        parts = []
-        while True:
-            chunk = fh.read(self._CHUNK)
-            if not chunk:
-                break
-            k = chunk.find(b"\n")
-            if k >= 0:
-                parts.append(chunk[:k + 1])
-                break
-            parts.append(chunk)
-        return b"".join(parts)
-
-    def _line_end(self, fh, pos, size):
-        """The offset after the line end at or after ``pos`` (the file's size
-        when the last line has none)."""
-        return min(pos + len(self._read_to_line_end(fh, pos)), size)
 
     def _first_of(self, f):
         """The first unit of this subtask at or after file ``f``."""
@@ -301,22 +268,22 @@ class CsvFileSource(_FileSource):
         return self._first_of(0)
 
     def _block_end(self, f, start):
+        if self._units is None:
+            end = self._range(f)[1]
+        else:
+            _, _, end, row = self._units[self._unit]
+            if row:
+                return end          # a partly read block is read whole, as before the restore
         if self._block is not None and self._block[:2] == (f, start):
             return self._block[2]
-        a, b = self._range(f)
         fh = self._file(f)
-        size = self._fh[2]
-        if start + self.plan.block_size >= b:
-            return self._line_end(fh, b - 1, size)
-        fh.seek(start)
-        chunk = fh.read(self.plan.block_size)
-        k = chunk.rfind(b"\n")
-        if k >= 0:
-            return start + k + 1
-        return self._line_end(fh, start + len(chunk), size)      # a line longer than a block
+        return csv_split.block_end(fh, start, end, self._fh[2], self.plan.block_size)
 
     def _after(self, f, start):
         end = self._block_end(f, start)
+        if self._units is not None:
+            _, _, unit_end, row = self._units[self._unit]
+            return (f, end) if not row and end < unit_end else self._enter(self._unit + 1)
         return (f, end) if end < self._range(f)[1] else self._first_of(f + 1)
 
     def _check_position(self, f, start):
@@ -326,6 +293,71 @@ class CsvFileSource(_FileSource):
                 f"{self.what}: the checkpoint's position (file {f}, byte {start}) is not in the lines this "
                 f"subtask reads ({self.subtask} of {self.parallelism}): restore with the parallelism and the "
                 "files of the run that took the checkpoint")
+
+    # ---- restored at another parallelism: explicit units (connectors/csv_split.py) ----
+    def rescale_positions(self, positions, parallelism):
+        """The positions of ``parallelism`` subtasks from those of every
+        subtask of a checkpoint at another parallelism: the bytes not yet
+        read, cut into runs of about the same size (``csv_split``)."""
+        # the new subtasks of one process share the plan: it is worked out once per restore
+        key = (repr(positions), parallelism)
+        done = self.plan.rescaled
+        if done is None or done[0] != key:
+            done = self.plan.rescaled = (key, csv_split.rescale_positions(self.plan, positions, parallelism))
+        return [{"units": [list(u) for u in run["units"]]} for run in done[1]]
+
+    def seek(self, position):
+        if not isinstance(position, dict):
+            self._units, self._pending = None, 0
+            return super().seek(position)
+        files = csv_split.Files(self.plan)
+        try:
+            units = csv_split.parse_units(files, position)
+        finally:
+            files.close()
+        self._drop()
+        self._units, self._row, self._block = units, 0, None
+        self._pos = self._enter(0)
+
+    def _enter(self, k):
+        """The first block of the first unit from ``k`` on that holds a line
+        start, or None; the unit becomes the current one."""
+        units = self._units
+        while k < len(units):
+            f, start, end, row = units[k]
+            if not row:
+                fh = self._file(f)
+                start = csv_split.first_line_start(fh, start, self._fh[2])
+            if start < end:
+                self._unit, self._pending = k, row
+                return (f, start)
+            k += 1
+        self._unit, self._pending = len(units), 0
+        return None
+
+    def _next_of_unit(self):
+        if self._pending and self._it is None:
+            # a block another subtask had begun before the restore: its rows up to there were emitted
+            self._row = self._skip = self._pending
+            self._pending = 0
+        return super()._next_of_unit()
+
+    def position(self):
+        if self._units is None:
+            return super().position()
+        if self._pos is None:
+            return {"units": []}
+        f, start = self._pos
+        _, _, end, unit_row = self._units[self._unit]
+        row = self._pending or self._row
+        if unit_row:
+            here = [[f, start, end, row]]
+        elif row:
+            block = self._block_end(f, start)
+            here = [[f, start, block, row]] + ([[f, block, end, 0]] if block < end else [])
+        else:
+            here = [[f, start, end, 0]]
+        return {"units": here + [list(u) for u in self._units[self._unit + 1:]]}
 
     def _batches(self, f, start):
         pa, pacsv, plan = self._pa, self._pacsv, self.plan
@@ -364,7 +396,7 @@ class CsvFileSource(_FileSource):
         fh.seek(0)
         lines, left = 1, offset
         while left > 0:
-            chunk = fh.read(min(left, self._CHUNK))
+            chunk = fh.read(min(left, csv_split.CHUNK))
             if not chunk:
                 break
             lines += chunk.count(b"\n")
