@@ -373,6 +373,8 @@ class JobExecution(Execution):
                                                getattr(self, "allow_non_restored_state", False))
                 if self.remote is None:
                     plan.check(self.vertices)      # the driver checked it for a worker
+                    # (before any source hands out its positions: a changed input is named as such)
+                    plan.check_sources(self.vertices)
                 # Decoding keyed state makes millions of objects that all live
                 # on: the cyclic collector's passes over them would find nothing
                 # and cost ~15% of a restore (more at another parallelism).
