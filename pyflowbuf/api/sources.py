@@ -205,7 +205,9 @@ class SourceDeclarations:
         ``column_types`` (a pyarrow Schema or a dict of name to type) and, for
         the other columns, inferred from the first ``block_size`` bytes. An
         unquoted empty field is None, a quoted one ``""``. Each file's lines
-        are split over the ``parallelism`` subtasks by byte ranges; a value
+        are split over the ``parallelism`` subtasks by byte ranges (a
+        checkpoint or savepoint restores at any other parallelism: the bytes
+        not yet read are dealt out again); a value
         holding a line break inside quotes is refused at every parallelism. A
         row that does not parse is ``connectors.FileFormatError`` naming the
         file and line.
