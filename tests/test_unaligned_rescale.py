@@ -19,10 +19,10 @@
 """
 from __future__ import annotations
 
-import collections
 import os
 import random
 import time
+from array import array
 
 import pytest
 from hypothesis import given, settings
@@ -37,7 +37,7 @@ from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.exchange.sides import kind_code
-from pyflowbuf.runtime.inflight_rescale import KeyGroupSplit, decode_stream
+from pyflowbuf.runtime.inflight_rescale import split_by_key_group
 from reference_model import ref_stable_hash
 from test_rescale import KEYS, WINDOW, committed, expected
 
@@ -51,14 +51,17 @@ def slow(seconds):
     return fn
 
 
-def slow_job(env, p, n, out, kinds=("reduce", "timers", "window"), delay=0.0, rate=None):
+def slow_job(env, p, n, out, kinds=("reduce", "timers", "window"), delay=0.0, rate=None, extra=False):
     """test_rescale's keyed job (the same operators, uids and output); with
     ``delay`` the running count's chain is slow (seconds a record), so the
-    keyed exchange stays full and unaligned barriers overtake its buffers."""
+    keyed exchange stays full and unaligned barriers overtake its buffers.
+    ``extra``: a stateless operator more before the key_by."""
     src = env.from_sequence(0, n, parallelism=p, rate_limit=rate).uid("numbers")
-    keyed = (src.map(lambda x: (x % KEYS, x / 100.0, 1))
-             .assign_timestamps(lambda r: r[1]).uid("event-time")
-             .key_by(lambda r: r[0]))
+    timed = (src.map(lambda x: (x % KEYS, x / 100.0, 1))
+             .assign_timestamps(lambda r: r[1]).uid("event-time"))
+    if extra:
+        timed = timed.filter(lambda r: r[2] == 1, name="extra")
+    keyed = timed.key_by(lambda r: r[0])
     if "reduce" in kinds:
         (keyed.reduce(lambda a, b: (a[0], b[1], a[2] + b[2])).uid("counts").map(slow(delay))
               .map(lambda r: ("r", r[0], r[2])).write_text(os.path.join(out, "reduce")))
@@ -81,21 +84,46 @@ def slow_job(env, p, n, out, kinds=("reduce", "timers", "window"), delay=0.0, ra
               .write_text(os.path.join(out, "window")))
 
 
-def keyed_inflight(storage) -> dict:
-    """task key -> in-flight bytes on keyed edges, of the latest checkpoint."""
+def keyed_inflight(meta) -> dict:
+    """task key -> in-flight bytes on keyed edges, of checkpoint ``meta``."""
+    return {k: meta.tasks[k].inflight_bytes for k, s in meta.properties["layout"].items()
+            if edge_inflight(s, "hash") and meta.tasks[k].inflight_bytes}
+
+
+def edge_inflight(s, partitioner) -> list:
+    """The in-flight items a task's layout ``s`` holds on edges of ``partitioner``."""
+    if not s.get("inflight") or "edges" not in s:
+        return []
+    return [n for n in s["inflight_items"]
+            if s["edges"]["in" if n.startswith("in/") else "out"][int(n.split("/")[1])]["partitioner"] == partitioner]
+
+
+def run_cancel(env, ck, holds=keyed_inflight):
+    """Run until the latest complete checkpoint ``holds`` the in-flight data
+    wanted (under backpressure each later one does too), then cancel. The
+    restore must really move such data, or the test proves nothing: asserted
+    on the checkpoint that is latest once the job ended. Returns ``holds``."""
+    job = env.execute_async()
+    storage = CheckpointStorage(ck)
+    deadline = time.monotonic() + 60
+    while True:
+        assert not job.done and time.monotonic() < deadline, env.checkpoints()
+        meta = storage.latest() if any(c["status"] == "completed" for c in env.checkpoints()) else None
+        if meta is not None and holds(meta):
+            break
+        time.sleep(0.05)
+    job.cancel()
+    try:
+        job.join(60)
+    except errors.JobFailedError:
+        pass
     meta = storage.latest()
-    out = {}
-    for k, s in meta.properties["layout"].items():
-        if not s.get("inflight"):
-            continue
-        names = s["inflight_items"]
-        keyed = [n for n in names if s["edges"]["in" if n.startswith("in/") else "out"][int(n.split("/")[1])]["keyed"]]
-        if keyed and meta.tasks[k].inflight_bytes:
-            out[k] = meta.tasks[k].inflight_bytes
-    return out
+    got = holds(meta)
+    assert got, meta.properties["layout"]
+    return got
 
 
-def run_cancel_resume(tmp, p1, p2, n, workers=None, kinds=("reduce", "timers", "window")):
+def run_cancel_resume(tmp, p1, p2, n, workers=None, kinds=("reduce", "timers", "window"), changed=None):
     out, ck = os.path.join(tmp, "out"), os.path.join(tmp, "ck")
     conf = dict(checkpoint_interval=0.25, checkpoint_dir=ck, checkpoint_alignment="unaligned", segment_size=4096)
     if workers:
@@ -103,22 +131,9 @@ def run_cancel_resume(tmp, p1, p2, n, workers=None, kinds=("reduce", "timers", "
     env = fb.Environment(parallelism=p1, **conf)
     # slower than its source (which is rate-limited, so it runs past a few checkpoints)
     slow_job(env, p1, n, out, kinds, delay=0.003, rate=3000)
-    job = env.execute_async()
-    deadline = time.monotonic() + 60
-    while not any(c["status"] == "completed" and c["inflight_bytes"] for c in env.checkpoints()):
-        assert not job.done and time.monotonic() < deadline, env.checkpoints()
-        time.sleep(0.02)
-    job.cancel()
-    try:
-        job.join(60)
-    except errors.JobFailedError:
-        pass
-    storage = CheckpointStorage(ck)
-    held = keyed_inflight(storage)
-    # the restore must really move in-flight data of the keyed edges, or this proves nothing
-    assert held, storage.latest().properties["layout"]
-    env2 = fb.Environment(parallelism=p2, **conf)
-    slow_job(env2, p2, n, out, kinds)
+    held = run_cancel(env, ck)
+    env2 = fb.Environment(parallelism=p2, **dict(conf, **(changed or {})))
+    slow_job(env2, p2, n, out, kinds, extra=bool(changed))
     env2.execute(180, restore_from="latest")
     return committed(out), held
 
@@ -132,3 +147,143 @@ def test_a_keyed_job_restored_from_inflight_data_at_another_parallelism_commits_
     got, _ = run_cancel_resume(tmp, p1, p2, n)
     want = expected(n)
     assert got == want, (p1, p2, sorted((want - got).items())[:5], sorted((got - want).items())[:5])
+
+
+@settings(max_examples=6, deadline=None)
+@given(p1=st.integers(1, 4), p2=st.integers(1, 4))
+def test_with_workers_the_senders_queued_buffers_move_too(tmp_path_factory, p1, p2):
+    """Two worker processes: the keyed exchange crosses TCP, so the network
+    senders' queued buffers (``out/...``) are in-flight data too; each new
+    subtask, in whichever worker it runs, reads its key groups' share."""
+    tmp = str(tmp_path_factory.mktemp("infl-workers"))
+    n = 3000
+    got, _ = run_cancel_resume(tmp, p1, p2, n, workers=2, kinds=("reduce", "window"))
+    want = expected(n, ("reduce", "window"))
+    assert got == want, (p1, p2, sorted((want - got).items())[:5], sorted((got - want).items())[:5])
+
+
+def test_a_stateless_operator_added_and_chains_changed_upstream(tmp_path):
+    """Resumed with a filter more before the key_by and chaining off (every
+    chain changed), at the same parallelism: the keyed edge's ends are other
+    chains now, so its in-flight data is redistributed, not replayed in place."""
+    n = 3000
+    got, held = run_cancel_resume(str(tmp_path), 2, 2, n, kinds=("reduce", "timers"), changed={"chaining": False})
+    assert got == expected(n, ("reduce", "timers"))
+
+
+def test_in_flight_data_on_a_non_keyed_edge_is_still_refused(tmp_path):
+    """A rebalance edge holds in-flight data too: refused at another
+    parallelism, naming the task and the edge, pointing to a savepoint; the
+    same job at the same parallelism restores (in place, as before)."""
+    ck = str(tmp_path / "ck")
+    conf = dict(checkpoint_interval=0.25, checkpoint_dir=ck, checkpoint_alignment="unaligned",
+                segment_size=4096, chaining=False)
+
+    def job(env, delay=0.003):
+        (env.from_sequence(0, 6000, rate_limit=3000 if delay else None).uid("numbers")
+            .rebalance().map(slow(delay), name="slow", parallelism=2)
+            .map(lambda x: (x % KEYS, 1), name="pairs")
+            .key_by(lambda r: r[0]).reduce(lambda a, b: (a[0], a[1] + b[1])).uid("counts").collect())
+
+    env = fb.Environment(parallelism=1, **conf)
+    job(env)
+    run_cancel(env, ck, lambda meta: [k for k, s in meta.properties["layout"].items()
+                                      if edge_inflight(s, "rebalance") and meta.tasks[k].inflight_bytes])
+    env2 = fb.Environment(parallelism=3, **conf)
+    job(env2, 0)
+    with pytest.raises(errors.ConfigurationError,
+                       match=r"not keyed.*the rebalance edge into operator 'slow#0' \(input 0\), held by task "
+                             r"'slow' \(v1-\d: in/0/0\).*cannot be redistributed.*savepoint"):
+        env2.execute(60, restore_from="latest")
+
+
+def test_a_checkpoint_without_edges_restores_only_into_the_same_tasks(tmp_path, monkeypatch):
+    """A checkpoint written before in-flight data named its edges: refused at
+    another parallelism (pointing to a savepoint), restored at the same."""
+    from pyflowbuf.runtime import checkpointing
+    monkeypatch.setattr(checkpointing, "edge_descriptions", lambda edges, vertex: None)
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    conf = dict(checkpoint_interval=0.25, checkpoint_dir=ck, checkpoint_alignment="unaligned", segment_size=4096)
+    env = fb.Environment(parallelism=2, **conf)
+    slow_job(env, 2, 3000, out, ("reduce",), delay=0.003, rate=3000)
+    run_cancel(env, ck, lambda meta: meta.inflight_bytes)
+    meta = CheckpointStorage(ck).latest()
+    assert not any("edges" in s for s in meta.properties["layout"].values())
+    env2 = fb.Environment(parallelism=3, **conf)
+    slow_job(env2, 3, 3000, out, ("reduce",))
+    with pytest.raises(errors.ConfigurationError, match="written before the edges.*savepoint"):
+        env2.execute(60, restore_from="latest")
+    env3 = fb.Environment(parallelism=2, **conf)
+    slow_job(env3, 2, 3000, out, ("reduce",))
+    env3.execute(120, restore_from="latest")
+    assert committed(out) == expected(3000, ("reduce",))
+
+
+# ---------------------------------------------------------------- the redistribution against a model
+
+SEG = 256
+
+
+def channel_items(records, times, cut_events, rng):
+    """``records`` written by a real RecordWriter into one channel (small
+    segments: records span buffers), with an EVT_KIND first and watermarks
+    between some batches; the queued items, as a checkpoint captures them."""
+    net = NetworkBufferPool(4096, SEG)
+    q = BufferQueue(net)
+    w = RecordWriter(net.create_pool(2048, 2048), [q], kind="struct", timestamped=times is not None)
+    q.push_event(EVT_KIND, kind_code("struct"))
+    i = 0
+    while i < len(records):
+        k = rng.randint(1, 6)
+        w.write_batch(records[i:i + k], 0, None if times is None else array("d", times[i:i + k]))
+        i += k
+        if cut_events and rng.random() < 0.3:
+            w.flush()
+            w.broadcast_event(EVT_WATERMARK, i)
+    w.flush()
+    return q.copy_front(q.backlog)
+
+
+def read_back(items, timestamped):
+    """What a restored subtask's reader hands out of its replayed items."""
+    reader = RecordReader(BufferQueue(NetworkBufferPool(4, SEG)), kind="struct", timestamped=timestamped)
+    reader.replay([(0, it) for it in items])
+    out = []
+    while True:
+        batch = reader.read_batch(4096, timeout=0)
+        if not batch:
+            assert reader.take_event() is None
+            return out
+        ts = list(reader.timestamps) if timestamped else [None] * len(batch)
+        out.extend(zip(batch, ts))
+
+
+@settings(max_examples=60, deadline=None)
+@given(maxp=st.integers(4, 64), senders=st.integers(1, 3), receivers=st.integers(1, 3),
+       new=st.integers(1, 4), timestamped=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_redistribution_matches_a_model(maxp, senders, receivers, new, timestamped, seed):
+    """Per new subtask: the records of its key groups, channel by channel
+    (old sender, then old receiver), each channel's in its order (one byte
+    stream: records span its buffers); the events between buffers dropped;
+    timestamps kept."""
+    receivers = min(receivers, maxp)
+    rng = random.Random(seed)
+    group = lambda key: ref_stable_hash(key) % maxp   # noqa: E731  (the model's own hash)
+    streams, sent = {}, {}
+    for s in range(senders):
+        for r in range(receivers):
+            start, end = kg.key_group_range(maxp, receivers, r)
+            keys = [k for k in range(400) if start <= group(k) < end][:12]
+            recs = [(rng.choice(keys), s, i, "x" * rng.randint(0, 90)) for i in range(rng.randint(0, 40))]
+            times = [float(rng.randint(0, 10_000)) for _ in recs] if timestamped else None
+            items = channel_items(recs, times, True, rng)
+            streams[(s, r)] = (items, None)
+            sent[(s, r)] = list(zip(recs, times if times is not None else [None] * len(recs)))
+    kind, split = split_by_key_group(streams, lambda rec: rec[0], maxp, receivers, timestamped)
+    assert kind == "struct" or not any(sent.values())
+    for j in range(new):
+        start, end = kg.key_group_range(maxp, new, j)
+        want = [rt for pair in sorted(sent) for rt in sent[pair] if start <= group(rt[0][0]) < end]
+        got = read_back(split.items_for(start, end), timestamped)
+        assert got == want, (j, len(got), len(want))
+

@@ -219,18 +219,22 @@ class InflightPlan:
                     "and this job's graph or parallelism differs there: in-flight data cannot be redistributed "
                     "(this checkpoint was written before the edges of in-flight data were recorded). Take a "
                     "savepoint (job.savepoint() or job.stop(savepoint=...), always aligned) and restore that")
-        for eid in sorted(self.moved):
+        hint = ("Take a savepoint (job.savepoint() or job.stop(savepoint=...), always aligned) and restore that, "
+                "or restore into the same job at the same parallelism")
+
+        def edge(eid):
             d = self.descs[eid]
             k, name, _ = self.holders[eid][0]
-            task = f"task {self.layout[k]['vertex']!r} ({k})"
-            edge = f"the {d['partitioner']} edge into operator {d['to']!r} (input {d['input']})"
-            hint = ("Take a savepoint (job.savepoint() or job.stop(savepoint=...), always aligned) and restore that, "
-                    "or restore into the same job at the same parallelism")
-            if not d["keyed"]:
-                raise errors.ConfigurationError(
-                    f"{where} is an unaligned checkpoint whose {task} holds in-flight data ({name}) on {edge}, "
-                    "and this job's graph or parallelism differs there: in-flight data cannot be redistributed "
-                    f"on an edge that is not keyed (only key_by edges move it by key group). {hint}")
+            return (f"the {d['partitioner']} edge into operator {d['to']!r} (input {d['input']}), held by task "
+                    f"{self.layout[k]['vertex']!r} ({k}: {name})")
+        plain = [edge(eid) for eid in sorted(self.moved) if not self.descs[eid]["keyed"]]
+        if plain:
+            raise errors.ConfigurationError(
+                f"{where} is an unaligned checkpoint with in-flight data on {len(plain)} edge(s) that are not keyed "
+                f"and whose ends differ in this job: {'; '.join(plain)}. In-flight data cannot be redistributed on "
+                f"an edge that is not keyed (only key_by edges move it, by key group). {hint}")
+        for eid in sorted(self.moved):
+            d = self.descs[eid]
             e = self.new.get(eid)
             why = None
             if e is None:
@@ -238,8 +242,8 @@ class InflightPlan:
             elif e.partitioner != "hash":
                 why = f"this job's edge there is {e.partitioner}, not key_by"
             elif e.timestamped != d["timestamped"]:
-                why = ("its records carry timestamps in one job and not in the other"
-                       if d["timestamped"] else "its records carry no timestamps in the checkpoint")
+                why = ("its records carry timestamps in the checkpoint, not in this job" if d["timestamped"]
+                       else "its records carry timestamps in this job, not in the checkpoint")
             elif e.target.parallelism > self.max_parallelism:
                 why = f"the receiver's parallelism {e.target.parallelism} is above max_parallelism"
             else:
@@ -249,8 +253,8 @@ class InflightPlan:
                     why = f"its record kind was {old!r} and is {new_kind!r} here"
             if why is not None:
                 raise errors.ConfigurationError(
-                    f"{where} is an unaligned checkpoint whose {task} holds in-flight data ({name}) on {edge}: "
-                    f"it cannot be redistributed by key group, because {why}. {hint}")
+                    f"{where} is an unaligned checkpoint with in-flight data on {edge(eid)}: it cannot be "
+                    f"redistributed by key group, because {why}. {hint}")
 
     def dropped(self, task_key) -> set:
         """Names of a same-task restore's in-flight items that are redistributed instead."""
@@ -266,6 +270,13 @@ class InflightPlan:
             if eid[0] != head:
                 continue
             kind, split = self._edge(eid)
+            kind = kind or self.descs[eid]["kind"]
+            fixed = _kind_of(self.new[eid].kind)
+            if fixed is not None and kind is not None and fixed != kind and split.frames:
+                raise errors.ConfigurationError(
+                    f"{self.where}: the in-flight records into {eid[0]!r} (input {eid[1]}) are of kind {kind!r}, "
+                    f"and this job's edge there carries {fixed!r}: they cannot be replayed into it. Take a "
+                    "savepoint of the old job (always aligned) and restore that")
             items = split.items_for(start, end)
             if items:
                 out[eid[1]] = (kind, items)
@@ -280,50 +291,59 @@ class InflightPlan:
 
     def _decode_edge(self, eid):
         d = self.descs[eid]
-        e = self.new[eid]
-        streams: dict = {}        # (sender, receiver) -> [in items, out items], kinds
+        streams: dict = {}        # (sender, receiver) -> [held by the receiver, queued at the sender, kind]
         for k, name, _ in self.holders[eid]:
             st = self._read_state(k)
             where_, a, c = _parse(name)
             sub = self.layout[k]["subtask"]
             kinds = st.get("input_kinds" if where_ == "in" else "output_kinds") or []
-            kind = (kinds[a] if a < len(kinds) else None) or d["kind"]
             pair, part = ((c, sub), 0) if where_ == "in" else ((sub, c), 1)
             entry = streams.setdefault(pair, [[], [], None])
             entry[part] = st["inflight"].get(name) or []
-            entry[2] = entry[2] or kind
-        frames, groups, kind_seen = [], [], None
-        for (s, r), (held, queued, kind) in sorted(streams.items()):
-            recs, kind = decode_stream(held + queued, kind, d["timestamped"], self.allow_pickle,
-                                       f"{self.where}: in-flight data of channel {s} -> {r} into {eid[0]!r}")
-            if not recs:
-                continue
-            kind_seen = kind_seen or kind
-            g = self._groups(e.key_fn, [v for _, v in recs], eid, r, d["receivers"])
-            frames.extend(f for f, _ in recs)
-            groups.append(g)
-        g = np.concatenate(groups) if groups else np.empty(0, np.uint16)
-        return kind_seen or d["kind"], KeyGroupSplit(frames, g)
+            entry[2] = entry[2] or (kinds[a] if a < len(kinds) else None)
+        streams = {pair: (held + queued, kind or d["kind"]) for pair, (held, queued, kind) in streams.items()}
+        return split_by_key_group(streams, self.new[eid].key_fn, self.max_parallelism, d["receivers"],
+                                  d["timestamped"], allow_pickle=self.allow_pickle,
+                                  what=f"{self.where}: in-flight data into {eid[0]!r}")
 
-    def _groups(self, key_fn, values, eid, receiver, receivers):
+
+def split_by_key_group(streams: dict, key_fn, max_parallelism: int, receivers: int, timestamped: bool,
+                       allow_pickle: bool = False, what: str = "in-flight data"):
+    """The records of a keyed edge's old channels by key group: ``streams``
+    maps (old sender, old receiver) to that channel's in-flight items in
+    order (what the receiver held, then what the sender had queued) and the
+    name of its record kind. Returns (kind name, ``KeyGroupSplit``): the
+    records channel by channel (senders, then receivers, in order), each
+    channel's in its own order, keyed by ``key_fn`` as the receiving operator
+    keys them. A record whose group the old receiver did not own is refused:
+    the key function or the record kind changed, and moving it would put it
+    beside state it never belonged to."""
+    frames, groups, kind_seen = [], [], None
+    for (s, r), (items, kind) in sorted(streams.items()):
+        where = f"{what} (channel {s} -> {r})"
+        recs, kind = decode_stream(items, kind, timestamped, allow_pickle, where)
+        if not recs:
+            continue
+        kind_seen = kind_seen or kind
         try:
-            keys = [key_fn(v) for v in values]
-            g = kg.group_index(keys, self.max_parallelism)
+            keys = [key_fn(v) for _, v in recs]
+            g = kg.group_index(keys, max_parallelism)
         except Exception as exc:
             raise errors.ConfigurationError(
-                f"{self.where}: the key_by function into {eid[0]!r} failed on a record in flight ({exc!r}), "
-                "so its in-flight data cannot be redistributed by key group; take a savepoint instead") from exc
-        start, end = kg.key_group_range(self.max_parallelism, receivers, receiver)
+                f"{where}: the key_by function failed on a record in flight ({exc!r}), so it cannot be "
+                "redistributed by key group; take a savepoint of the old job instead") from exc
+        start, end = kg.key_group_range(max_parallelism, receivers, r)
         stray = (g < start) | (g >= end)
         if stray.any():
-            # the old receiver owned these groups: the key function (or the
-            # record kind) no longer gives the key the records were routed by
             raise IncompatibleCheckpointError(
-                f"{self.where}: a record in flight to subtask {receiver} of {eid[0]!r} has key group "
-                f"{int(g[stray][0])}, outside that subtask's groups [{start}, {end}): the key_by function or "
-                "the record kind changed, so its in-flight data cannot be redistributed. Take a savepoint "
-                "of the old job (always aligned) and restore that")
-        return g
+                f"{where}: a record in flight to old subtask {r} has key group {int(g[stray][0])}, outside "
+                f"that subtask's groups [{start}, {end}): the key_by function or the record kind changed, so "
+                "its in-flight data cannot be redistributed. Take a savepoint of the old job (always aligned) "
+                "and restore that")
+        frames.extend(f for f, _ in recs)
+        groups.append(g)
+    g = np.concatenate(groups) if groups else np.empty(0, np.uint16)
+    return kind_seen, KeyGroupSplit(frames, g)
 
 
 class KeyGroupSplit:
