@@ -527,7 +527,7 @@ class TaskCheckpointing:
             out.overtaken_listener = lambda n, sub, items, o=o: self.output_overtaken(n, f"out/{o}/{sub}", items)
         # the edges of its inputs and outputs, recorded with in-flight data: a
         # restore into a changed job moves it by key group on keyed edges
-        self.edges = edge_descriptions(getattr(task.job, "edges", None), task.vertex)
+        self.edges = edge_descriptions(getattr(getattr(task, "job", None), "edges", None), task.vertex)
         # incremental checkpoints: operator index -> its GroupChain (keyed operators that record
         # the keys they change; the others are written whole every time)
         self.chains: dict = {}

@@ -60,7 +60,7 @@ import struct
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf._core.channel import BufferQueue, InputGate
+from pyflowbuf._core.channel import BufferQueue
 from pyflowbuf._core.events import (BARRIER, CANCEL_BARRIER, END_OF_DATA, END_OF_PARTITION, EVT_KIND,
                                     EVT_WATERMARK)
 from pyflowbuf._core.memory import NetworkBufferPool
@@ -71,11 +71,12 @@ from pyflowbuf.exchange.sides import kind_name
 from pyflowbuf.kinds import CoreSerializer
 from pyflowbuf.serializers import get_serializer
 
-_RECORDS, _EVENT = 0, 2                 # FB_DATA_RECORDS, FB_DATA_EVENT (csrc/fb_ring.h)
+_RECORDS = 0                            # FB_DATA_RECORDS (csrc/fb_ring.h)
 _LEN = struct.Struct("<I")
 _ITEM_BYTES = 32 * 1024                 # redistributed records are replayed in items of about this size
 _MAX_RECORD = (1 << 32) - 1             # the checkpoint's own records: the job's limit held when written
-_DROPPED_EVENTS = (EVT_WATERMARK, EVT_KIND, END_OF_PARTITION, END_OF_DATA, BARRIER, CANCEL_BARRIER)
+# events among redistributed in-flight data that are left out (why: the module docstring)
+_DROPPED_EVENTS = (EVT_WATERMARK, END_OF_PARTITION, END_OF_DATA, BARRIER, CANCEL_BARRIER)
 
 
 # ---------------------------------------------------------------- at checkpoint time
@@ -112,11 +113,7 @@ def edge_descriptions(edges, vertex) -> dict | None:
         return None
     outs = [e for e in edges if e.source is vertex]
     ins = sorted((e for e in edges if e.target is vertex), key=lambda e: e.input_index)
-    out_index = {}
-    for e in edges:
-        seq = out_index.setdefault(id(e.source), [])
-        seq.append(e)
-    return {"in": [_describe(e, out_index[id(e.source)].index(e)) for e in ins],
+    return {"in": [_describe(e, [x for x in edges if x.source is e.source].index(e)) for e in ins],
             "out": [_describe(e, k) for k, e in enumerate(outs)]}
 
 

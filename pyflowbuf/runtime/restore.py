@@ -14,10 +14,13 @@ restore maps that state to the operators of the job being started:
   removed, renamed or chained differently;
 * state of an operator that is gone is refused, unless
   ``allow_non_restored_state=True`` drops it;
-* ``max_parallelism`` cannot change (keys would move between groups), and
-  in-flight data of an unaligned checkpoint is replayed only into the same
-  tasks (same operators, same parallelism): otherwise take a savepoint, which
-  is always aligned.
+* ``max_parallelism`` cannot change (keys would move between groups);
+* in-flight data of an unaligned checkpoint goes back into the channels it
+  was captured in where its edge is unchanged, is redistributed by key group
+  where a changed edge is keyed (``pyflowbuf.runtime.inflight_rescale``),
+  and is refused on a changed edge that is not keyed, or from a checkpoint
+  written before edges were recorded outside its very tasks: take a
+  savepoint, which is always aligned.
 
 The stored layout (format 2) of a subtask's STATE value::
 
@@ -44,6 +47,10 @@ that lists ``"written": [groups]`` and ``"refs": [{"checkpoint": id,
 "groups": [...]}]`` holds only the groups it wrote; the others are in the
 same subtask's state file of each checkpoint it refers to, and a restore
 merges them (``merge_keyed_values``).
+A subtask that holds in-flight data adds to its summary in ``_metadata``
+``"inflight_items"`` (the names of its items: ``in/<input>/<channel>``,
+``out/<output>/<subpartition>``) and ``"edges"`` (its inputs' and outputs'
+edges: ``inflight_rescale.edge_descriptions``).
 The checkpoint's ``_metadata`` repeats the layout in plain fields
 (``properties["state_format"]``, ``["max_parallelism"]``, ``["operators"]``:
 per operator id its name, type, parallelism, key groups and state bytes per
