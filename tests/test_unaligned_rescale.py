@@ -138,14 +138,20 @@ def run_cancel_resume(tmp, p1, p2, n, workers=None, kinds=("reduce", "timers", "
     return committed(out), held
 
 
-@settings(max_examples=5, deadline=None)
-@given(p1=st.integers(1, 4), p2=st.integers(1, 4))
+@settings(max_examples=6, deadline=None)
+@given(p1=st.integers(1, 4), p2=st.integers(1, 4),
+       more=st.sets(st.sampled_from(["timers", "window"])))
 def test_a_keyed_job_restored_from_inflight_data_at_another_parallelism_commits_each_result_once(
-        tmp_path_factory, p1, p2):
+        tmp_path_factory, p1, p2, more):
+    """The running count (its chain slow), with a keyed process function
+    with event-time timers and a tumbling window or not: their in-flight
+    records hold event times, so a window fired before they were read, or a
+    record replayed twice or never, would show in the committed output."""
     tmp = str(tmp_path_factory.mktemp("infl"))
     n = 3000
-    got, _ = run_cancel_resume(tmp, p1, p2, n)
-    want = expected(n)
+    kinds = ("reduce",) + tuple(sorted(more))
+    got, _ = run_cancel_resume(tmp, p1, p2, n, kinds=kinds)
+    want = expected(n, kinds)
     assert got == want, (p1, p2, sorted((want - got).items())[:5], sorted((got - want).items())[:5])
 
 
