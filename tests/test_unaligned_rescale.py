@@ -31,10 +31,11 @@ from hypothesis import strategies as st
 import pyflowbuf as fb
 from pyflowbuf import errors
 from pyflowbuf._core.channel import BufferQueue
-from pyflowbuf._core.events import EVT_KIND, EVT_WATERMARK
+from pyflowbuf._core.events import EVT_KIND, EVT_WATERMARK, USER_EVENT
 from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf.checkpoint import CheckpointStorage
+from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.exchange.sides import kind_code
 from pyflowbuf.runtime.inflight_rescale import split_by_key_group
@@ -293,3 +294,29 @@ def test_redistribution_matches_a_model(maxp, senders, receivers, new, timestamp
         got = read_back(split.items_for(start, end), timestamped)
         assert got == want, (j, len(got), len(want))
 
+
+
+def test_what_cannot_be_redistributed_is_refused_by_name():
+    """A key function that no longer gives the groups the records were routed
+    by, a user event among the items, a stream cut inside a record."""
+    maxp, rng = 16, random.Random(7)
+    start, end = kg.key_group_range(maxp, 2, 1)
+    key = next(k for k in range(100) if start <= ref_stable_hash(k) % maxp < end)
+    recs = [(key, 0, i, "x" * 50) for i in range(20)]
+    items = channel_items(recs, None, False, rng)
+    streams = {(0, 1): (items, None)}
+    kind, split = split_by_key_group(streams, lambda r: r[0], maxp, 2, False)
+    assert len(split.frames) == 20 and kind == "struct"
+    moved = next(k for k in range(100) if not start <= ref_stable_hash(k) % maxp < end)
+    with pytest.raises(IncompatibleCheckpointError, match=r"channel 0 -> 1.*key group \d+, outside.*\[8, 16\)"
+                                                                 r".*key_by function or the record kind changed"):
+        split_by_key_group(streams, lambda r: moved, maxp, 2, False)
+    with pytest.raises(errors.ConfigurationError, match="key_by function failed"):
+        split_by_key_group(streams, lambda r: r[7], maxp, 2, False)
+    user = items[:2] + [(2, USER_EVENT, 0, 5, None)] + items[2:]
+    with pytest.raises(errors.ConfigurationError, match="user event"):
+        split_by_key_group({(0, 1): (user, None)}, lambda r: r[0], maxp, 2, False)
+    data = [it for it in items if it[4] is not None]
+    cut = [data[0][:4] + (data[0][4][:-3],)]       # the first buffer, short of its last bytes
+    with pytest.raises(IncompatibleCheckpointError, match="ends inside a record"):
+        split_by_key_group({(0, 1): (cut, "struct")}, lambda r: r[0], maxp, 2, False)
