@@ -410,7 +410,8 @@ def decode_stream(items, kind, timestamped: bool, allow_pickle: bool, what: str)
         raise errors.ConfigurationError(f"{what}: {exc}; register that kind to restore it") from None
     if ser.core_kind == "pickle" and not allow_pickle:
         raise errors.ConfigurationError(
-            f"{what} holds pickled records; restoring them takes allow_pickle=True on the checkpoint storage")
+            f"{what} holds pickled records: moving them to other subtasks unpickles them from the checkpoint, "
+            "which takes Environment(allow_pickle=True) (as pickled state does)")
     skip = 8 if timestamped else 0
     blob = b"".join(_LEN.pack(len(p) - skip) + p[skip:] for p in payloads)
     values = _reader([(_RECORDS, 0, 0, 0, blob)], ser.core_kind).read_batch(len(payloads), timeout=0)
