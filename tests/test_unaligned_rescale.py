@@ -11,11 +11,12 @@
   exactly once. Also with ``workers=2`` (the keyed edge crosses TCP, so the
   network senders' queued buffers are in the checkpoint too).
 * The redistribution itself against a pure-Python model: records written by
-  real RecordWriters into old channels (cut anywhere between what the
-  receiver held and what the sender still had queued, with events between
-  the buffers), each new subtask's share read back as its reader would.
-* The refusals: in-flight data on a non-keyed edge; a checkpoint written
-  before edges were recorded.
+  real RecordWriters into old channels (spanning buffers, events between
+  them), each new subtask's share read back as its reader would; and what it
+  refuses (key groups that moved, a user event, a stream cut in a record).
+* The refusals of a restore: in-flight data on a non-keyed edge; a
+  checkpoint written before edges were recorded (the same job still restores).
+* A snapshot while restored in-flight data is still being read is declined.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import os
 import random
 import time
 from array import array
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -31,14 +33,16 @@ from hypothesis import strategies as st
 import pyflowbuf as fb
 from pyflowbuf import errors
 from pyflowbuf._core.channel import BufferQueue
-from pyflowbuf._core.events import EVT_KIND, EVT_WATERMARK, USER_EVENT
+from pyflowbuf._core.events import BARRIER, CANCEL_BARRIER, EVT_KIND, EVT_WATERMARK, USER_EVENT
 from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.exchange.sides import kind_code
+from pyflowbuf.runtime import checkpointing
 from pyflowbuf.runtime.inflight_rescale import split_by_key_group
+from pyflowbuf.runtime.task.checkpoints import SubtaskCheckpoints
 from reference_model import ref_stable_hash
 from test_rescale import KEYS, WINDOW, committed, expected
 
@@ -207,7 +211,6 @@ def test_in_flight_data_on_a_non_keyed_edge_is_still_refused(tmp_path):
 def test_a_checkpoint_without_edges_restores_only_into_the_same_tasks(tmp_path, monkeypatch):
     """A checkpoint written before in-flight data named its edges: refused at
     another parallelism (pointing to a savepoint), restored at the same."""
-    from pyflowbuf.runtime import checkpointing
     monkeypatch.setattr(checkpointing, "edge_descriptions", lambda edges, vertex: None)
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     conf = dict(checkpoint_interval=0.25, checkpoint_dir=ck, checkpoint_alignment="unaligned", segment_size=4096)
@@ -320,3 +323,23 @@ def test_what_cannot_be_redistributed_is_refused_by_name():
     cut = [data[0][:4] + (data[0][4][:-3],)]       # the first buffer, short of its last bytes
     with pytest.raises(IncompatibleCheckpointError, match="ends inside a record"):
         split_by_key_group({(0, 1): (cut, "struct")}, lambda r: r[0], maxp, 2, False)
+
+
+def test_a_snapshot_while_restored_inflight_data_is_still_read_is_declined():
+    """An unaligned snapshot of a task one of whose inputs still reads the
+    in-flight data it was restored with (a barrier came on another input
+    first) would hold the rest of it nowhere: it is declined, and its
+    consumers get a cancel-barrier; once read, the snapshot is taken."""
+    declined, sent, snapshots = [], [], []
+    reader = SimpleNamespace(replaying=True, unread_prefix=lambda ch: None, start_recording=lambda ch: None)
+    out = SimpleNamespace(broadcast_event=lambda kind, aux, flags=0, priority=False: sent.append((kind, aux)))
+    sc = SubtaskCheckpoints(None, "t", [], [SimpleNamespace(reader=reader, num_channels=1)], [out], lambda: False)
+    sc.checkpointing = SimpleNamespace(
+        key="v1-0", coordinator=SimpleNamespace(decline=lambda key, n, why: declined.append((key, n, why))),
+        snapshot_unaligned=lambda n, inputs, how: snapshots.append(n))
+    sc._snapshot_unaligned(5, [(0, 0)])
+    assert declined and declined[0][:2] == ("v1-0", 5) and "replaying" in declined[0][2]
+    assert sent == [(CANCEL_BARRIER, 5)] and snapshots == []
+    reader.replaying = False
+    sc._snapshot_unaligned(6, [(0, 0)])
+    assert snapshots == [6] and sent[-1] == (BARRIER, 6)

@@ -136,6 +136,16 @@ class SubtaskCheckpoints:
         """Snapshot now and forward barrier n ahead of the queued output; the
         channels in ``keys`` (barrier n not there yet) are recorded from now
         on, starting with what the readers hold of them."""
+        if any(self.sides[key[0]].reader is not None and self.sides[key[0]].reader.replaying for key in keys):
+            # An input still reads the in-flight data of the checkpoint it was
+            # restored from (a barrier came on another input first): what is
+            # left of it would be in neither this snapshot's state nor its
+            # in-flight data, so this checkpoint is declined (the next one
+            # comes once it is read) and the consumers stop aligning it.
+            ckpt = self.checkpointing
+            ckpt.coordinator.decline(ckpt.key, n, "an input was still replaying restored in-flight data")
+            self._broadcast(CANCEL_BARRIER, n)
+            return
         inputs = {}
         for key in keys:
             side, ch = self.sides[key[0]], key[1]
