@@ -478,7 +478,7 @@ class RestorePlan:
         uids = chain_uids(v)
         src_uid = v.head.operator_uid if task.source is not None else None
         same = self._same_task(v, i, uids, src_uid)
-        inflight = self._inflight_plan(getattr(task.job, "vertices", None))
+        inflight = self._inflight_plan(getattr(getattr(task, "job", None), "vertices", None))
         if same is not None:
             stored = self._read(same)
             restore = {"vertex": v.name, "finished": stored["finished"], "stored": stored,
