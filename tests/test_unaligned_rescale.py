@@ -20,6 +20,8 @@
 """
 from __future__ import annotations
 
+import ast
+import collections
 import os
 import random
 import time
@@ -343,3 +345,44 @@ def test_a_snapshot_while_restored_inflight_data_is_still_read_is_declined():
     reader.replaying = False
     sc._snapshot_unaligned(6, [(0, 0)])
     assert snapshots == [6] and sent[-1] == (BARRIER, 6)
+
+
+def test_a_keyed_connect_moves_each_inputs_inflight_data_into_that_input(tmp_path):
+    """Two keyed inputs of one operator (connect): each input's in-flight
+    records go to the same input of the subtask owning their key group."""
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    n = 2000
+
+    def job(env, p, delay=0.0, rate=None):
+        def side(tag):
+            def fn(key, rec, state):
+                state[tag] = state.get(tag, 0) + 1
+                return [(tag, key, state[tag])]
+            return fn
+        a = env.from_sequence(0, n, parallelism=p, rate_limit=rate).uid("a").map(lambda x: (x % KEYS, x))
+        b = env.from_sequence(0, n, parallelism=p, rate_limit=rate).uid("b").map(lambda x: (x % 5, x))
+        (a.key_by(lambda r: r[0]).connect(b.key_by(lambda r: r[0]))
+          .process(side("a"), side("b"), kind="struct").uid("both")
+          .map(slow(delay)).write_text(out))
+
+    conf = dict(checkpoint_interval=0.25, checkpoint_dir=ck, checkpoint_alignment="unaligned", segment_size=4096)
+    env = fb.Environment(parallelism=2, **conf)
+    job(env, 2, delay=0.003, rate=2000)
+    held = run_cancel(env, ck)
+    env2 = fb.Environment(parallelism=3, **conf)
+    job(env2, 3)
+    env2.execute(120, restore_from="latest")
+    got = committed_lines(out)
+    want = collections.Counter(("a", k, i) for k, c in collections.Counter(x % KEYS for x in range(n)).items()
+                               for i in range(1, c + 1))
+    want.update(("b", k, i) for k, c in collections.Counter(x % 5 for x in range(n)).items() for i in range(1, c + 1))
+    assert held and got == want, (sorted((want - got).items())[:5], sorted((got - want).items())[:5])
+
+
+def committed_lines(out) -> collections.Counter:
+    got: collections.Counter = collections.Counter()
+    for name in os.listdir(out):
+        if name.startswith("part-"):
+            with open(os.path.join(out, name)) as fh:
+                got.update(ast.literal_eval(line) for line in fh if line.strip())
+    return got
