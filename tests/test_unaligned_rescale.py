@@ -9,7 +9,8 @@
   (asserted from the checkpoint's layout), and is resumed at another
   parallelism: the committed output equals one uninterrupted run, per key,
   exactly once. Also with ``workers=2`` (the keyed edge crosses TCP, so the
-  network senders' queued buffers are in the checkpoint too).
+  network senders' queued buffers are in the checkpoint too), with a filter
+  added upstream and every chain changed, and for a keyed connect (two inputs).
 * The redistribution itself against a pure-Python model: records written by
   real RecordWriters into old channels (spanning buffers, events between
   them), each new subtask's share read back as its reader would; and what it
