@@ -157,9 +157,11 @@ def test_savepoint_errors(tmp_path):
 
 
 def test_in_flight_data_does_not_move_but_a_savepoint_does(tmp_path):
-    """An unaligned checkpoint's in-flight data restores only into the same
+    """An unaligned checkpoint's in-flight data on edges that are not keyed
+    (here the forward edge into the slow sink) restores only into the same
     tasks: at another parallelism the restore is refused, pointing to a
-    savepoint; a savepoint of the same job (aligned) restores there."""
+    savepoint; a savepoint of the same job (aligned) restores there. (On
+    keyed edges it moves by key group: test_unaligned_rescale.py.)"""
     from test_unaligned import backpressured_job
 
     ck = str(tmp_path / "chk")
@@ -176,13 +178,18 @@ def test_in_flight_data_does_not_move_but_a_savepoint_does(tmp_path):
     # under backpressure every unaligned checkpoint holds what its barriers overtook
     held = [m for m in CheckpointStorage(ck).list_complete() if m.inflight_bytes]
     assert held
+    # ... and the slow sink's input (a forward edge) is full
+    held = [m for m in held if any(s.get("inflight") and s["edges"]["in"] and s["edges"]["in"][0]["to"] == "sink#0"
+                                   for s in m.properties["layout"].values())]
+    assert held
 
     def rescaled():
         e = fb.Environment(parallelism=2, chaining=False, checkpoint_interval=0.3, checkpoint_dir=ck,
                            checkpoint_alignment="unaligned", segment_size=4096)
         backpressured_job(e)
         return e
-    with pytest.raises(ConfigurationError, match="in-flight data cannot be redistributed.*savepoint"):
+    with pytest.raises(ConfigurationError, match=r"in-flight data on \d+ edge\(s\) that are not keyed.*forward edge "
+                                                 r"into operator 'sink#0'.*cannot be redistributed.*savepoint"):
         rescaled().execute(30, restore_from=held[-1].checkpoint_id)
     env2 = rescaled()
     job2 = env2.execute_async(restore_from=sp)

@@ -36,6 +36,7 @@ from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpoin
 from pyflowbuf.checkpoint.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_inflight, encode_inflight  # noqa: F401
 from pyflowbuf.checkpoint.keygroups import (DEFAULT_MAX_PARALLELISM, INCREMENTAL_MAX_AGE, GroupChain,
                                          key_group_range)
+from pyflowbuf.runtime.inflight_rescale import edge_descriptions
 from pyflowbuf.runtime.restore import metadata_properties, stored_state
 from pyflowbuf.runtime.metrics import publish_checkpoint
 from pyflowbuf.connectors import outputs as outputs_mod
@@ -524,6 +525,9 @@ class TaskCheckpointing:
                                for s, remote in enumerate(getattr(out, "remote", ())) if remote]
         for o, out in enumerate(task.outputs):
             out.overtaken_listener = lambda n, sub, items, o=o: self.output_overtaken(n, f"out/{o}/{sub}", items)
+        # the edges of its inputs and outputs, recorded with in-flight data: a
+        # restore into a changed job moves it by key group on keyed edges
+        self.edges = edge_descriptions(getattr(getattr(task, "job", None), "edges", None), task.vertex)
         # incremental checkpoints: operator index -> its GroupChain (keyed operators that record
         # the keys they change; the others are written whole every time)
         self.chains: dict = {}
@@ -666,6 +670,10 @@ class TaskCheckpointing:
         try:
             state, summary = self.stored(state)
             summary["inflight"] = bool(inflight)
+            if inflight:
+                summary["inflight_items"] = sorted(inflight)
+                if self.edges is not None:
+                    summary["edges"] = self.edges
             handle = storage.write_task_state(checkpoint_id, self.key, state, inflight, alignment=alignment)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator
             # a checkpoint aborted meanwhile (a failure, a restart) is no news

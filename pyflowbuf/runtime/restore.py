@@ -14,10 +14,13 @@ restore maps that state to the operators of the job being started:
   removed, renamed or chained differently;
 * state of an operator that is gone is refused, unless
   ``allow_non_restored_state=True`` drops it;
-* ``max_parallelism`` cannot change (keys would move between groups), and
-  in-flight data of an unaligned checkpoint is replayed only into the same
-  tasks (same operators, same parallelism): otherwise take a savepoint, which
-  is always aligned.
+* ``max_parallelism`` cannot change (keys would move between groups);
+* in-flight data of an unaligned checkpoint goes back into the channels it
+  was captured in where its edge is unchanged, is redistributed by key group
+  where a changed edge is keyed (``pyflowbuf.runtime.inflight_rescale``),
+  and is refused on a changed edge that is not keyed, or from a checkpoint
+  written before edges were recorded outside its very tasks: take a
+  savepoint, which is always aligned.
 
 The stored layout (format 2) of a subtask's STATE value::
 
@@ -44,6 +47,10 @@ that lists ``"written": [groups]`` and ``"refs": [{"checkpoint": id,
 "groups": [...]}]`` holds only the groups it wrote; the others are in the
 same subtask's state file of each checkpoint it refers to, and a restore
 merges them (``merge_keyed_values``).
+A subtask that holds in-flight data adds to its summary in ``_metadata``
+``"inflight_items"`` (the names of its items: ``in/<input>/<channel>``,
+``out/<output>/<subpartition>``) and ``"edges"`` (its inputs' and outputs'
+edges: ``inflight_rescale.edge_descriptions``).
 The checkpoint's ``_metadata`` repeats the layout in plain fields
 (``properties["state_format"]``, ``["max_parallelism"]``, ``["operators"]``:
 per operator id its name, type, parallelism, key groups and state bytes per
@@ -63,6 +70,7 @@ from pyflowbuf.checkpoint.container import dumps, loads
 from pyflowbuf.checkpoint.storage import CorruptCheckpointError, IncompatibleCheckpointError
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.runtime.graph import assign_uids
+from pyflowbuf.runtime.inflight_rescale import InflightPlan
 from pyflowbuf.checkpoint.inflight import decode_inflight
 from pyflowbuf.operators.basic import Operator
 
@@ -351,6 +359,7 @@ class RestorePlan:
         self.old_max = props.get("max_parallelism")
         self._cache: dict = {}
         self._decoded: dict = {}
+        self._inflight = None       # the InflightPlan, once a graph asked
 
     @property
     def where(self) -> str:
@@ -423,17 +432,12 @@ class RestorePlan:
             if old["parallelism"] != v.parallelism and v.parallelism > self.max_parallelism:
                 raise errors.ConfigurationError(
                     f"operator {uid!r}: parallelism {v.parallelism} is above max_parallelism={self.max_parallelism}")
-        # in-flight data goes back only into the very tasks it was captured in
-        for k, s in self.layout.items():
-            if not s.get("inflight"):
-                continue
-            if not any(s["uids"] == chain_uids(v) and s["parallelism"] == v.parallelism
-                       and s.get("source_uid") == (v.head.operator_uid if v.head.source is not None else None)
-                       for v in vertices):
-                raise errors.ConfigurationError(
-                    f"{where} is an unaligned checkpoint whose task {s['vertex']!r} ({k}) holds in-flight data, "
-                    "and this job's graph or parallelism differs there: in-flight data cannot be redistributed. "
-                    "Take a savepoint (job.savepoint() or job.stop(savepoint=...), always aligned) and restore that")
+        # in-flight data: back into the very channels it was captured in where
+        # the edge is unchanged, by key group on a changed keyed edge, refused
+        # elsewhere (pyflowbuf.runtime.inflight_rescale)
+        plan = self._inflight_plan(vertices)
+        if plan is not None:
+            plan.check(lambda s: any(_holds_task(s, v) for v in vertices if not v.is_iterator))
         # a task that had ended is restored as ended only into the same task
         for v in vertices:
             if v.is_iterator:
@@ -481,6 +485,7 @@ class RestorePlan:
         uids = chain_uids(v)
         src_uid = v.head.operator_uid if task.source is not None else None
         same = self._same_task(v, i, uids, src_uid)
+        inflight = self._inflight_plan(getattr(getattr(task, "job", None), "vertices", None))
         if same is not None:
             stored = self._read(same)
             restore = {"vertex": v.name, "finished": stored["finished"], "stored": stored,
@@ -490,6 +495,8 @@ class RestorePlan:
             for k in ("source_identity", "inflight", "input_kinds", "output_kinds"):
                 if k in stored:
                     restore[k] = stored[k]
+            if inflight is not None:
+                self._rescaled_inflight(inflight, task, restore, same)
             return restore
         restore = {"vertex": v.name, "finished": False, "stored": None, "source": None,
                    "operators": [self._operator_state(op, uid, v, i) for op, uid in zip(task.operators, uids)]}
@@ -512,7 +519,42 @@ class RestorePlan:
                     # (every subtask computes them all from the same positions, and takes its own)
                     restore["source"] = rescale(positions, v.parallelism)[i]
                 restore["has_source"] = True
+        if inflight is not None:
+            self._rescaled_inflight(inflight, task, restore, None)
         return restore
+
+    def _inflight_plan(self, vertices):
+        """Where this checkpoint's in-flight data goes in the graph of
+        ``vertices`` (None: it holds none), made once per restore."""
+        if not any(s.get("inflight") for s in self.layout.values()):
+            return None
+        if self._inflight is None:
+            if vertices is None:
+                raise errors.FlowBufError(f"{self.where}: restoring in-flight data needs the job's graph")
+            self._inflight = InflightPlan(self.layout, vertices, self.max_parallelism, self.where, self._read,
+                                          self.storage.allow_pickle)
+        return self._inflight
+
+    def _rescaled_inflight(self, plan, task, restore, same) -> None:
+        """A subtask's in-flight data where edges changed: the items of its old
+        self on redistributed edges are left out (they go by key group), and
+        what its key groups get of those edges comes in as ``key/<input>``,
+        replayed before anything else on that input."""
+        if same is not None and restore.get("inflight"):
+            gone = plan.dropped(same)
+            if gone:
+                restore["inflight"] = {n: items for n, items in restore["inflight"].items() if n not in gone}
+        moved = plan.for_subtask(task.vertex, task.index)
+        if not moved:
+            return
+        inflight = dict(restore.get("inflight") or {})
+        kinds = list(restore.get("input_kinds") or [])
+        for a, (kind, items) in moved.items():
+            inflight[f"key/{a}"] = items
+            kinds.extend([None] * (a + 1 - len(kinds)))
+            kinds[a] = kind
+        restore["inflight"] = inflight
+        restore["input_kinds"] = kinds
 
     def _decode_entry(self, op, task_key, e):
         if e is None:
@@ -581,6 +623,12 @@ class RestorePlan:
         if len(states) == v.parallelism:
             return states[i]
         return op.rescale_state(states, i, v.parallelism)
+
+
+def _holds_task(s: dict, v) -> bool:
+    """Whether vertex ``v`` runs the chain an old subtask's layout ``s`` ran, at its parallelism."""
+    return (s["uids"] == chain_uids(v) and s["parallelism"] == v.parallelism
+            and s.get("source_uid") == (v.head.operator_uid if v.head.source is not None else None))
 
 
 def check_operator_ids(env) -> None:

@@ -18,9 +18,12 @@ def _no_op(key):
 
 
 def _parse_channel(name):
-    """'in/<input>/<channel>' or 'out/<output>/<subpartition>'."""
-    where, a, b = name.split("/")
-    return where, int(a), int(b)
+    """'in/<input>/<channel>', 'out/<output>/<subpartition>', or 'key/<input>'
+    (records redistributed by key group: ``pyflowbuf.runtime.inflight_rescale``)."""
+    where, *rest = name.split("/")
+    if where == "key":
+        return where, int(rest[0]), -1
+    return where, int(rest[0]), int(rest[1])
 
 
 class SubtaskCheckpoints:
@@ -133,6 +136,16 @@ class SubtaskCheckpoints:
         """Snapshot now and forward barrier n ahead of the queued output; the
         channels in ``keys`` (barrier n not there yet) are recorded from now
         on, starting with what the readers hold of them."""
+        if any(self.sides[key[0]].reader is not None and self.sides[key[0]].reader.replaying for key in keys):
+            # An input still reads the in-flight data of the checkpoint it was
+            # restored from (a barrier came on another input first): what is
+            # left of it would be in neither this snapshot's state nor its
+            # in-flight data, so this checkpoint is declined (the next one
+            # comes once it is read) and the consumers stop aligning it.
+            ckpt = self.checkpointing
+            ckpt.coordinator.decline(ckpt.key, n, "an input was still replaying restored in-flight data")
+            self._broadcast(CANCEL_BARRIER, n)
+            return
         inputs = {}
         for key in keys:
             side, ch = self.sides[key[0]], key[1]
@@ -205,8 +218,11 @@ class SubtaskCheckpoints:
     # ---- after a restore ----
     def replay_inflight(self, restore) -> None:
         """After a restore from an unaligned checkpoint: in-flight input is read
-        again before anything new (per channel, in order), in-flight output is
-        sent again before any new record."""
+        again before anything new from the gate (each input's replayed items
+        first, from every channel), in-flight output is sent again before any
+        new record. Items of a channel go back into that channel; records
+        redistributed by key group (``key/<input>``: whole records, no events)
+        go through channel 0 of their input, ahead of everything else there."""
         inflight = restore["inflight"]
         in_kinds = restore.get("input_kinds") or []
         out_kinds = restore.get("output_kinds") or []
@@ -215,7 +231,13 @@ class SubtaskCheckpoints:
         for name in sorted(inflight, key=_parse_channel):
             where, a, b = _parse_channel(name)
             items = inflight[name]
-            if where == "in":
+            if where == "key":
+                if a >= len(sides):
+                    raise errors.ConfigurationError(
+                        f"in-flight data redistributed to input {a} does not fit this task ({len(sides)} inputs)")
+                # before this input's own channels' items (it has none: its whole edge moved)
+                replays.setdefault(a, [])[:0] = [(0, item) for item in items]
+            elif where == "in":
                 if a >= len(sides) or b >= sides[a].num_channels:
                     raise errors.ConfigurationError(
                         f"in-flight data for input channel {name} does not fit this job: restoring "
