@@ -213,7 +213,8 @@ class InflightPlan:
             if not same_task(s):
                 raise errors.ConfigurationError(
                     f"{where} is an unaligned checkpoint whose task {s['vertex']!r} ({k}) holds in-flight data, "
-                    "and this job's graph or parallelism differs there: in-flight data cannot be redistributed "
+                    "and this job's graph or parallelism differs (there, or where its output goes): in-flight "
+                    "data cannot be redistributed "
                     "(this checkpoint was written before the edges of in-flight data were recorded). Take a "
                     "savepoint (job.savepoint() or job.stop(savepoint=...), always aligned) and restore that")
         hint = ("Take a savepoint (job.savepoint() or job.stop(savepoint=...), always aligned) and restore that, "

@@ -437,7 +437,12 @@ class RestorePlan:
         # elsewhere (pyflowbuf.runtime.inflight_rescale)
         plan = self._inflight_plan(vertices)
         if plan is not None:
-            plan.check(lambda s: any(_holds_task(s, v) for v in vertices if not v.is_iterator))
+            running = [v for v in vertices if not v.is_iterator]
+            # (an older checkpoint's in-flight data does not say which edge it is on: its task's
+            # queued output goes to receivers, so the whole graph must be the same, not the task alone)
+            same_graph = (all(any(_holds_task(s, v) for v in running) for s in self.layout.values())
+                          and all(any(_holds_task(s, v) for s in self.layout.values()) for v in running))
+            plan.check(lambda s: same_graph and any(_holds_task(s, v) for v in running))
         # a task that had ended is restored as ended only into the same task
         for v in vertices:
             if v.is_iterator:
