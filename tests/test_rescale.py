@@ -30,6 +30,21 @@ WINDOW = 5.0
 COUNT = 7
 
 
+def per_second_counts(keyed):
+    """Each key's records per event-time second, counted in keyed state and
+    emitted as ``("t", key, second, count)`` by an event-time timer."""
+    def per_second(key, rec, state, ctx):
+        b = int(rec[1])
+        state[b] = state.get(b, 0) + 1
+        ctx.register_event_time_timer(b + 1)
+
+    def fire(key, t, state, ctx):
+        b = int(t) - 1
+        return [("t", key, b, state.pop(b, 0))]
+
+    return keyed.process(per_second, on_timer=fire).uid("seconds")
+
+
 def keyed_job(env, p, n, out, rate, kinds=("reduce", "timers", "window")):
     src = env.from_sequence(0, n, parallelism=p, rate_limit=rate).uid("numbers")
     keyed = (src.map(lambda x: (x % KEYS, x / 100.0, 1))
@@ -39,17 +54,7 @@ def keyed_job(env, p, n, out, rate, kinds=("reduce", "timers", "window")):
         (keyed.reduce(lambda a, b: (a[0], b[1], a[2] + b[2])).uid("counts")
               .map(lambda r: ("r", r[0], r[2])).write_text(os.path.join(out, "reduce")))
     if "timers" in kinds:
-        def per_second(key, rec, state, ctx):
-            b = int(rec[1])
-            state[b] = state.get(b, 0) + 1
-            ctx.register_event_time_timer(b + 1)
-
-        def fire(key, t, state, ctx):
-            b = int(t) - 1
-            return [("t", key, b, state.pop(b, 0))]
-
-        (keyed.process(per_second, on_timer=fire).uid("seconds")
-              .write_text(os.path.join(out, "timers")))
+        per_second_counts(keyed).write_text(os.path.join(out, "timers"))
     if "count_trigger" in kinds:
         (keyed.window(fb.Tumbling(WINDOW), trigger=fb.CountTrigger(COUNT))
               .reduce(lambda a, b: (a[0], a[1], a[2] + b[2]),

@@ -47,7 +47,7 @@ from pyflowbuf.runtime import checkpointing
 from pyflowbuf.runtime.inflight_rescale import split_by_key_group
 from pyflowbuf.runtime.task.checkpoints import SubtaskCheckpoints
 from reference_model import ref_stable_hash
-from test_rescale import KEYS, WINDOW, committed, expected
+from test_rescale import KEYS, WINDOW, committed, expected, per_second_counts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,17 +74,7 @@ def slow_job(env, p, n, out, kinds=("reduce", "timers", "window"), delay=0.0, ra
         (keyed.reduce(lambda a, b: (a[0], b[1], a[2] + b[2])).uid("counts").map(slow(delay))
               .map(lambda r: ("r", r[0], r[2])).write_text(os.path.join(out, "reduce")))
     if "timers" in kinds:
-        def per_second(key, rec, state, ctx):
-            b = int(rec[1])
-            state[b] = state.get(b, 0) + 1
-            ctx.register_event_time_timer(b + 1)
-
-        def fire(key, t, state, ctx):
-            b = int(t) - 1
-            return [("t", key, b, state.pop(b, 0))]
-
-        (keyed.process(per_second, on_timer=fire).uid("seconds")
-              .write_text(os.path.join(out, "timers")))
+        per_second_counts(keyed).write_text(os.path.join(out, "timers"))
     if "window" in kinds:
         (keyed.window(fb.Tumbling(WINDOW))
               .reduce(lambda a, b: (a[0], a[1], a[2] + b[2]),
