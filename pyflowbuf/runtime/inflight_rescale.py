@@ -26,8 +26,9 @@ At restore time (``InflightPlan``) each edge with in-flight data is either
   changed, a keyed edge gone or no longer keyed, a changed record kind or
   timestamps), with an error that points to a savepoint (always aligned).
 
-A checkpoint written before edges were recorded keeps the old rule: its
-in-flight data restores only into the very tasks it was captured in.
+A checkpoint written before edges were recorded restores its in-flight data
+only into the same job graph at the same parallelism (its items do not say
+which edge they are on, and a task's queued output goes to its receivers).
 
 A new subtask reads its redistributed records before anything else on that
 input, from every channel (``RecordReader.replay`` drains its replay queue

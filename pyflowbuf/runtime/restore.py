@@ -19,8 +19,8 @@ restore maps that state to the operators of the job being started:
   was captured in where its edge is unchanged, is redistributed by key group
   where a changed edge is keyed (``pyflowbuf.runtime.inflight_rescale``),
   and is refused on a changed edge that is not keyed, or from a checkpoint
-  written before edges were recorded outside its very tasks: take a
-  savepoint, which is always aligned.
+  written before edges were recorded into any other job graph or
+  parallelism: take a savepoint, which is always aligned.
 
 The stored layout (format 2) of a subtask's STATE value::
 
