@@ -147,4 +147,10 @@ class WorkerSideEffectWarning(UserWarning):
     happened in the worker's copy of them, not in the caller."""
 
 
+class NonRestoredStateWarning(UserWarning):
+    """A restore with ``allow_non_restored_state=True`` dropped the state of
+    an operator the job no longer has; for a file sink also its pending
+    commits (the message names the sink and its directory)."""
+
+
 __all__ = [n for n in dir() if n.endswith(("Error", "Warning")) or n in ("FlowBufError", "BufferRequestTimeout")]

@@ -397,7 +397,9 @@ class JobExecution(Execution):
                 # What that checkpoint covered is committed (its notification
                 # may have been lost). With workers the driver does it, once:
                 # two processes renaming the same files would race.
-                ckpt.run_commits(meta.properties.get("commits", []), restore_mod.commit_outputs(self.env.nodes, meta))
+                commits = restore_mod.restored_commits(meta, self.env.nodes,
+                                                         getattr(self, "allow_non_restored_state", False))
+                ckpt.run_commits(commits, restore_mod.commit_outputs(self.env.nodes, meta))
             self.restored_from = meta.checkpoint_id
         for t in self.tasks:
             t.checkpointing = ckpt.TaskCheckpointing(t, coordinator, self._snapshot_writer)
@@ -426,7 +428,9 @@ class JobExecution(Execution):
         # in a worker process the driver restarts the whole job (every worker)
         return (self.failure is not None and self.coordinator is not None and config is not None
                 and self.remote is None
-                and self.restarts < config.restart_attempts and not self._user_cancelled)
+                and self.restarts < config.restart_attempts and not self._user_cancelled
+                # a failure a restart would meet again (a restored key of another kind)
+                and getattr(self.failure[2], "restartable", True))
 
     def _restart(self):
         """After a task failed: every task has stopped; give back every
