@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pyflowbuf._validation import _callable, _check_arity, _check_kind, _common_kind, _parallelism
+from pyflowbuf._validation import _callable, _check_arity, _check_kind, _common_kind, _parallelism, note_key_function
 from pyflowbuf.api.joined import IntervalJoin, JoinedStreams
 from pyflowbuf.api.side_outputs import LATE_TAG, declare_side_outputs, declared_tag
 from pyflowbuf.api.sinks import SinkDeclarations
@@ -154,6 +154,7 @@ class Stream(SinkDeclarations):
             return _key_by_column(self, key_fn)
         if not callable(key_fn):
             raise TypeError("key_by takes a function record -> key")
+        note_key_function(self.env, key_fn, f"key_by after {self.node.name!r}")
         ks = KeyedStream(self.env, self.node, key_fn)
         ks._partitioner = "hash"
         return ks

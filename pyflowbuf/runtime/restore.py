@@ -31,6 +31,13 @@ The stored layout (format 2) of a subtask's STATE value::
                     "keyed": True, "key_groups": [0, 64], "value": <dumps(keyed value)>},
                    {"uid": "map#0", "name": "map", "type": "Map", "state": None}, ...]}
 
+A keyed operator's entry also holds ``"key_kinds"``: the kinds of every key
+in its state (``pyflowbuf.runtime.key_kinds``), repeated per operator in
+``_metadata`` and checked against the first keys a restored operator
+computes; ``"key_migrated"`` where the job declared ``Stream.migrate_keys``
+(its keys are the new ones). A file sink's entry holds its ``"directory"``,
+named when a restore drops its state and its pending commits.
+
 A keyed value is ``{"maps": {name: {"columns": ..., "groups": uint16 array}},
 "timers": {name: {"times": [...], "keys": [...], "groups": uint16 array}},
 "common": ...}``: every entry with its key group beside it, in the order the
