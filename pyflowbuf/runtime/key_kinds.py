@@ -23,6 +23,8 @@ value) are not refused.
 from __future__ import annotations
 
 import numbers
+from itertools import repeat
+from operator import itemgetter
 
 import numpy as np
 
@@ -85,12 +87,23 @@ def kinds_of(keys) -> set:
     """The kinds of ``keys`` (a list): one C pass over their types, and one
     more over the tuples among them."""
     out = set()
-    for t in set(map(type, keys)):
+    types = set(map(type, keys))
+    for t in types:
         if t is tuple:
-            out.update(_tuple_kind(ts) for ts in {tuple(map(type, k)) for k in keys if type(k) is tuple})
+            out.update(_tuple_kinds(keys if len(types) == 1 else [k for k in keys if type(k) is tuple]))
         else:
             out.add(_type_kind(t))
     return out
+
+
+def _tuple_kinds(tuples) -> set:
+    # the common case in C loops: tuples of one length whose every item is of one type per place
+    lengths = set(map(len, tuples))
+    if len(lengths) == 1:
+        columns = [set(map(type, map(itemgetter(j), tuples))) for j in range(next(iter(lengths)))]
+        if all(len(c) == 1 for c in columns):
+            return {_tuple_kind([next(iter(c)) for c in columns])}
+    return {_tuple_kind(ts) for ts in set(map(tuple, map(map, repeat(type), tuples)))}
 
 
 def _items(kind: str):
