@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import time
+import types
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -266,3 +267,23 @@ def test_a_changed_key_kind_is_refused_with_workers(tmp_path):
     assert "migrate_keys" in str(info.value)
     assert out2.result == []
     assert env.last_execution.restarts == 0
+
+
+def test_a_restart_from_the_executions_own_checkpoint_is_not_checked():
+    """A checkpoint the execution wrote itself holds keys of the same key
+    functions: a kind first met after its restore is a new key, not a
+    changed function. The checkpoint it started from is checked, also when a
+    restart restores it again (nothing newer was taken)."""
+    from pyflowbuf.runtime.restore import checks_key_kinds
+    execution = types.SimpleNamespace()
+    start = types.SimpleNamespace(checkpoint_id=4, path="/sp")
+    own = types.SimpleNamespace(checkpoint_id=9, path="/ck/chk-9")
+    assert checks_key_kinds(execution, start)
+    assert checks_key_kinds(execution, start)
+    assert not checks_key_kinds(execution, own)
+    worker = types.SimpleNamespace()
+    assert not checks_key_kinds(worker, own, first=False)   # its driver said: a restart's own checkpoint
+    fresh = types.SimpleNamespace()
+    from pyflowbuf.runtime.restore import started_fresh
+    started_fresh(fresh)
+    assert not checks_key_kinds(fresh, own)

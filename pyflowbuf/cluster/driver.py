@@ -486,7 +486,7 @@ class ClusterExecution(Execution):
             with self._send_lock:
                 for c, w in self._conns.items():
                     try:
-                        c.send((attempt, ("go", addresses, restore_id)))
+                        c.send((attempt, ("go", addresses, restore_id, getattr(self, "check_key_kinds", True))))
                     except OSError:
                         raise self._died_starting(w) from None
             if self.coordinator is not None:
@@ -643,9 +643,12 @@ class ClusterExecution(Execution):
 
     def _restore_point(self, meta):
         if meta is None:
+            restore_mod.started_fresh(self)
             self.restored_from = None
             return None
         storage = ckpt.storage_of(self.coordinator.storage, meta)
+        # told to the workers, which restore it (a restart's own checkpoint is not checked)
+        self.check_key_kinds = restore_mod.checks_key_kinds(self, meta)
         if restore_mod.is_current(meta):
             # by operator id; each worker reads its own subtasks' state
             plan = restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,

@@ -357,6 +357,8 @@ class JobExecution(Execution):
         self._snapshot_writer = ckpt.new_writer()
         # a worker is told the id of a checkpoint the driver has already checked
         meta = ckpt.restore_plan(self.coordinator.storage, self.restore_from, verify=self.remote is None)
+        if meta is None:
+            restore_mod.started_fresh(self)
         self._arm_checkpointing(meta)
 
     def _arm_checkpointing(self, meta):
@@ -370,7 +372,9 @@ class JobExecution(Execution):
             if restore_mod.is_current(meta):
                 # by operator id, at any parallelism (pyflowbuf.runtime.restore)
                 plan = restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,
-                                               getattr(self, "allow_non_restored_state", False))
+                                               getattr(self, "allow_non_restored_state", False),
+                                               restore_mod.checks_key_kinds(
+                                                   self, meta, getattr(self, "check_key_kinds", True)))
                 if self.remote is None:
                     plan.check(self.vertices)      # the driver checked it for a worker
                     # (before any source hands out its positions: a changed input is named as such)

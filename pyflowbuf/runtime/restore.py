@@ -392,8 +392,12 @@ class RestorePlan:
     docstring). ``check(vertices)`` refuses what cannot be restored before
     anything starts; ``task_restore(task)`` builds one subtask's restore."""
 
-    def __init__(self, storage, meta, max_parallelism: int, allow_non_restored_state: bool = False):
+    def __init__(self, storage, meta, max_parallelism: int, allow_non_restored_state: bool = False,
+                 check_key_kinds: bool = True):
         self.storage = storage
+        # False where the checkpoint was written by this very execution (a restart): its keys are
+        # those of the same key functions, and a kind first met after it is a new key, not a change
+        self.check_key_kinds = check_key_kinds
         self.meta = meta
         self.max_parallelism = max_parallelism
         self.allow_non_restored = bool(allow_non_restored_state)
@@ -594,6 +598,8 @@ class RestorePlan:
         """Each restored keyed operator checks its first keys against the kinds
         of the keys its stored state holds (not after a declared migration:
         the migration says what the keys became)."""
+        if not self.check_key_kinds:
+            return
         for op, uid in zip(operators, uids):
             if not op.keyed_state or uid in migrations:
                 continue
@@ -850,6 +856,22 @@ def commit_outputs(nodes, meta) -> list:
         fo.restored_state = bool(old and old.get("stateful")) if is_current(meta) else None
         out.append(fo)
     return out
+
+
+def checks_key_kinds(execution, meta, first=True) -> bool:
+    """Whether a restore of ``meta`` by ``execution`` checks key kinds: only
+    for the checkpoint the execution started from (``first``: that start's
+    own verdict, for a worker told by its driver), not for one the execution
+    wrote itself and restores after a failure."""
+    here = (meta.checkpoint_id, meta.path)
+    started = execution.__dict__.setdefault("_started_from", here)
+    return bool(first) and here == started
+
+
+def started_fresh(execution) -> None:
+    """An execution that restored nothing at its start: what it restores
+    later (after a failure) it wrote itself (``checks_key_kinds``)."""
+    execution.__dict__.setdefault("_started_from", None)
 
 
 def restored_commits(meta, nodes, allow_non_restored_state: bool) -> list:
