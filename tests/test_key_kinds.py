@@ -287,3 +287,24 @@ def test_a_restart_from_the_executions_own_checkpoint_is_not_checked():
     from pyflowbuf.runtime.restore import started_fresh
     started_fresh(fresh)
     assert not checks_key_kinds(fresh, own)
+
+
+def test_two_input_keyed_operators_check_each_input():
+    from pyflowbuf.operators.basic import KeyedCoProcess
+    from pyflowbuf.time.timers import KeyedCoProcessOperator
+    op = KeyedCoProcess("co", lambda r: r[0], lambda r: r[1], lambda k, r, s: [], lambda k, r, s: [])
+    originals = op.key_fns
+    key_kinds.arm(op, ["number"], "checkpoint 1", "co")
+    assert op.key_fns[0]((1, "a")) == 1 and op.key_fns[0] is originals[0]
+    with pytest.raises(KeyKindError):
+        op.key_fns[1]((1, "a"))
+    op = KeyedCoProcessOperator("co2", (lambda r: r[0], lambda r: r[1]), (None, None),
+                                (lambda k, r, s, c: [], lambda k, r, s, c: []))
+    first = op.inputs[0][0]
+    key_kinds.arm(op, ["str"], "checkpoint 1", "co2")
+    assert op.inputs[0][0] is not first
+    assert op.inputs[1][0](("x", "y")) == "y"
+    assert op.inputs[1][0]((1, 2)) == 2            # checked once, then the function itself again
+    with pytest.raises(KeyKindError):
+        op.inputs[0][0]((7, 1))
+    assert op.inputs[0][0] is not first
