@@ -20,7 +20,7 @@ from pyflowbuf.checkpoint import IncompatibleCheckpointError
 from pyflowbuf.checkpoint.storage import SavepointStorage
 from pyflowbuf.errors import ConfigurationError, JobFailedError
 from pyflowbuf.runtime import key_kinds
-from pyflowbuf.runtime.key_kinds import KeyKindError
+from pyflowbuf.checkpoint import KeyKindError
 
 N = 3000
 KEYS = 10
