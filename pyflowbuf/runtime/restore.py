@@ -731,13 +731,9 @@ def migrate_keyed_value(op, value, fn, max_parallelism, where) -> dict:
     whose key is part of a bigger one (a window's ``(key, start, end)``, a
     trigger timer's ``(0, (key, start, end))``) keeps the rest of it."""
     maps, timers, _ = op.keyed_parts(op.snapshot_state())
-    memo: dict = {}
 
     def new_key(k):
-        try:
-            return memo[k]
-        except KeyError:
-            pass
+        # (no memo by key: 3 and 3.0 are one dict key, and fn may tell them apart)
         try:
             n = fn(k)
         except Exception as exc:
@@ -748,7 +744,6 @@ def migrate_keyed_value(op, value, fn, max_parallelism, where) -> dict:
         except TypeError:
             raise IncompatibleCheckpointError(
                 f"{where}: its key migration turned the key {k!r} into {n!r}, which cannot be a key") from None
-        memo[k] = n
         return n
 
     def rekey(ek, key_of):
