@@ -12,6 +12,7 @@ import warnings
 
 from pyflowbuf._version import __version__
 from pyflowbuf._core.serde import stable_hash
+from pyflowbuf._validation import stable_key
 from pyflowbuf import errors
 from pyflowbuf.config import CheckpointConfig, DebloatConfig, MetricsConfig, NetworkConfig, RestartConfig
 from pyflowbuf.api import (AllWindowedStream, CollectSink, ConnectedStreams, DataSink, Environment, IntervalJoin,
@@ -25,7 +26,7 @@ from pyflowbuf.windows import (AggregateFunction, ContinuousEventTimeTrigger, Co
 from pyflowbuf.time.timers import KeyedProcessFunction
 
 __all__ = [
-    "__version__", "errors", "stable_hash",
+    "__version__", "errors", "stable_hash", "stable_key",
     "Environment", "CheckpointConfig", "RestartConfig", "NetworkConfig", "DebloatConfig", "MetricsConfig",
     "Stream", "KeyedStream", "ConnectedStreams", "CollectSink", "DataSink", "IteratorSink", "RateLimiter",
     "WindowedStream", "AllWindowedStream", "WindowResult", "JoinedStreams", "IntervalJoin",

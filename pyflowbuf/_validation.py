@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 from pyflowbuf.config import _number, _positive_int  # noqa: F401 - _positive_int: shared with the API modules
-from pyflowbuf.errors import ConfigurationError
+from pyflowbuf.errors import ConfigurationError, SaltedHashError
 from pyflowbuf.serializers import get_serializer, kind_label
 
 
@@ -205,3 +205,214 @@ def check_graph(nodes) -> None:
             f"this job has no sink: the records of {', '.join(repr(e) for e in ends)} would go nowhere; "
             "end the stream with collect(), print(), write_text(), write_parquet(), sink(fn) or "
             "to_iterator()")
+
+
+# ---- key functions whose result depends on the per-process str/bytes hash ----
+# (kept apart from the other key-function checks: these look at the code, not at a result)
+
+_STABLE_KEY_MARK = "__pyflowbuf_stable_key__"
+_FOLLOW_DEPTH = 4       # functions a key function calls, followed this deep
+
+
+def stable_key(fn):
+    """Declare that key function ``fn`` gives the same key in every process
+    although its code calls ``hash()`` (it hashes ints, or tuples of them,
+    whose hash is not salted): pyflowbuf then does not refuse it where keys
+    must agree across processes and runs. Returns ``fn`` (marked).
+
+    Example::
+
+        from pyflowbuf import stable_key
+        s.key_by(stable_key(lambda r: hash((r.x, r.y)) % 64))   # ints only
+    """
+    _callable(fn, "stable_key")
+    try:
+        setattr(fn, _STABLE_KEY_MARK, True)
+        return fn
+    except (AttributeError, TypeError):        # a builtin or a partial of one: wrap it
+        def key(record, _fn=fn):
+            return _fn(record)
+        setattr(key, _STABLE_KEY_MARK, True)
+        return key
+
+
+def salted_hash_use(fn) -> str | None:
+    """Where key function ``fn`` calls the builtin ``hash`` (or a
+    ``__hash__``), whose result for a str or bytes is salted per process
+    (PYTHONHASHSEED): the code it is in, else None. Looks through lambdas,
+    nested functions, ``functools.partial``, methods, callable objects and
+    the module-level functions the code calls."""
+    if getattr(fn, _STABLE_KEY_MARK, False):
+        return None
+    return _hash_use(fn, {}, 0)
+
+
+def _hash_use(fn, seen, depth):
+    import builtins
+    import functools
+    import types
+
+    if fn is builtins.hash:
+        return "the builtin hash itself"
+    if id(fn) in seen or depth > _FOLLOW_DEPTH:
+        return None
+    seen[id(fn)] = fn       # (held: an id is unique only while its object lives)
+    if getattr(fn, _STABLE_KEY_MARK, False):
+        return None
+    if isinstance(fn, functools.partial):
+        return _hash_use(fn.func, seen, depth) or _first(_hash_use(a, seen, depth + 1)
+                                                          for a in (*fn.args, *fn.keywords.values()) if callable(a))
+    if isinstance(fn, types.MethodType):
+        return _hash_use(fn.__func__, seen, depth) or _held(fn.__self__, seen, depth)
+    if isinstance(fn, (staticmethod, classmethod)):
+        return _hash_use(fn.__func__, seen, depth)
+    if isinstance(fn, types.FunctionType):
+        # functions handed in as default arguments (def key(u, _f=fn)) are called too
+        held = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+        return _code_hash_use(fn, fn.__code__, seen, depth) or _first(
+            _hash_use(d, seen, depth + 1) for d in held if callable(d) and _user_code(d))
+    call = getattr(type(fn), "__call__", None)
+    if isinstance(call, types.FunctionType):       # a callable object of a Python class
+        return _hash_use(call, seen, depth) or _held(fn, seen, depth)
+    return None
+
+
+def _held(obj, seen, depth):
+    """A hash use in the functions an object holds (``self.fn`` called by its method)."""
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return None
+    return _first(_hash_use(v, seen, depth + 1) for v in list(attrs.values()) if callable(v) and _user_code(v))
+
+
+def _first(it):
+    return next((x for x in it if x), None)
+
+
+def _code_hash_use(fn, code, seen, depth):
+    import builtins
+    import dis
+    import types
+
+    g = getattr(fn, "__globals__", {})
+    cells = {}
+    if getattr(fn, "__closure__", None):
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+            try:
+                cells[name] = cell.cell_contents
+            except ValueError:      # an empty cell
+                pass
+    where = f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+    prev = None
+    for ins in dis.get_instructions(code):
+        op, name = ins.opname, ins.argval
+        if op in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(name, str):
+            target = g[name] if name in g else getattr(builtins, name, None)
+            if target is builtins.hash:
+                return f"hash() in {where}"
+            if callable(target) and _user_code(target):
+                got = _hash_use(target, seen, depth + 1)
+                if got:
+                    return got
+            prev = target
+            continue
+        if op in ("LOAD_DEREF", "LOAD_CLOSURE") and isinstance(name, str) and name in cells:
+            target = cells[name]
+            if target is builtins.hash:
+                return f"hash() in {where}"
+            if callable(target) and _user_code(target):
+                got = _hash_use(target, seen, depth + 1)
+                if got:
+                    return got
+            prev = target
+            continue
+        if op in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(name, str):
+            if name == "__hash__":
+                return f"a __hash__() call in {where}"
+            if name == "hash" and prev is builtins:
+                return f"builtins.hash() in {where}"
+        prev = None
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):       # a nested lambda, function or comprehension
+            got = _code_hash_use(fn, const, seen, depth)
+            if got:
+                return got
+    return None
+
+
+def _user_code(fn) -> bool:
+    """Whether ``fn`` is worth looking into: Python code that is not
+    pyflowbuf's or the standard library's (their key-like helpers do not
+    hash str with the process's salt, and looking would cost at every
+    declaration)."""
+    import builtins
+    import functools
+    import types
+    import sys
+    if fn is builtins.hash:
+        return True
+    if isinstance(fn, functools.partial):
+        return _user_code(fn.func) or any(callable(a) and _user_code(a) for a in fn.args)
+    code = getattr(fn, "__code__", None)
+    if isinstance(fn, (types.FunctionType, types.MethodType)) and code is not None:
+        path = code.co_filename
+    elif isinstance(fn, type):
+        return False
+    else:
+        call = getattr(type(fn), "__call__", None)
+        if not isinstance(call, types.FunctionType):
+            return False
+        path = call.__code__.co_filename
+    here = os.path.dirname(os.path.abspath(__file__))
+    stdlib = os.path.dirname(os.__file__)
+    return not (path.startswith(here) or path.startswith(stdlib) or path.startswith(sys.base_prefix)
+                or "site-packages" in path)
+
+
+def note_key_function(env, fn, what: str) -> None:
+    """At declaration: remember a key function that calls ``hash()``; the
+    job's settings decide at ``execute`` whether it can be right
+    (``check_key_hashes``)."""
+    use = salted_hash_use(fn)
+    if use is not None:
+        env.__dict__.setdefault("_salted_key_functions", []).append((what, use))
+
+
+def _fixed_seed(value) -> bool:
+    return isinstance(value, str) and value.strip().isdigit()
+
+
+def check_key_hashes(env) -> None:
+    """Before a job runs: refuse a key function that calls ``hash()`` where
+    keys must agree across processes or runs, unless PYTHONHASHSEED is
+    fixed (in this process's environment, and for a SparkCluster in
+    ``spark.executorEnv.PYTHONHASHSEED`` too). In one process, and in
+    worker processes forked from it (they share its hash salt), without
+    checkpoints, a str's hash is the same everywhere the job runs: allowed."""
+    found = env.__dict__.get("_salted_key_functions")
+    if not found:
+        return
+    why, fix = [], []
+    seed = os.environ.get("PYTHONHASHSEED")
+    if env.checkpoint_config.enabled and not _fixed_seed(seed):
+        why.append("checkpoints are on, and a restore (a resume, a `pyflowbuf run --restore`) runs in a new "
+                   "process whose str/bytes hashes differ, so each key's state would be under another key")
+        fix.append("set PYTHONHASHSEED to a fixed number in the environment of every run")
+    cluster = getattr(env, "cluster", None)
+    if cluster is not None:
+        conf = getattr(cluster, "_conf", None)
+        executor_seed = conf("spark.executorEnv.PYTHONHASHSEED") if callable(conf) else None
+        if not (_fixed_seed(seed) and _fixed_seed(executor_seed)) or seed.strip() != executor_seed.strip():
+            why.append("the cluster's workers are separate Python processes, each hashing str/bytes "
+                       "with its own salt, so one key would go to different key groups")
+            fix.append("set the same fixed PYTHONHASHSEED in the driver's environment and in "
+                       "spark.executorEnv.PYTHONHASHSEED")
+    if not why:
+        return
+    what, use = found[0]
+    more = f" (and {len(found) - 1} more key function(s))" if len(found) > 1 else ""
+    raise SaltedHashError(
+        f"{what}: the key function calls {use}{more}; the hash of a str or bytes is salted per process, and "
+        f"{'; and '.join(why)}. Key by the value itself (pyflowbuf hashes keys the same in every process: "
+        f"key_by(lambda u: u) rather than key_by(lambda u: hash(u))), or {' and '.join(fix)}. A key function "
+        "that hashes only ints (whose hash is not salted) can say so: key_by(pyflowbuf.stable_key(fn))")

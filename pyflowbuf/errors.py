@@ -147,4 +147,17 @@ class WorkerSideEffectWarning(UserWarning):
     happened in the worker's copy of them, not in the caller."""
 
 
+class SaltedHashError(ConfigurationError):
+    """A key function calls ``hash()``, whose result for a str or bytes is
+    salted per process (PYTHONHASHSEED), where a key must land in the same
+    key group in another process or a later run: checkpoints on, or a
+    SparkCluster. The message names the key function and the fix."""
+
+
+class NonRestoredStateWarning(UserWarning):
+    """A restore with ``allow_non_restored_state=True`` dropped the state of
+    an operator the job no longer has; for a file sink also its pending
+    commits (the message names the sink and its directory)."""
+
+
 __all__ = [n for n in dir() if n.endswith(("Error", "Warning")) or n in ("FlowBufError", "BufferRequestTimeout")]

@@ -16,7 +16,8 @@ import threading
 from typing import Any
 
 from pyflowbuf import config as _config
-from pyflowbuf._validation import _execute_args, _job_name, _positive_int, check_graph, check_node_kind
+from pyflowbuf._validation import (_execute_args, _job_name, _positive_int, check_graph, check_key_hashes,
+                                   check_node_kind)
 from pyflowbuf.api.sinks import IteratorSink
 from pyflowbuf.api.sources import SourceDeclarations
 from pyflowbuf.config import UNSET, CheckpointConfig, DebloatConfig, MetricsConfig, NetworkConfig, RestartConfig
@@ -346,6 +347,7 @@ class Environment(SourceDeclarations):
         self._check_settings()
         check_graph(self.nodes)
         check_operator_ids(self)
+        check_key_hashes(self)
         for node in self.nodes:
             self._check_node_kind(node)
         with self._claim_lock:

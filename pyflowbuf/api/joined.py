@@ -9,7 +9,7 @@ from typing import Any
 
 
 from pyflowbuf import errors
-from pyflowbuf._validation import _callable, _check_kind, _parallelism
+from pyflowbuf._validation import _callable, _check_kind, _parallelism, note_key_function
 from pyflowbuf.api.windowed import _stream_timestamps
 from pyflowbuf.windows.assigners import WindowAssigner
 from pyflowbuf.windows.joins import IntervalJoinOperator, WindowJoinOperator
@@ -43,6 +43,7 @@ class JoinedStreams:
             orders.join(payments).where(lambda o: o["id"])
         """
         _callable(key_fn, "where")
+        note_key_function(self.first.env, key_fn, f"join where() on {self.first.node.name!r}")
         self.key_a = key_fn
         return self
 
@@ -59,6 +60,7 @@ class JoinedStreams:
         _callable(key_fn, "equal_to")
         if self.key_a is None:
             raise errors.ConfigurationError("join: call where(key_a) before equal_to(key_b)")
+        note_key_function(self.second.env, key_fn, f"join equal_to() on {self.second.node.name!r}")
         self.key_b = key_fn
         return self
 

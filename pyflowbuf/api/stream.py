@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pyflowbuf._validation import _callable, _check_arity, _check_kind, _common_kind, _parallelism
+from pyflowbuf._validation import _callable, _check_arity, _check_kind, _common_kind, _parallelism, note_key_function
 from pyflowbuf.api.joined import IntervalJoin, JoinedStreams
 from pyflowbuf.api.side_outputs import LATE_TAG, declare_side_outputs, declared_tag
 from pyflowbuf.api.sinks import SinkDeclarations
@@ -71,6 +71,32 @@ class Stream(SinkDeclarations):
         set_uid(self.env.nodes, self.node, uid)
         return self
 
+    def migrate_keys(self, fn: Callable) -> "Stream":
+        """Declare that the keyed operator making this stream keys its state
+        differently from the job whose checkpoint it restores: each stored
+        key ``k`` becomes ``fn(k)`` (the key the new key function computes
+        for the same records), and its state moves to that key's group.
+        Without it, a restore whose operator computes keys of another kind
+        (``str(x % 10)`` where the state holds ``x % 10``) fails with
+        ``KeyKindError`` at its first key. A checkpoint taken after the
+        migration holds the new keys, so keeping the call in the job is
+        harmless: it applies only to state written without it. Two stored
+        keys that ``fn`` makes one are refused. Returns this stream.
+
+        Example::
+
+            counts = (nums.key_by(lambda x: str(x % 10)).reduce(add)
+                          .uid("counts").migrate_keys(str))
+        """
+        _callable(fn, "migrate_keys")
+        make = self.node.make_operator
+        if make is None or not getattr(make(), "keyed_state", False):
+            raise ConfigurationError(
+                f"migrate_keys: operator {self.node.name!r} keeps no keyed state; call it on the stream a "
+                "keyed operator makes (key_by(...).reduce(...), .process(...), a window's aggregate)")
+        self.node.key_migration = fn
+        return self
+
     # ---- partitioning ----
     def _with(self, partitioner, key_fn=None) -> "Stream":
         s = Stream(self.env, self.node, key_fn)
@@ -128,6 +154,7 @@ class Stream(SinkDeclarations):
             return _key_by_column(self, key_fn)
         if not callable(key_fn):
             raise TypeError("key_by takes a function record -> key")
+        note_key_function(self.env, key_fn, f"key_by after {self.node.name!r}")
         ks = KeyedStream(self.env, self.node, key_fn)
         ks._partitioner = "hash"
         return ks

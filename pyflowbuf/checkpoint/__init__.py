@@ -8,6 +8,7 @@ from pyflowbuf.checkpoint.errors import (
     CheckpointStateError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    KeyKindError,
     PickleNotAllowedError,
     TaskStateNotFoundError,
     UnsafeCommitError,
@@ -27,7 +28,7 @@ from pyflowbuf.checkpoint.storage import (
 __all__ = [
     "ALIGNMENTS", "CheckpointError", "CheckpointInfo", "CheckpointMetadata", "CheckpointNotFoundError",
     "CheckpointStateError", "CheckpointStorage", "CorruptCheckpointError", "IncompatibleCheckpointError",
-    "PickleNotAllowedError", "SavepointStorage",
+    "KeyKindError", "PickleNotAllowedError", "SavepointStorage",
     "TaskSnapshot", "TaskStateHandle", "TaskStateNotFoundError", "TaskStateWriter", "UnsafeCommitError",
     "UnsupportedStateError",
     "decode_value", "dumps", "encode_value", "loads",

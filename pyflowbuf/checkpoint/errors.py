@@ -46,6 +46,23 @@ class IncompatibleCheckpointError(CheckpointError, ConfigurationError):
         self.source = source
 
 
+class KeyKindError(IncompatibleCheckpointError):
+    """A restored keyed operator computed a key of a kind its checkpointed
+    state does not hold (the key function changed: ``x % 10`` became
+    ``str(x % 10)``): the old state would never be found again. ``operator``,
+    ``recorded`` (the kinds in the state) and ``found`` say which. The job
+    fails without restarts: a restart would restore the same state."""
+
+    restartable = False
+
+    def __init__(self, message, *, operator=None, recorded=(), found=None):
+        super().__init__(message)
+        self.operator = operator
+        self.recorded = tuple(recorded)
+        self.found = found
+        self.failed_operator = operator
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No such checkpoint, or it is not complete (no ``_metadata``)."""
 

@@ -78,6 +78,10 @@ def _caller_stacklevel() -> int:
     return level
 
 
+
+# failures a restart would meet again, by the type name a worker reports
+NOT_RESTARTED = ("KeyKindError:",)
+
 class OutputRelay(threading.Thread):
     """Carries what the workers print to the caller's ``sys.stdout``.
 
@@ -482,7 +486,7 @@ class ClusterExecution(Execution):
             with self._send_lock:
                 for c, w in self._conns.items():
                     try:
-                        c.send((attempt, ("go", addresses, restore_id)))
+                        c.send((attempt, ("go", addresses, restore_id, getattr(self, "check_key_kinds", True))))
                     except OSError:
                         raise self._died_starting(w) from None
             if self.coordinator is not None:
@@ -639,9 +643,12 @@ class ClusterExecution(Execution):
 
     def _restore_point(self, meta):
         if meta is None:
+            restore_mod.started_fresh(self)
             self.restored_from = None
             return None
         storage = ckpt.storage_of(self.coordinator.storage, meta)
+        # told to the workers, which restore it (a restart's own checkpoint is not checked)
+        self.check_key_kinds = restore_mod.checks_key_kinds(self, meta)
         if restore_mod.is_current(meta):
             # by operator id; each worker reads its own subtasks' state
             plan = restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,
@@ -655,7 +662,9 @@ class ClusterExecution(Execution):
                        for v in self.vertices if v.head.source is not None for i in range(v.parallelism)}
             ckpt.check_sources(meta, ckpt.read_states(storage, meta, set(sources)), sources)
         # what that checkpoint covered is committed (its notification may have been lost)
-        ckpt.run_commits(meta.properties.get("commits", []), restore_mod.commit_outputs(self.env.nodes, meta))
+        commits = restore_mod.restored_commits(meta, self.env.nodes,
+                                                 getattr(self, "allow_non_restored_state", False))
+        ckpt.run_commits(commits, restore_mod.commit_outputs(self.env.nodes, meta))
         self.restored_from = meta.checkpoint_id
         return ckpt.restore_location(self.coordinator.storage, meta)
 
@@ -666,7 +675,9 @@ class ClusterExecution(Execution):
     def _should_restart(self) -> bool:
         config = self.checkpoint_config
         return (self.failure is not None and self.coordinator is not None and self.local is None
-                and self.restarts < config.restart_attempts and not self._user_cancelled)
+                and self.restarts < config.restart_attempts and not self._user_cancelled
+                # a failure a restart would meet again (a worker's text names its type)
+                and not str(self.failure[2]).startswith(NOT_RESTARTED))
 
     def _restart(self) -> bool:
         """After a failure every worker of the attempt has ended (or is killed

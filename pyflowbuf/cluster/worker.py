@@ -282,6 +282,7 @@ def run_worker(env, me, workers, secret, conn, attempt=0, *, host=None, port_ran
             return
         remote.addresses = {int(w): tuple(a) for w, a in msg[1].items()}
         job.restore_from = msg[2]       # a checkpoint id the driver chose, or None
+        job.check_key_kinds = msg[3] if len(msg) > 3 else True      # (runtime.restore.checks_key_kinds)
         job.start()
 
         def listen():

@@ -174,6 +174,20 @@ def prepare_outputs(nodes, *, restoring: bool, checkpoint_dir=None) -> None:
 
 # ---------------------------------------------------------------- commits
 
+def commit_directory(action):
+    """The directory (``directory_key``) a rename commit action renames a
+    file in; None for what is not a rename."""
+    if (isinstance(action, (list, tuple)) and len(action) == 3 and action[0] == "rename"
+            and isinstance(action[1], str) and action[1]):
+        return _dir_key(split(action[1])[0])
+    return None
+
+
+def directory_key(directory: str) -> str:
+    """What names one directory however it is spelt (see ``_dir_key``)."""
+    return _dir_key(directory)
+
+
 def _dir_key(directory: str) -> str:
     """What names one directory however it is spelt: the real local path, or
     the canonical URL."""

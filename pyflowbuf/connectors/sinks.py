@@ -155,6 +155,12 @@ class _PartFileSink(Operator):
         self.uncommitted.append((checkpoint_id, ("rename", self._part(True), self._part(False))))
         self.seq += 1
 
+    @property
+    def commit_directory(self):
+        """Where its commits rename files: recorded with its state, so that a
+        restore dropping that state can name it."""
+        return self.path if self.transactional else None
+
     def prepare_commit(self, checkpoint_id):
         if not self.transactional:
             return []

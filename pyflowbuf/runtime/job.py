@@ -357,6 +357,8 @@ class JobExecution(Execution):
         self._snapshot_writer = ckpt.new_writer()
         # a worker is told the id of a checkpoint the driver has already checked
         meta = ckpt.restore_plan(self.coordinator.storage, self.restore_from, verify=self.remote is None)
+        if meta is None:
+            restore_mod.started_fresh(self)
         self._arm_checkpointing(meta)
 
     def _arm_checkpointing(self, meta):
@@ -370,7 +372,9 @@ class JobExecution(Execution):
             if restore_mod.is_current(meta):
                 # by operator id, at any parallelism (pyflowbuf.runtime.restore)
                 plan = restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,
-                                               getattr(self, "allow_non_restored_state", False))
+                                               getattr(self, "allow_non_restored_state", False),
+                                               restore_mod.checks_key_kinds(
+                                                   self, meta, getattr(self, "check_key_kinds", True)))
                 if self.remote is None:
                     plan.check(self.vertices)      # the driver checked it for a worker
                     # (before any source hands out its positions: a changed input is named as such)
@@ -397,7 +401,9 @@ class JobExecution(Execution):
                 # What that checkpoint covered is committed (its notification
                 # may have been lost). With workers the driver does it, once:
                 # two processes renaming the same files would race.
-                ckpt.run_commits(meta.properties.get("commits", []), restore_mod.commit_outputs(self.env.nodes, meta))
+                commits = restore_mod.restored_commits(meta, self.env.nodes,
+                                                         getattr(self, "allow_non_restored_state", False))
+                ckpt.run_commits(commits, restore_mod.commit_outputs(self.env.nodes, meta))
             self.restored_from = meta.checkpoint_id
         for t in self.tasks:
             t.checkpointing = ckpt.TaskCheckpointing(t, coordinator, self._snapshot_writer)
@@ -426,7 +432,9 @@ class JobExecution(Execution):
         # in a worker process the driver restarts the whole job (every worker)
         return (self.failure is not None and self.coordinator is not None and config is not None
                 and self.remote is None
-                and self.restarts < config.restart_attempts and not self._user_cancelled)
+                and self.restarts < config.restart_attempts and not self._user_cancelled
+                # a failure a restart would meet again (a restored key of another kind)
+                and getattr(self.failure[2], "restartable", True))
 
     def _restart(self):
         """After a task failed: every task has stopped; give back every

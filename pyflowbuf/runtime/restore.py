@@ -31,6 +31,13 @@ The stored layout (format 2) of a subtask's STATE value::
                     "keyed": True, "key_groups": [0, 64], "value": <dumps(keyed value)>},
                    {"uid": "map#0", "name": "map", "type": "Map", "state": None}, ...]}
 
+A keyed operator's entry also holds ``"key_kinds"``: the kinds of every key
+in its state (``pyflowbuf.runtime.key_kinds``), repeated per operator in
+``_metadata`` and checked against the first keys a restored operator
+computes; ``"key_migrated"`` where the job declared ``Stream.migrate_keys``
+(its keys are the new ones). A file sink's entry holds its ``"directory"``,
+named when a restore drops its state and its pending commits.
+
 A keyed value is ``{"maps": {name: {"columns": ..., "groups": uint16 array}},
 "timers": {name: {"times": [...], "keys": [...], "groups": uint16 array}},
 "common": ...}``: every entry with its key group beside it, in the order the
@@ -69,8 +76,10 @@ from pyflowbuf.checkpoint.columns import decode_map, decode_rows, encode_map
 from pyflowbuf.checkpoint.container import dumps, loads
 from pyflowbuf.checkpoint.storage import CorruptCheckpointError, IncompatibleCheckpointError
 from pyflowbuf.checkpoint import keygroups as kg
+from pyflowbuf.connectors import outputs as sink_outputs
 from pyflowbuf.runtime.graph import assign_uids
 from pyflowbuf.runtime.inflight_rescale import InflightPlan
+from pyflowbuf.runtime import key_kinds
 from pyflowbuf.checkpoint.inflight import decode_inflight
 from pyflowbuf.operators.basic import Operator
 
@@ -93,6 +102,8 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
     v, i = task.vertex, task.index
     start, end = kg.key_group_range(max_parallelism, v.parallelism, i)
     entries, summary_ops, referenced = [], {}, set()
+    # operators that declared a key migration: their state now holds the new keys
+    migrated = {n.operator_uid for n in v.nodes if getattr(n, "key_migration", None) is not None}
     increments = state.get("increments") or [None] * len(task.operators)
     for op, raw, inc in zip(task.operators, state["operators"], increments):
         uid = getattr(op, "uid", None) or op.name
@@ -101,9 +112,12 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
         if raw is not None and op.keyed_state:
             written, refs = (None, None) if inc is None or not inc[1] else inc
             value, present = keyed_value(op, raw, max_parallelism, start, end, uid, i, written)
+            kinds = value.pop("key_kinds")
             blob = dumps(value, allow_pickle=allow_pickle)
-            e.update(keyed=True, key_groups=[start, end], value=blob)
-            info.update(keyed=True, key_groups=[start, end], groups=present, bytes=len(blob))
+            e.update(keyed=True, key_groups=[start, end], value=blob, key_kinds=kinds)
+            info.update(keyed=True, key_groups=[start, end], groups=present, bytes=len(blob), key_kinds=kinds)
+            if uid in migrated:
+                e["key_migrated"] = info["key_migrated"] = True
             if refs:
                 e["written"] = written
                 e["refs"] = [{"checkpoint": c, "groups": gs} for c, gs in sorted(refs.items())]
@@ -114,6 +128,10 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
             blob = None if raw is None else dumps(raw, allow_pickle=allow_pickle)
             e["state"] = blob
             info["bytes"] = 0 if blob is None else len(blob)
+        directory = getattr(op, "commit_directory", None)
+        if directory is not None:
+            # a restore that drops this sink's state names the directory of its pending commits
+            e["directory"] = info["directory"] = directory
         entries.append(e)
         summary_ops[uid] = info
     out = dict(state)
@@ -136,13 +154,16 @@ def keyed_value(op, raw, max_parallelism, start, end, uid, index, written=None):
     maps, timers, common = op.keyed_parts(raw)
     value = {"maps": {}, "timers": {}, "common": common}
     indexes = []
+    kinds = set()       # of every key held (not only the written groups'): checked on restore
     keep = None
     if written is not None:
         keep = np.zeros(end - start, dtype=bool)
         keep[np.asarray(written, dtype=np.int64) - start] = True
     for name, (d, key_of) in maps.items():
         ks = list(d)
-        idx = kg.group_index(ks if key_of is None else [key_of(k) for k in ks], max_parallelism)
+        rks = ks if key_of is None else [key_of(k) for k in ks]
+        idx = kg.group_index(rks, max_parallelism)
+        kinds |= key_kinds.kinds_of(rks)
         indexes.append(idx)
         if keep is not None:
             d, idx = _pick_entries(d, idx, keep, start)
@@ -150,7 +171,9 @@ def keyed_value(op, raw, max_parallelism, start, end, uid, index, written=None):
         value["maps"][name] = {"columns": encode_map(d), "groups": idx}
     for name, (snap, key_of) in timers.items():
         times, keys = kg.flatten_timers(snap)
-        idx = kg.group_index(keys if key_of is None else [key_of(k) for k in keys], max_parallelism)
+        rks = keys if key_of is None else [key_of(k) for k in keys]
+        idx = kg.group_index(rks, max_parallelism)
+        kinds |= key_kinds.kinds_of(rks)
         indexes.append(idx)
         if keep is not None:
             sel = _picked(idx, keep, start)
@@ -164,6 +187,7 @@ def keyed_value(op, raw, max_parallelism, start, end, uid, index, written=None):
             f"operator {op.name!r} (uid {uid!r}) holds keys of key group {stray}, outside the groups "
             f"[{start}, {end}) of its subtask {index}: its input was not partitioned by key_by with this "
             "job's max_parallelism, so its state could not be restored where its keys go")
+    value["key_kinds"] = sorted(kinds)
     return value, int(np.unique(present).size)
 
 
@@ -307,8 +331,13 @@ def summary_of(stored: dict) -> dict:
                 "stateful": bool(e.get("keyed")) or e.get("state") is not None}
         if e.get("keyed"):
             info.update(key_groups=list(e["key_groups"]), bytes=len(e["value"]))
+            for k in ("key_kinds", "key_migrated"):
+                if k in e:
+                    info[k] = e[k]
         elif e.get("state") is not None:
             info["bytes"] = len(e["state"])
+        if "directory" in e:
+            info["directory"] = e["directory"]
         ops[e["uid"]] = info
     return {"vertex": stored["vertex"], "subtask": stored["subtask"], "parallelism": stored["parallelism"],
             "finished": bool(stored["finished"]), "source_uid": stored.get("source_uid"),
@@ -333,12 +362,27 @@ def metadata_properties(summaries: dict, max_parallelism) -> dict:
             o["keyed"] = o["keyed"] or info["keyed"]
             o["stateful"] = o["stateful"] or info["stateful"]
             o["state_bytes"] += info["bytes"]
+            if info["keyed"]:
+                _merge_key_kinds(o, info)
+            if "directory" in info:
+                o["directory"] = info["directory"]
             sub = {"subtask": s["subtask"], "bytes": info["bytes"]}
             if info.get("key_groups") is not None:
                 sub["key_groups"] = info["key_groups"]
             o["subtasks"][task_key] = sub
     return {"state_format": STATE_FORMAT, "max_parallelism": max_parallelism, "operators": ops,
             "layout": {k: s for k, s in summaries.items() if s is not None}}
+
+
+def _merge_key_kinds(o: dict, info: dict) -> None:
+    """An operator's key kinds in ``_metadata``: those of all its subtasks;
+    None where a subtask's state does not say (written before kinds were)."""
+    if "key_kinds" not in info:
+        o["key_kinds"] = None
+    elif o.get("key_kinds", ()) is not None:
+        o["key_kinds"] = sorted(set(o.get("key_kinds", ())) | set(info["key_kinds"]))
+    if info.get("key_migrated"):
+        o["key_migrated"] = True
 
 
 # ---------------------------------------------------------------- restoring
@@ -348,8 +392,12 @@ class RestorePlan:
     docstring). ``check(vertices)`` refuses what cannot be restored before
     anything starts; ``task_restore(task)`` builds one subtask's restore."""
 
-    def __init__(self, storage, meta, max_parallelism: int, allow_non_restored_state: bool = False):
+    def __init__(self, storage, meta, max_parallelism: int, allow_non_restored_state: bool = False,
+                 check_key_kinds: bool = True):
         self.storage = storage
+        # False where the checkpoint was written by this very execution (a restart): its keys are
+        # those of the same key functions, and a kind first met after it is a new key, not a change
+        self.check_key_kinds = check_key_kinds
         self.meta = meta
         self.max_parallelism = max_parallelism
         self.allow_non_restored = bool(allow_non_restored_state)
@@ -491,12 +539,15 @@ class RestorePlan:
         src_uid = v.head.operator_uid if task.source is not None else None
         same = self._same_task(v, i, uids, src_uid)
         inflight = self._inflight_plan(getattr(getattr(task, "job", None), "vertices", None))
+        migrations = self._migrations(v, uids)
         if same is not None:
             stored = self._read(same)
             restore = {"vertex": v.name, "finished": stored["finished"], "stored": stored,
-                       "operators": [self._decode_entry(op, same, e)
-                                     for op, e in zip(task.operators, stored["operators"])],
+                       "operators": [self._decode_entry(op, same, e) if uid not in migrations else
+                                     self._operator_state(op, uid, v, i, migrations[uid])
+                                     for op, e, uid in zip(task.operators, stored["operators"], uids)],
                        "source": stored.get("source")}
+            self._arm_key_checks(task.operators, uids, migrations)
             for k in ("source_identity", "inflight", "input_kinds", "output_kinds"):
                 if k in stored:
                     restore[k] = stored[k]
@@ -504,7 +555,9 @@ class RestorePlan:
                 self._rescaled_inflight(inflight, task, restore, same)
             return restore
         restore = {"vertex": v.name, "finished": False, "stored": None, "source": None,
-                   "operators": [self._operator_state(op, uid, v, i) for op, uid in zip(task.operators, uids)]}
+                   "operators": [self._operator_state(op, uid, v, i, migrations.get(uid))
+                                 for op, uid in zip(task.operators, uids)]}
+        self._arm_key_checks(task.operators, uids, migrations)
         if src_uid is not None:
             olds = self._old_tasks_of(src_uid)
             if olds:
@@ -527,6 +580,33 @@ class RestorePlan:
         if inflight is not None:
             self._rescaled_inflight(inflight, task, restore, None)
         return restore
+
+    # ---- key kinds (pyflowbuf.runtime.key_kinds) ----
+    def _migrations(self, v, uids) -> dict:
+        """uid -> the key migration (``Stream.migrate_keys``) to apply to its
+        stored state: declared on the operator, and the state is of a job
+        that had not migrated it yet."""
+        out = {}
+        for n, uid in zip([n for n in v.nodes if n.make_operator is not None], uids):
+            fn = getattr(n, "key_migration", None)
+            old = self.operators.get(uid)
+            if fn is not None and old is not None and old.get("keyed") and not old.get("key_migrated"):
+                out[uid] = fn
+        return out
+
+    def _arm_key_checks(self, operators, uids, migrations) -> None:
+        """Each restored keyed operator checks its first keys against the kinds
+        of the keys its stored state holds (not after a declared migration:
+        the migration says what the keys became)."""
+        if not self.check_key_kinds:
+            return
+        for op, uid in zip(operators, uids):
+            if not op.keyed_state or uid in migrations:
+                continue
+            old = self.operators.get(uid)
+            if old is None or not old.get("key_kinds"):
+                continue        # new, empty, or written before kinds were recorded: nothing to check
+            key_kinds.arm(op, old["key_kinds"], self.where, uid)
 
     def _inflight_plan(self, vertices):
         """Where this checkpoint's in-flight data goes in the graph of
@@ -595,6 +675,15 @@ class RestorePlan:
             self._decoded[(task_key, e["uid"])] = got
         return got
 
+    def _migrated_value(self, op, task_key, e, fn):
+        """A stored keyed value with every key ``k`` replaced by ``fn(k)`` and
+        its key group computed again (decoded and migrated once per restore)."""
+        got = self._decoded.get((task_key, e["uid"], "migrated"))
+        if got is None:
+            got = self._decoded[(task_key, e["uid"], "migrated")] = migrate_keyed_value(
+                op, self._value(task_key, e), fn, self.max_parallelism, f"{self.where}: operator {e['uid']!r}")
+        return got
+
     def _read_shared(self, checkpoint_id, task_key) -> dict:
         """The stored state of ``task_key`` in an earlier checkpoint this one refers to."""
         st = self._cache.get((checkpoint_id, task_key))
@@ -603,7 +692,7 @@ class RestorePlan:
                 self.meta, checkpoint_id, task_key)
         return st
 
-    def _operator_state(self, op, uid, v, i):
+    def _operator_state(self, op, uid, v, i, migration=None):
         olds = self._old_tasks_of(uid)
         if not olds or not self.operators.get(uid, {}).get("stateful"):
             return None         # a new operator (or one that kept nothing): it starts empty
@@ -619,15 +708,95 @@ class RestorePlan:
                 if not e.get("keyed"):
                     continue
                 s0, e0 = e["key_groups"]
+                if migration is not None:
+                    # migrated keys land in other key groups: every old subtask may hold some of ours
+                    values.append((self._migrated_value(op, k, e, migration), start <= s0 < end))
+                    continue
                 if e0 <= start or s0 >= end:
                     continue
                 # counters of the old subtask go to one new subtask only: the one owning its first group
                 values.append((self._value(k, e), start <= s0 < end))
+            if migration is not None:
+                return _distinct_keys_restore(op, values, start, end, self.where, uid)
             return keyed_restore(op, values, start, end)
         states = [None if e.get("state") is None else loads(e["state"], allow_pickle=allow) for e in entries]
         if len(states) == v.parallelism:
             return states[i]
         return op.rescale_state(states, i, v.parallelism)
+
+
+def migrate_keyed_value(op, value, fn, max_parallelism, where) -> dict:
+    """``value`` (a stored keyed value) with each entry's record key ``k``
+    as ``fn(k)``, and the key group of each entry of the new key. An entry
+    whose key is part of a bigger one (a window's ``(key, start, end)``, a
+    trigger timer's ``(0, (key, start, end))``) keeps the rest of it."""
+    maps, timers, _ = op.keyed_parts(op.snapshot_state())
+
+    def new_key(k):
+        # (no memo by key: 3 and 3.0 are one dict key, and fn may tell them apart)
+        try:
+            n = fn(k)
+        except Exception as exc:
+            raise IncompatibleCheckpointError(
+                f"{where}: its key migration failed on the stored key {k!r}: {type(exc).__name__}: {exc}") from exc
+        try:
+            hash(n)
+        except TypeError:
+            raise IncompatibleCheckpointError(
+                f"{where}: its key migration turned the key {k!r} into {n!r}, which cannot be a key") from None
+        return n
+
+    def rekey(ek, key_of):
+        if key_of is None:
+            return new_key(ek)
+        if len(ek) == 2 and type(ek[1]) is tuple:
+            return (ek[0], (new_key(ek[1][0]),) + ek[1][1:])
+        return (new_key(ek[0]),) + ek[1:]
+
+    def key_of_part(parts, name, what):
+        if name not in parts:
+            raise IncompatibleCheckpointError(f"{where}: its stored {what} {name!r} is not one this operator keeps")
+        return parts[name][1]
+
+    out = {"maps": {}, "timers": {}, "common": value["common"]}
+    for name, m in value["maps"].items():
+        key_of = key_of_part(maps, name, "map")
+        d = {rekey(ek, key_of): val for ek, val in map_entries(m).items()}
+        if len(d) != len(m["groups"]):
+            raise IncompatibleCheckpointError(
+                f"{where}: its key migration maps {len(m['groups']) - len(d)} stored key(s) onto keys another "
+                "stored key maps onto too: the state of two keys cannot be merged. Migrate one key to one key")
+        ks = list(d)
+        out["maps"][name] = {"entries": d, "groups": kg.group_index(
+            ks if key_of is None else [key_of(k) for k in ks], max_parallelism)}
+    for name, t in value["timers"].items():
+        key_of = key_of_part(timers, name, "timers")
+        keys = [rekey(ek, key_of) for ek in t["keys"]]
+        out["timers"][name] = {"times": list(t["times"]), "keys": keys, "groups": kg.group_index(
+            keys if key_of is None else [key_of(k) for k in keys], max_parallelism)}
+    return out
+
+
+def _distinct_keys_restore(op, values, start, end, where, uid):
+    """``keyed_restore`` of migrated values, refusing two stored keys (of
+    different old subtasks) that became one key."""
+    for name in {n for v, _ in values for n in v["maps"]}:
+        seen, total = set(), 0
+        for v, _ in values:
+            m = v["maps"].get(name)
+            if m is None:
+                continue
+            sel = _selection(m["groups"], start, end)
+            ks = list(m["entries"])
+            if sel is not None:
+                ks = [ks[j] for j in sel.tolist()]
+            total += len(ks)
+            seen.update(ks)
+        if len(seen) != total:
+            raise IncompatibleCheckpointError(
+                f"{where}: operator {uid!r}: its key migration maps {total - len(seen)} stored key(s) onto keys "
+                "another stored key maps onto too: the state of two keys cannot be merged. Migrate one key to one key")
+    return keyed_restore(op, values, start, end)
 
 
 def _holds_task(s: dict, v) -> bool:
@@ -682,6 +851,66 @@ def commit_outputs(nodes, meta) -> list:
         fo.restored_state = bool(old and old.get("stateful")) if is_current(meta) else None
         out.append(fo)
     return out
+
+
+def checks_key_kinds(execution, meta, first=True) -> bool:
+    """Whether a restore of ``meta`` by ``execution`` checks key kinds: only
+    for the checkpoint the execution started from (``first``: that start's
+    own verdict, for a worker told by its driver), not for one the execution
+    wrote itself and restores after a failure."""
+    here = (meta.checkpoint_id, meta.path)
+    started = execution.__dict__.setdefault("_started_from", here)
+    return bool(first) and here == started
+
+
+def started_fresh(execution) -> None:
+    """An execution that restored nothing at its start: what it restores
+    later (after a failure) it wrote itself (``checks_key_kinds``)."""
+    execution.__dict__.setdefault("_started_from", None)
+
+
+def restored_commits(meta, nodes, allow_non_restored_state: bool) -> list:
+    """The sink commits of checkpoint ``meta`` that a restore carries out.
+    With ``allow_non_restored_state``, those of a part-file sink whose state
+    is dropped (the job no longer has its operator id, and no sink of the job
+    writes its directory) are dropped too, with a ``NonRestoredStateWarning``
+    naming the sink and its directory: its pending parts stay there as they
+    were, hidden ``.part-*.inprogress`` files, never renamed."""
+    commits = meta.properties.get("commits") or []
+    if not allow_non_restored_state or not commits:
+        return commits
+    ops = meta.properties.get("operators") or {}
+    current = {n.operator_uid for n in nodes}
+    gone = {uid: o for uid, o in ops.items() if o.get("stateful") and uid not in current}
+    if not gone:
+        return commits
+    here = {sink_outputs.directory_key(fo.path) for fo in sink_outputs.graph_outputs(nodes)}
+    gone_dirs = {sink_outputs.directory_key(o["directory"]): uid for uid, o in gone.items() if o.get("directory")}
+    # written before sinks recorded their directory: a commit into no sink's directory of this job
+    # belongs to one of the sinks that are gone
+    unknown = [uid for uid, o in gone.items() if not o.get("directory") and o["type"] in _PART_FILE_SINKS]
+    keep, dropped = [], {}
+    for action in commits:
+        d = sink_outputs.commit_directory(action)
+        uid = gone_dirs.get(d) if d is not None and d not in here else None
+        if uid is None and d is not None and d not in here and unknown:
+            uid = " or ".join(unknown)
+        if uid is None:
+            keep.append(action)
+        else:
+            dropped.setdefault((uid, d), []).append(action)
+    for (uid, d), actions in dropped.items():
+        name = ops[uid]["name"] if uid in ops else "a sink"
+        warnings.warn(
+            f"checkpoint {meta.checkpoint_id}: the state of sink {name!r} (uid {uid!r}) is dropped "
+            f"(allow_non_restored_state=True), and so are its {len(actions)} pending commit(s) into {d}: its "
+            "parts written before the checkpoint that were not yet committed stay there as hidden "
+            "'.part-*.inprogress' files (rename one without the leading '.' and the '.inprogress' to keep it)",
+            errors.NonRestoredStateWarning, stacklevel=2)
+    return keep
+
+
+_PART_FILE_SINKS = ("TextFileSink", "ParquetFileSink")
 
 
 def is_current(meta) -> bool:
