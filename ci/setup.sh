@@ -40,4 +40,8 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 log "installing pyflowbuf with its test, Spark and benchmark extras (compiles the extension)"
 "$VENV/bin/python" -m pip install -q -e ".[all]"
+if [ "${PYFLOWBUF_SKIP_KAFKA:-0}" != 1 ]; then
+  log "fetching the local Kafka broker's jars from Maven Central (once, into a cache)"
+  "$VENV/bin/python" -m pyflowbuf.connectors.kafka_broker install
+fi
 log "ready: $("$VENV/bin/python" -c 'import pyflowbuf; print("pyflowbuf", pyflowbuf.__version__)')"

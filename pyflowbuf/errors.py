@@ -129,6 +129,11 @@ class FileFormatError(FlowBufError, ValueError):
     message names the file and where in it."""
 
 
+class KafkaBrokerError(FlowBufError, RuntimeError):
+    """The local Kafka broker (``pyflowbuf.connectors.kafka_broker``) could
+    not be fetched or started: no jars, no Java, or it did not come up."""
+
+
 class UnitWarning(UserWarning):
     """A time value that only makes sense in another unit than the one it is
     read in: timestamps that look like milliseconds since 1970 where seconds

@@ -116,3 +116,16 @@ def fast_switching():
     sys.setswitchinterval(1e-5)
     yield
     sys.setswitchinterval(old)
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory):
+    """One real Kafka broker (KRaft, 127.0.0.1, a free port) for the whole
+    session, its log on disk under the session's temporary folder; stopped at
+    the end. Tests create topics of their own names on it. Its jars come from
+    ``ci/setup.sh``: without them this fixture fails, naming the command."""
+    from pyflowbuf.connectors.kafka_broker import LocalKafkaBroker
+
+    broker = LocalKafkaBroker(tmp_path_factory.mktemp("kafka"))
+    yield broker
+    broker.close()
