@@ -468,11 +468,12 @@ class JobExecution(Execution):
 
     def notify_complete(self, checkpoint_id):
         for t in self.tasks:
-            t.post(lambda t=t: t.notify_checkpoint_complete(checkpoint_id))
+            t.post_control(lambda t=t: t.notify_checkpoint_complete(checkpoint_id))
 
     def abort_checkpoint(self, checkpoint_id):
+        # (control mails: an abort thaws a task a failed stop-with-savepoint froze)
         for t in self.tasks:
-            t.post(lambda t=t: t.abort_checkpoint(checkpoint_id))
+            t.post_control(lambda t=t: t.abort_checkpoint(checkpoint_id))
 
     def switch_to_unaligned(self, checkpoint_id):
         for t in self.tasks:

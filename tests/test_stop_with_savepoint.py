@@ -1,0 +1,193 @@
+"""Stop-with-savepoint (issue 27, case 1): once the stop barrier is injected
+at a source, nothing more flows from its side (no records, watermarks, idle
+markers, timers), so a keyed event-time window fires exactly once across the
+stopped job and the job restored from its savepoint. ``drain=True`` ends
+event time before the savepoint instead: every window fires inside it, and a
+restore fires none again."""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import pytest
+
+import pyflowbuf as fb
+from pyflowbuf._core.events import BARRIER
+from pyflowbuf.exchange.sides import OutputSide
+from pyflowbuf.windows import Count, Tumbling
+
+KEYS = 3
+PER_WINDOW = 100        # timestamp x // 10, windows of 10 s: 100 numbers each
+
+
+def window_job(env, branch=None, rate=2000, watermark_interval=0.05):
+    """An unbounded keyed event-time tumbling-window count; ``branch``: a map
+    on a second branch of the source (parallelism 1, not chained), to slow
+    the savepoint down with backpressure."""
+    timed = (env.from_sequence(0, None, parallelism=2, rate_limit=rate).uid("numbers")
+                .assign_timestamps(lambda x: x // 10, watermark_interval=watermark_interval).uid("times"))
+    out = (timed.key_by(lambda x: x % KEYS)
+                .window(Tumbling(10))
+                .aggregate(Count(), window_function=lambda k, w, n: (k, w.start, n)).uid("windows")
+                .collect().uid("out"))
+    timed.map(branch or _identity, parallelism=1).uid("branch").collect().uid("branch-out")
+    return out
+
+
+def _identity(x):
+    return x
+
+
+def expected_count(key, start):
+    return sum(1 for x in range(start * 10, start * 10 + PER_WINDOW) if x % KEYS == key)
+
+
+def wait_for(predicate, what, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def windows_fired(out, n):
+    return lambda: len(out.result) >= n
+
+
+def check_exactly_once(results):
+    """Every window's result once across the runs, with its full count, and
+    no window missing below the highest one fired."""
+    results = [(k, int(start), n) for k, start, n in results]
+    seen = collections.Counter((k, start) for k, start, _ in results)
+    twice = sorted(w for w, c in seen.items() if c > 1)
+    assert not twice, f"windows fired twice (after the savepoint and again after the restore): {twice[:10]}"
+    for k, start, n in results:
+        assert n == expected_count(k, start), (k, start, n)
+    top = max(start for _, start, _ in results)
+    missing = [(k, s) for s in range(0, top, 10) for k in range(KEYS) if (k, s) not in seen]
+    assert not missing, missing[:10]
+
+
+def slow_branch(delay):
+    def slow(x):
+        time.sleep(delay)
+        return x
+    return slow
+
+
+def env_for(tmp_path, workers=None, interval=0.2):
+    """(A worker ships its collect() records to the driver with each
+    checkpoint: without checkpoints they show only when the job ends.)"""
+    kw = {"workers": workers} if workers else {}
+    return fb.Environment(parallelism=2, checkpoint_interval=interval, checkpoint_dir=str(tmp_path / "ck"), **kw)
+
+
+def checkpointed(env, n):
+    """Progress a job with workers shows while it runs (its collect() records
+    reach the driver with each checkpoint, and the caller when it ends)."""
+    return lambda: sum(c["status"] == "completed" and not c["savepoint"] for c in env.checkpoints()) >= n
+
+
+def stop_restore_stop(tmp_path, workers=None, branch=None):
+    env = env_for(tmp_path, workers)
+    out1 = window_job(env, branch)
+    job = env.execute_async()
+    try:
+        wait_for(checkpointed(env, 4), "checkpoints in the first run")
+        sp = job.stop(savepoint=str(tmp_path / "sp1"), timeout=60)
+    finally:
+        job.cancel()
+    first = list(out1.result)
+    assert first
+    env2 = env_for(tmp_path, workers)
+    out2 = window_job(env2)
+    job2 = env2.execute_async(restore_from=sp)
+    try:
+        wait_for(checkpointed(env2, 4), "checkpoints after the restore")
+        job2.stop(savepoint=str(tmp_path / "sp2"), timeout=60)
+    finally:
+        job2.cancel()
+    assert max(s for _, s, _ in out2.result) > max(s for _, s, _ in first)
+    check_exactly_once(first + out2.result)
+    return first, out2.result
+
+
+@pytest.mark.parametrize("backpressured", [False, True], ids=["plain", "backpressured"])
+def test_windows_fire_once_across_stop_and_restore_threads(tmp_path, backpressured):
+    stop_restore_stop(tmp_path, branch=slow_branch(0.002) if backpressured else None)
+
+
+@pytest.mark.parametrize("backpressured", [False, True], ids=["plain", "backpressured"])
+def test_windows_fire_once_across_stop_and_restore_workers(tmp_path, backpressured):
+    stop_restore_stop(tmp_path, workers=2, branch=slow_branch(0.002) if backpressured else None)
+
+
+@pytest.fixture
+def after_barrier(monkeypatch):
+    """What each output partition sends after it sent a checkpoint barrier:
+    a list of (producer, what) and an Event set at the first such send."""
+    barred: set = set()
+    sent_after: list = []
+    seen = threading.Event()
+    emit, broadcast = OutputSide.emit, OutputSide.broadcast_event
+
+    def record(side, what):
+        if id(side) in barred:
+            sent_after.append((side.producer, what))
+            seen.set()
+
+    def emit_recorded(self, batch, ts=None):
+        record(self, f"{len(batch)} record(s)")
+        return emit(self, batch, ts)
+
+    def broadcast_recorded(self, kind, aux=0, flags=0, priority=False):
+        record(self, f"event kind {kind} aux {aux}")
+        result = broadcast(self, kind, aux, flags, priority)
+        if kind == BARRIER:
+            barred.add(id(self))
+        return result
+
+    monkeypatch.setattr(OutputSide, "emit", emit_recorded)
+    monkeypatch.setattr(OutputSide, "broadcast_event", broadcast_recorded)
+    return sent_after, seen
+
+
+def test_nothing_flows_after_the_stop_barrier(tmp_path, after_barrier):
+    """Counted, not timed: a branch holds the savepoint back until something
+    was sent after a stop barrier (at most 1.5 s). Before the fix, the
+    source's periodic watermark went out within 0.5 s of it, and the windows
+    it fired reached the collect sink after its snapshot."""
+    sent_after, seen = after_barrier
+    stopping = threading.Event()
+    # watermarks at most every 0.5 s: at the barrier the source holds one
+    # not yet sent (its tick sent it within 0.5 s, before the fix)
+    held = []
+
+    def hold(x):
+        if stopping.is_set() and not held:
+            held.append(x)
+            seen.wait(1.5)
+        return x
+
+    env = env_for(tmp_path, interval=120)       # no checkpoint but the savepoint: its barrier is the stop's
+    out1 = window_job(env, hold, watermark_interval=0.5)
+    job = env.execute_async()
+    try:
+        wait_for(windows_fired(out1, 5 * KEYS), "windows in the first run")
+        stopping.set()
+        sp = job.stop(savepoint=str(tmp_path / "sp1"), timeout=60)
+    finally:
+        job.cancel()
+    assert held, "the branch saw no record after the stop was asked for"
+    assert sent_after == []
+    first = list(out1.result)
+    env2 = env_for(tmp_path)
+    out2 = window_job(env2)
+    job2 = env2.execute_async(restore_from=sp)
+    try:
+        top = max(s for _, s, _ in first)
+        wait_for(lambda: any(s > top + 30 for _, s, _ in out2.result), "windows after the restore")
+        job2.stop(savepoint=str(tmp_path / "sp2"), timeout=60)
+    finally:
+        job2.cancel()
+    check_exactly_once(first + out2.result)
