@@ -24,15 +24,16 @@ PER_WINDOW = 100        # timestamp x // 10, windows of 10 s: 100 numbers each
 def window_job(env, branch=None, rate=2000, watermark_interval=0.05):
     """An unbounded keyed event-time tumbling-window count; ``branch``: a map
     on a second branch of the source (parallelism 1, not chained), to slow
-    the savepoint down with backpressure."""
+    the savepoint down with backpressure. Returns the collect() handles of
+    the windows and of the branch (every number read before the savepoint)."""
     timed = (env.from_sequence(0, None, parallelism=2, rate_limit=rate).uid("numbers")
                 .assign_timestamps(lambda x: x // 10, watermark_interval=watermark_interval).uid("times"))
     out = (timed.key_by(lambda x: x % KEYS)
                 .window(Tumbling(10))
                 .aggregate(Count(), window_function=lambda k, w, n: (k, w.start, n)).uid("windows")
                 .collect().uid("out"))
-    timed.map(branch or _identity, parallelism=1).uid("branch").collect().uid("branch-out")
-    return out
+    read = timed.map(branch or _identity, parallelism=1).uid("branch").collect().uid("branch-out")
+    return out, read
 
 
 def _identity(x):
@@ -90,7 +91,7 @@ def checkpointed(env, n):
 
 def stop_restore_stop(tmp_path, workers=None, branch=None):
     env = env_for(tmp_path, workers)
-    out1 = window_job(env, branch)
+    out1, _ = window_job(env, branch)
     job = env.execute_async()
     try:
         wait_for(checkpointed(env, 4), "checkpoints in the first run")
@@ -100,7 +101,7 @@ def stop_restore_stop(tmp_path, workers=None, branch=None):
     first = list(out1.result)
     assert first
     env2 = env_for(tmp_path, workers)
-    out2 = window_job(env2)
+    out2, _ = window_job(env2)
     job2 = env2.execute_async(restore_from=sp)
     try:
         wait_for(checkpointed(env2, 4), "checkpoints after the restore")
@@ -170,7 +171,7 @@ def test_nothing_flows_after_the_stop_barrier(tmp_path, after_barrier):
         return x
 
     env = env_for(tmp_path, interval=120)       # no checkpoint but the savepoint: its barrier is the stop's
-    out1 = window_job(env, hold, watermark_interval=0.5)
+    out1, _ = window_job(env, hold, watermark_interval=0.5)
     job = env.execute_async()
     try:
         wait_for(windows_fired(out1, 5 * KEYS), "windows in the first run")
@@ -182,7 +183,7 @@ def test_nothing_flows_after_the_stop_barrier(tmp_path, after_barrier):
     assert sent_after == []
     first = list(out1.result)
     env2 = env_for(tmp_path)
-    out2 = window_job(env2)
+    out2, _ = window_job(env2)
     job2 = env2.execute_async(restore_from=sp)
     try:
         top = max(s for _, s, _ in first)
@@ -191,3 +192,57 @@ def test_nothing_flows_after_the_stop_barrier(tmp_path, after_barrier):
     finally:
         job2.cancel()
     check_exactly_once(first + out2.result)
+
+
+@pytest.mark.parametrize("workers", [None, 2], ids=["threads", "workers"])
+def test_drain_fires_every_window_inside_the_savepoint(tmp_path, workers):
+    env = env_for(tmp_path, workers)
+    out1, read = window_job(env)
+    job = env.execute_async()
+    try:
+        wait_for(checkpointed(env, 3), "checkpoints in the first run")
+        sp = job.stop(savepoint=str(tmp_path / "sp1"), drain=True, timeout=60)
+    finally:
+        job.cancel()
+    # every number read before the savepoint is in a window that fired, once
+    want = collections.Counter((x % KEYS, x // 100 * 10) for x in read.result)
+    got = collections.Counter()
+    for k, start, n in out1.result:
+        assert (k, int(start)) not in got, (k, start)
+        got[(k, int(start))] = n
+    assert got == want
+    env2 = env_for(tmp_path, workers)
+    out2, read2 = window_job(env2)
+    job2 = env2.execute_async(restore_from=sp)
+    try:
+        wait_for(checkpointed(env2, 3), "checkpoints after the restore")
+        job2.stop(savepoint=str(tmp_path / "sp2"), timeout=60)
+    finally:
+        job2.cancel()
+    assert read2.result and not set(read2.result) & set(read.result)     # it read on
+    assert out2.result == []        # ... and fired nothing again: event time had ended
+
+
+def test_the_command_line_stops_with_drain(tmp_path):
+    """``pyflowbuf stop --drain`` reaches job.stop(drain=True) through the
+    control endpoint; a drain on a savepoint that does not stop is refused."""
+    from cli_helpers import cli
+    from pyflowbuf.cluster import control
+
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.2, checkpoint_dir=str(tmp_path / "ck"), control_port=0)
+    out, read = window_job(env)
+    job = env.execute_async()
+    try:
+        wait_for(checkpointed(env, 2), "checkpoints")
+        info = control.read_control_file(str(tmp_path / "ck"))
+        answer = control.request(control.control_address(info), control.control_secret(info),
+                                 {"op": "savepoint", "drain": True})
+        assert answer["ok"] is False and "drain" in answer["message"] and not job.done
+        code, text, err = cli("stop", tmp_path / "ck", "--savepoint", tmp_path / "sp", "--drain")
+        assert code == 0, err
+        assert "stopped job" in text and job.done
+    finally:
+        job.cancel()
+    want = collections.Counter((x % KEYS, x // 100 * 10) for x in read.result)
+    assert collections.Counter({(k, int(s)): n for k, s, n in out.result}) == want
+    assert len(out.result) == len(want)

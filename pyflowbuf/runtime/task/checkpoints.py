@@ -9,6 +9,7 @@ from pyflowbuf import errors
 from pyflowbuf._core.events import BARRIER, BARRIER_STOP, BARRIER_UNALIGNED, CANCEL_BARRIER
 from pyflowbuf.checkpoint.alignment import (CAPTURE, INFLIGHT_DONE, SNAPSHOT, SNAPSHOT_UNALIGNED,
                                          BarrierAligner)
+from pyflowbuf.checkpoint.errors import CheckpointStateError
 from pyflowbuf.runtime.restore import summary_of
 from pyflowbuf.serializers import get_serializer
 
@@ -58,6 +59,7 @@ class SubtaskCheckpoints:
         self.mailbox = mailbox
         self.stopping = None        # the id of the stop-with-savepoint this task sent the barrier of
         self._stop_barriers: set = set()    # ids of stop barriers that came in, not yet sent on
+        self.drained = None         # the id of the stop-with-savepoint (drain) this source ended event time for
         self._ended: set = set()
         self._overtook = 0
         self._event_key = None
@@ -250,6 +252,13 @@ class SubtaskCheckpoints:
     def abort(self, checkpoint_id: int) -> None:
         """Mail: the coordinator gave up checkpoint n (timeout, a decline)."""
         self._thaw(checkpoint_id)       # the stop failed: the task goes on
+        if self.drained == checkpoint_id and not self.job.cancelled:
+            # ... but not with event time ended (every later record would be
+            # late): the job fails and restarts from its last checkpoint
+            raise CheckpointStateError(
+                f"stop-with-savepoint {checkpoint_id} (drain=True) was aborted after task {self.name!r} "
+                "had ended event time: the job cannot go on. Restore it from its last checkpoint "
+                "(restart_attempts does so by itself), or stop it again")
         if self.aligner is not None:
             self.carry_out(self.aligner.abort(checkpoint_id))
 

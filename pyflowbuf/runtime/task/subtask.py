@@ -163,6 +163,7 @@ class Subtask(threading.Thread):
         if options and options.get("drain") and self.checkpoints.will_trigger():
             # stop-with-savepoint with drain: event time ends before the
             # barrier, so every window fires inside the savepoint
+            self.checkpoints.drained = checkpoint_id
             self.event_time.finish()
         self.checkpoints.trigger(checkpoint_id, options)
 
