@@ -124,9 +124,12 @@ def test_windows_fire_once_across_stop_and_restore_workers(tmp_path, backpressur
 
 
 @pytest.fixture
-def after_barrier(monkeypatch):
+def after_barrier(monkeypatch, tmp_path):
     """What each output partition sends after it sent a checkpoint barrier:
-    a list of (producer, what) and an Event set at the first such send."""
+    a list of (producer, what) and an Event set at the first such send; in
+    worker processes (forked with this patch) a line each in the file
+    ``tmp_path / "sent-after-barrier"``."""
+    marker = str(tmp_path / "sent-after-barrier")
     barred: set = set()
     sent_after: list = []
     seen = threading.Event()
@@ -136,6 +139,8 @@ def after_barrier(monkeypatch):
         if id(side) in barred:
             sent_after.append((side.producer, what))
             seen.set()
+            with open(marker, "a") as f:
+                f.write(f"{side.producer}: {what}\n")
 
     def emit_recorded(self, batch, ts=None):
         record(self, f"{len(batch)} record(s)")
@@ -246,3 +251,139 @@ def test_the_command_line_stops_with_drain(tmp_path):
     want = collections.Counter((x % KEYS, x // 100 * 10) for x in read.result)
     assert collections.Counter({(k, int(s)): n for k, s, n in out.result}) == want
     assert len(out.result) == len(want)
+
+
+def held_branch():
+    """A branch map that, once ``stopping`` is set, holds its records (and so
+    the savepoint's barrier behind them) until ``release`` is set."""
+    stopping, release = threading.Event(), threading.Event()
+
+    def hold(x):
+        if stopping.is_set():
+            release.wait(60)
+        return x
+    return hold, stopping, release
+
+
+def test_a_stop_that_fails_lets_the_job_go_on(tmp_path):
+    """The savepoint of a stop expires: the tasks that took its barrier thaw,
+    the job reads and fires on, and a later stop and restore are exactly once."""
+    from pyflowbuf.checkpoint import CheckpointStateError
+
+    hold, stopping, release = held_branch()
+    env = env_for(tmp_path)
+    out1, _ = window_job(env, hold)
+    job = env.execute_async()
+    try:
+        wait_for(checkpointed(env, 2), "checkpoints in the first run")
+        stopping.set()
+        with pytest.raises(CheckpointStateError, match="expired"):
+            job.stop(savepoint=str(tmp_path / "failed"), timeout=0.3)
+        stopping.clear()
+        release.set()
+        assert not job.done
+        before = len(out1.result)
+        wait_for(lambda: len(out1.result) > before + 3 * KEYS, "windows after the failed stop")
+        sp = job.stop(savepoint=str(tmp_path / "sp1"), timeout=60)
+    finally:
+        release.set()
+        job.cancel()
+    first = list(out1.result)
+    env2 = env_for(tmp_path)
+    out2, _ = window_job(env2)
+    job2 = env2.execute_async(restore_from=sp)
+    try:
+        wait_for(checkpointed(env2, 3), "checkpoints after the restore")
+        job2.stop(savepoint=str(tmp_path / "sp2"), timeout=60)
+    finally:
+        job2.cancel()
+    check_exactly_once(first + out2.result)
+
+
+def test_a_drained_stop_that_fails_fails_the_job(tmp_path):
+    """Event time has ended at the sources: going on would make every later
+    record late, so the job fails with an error that says what to do."""
+    from pyflowbuf.checkpoint import CheckpointStateError
+
+    hold, stopping, release = held_branch()
+    env = env_for(tmp_path)
+    window_job(env, hold)
+    job = env.execute_async()
+    try:
+        wait_for(checkpointed(env, 2), "checkpoints")
+        stopping.set()
+        with pytest.raises(CheckpointStateError, match="expired"):
+            job.stop(savepoint=str(tmp_path / "failed"), drain=True, timeout=0.3)
+        release.set()
+        with pytest.raises(fb.errors.JobFailedError, match=r"drain=True\) was aborted.*last checkpoint"):
+            job.join(60)
+    finally:
+        release.set()
+        job.cancel()
+
+
+def test_no_processing_time_timer_fires_after_the_stop_barrier(tmp_path, after_barrier):
+    """A keyed process function with a processing-time timer every 20 ms,
+    which emits: once its task sent the stop barrier, no timer fires there
+    (before the fix they fired on, into the sink, after its snapshot)."""
+    sent_after, seen = after_barrier
+    stopping = threading.Event()
+
+    def hold(x):
+        if stopping.is_set():
+            seen.wait(1.5)      # (each record: the barrier waits behind them)
+            stopping.clear()
+        return x
+
+    def on_record(key, x, state, ctx):
+        if not state.get("armed"):
+            state["armed"] = True
+            ctx.register_processing_time_timer(ctx.current_processing_time() + 0.02)
+        return []
+
+    def on_timer(key, t, state, ctx):
+        ctx.register_processing_time_timer(t + 0.02)
+        return [(key, t)]
+
+    env = env_for(tmp_path, interval=120)       # no checkpoint but the savepoint: its barrier is the stop's
+    numbers = env.from_sequence(0, None, parallelism=2, rate_limit=2000).uid("numbers")
+    ticks = (numbers.key_by(lambda x: x % KEYS).process(on_record, on_timer=on_timer).uid("ticks")
+                    .collect(parallelism=1).uid("out"))
+    numbers.map(hold, parallelism=1).uid("branch").collect().uid("branch-out")
+    job = env.execute_async()
+    try:
+        wait_for(lambda: len(ticks.result) >= 10, "timers firing")
+        stopping.set()
+        job.stop(savepoint=str(tmp_path / "sp"), timeout=60)
+    finally:
+        job.cancel()
+    assert sent_after == []
+
+
+def test_nothing_flows_after_the_stop_barrier_in_workers(tmp_path, after_barrier):
+    """As above, with workers=2: the barrier and its flag cross the TCP
+    exchange, and each worker's tasks stop at it."""
+    import os
+
+    marker = str(tmp_path / "sent-after-barrier")
+    flag = str(tmp_path / "stopping")
+
+    def hold(x):
+        if os.path.exists(flag):
+            os.remove(flag)
+            deadline = time.monotonic() + 1.5
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return x
+
+    env = env_for(tmp_path, workers=2, interval=120)     # no checkpoint but the savepoint
+    window_job(env, hold, watermark_interval=0.5)
+    job = env.execute_async()
+    try:
+        time.sleep(1.0)         # (windows fire meanwhile; a slow start only makes fewer)
+        open(flag, "w").close()
+        job.stop(savepoint=str(tmp_path / "sp1"), timeout=60)
+    finally:
+        job.cancel()
+    assert not os.path.exists(flag), "the branch saw no record after the stop was asked for"
+    assert not os.path.exists(marker), open(marker).read()
