@@ -21,7 +21,9 @@ enum {
     FB_EVT_WATERMARK = FB_EVT_USER + 2,
 };
 
-/* barrier flag: an unaligned barrier (it overtook queued data) */
-enum { FB_EVT_FLAG_UNALIGNED = 1 };
+/* barrier flags: an unaligned barrier (it overtook queued data); the
+ * barrier of a stop-with-savepoint (a task that forwards it sends nothing
+ * after it) */
+enum { FB_EVT_FLAG_UNALIGNED = 1, FB_EVT_FLAG_STOP = 2 };
 
 #endif

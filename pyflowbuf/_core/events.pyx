@@ -14,3 +14,6 @@ EVT_KIND = FB_EVT_KIND
 EVT_WATERMARK = FB_EVT_WATERMARK
 # barrier flag: an unaligned barrier (it overtook queued data; see BufferQueue.overtaken)
 BARRIER_UNALIGNED = FB_EVT_FLAG_UNALIGNED
+# barrier flag: the barrier of a stop-with-savepoint; a task that forwards it
+# sends nothing after it (see pyflowbuf.runtime.task.checkpoints)
+BARRIER_STOP = FB_EVT_FLAG_STOP

@@ -6,7 +6,7 @@
     pyflowbuf checkpoints show PATH [ID] [--json]
     pyflowbuf checkpoints verify PATH [ID] [--json]
     pyflowbuf savepoint (CHECKPOINT_DIR | --address HOST:PORT --secret-file F) [PATH] [--json]
-    pyflowbuf stop (CHECKPOINT_DIR | --address HOST:PORT --secret-file F) [--savepoint PATH] [--json]
+    pyflowbuf stop (CHECKPOINT_DIR | --address HOST:PORT --secret-file F) [--savepoint PATH] [--drain] [--json]
     pyflowbuf demo [--quick]
     pyflowbuf bench NAME [ARGS...]
 

@@ -42,13 +42,17 @@ def add_commands(sub, common, as_json) -> None:
     st = sub.add_parser(
         "stop", parents=[common, as_json], help="stop a running job with a final savepoint",
         usage="pyflowbuf stop (CHECKPOINT_DIR | --address HOST:PORT --secret-file FILE) [--savepoint PATH] "
-              "[--timeout S] [--json]",
+              "[--drain] [--timeout S] [--json]",
         description="Stop a running job with a final savepoint (job.stop(savepoint=PATH)): its sources stop, "
-                    "the savepoint is taken, the sinks commit what it covers, and the job ends. Resuming from "
-                    "it loses and repeats nothing. If the savepoint fails the job runs on (exit code 1).")
+                    "the savepoint is taken, the sinks commit what it covers, and the job ends; nothing runs "
+                    "after the savepoint. Resuming from it loses and repeats nothing. If the savepoint fails "
+                    "the job runs on (exit code 1).")
     st.add_argument("target", nargs="?", metavar="CHECKPOINT_DIR", help=where)
     st.add_argument("--savepoint", metavar="PATH", dest="path",
                     help="where the final savepoint goes; default <checkpoint_dir>/savepoints/savepoint-<time>")
+    st.add_argument("--drain", action="store_true",
+                    help="end event time before the savepoint (job.stop(drain=True)): every window fires once, "
+                         "inside it; for a job ended for good (restored, it starts at the end of event time)")
     for p in (sp, st):
         p.add_argument("--address", metavar="HOST:PORT", help="the job's control endpoint, instead of a control file")
         p.add_argument("--secret-file", metavar="FILE",
@@ -133,6 +137,8 @@ def run(args, op: str) -> int:
     address, secret, info = find_job(args)
     timeout = args.timeout
     message = {"op": op, "path": _job_path(args.path), "timeout": timeout}
+    if getattr(args, "drain", False):
+        message["drain"] = True
     try:
         answer = control.request(address, secret, message,
                                  timeout=None if timeout is None else timeout + _ANSWER_MARGIN_S)

@@ -13,8 +13,9 @@ ends prove it) and then sends one request, a small JSON object in a frame of
 closes. Nothing read off the socket is unpickled.
 
 Requests: ``{"op": "savepoint", "path": PATH or null, "timeout": s or null}``
-(``job.savepoint(path)``) and ``{"op": "stop", "path": ..., "timeout": ...}``
-(``job.stop(savepoint=path)``). Answers: ``{"ok": true, "op": ..., "path":
+(``job.savepoint(path)``) and ``{"op": "stop", "path": ..., "timeout": ...,
+"drain": true or false}`` (``job.stop(savepoint=path, drain=...)``; no
+``drain``: false). Answers: ``{"ok": true, "op": ..., "path":
 the savepoint's directory, "checkpoint_id": n, "job": name}`` or ``{"ok":
 false, "error": "CheckpointStateError", "message": "..."}``.
 
@@ -444,10 +445,12 @@ class ControlEndpoint:
 
     def _answer(self, req: dict) -> dict:
         op = req.get("op")
-        path, timeout = req.get("path"), req.get("timeout")
+        path, timeout, drain = req.get("path"), req.get("timeout"), req.get("drain", False)
         bad = None
         if op not in OPS:
             bad = f"unknown op {op!r} (one of {', '.join(OPS)})"
+        elif not isinstance(drain, bool) or (drain and op != "stop"):
+            bad = f"drain must be true or false, and true only with op 'stop', got {drain!r}"
         elif path is not None and (not isinstance(path, str) or not path):
             bad = f"path must be a non-empty string or null, got {path!r}"
         elif timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
@@ -461,7 +464,7 @@ class ControlEndpoint:
                 done = job.savepoint(path, timeout=timeout)
                 cid = _savepoint_id(job, done)
             else:
-                done = job.stop(savepoint=path, timeout=timeout)
+                done = job.stop(savepoint=path, drain=drain, timeout=timeout)
                 cid = job.stopped_with_savepoint
                 self.close()        # the job has ended: its file goes before the client hears so
         except Exception as exc:  # noqa: BLE001 - every failure is the client's answer; the job runs on

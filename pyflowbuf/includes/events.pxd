@@ -8,3 +8,4 @@ cdef extern from "fb_events.h" nogil:
         FB_EVT_KIND
         FB_EVT_WATERMARK
         FB_EVT_FLAG_UNALIGNED
+        FB_EVT_FLAG_STOP

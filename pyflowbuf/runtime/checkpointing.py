@@ -180,10 +180,12 @@ class CheckpointCoordinator:
         # (a savepoint aborted meanwhile: its own storage, which refuses the late write)
         return self.storage if p is None or p.storage is None else p.storage
 
-    def savepoint(self, path: str, *, stop: bool = False, timeout: float | None = None):
+    def savepoint(self, path: str, *, stop: bool = False, drain: bool = False, timeout: float | None = None):
         """Trigger a savepoint into ``path`` and wait for it; its
         CheckpointMetadata. Waits for a checkpoint under way first (one at a
-        time). Raises CheckpointError when it is aborted, declined or expires."""
+        time). Raises CheckpointError when it is aborted, declined or expires.
+        ``stop``: the job ends with it; ``drain`` (with ``stop``): the sources
+        end event time before its barrier."""
         deadline = time.monotonic() + (self.config.timeout if timeout is None else timeout)
         SavepointStorage(path, allow_pickle=self.storage.allow_pickle).prepare_new()
         while True:
@@ -193,7 +195,7 @@ class CheckpointCoordinator:
                 if not (self.task_keys - set(self.finished)):
                     raise errors.FlowBufError(
                         "every task of the job has finished: there is nothing left to take a savepoint of")
-            n = self.trigger(savepoint=path, stop=stop)
+            n = self.trigger(savepoint=path, stop=stop, drain=drain and stop)
             if n is not None:
                 break
             if time.monotonic() > deadline:
@@ -233,11 +235,13 @@ class CheckpointCoordinator:
                 log.exception("pyflowbuf: checkpoint coordinator")
 
     # ---- triggering ----
-    def trigger(self, savepoint: str | None = None, stop: bool = False) -> int | None:
+    def trigger(self, savepoint: str | None = None, stop: bool = False, drain: bool = False) -> int | None:
         """Start the next checkpoint; None when one is still pending (one at a
         time, Flink's default) or every subtask has finished. ``savepoint``: a
         directory for a savepoint instead (aligned, self-contained, never
-        pruned); ``stop``: the job ends once that savepoint completed."""
+        pruned); ``stop``: the job ends once that savepoint completed, and
+        nothing flows after its barrier; ``drain``: the sources send the end
+        of event time before it."""
         with self._lock:
             execution, epoch = self.execution, self._epoch
             if execution is None or self.pending or self._stop.is_set():
@@ -264,7 +268,7 @@ class CheckpointCoordinator:
             finished = dict(self.finished)
         for key, (state, commits, summary) in finished.items():
             self._write_final(p, key, state, commits, summary)
-        options = {"aligned": True, "stop": stop, "path": p.storage.url} if p.savepoint else None
+        options = {"aligned": True, "stop": stop, "drain": drain, "path": p.storage.url} if p.savepoint else None
         if not self._tell(execution, epoch, "trigger_sources", n, options):
             with self._lock:        # (a restart's abort_all has usually taken it already)
                 stale = self.pending.pop(n, None)

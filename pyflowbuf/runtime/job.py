@@ -108,7 +108,7 @@ class Execution:
         coordinator.savepoint(path, timeout=timeout)
         return path
 
-    def stop(self, savepoint=None, *, timeout=None) -> str:
+    def stop(self, savepoint=None, *, drain=False, timeout=None) -> str:
         """Stop the job with a final savepoint: the sources stop, the
         savepoint is taken (aligned), the sinks commit what it covers, and the
         job ends without processing anything after it. Returns the
@@ -116,15 +116,34 @@ class Execution:
         nothing lost or duplicated. If the savepoint fails the job runs on
         and ``CheckpointStateError`` is raised.
 
+        Nothing runs after the savepoint: once a source has sent its barrier
+        it reads nothing and sends nothing more (no record, watermark or idle
+        marker), and every task that passed the barrier on stops there: no
+        timer fires, no window fires, nothing reaches a sink, and the cancel
+        that ends the job sends no end of input. A ``collect()`` holds exactly
+        what the savepoint covers; a window whose end the watermark had not
+        reached stays open in the savepoint and fires once, in the job
+        restored from it.
+
+        ``drain=True`` (Flink's ``stop --drain``): the sources end event time
+        (a watermark at +inf) just before the barrier, so every window and
+        event-time timer fires once, inside the savepoint. For a job ended for
+        good: a job restored from a drained savepoint starts at the end of
+        event time, and every record it reads is late. If a drained stop
+        fails, the job fails (restarting from its last checkpoint where
+        ``restart_attempts`` allows), since its event time has ended.
+
         Example::
 
             job = env.execute_async()
             ...
             path = job.stop(savepoint="/backups/before-upgrade")
+            # or, to end it for good with every window fired:
+            # path = job.stop(savepoint="/backups/final", drain=True)
         """
         coordinator = self._savepoint_coordinator("stop(savepoint=...)")
         path = self._savepoint_path(savepoint)
-        coordinator.savepoint(path, stop=True, timeout=timeout)
+        coordinator.savepoint(path, stop=True, drain=bool(drain), timeout=timeout)
         self._done.wait()
         if self.control is not None:
             self.control.close()
@@ -476,11 +495,12 @@ class JobExecution(Execution):
 
     def notify_complete(self, checkpoint_id):
         for t in self.tasks:
-            t.post(lambda t=t: t.notify_checkpoint_complete(checkpoint_id))
+            t.post_control(lambda t=t: t.notify_checkpoint_complete(checkpoint_id))
 
     def abort_checkpoint(self, checkpoint_id):
+        # (control mails: an abort thaws a task a failed stop-with-savepoint froze)
         for t in self.tasks:
-            t.post(lambda t=t: t.abort_checkpoint(checkpoint_id))
+            t.post_control(lambda t=t: t.abort_checkpoint(checkpoint_id))
 
     def switch_to_unaligned(self, checkpoint_id):
         for t in self.tasks:

@@ -6,9 +6,10 @@ that had ended ending again). Snapshots are taken and written by
 from __future__ import annotations
 
 from pyflowbuf import errors
-from pyflowbuf._core.events import BARRIER, BARRIER_UNALIGNED, CANCEL_BARRIER
+from pyflowbuf._core.events import BARRIER, BARRIER_STOP, BARRIER_UNALIGNED, CANCEL_BARRIER
 from pyflowbuf.checkpoint.alignment import (CAPTURE, INFLIGHT_DONE, SNAPSHOT, SNAPSHOT_UNALIGNED,
                                          BarrierAligner)
+from pyflowbuf.checkpoint.errors import CheckpointStateError
 from pyflowbuf.runtime.restore import summary_of
 from pyflowbuf.serializers import get_serializer
 
@@ -35,9 +36,16 @@ class SubtaskCheckpoints:
     channel)) decides when, and this object carries its decisions out.
     ``ended()`` says whether the subtask has ended (mails that come after
     are ignored).
+
+    Stop-with-savepoint: its barrier carries ``BARRIER_STOP``, from the
+    sources (``trigger`` with ``stop``) to the sinks. A task that sent it
+    sends nothing more: ``stopping`` holds its id and the ``mailbox`` is
+    frozen, so the source reads no more, an input task reads no more input,
+    and no timer or watermark mail runs, until the job ends or the savepoint
+    is aborted (then the task thaws and goes on where it was).
     """
 
-    def __init__(self, job, name: str, operators: list, sides: list, outputs: list, ended):
+    def __init__(self, job, name: str, operators: list, sides: list, outputs: list, ended, mailbox=None):
         self.job = job
         self.name = name
         self.operators = operators
@@ -48,7 +56,10 @@ class SubtaskCheckpoints:
         self.aligner = None
         self.last_checkpoint = 0
         self.last_alignment_ms = 0.0
-        self.stopping = None        # the id of the stop-with-savepoint a source stopped at
+        self.mailbox = mailbox
+        self.stopping = None        # the id of the stop-with-savepoint this task sent the barrier of
+        self._stop_barriers: set = set()    # ids of stop barriers that came in, not yet sent on
+        self.drained = None         # the id of the stop-with-savepoint (drain) this source ended event time for
         self._ended: set = set()
         self._overtook = 0
         self._event_key = None
@@ -91,6 +102,8 @@ class SubtaskCheckpoints:
         self.check_channel_ends()
         key = self._event_key = (input_index, event[0])
         if event[1] == BARRIER:
+            if event[3] & BARRIER_STOP:
+                self._stop_barriers.add(event[2])
             unaligned = bool(event[3] & BARRIER_UNALIGNED)
             if unaligned:
                 # how many queued items it overtook (the reader stopped
@@ -109,7 +122,7 @@ class SubtaskCheckpoints:
                 al_ns = self.aligner.alignment_ns.get(n, 0) if self.aligner is not None else 0
                 self.checkpointing.snapshot_and_write(n, al_ns)
                 self.last_checkpoint, self.last_alignment_ms = n, al_ns / 1e6
-                self._broadcast(BARRIER, n)
+                self._send_barrier(n, 0, False)
             elif action == SNAPSHOT_UNALIGNED:
                 n, keys = arg
                 self._snapshot_unaligned(n, keys)
@@ -128,6 +141,7 @@ class SubtaskCheckpoints:
                 self.last_checkpoint, self.last_alignment_ms = n, al_ns / 1e6
             else:   # ABORT: downstream tasks stop aligning it too
                 n = arg
+                self._stop_barriers.discard(n)
                 self._stop_recording()
                 self.checkpointing.drop(n)
                 self._broadcast(CANCEL_BARRIER, n)
@@ -153,7 +167,29 @@ class SubtaskCheckpoints:
             inputs[f"in/{key[0]}/{ch}"] = [prefix] if prefix is not None else []
             side.reader.start_recording(ch)
         self.checkpointing.snapshot_unaligned(n, inputs, "unaligned")
-        self._broadcast(BARRIER, n, BARRIER_UNALIGNED, True)
+        self._send_barrier(n, BARRIER_UNALIGNED, True)
+
+    def _send_barrier(self, n, flags, priority) -> None:
+        """Barrier n on every output; a stop barrier freezes the task after it."""
+        stop = n in self._stop_barriers
+        if stop:
+            self._stop_barriers.discard(n)
+            flags |= BARRIER_STOP
+        self._broadcast(BARRIER, n, flags, priority)
+        if stop:
+            self._freeze(n)
+
+    def _freeze(self, n) -> None:
+        self.stopping = n
+        if self.mailbox is not None:
+            self.mailbox.frozen = True
+
+    def _thaw(self, n) -> None:
+        self._stop_barriers.discard(n)
+        if self.stopping == n:
+            self.stopping = None
+            if self.mailbox is not None:
+                self.mailbox.frozen = False
 
     def _stop_recording(self):
         for side in self.sides:
@@ -176,19 +212,24 @@ class SubtaskCheckpoints:
         in order with the records written before it (unaligned: ahead of
         what is queued, which the checkpoint then holds as in-flight data).
         ``options`` (savepoints): ``aligned`` forces an aligned barrier,
-        ``stop`` stops reading after it (stop-with-savepoint)."""
-        if self.checkpointing is None or self.ended() or self.job.cancelled:
+        ``stop`` makes it a stop barrier: the task sends nothing after it
+        (stop-with-savepoint)."""
+        if not self.will_trigger():
             return
         options = options or {}
         if options.get("stop"):
-            self.stopping = checkpoint_id
+            self._stop_barriers.add(checkpoint_id)
         if self.checkpointing.coordinator.config.starts_unaligned and not options.get("aligned"):
             self.checkpointing.snapshot_unaligned(checkpoint_id, {}, "unaligned")
-            self._broadcast(BARRIER, checkpoint_id, BARRIER_UNALIGNED, True)
+            self._send_barrier(checkpoint_id, BARRIER_UNALIGNED, True)
         else:
             self.checkpointing.snapshot_and_write(checkpoint_id)
-            self._broadcast(BARRIER, checkpoint_id)
+            self._send_barrier(checkpoint_id, 0, False)
         self.last_checkpoint, self.last_alignment_ms = checkpoint_id, 0.0
+
+    def will_trigger(self) -> bool:
+        """Whether a trigger mail takes a checkpoint now."""
+        return self.checkpointing is not None and not self.ended() and not self.job.cancelled
 
     def switch_to_unaligned(self, checkpoint_id: int) -> None:
         """Mail: the alignment timeout of checkpoint n passed. Aligning it
@@ -210,8 +251,14 @@ class SubtaskCheckpoints:
 
     def abort(self, checkpoint_id: int) -> None:
         """Mail: the coordinator gave up checkpoint n (timeout, a decline)."""
-        if self.stopping == checkpoint_id:
-            self.stopping = None        # the stop failed: the source reads on
+        self._thaw(checkpoint_id)       # the stop failed: the task goes on
+        if self.drained == checkpoint_id and not self.job.cancelled:
+            # ... but not with event time ended (every later record would be
+            # late): the job fails and restarts from its last checkpoint
+            raise CheckpointStateError(
+                f"stop-with-savepoint {checkpoint_id} (drain=True) was aborted after task {self.name!r} "
+                "had ended event time: the job cannot go on. Restore it from its last checkpoint "
+                "(restart_attempts does so by itself), or stop it again")
         if self.aligner is not None:
             self.carry_out(self.aligner.abort(checkpoint_id))
 

@@ -83,6 +83,8 @@ class InputProcessor:
                 mailbox.drain()
             if mailbox.notifier is not None and mailbox.output_blocked():
                 mailbox.wait_for_output()
+                if mailbox.frozen:
+                    self._wait_frozen()
                 continue
             index, batch = inp.read(max_batch, 0)
             if checkpoints.aligner is not None:
@@ -91,6 +93,8 @@ class InputProcessor:
                 got = inp.take_event()
                 if got is not None:
                     self.on_event(got[1], got[0])
+                    if mailbox.frozen:
+                        self._wait_frozen()
                     continue
                 if inp.finished:
                     return
@@ -108,6 +112,16 @@ class InputProcessor:
             else:
                 process(batch, ts, index)
                 flusher.flush_if_due(time.monotonic_ns())
+
+    def _wait_frozen(self) -> None:
+        """The task sent a stop barrier: read no input (what comes after the
+        barrier is after the savepoint) until the job ends or the savepoint
+        fails; control mails run meanwhile."""
+        job, mailbox = self.job, self.mailbox
+        while mailbox.frozen and not job.cancelled:
+            if mailbox.mails:
+                mailbox.drain()
+            time.sleep(0.01)
 
     def on_event(self, event, input_index: int = 0) -> None:
         """An event other than end-of-partition, with the index of the input

@@ -15,10 +15,18 @@ class Mailbox:
     batches (unaligned checkpoints); ``take_priority_events``: takes the
     barriers that overtake queued input while the task waits (set by the
     input processor; a source has none).
+
+    ``frozen``: the task sent the barrier of a stop-with-savepoint. Until
+    the job ends (or the savepoint fails and the task thaws) only control
+    mails run (``ControlMail``: the coordinator's word that a checkpoint
+    completed or was aborted); the others (timers, watermark emission,
+    triggers) wait in order, since what they would send comes after the
+    savepoint and would be sent again by the job restored from it.
     """
 
     def __init__(self, input_side, outputs: list, source_wakeup=None):
         self.mails: collections.deque = collections.deque()
+        self.frozen = False
         self.outputs = outputs
         self.notifier = None
         self.bp_wait_ns = 0
@@ -41,7 +49,21 @@ class Mailbox:
     def drain(self) -> None:
         mails = self.mails
         while mails:
+            if self.frozen:     # (a mail may freeze the task: the ones after it wait)
+                self._drain_frozen()
+                return
             mails.popleft()()
+
+    def _drain_frozen(self) -> None:
+        mails, held = self.mails, collections.deque()
+        while mails and self.frozen:
+            mail = mails.popleft()
+            if type(mail) is ControlMail:
+                mail()
+            else:
+                held.append(mail)
+        # back in their order, ahead of any not looked at (thawed: the next drain runs them)
+        mails.extendleft(reversed(held))
 
     def output_blocked(self) -> bool:
         """Unaligned checkpoints: whether an output has no buffer to give now.
@@ -72,6 +94,18 @@ class Mailbox:
             for out in self.outputs:
                 out.flush()
         self.take_priority_events()
+
+
+class ControlMail:
+    """A mail that runs in a frozen task too (see ``Mailbox``)."""
+
+    __slots__ = ("mail",)
+
+    def __init__(self, mail):
+        self.mail = mail
+
+    def __call__(self):
+        self.mail()
 
 
 def _none_taken() -> bool:

@@ -25,7 +25,7 @@ from pyflowbuf.runtime.task.chain import OperatorChain
 from pyflowbuf.runtime.task.checkpoints import SubtaskCheckpoints
 from pyflowbuf.runtime.task.event_time import EventTime
 from pyflowbuf.runtime.task.input import InputProcessor
-from pyflowbuf.runtime.task.mailbox import Mailbox, OutputFlusher
+from pyflowbuf.runtime.task.mailbox import ControlMail, Mailbox, OutputFlusher
 from pyflowbuf.serializers import get_serializer, infer_kind, misfit_finder, record_type_error
 
 
@@ -89,7 +89,7 @@ class Subtask(threading.Thread):
         self._check_records(vertex, operators, outputs, source)
         self.mailbox = Mailbox(input_side, outputs, getattr(source, "wakeup", None))
         self.checkpoints = SubtaskCheckpoints(job, self.name, operators, sides, outputs,
-                                              lambda: bool(self.finished_ns))
+                                              lambda: bool(self.finished_ns), self.mailbox)
         self.event_time = EventTime(job, chain, sides, outputs)
         self.input_processor = None if input_side is None else InputProcessor(
             self, input_side, chain, self.mailbox, self.checkpoints, self.event_time, outputs)
@@ -150,11 +150,21 @@ class Subtask(threading.Thread):
         """Run ``mail()`` in this task's thread between batches."""
         self.mailbox.post(mail)
 
+    def post_control(self, mail) -> None:
+        """``post``, for a mail that runs after a stop barrier too (the
+        coordinator's completions and aborts; see ``Mailbox``)."""
+        self.mailbox.post(ControlMail(mail))
+
     def input_kind_names(self) -> list:
         return [side.kind_name for side in self._sides]
 
     # mails of the checkpoint coordinator (see SubtaskCheckpoints)
     def trigger_checkpoint(self, checkpoint_id: int, options=None) -> None:
+        if options and options.get("drain") and self.checkpoints.will_trigger():
+            # stop-with-savepoint with drain: event time ends before the
+            # barrier, so every window fires inside the savepoint
+            self.checkpoints.drained = checkpoint_id
+            self.event_time.finish()
         self.checkpoints.trigger(checkpoint_id, options)
 
     def switch_to_unaligned(self, checkpoint_id: int) -> None:
@@ -276,11 +286,10 @@ class Subtask(threading.Thread):
     def _source_waits(self, policy) -> bool:
         """Whether the source waits instead of pulling now: after the barrier
         of a stop-with-savepoint (until the job ends, or the savepoint fails
-        and reading goes on), or while no output buffer is free (unaligned
-        checkpoints: see Mailbox.output_blocked)."""
+        and reading goes on: the mailbox is frozen meanwhile), or while no
+        output buffer is free (unaligned checkpoints: see
+        Mailbox.output_blocked)."""
         if self.checkpoints.stopping is not None:
-            for out in self.outputs:
-                out.flush()
             time.sleep(0.01)
             return True
         if self.mailbox.output_blocked():
