@@ -19,6 +19,7 @@ from array import array as _array
 from typing import Callable
 
 from pyflowbuf import errors
+from pyflowbuf._validation import _check_arity
 from pyflowbuf.operators.basic import Operator, _copy_key_dicts
 # the processing-time service lived here before; its names stay importable from here
 from pyflowbuf.time.processing_time import ProcessingTimeService, processing_time_service, schedule  # noqa: F401
@@ -175,6 +176,20 @@ class Context:
     def current_processing_time(self) -> float:
         return time.time()
 
+    def current_watermark(self) -> float:
+        """PyFlink's ``timer_service().current_watermark()``: ``ctx.watermark``."""
+        return self._op.timers.watermark
+
+    def get_current_key(self):
+        """PyFlink's spelling of ``ctx.key``."""
+        return self.key
+
+    def timer_service(self) -> "Context":
+        """PyFlink's ``ctx.timer_service()``: the timers are the context's own
+        methods here (``register_event_time_timer``, ``current_watermark``,
+        ``current_processing_time``...), so this returns the context."""
+        return self
+
     def register_event_time_timer(self, t) -> None:
         """Call ``on_timer(key, t, state, ctx)`` once the watermark reaches ``t``."""
         self._op._register_event(self.key, _seconds(t, "register_event_time_timer"))
@@ -265,12 +280,121 @@ class ProcessOperator(Operator):
         return self._checked(out), _array("d", out_ts)
 
 
+class RuntimeContext:
+    """What ``open(self, runtime_context)`` of a ``KeyedProcessFunction``
+    gets (PyFlink's RuntimeContext): the subtask it runs in. Keyed state is
+    not reached through it here: each call gets its key's ``state`` dict.
+
+    Example::
+
+        class Count(fb.KeyedProcessFunction):
+            def open(self, runtime_context):
+                self.me = runtime_context.get_index_of_this_subtask()
+    """
+
+    __slots__ = ("task_name", "subtask", "parallelism")
+
+    def __init__(self, task_name: str, subtask: int, parallelism: int):
+        self.task_name = task_name
+        self.subtask = subtask
+        self.parallelism = parallelism
+
+    def get_task_name(self) -> str:
+        return self.task_name
+
+    def get_index_of_this_subtask(self) -> int:
+        return self.subtask
+
+    def get_number_of_parallel_subtasks(self) -> int:
+        return self.parallelism
+
+    def get_task_name_with_subtasks(self) -> str:
+        return f"{self.task_name} ({self.subtask + 1}/{self.parallelism})"
+
+    def get_state(self, *args, **kwargs):
+        raise errors.ConfigurationError(
+            "runtime_context.get_state(...) (PyFlink's keyed state) is not how state is reached here: "
+            "process_element(self, key, record, state, ctx) gets its key's state, a dict that goes into "
+            "checkpoints (state['count'] = ...)")
+
+    get_list_state = get_map_state = get_reducing_state = get_aggregating_state = get_state
+
+
+def _binds(fn, n) -> bool:
+    try:
+        inspect.signature(fn).bind(*range(n))
+        return True
+    except TypeError:
+        return False
+    except ValueError:          # no signature: left to the call
+        return True
+
+
+def process_function_parts(pf, what: str, task_name: str = ""):
+    """A process function object's methods as the keyed operator calls
+    them: ``(fn(key, record, state, ctx), on_timer(key, t, state, ctx) or
+    None, on_end or None, open(subtask, parallelism), close())``. Each
+    method's signature is checked here, where the operator is declared
+    (ours, or PyFlink's: ``process_element(value, ctx)``,
+    ``on_timer(timestamp, ctx)``, ``open(runtime_context)``); one that fits
+    neither is a ConfigurationError naming it."""
+    cls = type(pf).__name__
+    pe = getattr(pf, "process_element", None)
+    if not callable(pe):
+        raise TypeError(f"{what}: {cls} has no process_element method")
+    _check_arity(pe, f"{what}: {cls}.process_element",
+                 "process_element(self, key, record, state, ctx) or PyFlink's process_element(self, value, ctx)",
+                 4, 2)
+    fn = pe if _binds(pe, 4) else (lambda k, x, st, ctx, _f=pe: _f(x, ctx))
+    on_timer = getattr(pf, "on_timer", None)
+    if on_timer is not None and getattr(type(pf), "on_timer", None) is KeyedProcessFunction.on_timer:
+        on_timer_fn = on_timer         # the base's: nothing to fire, refused if a timer is registered
+    elif callable(on_timer):
+        _check_arity(on_timer, f"{what}: {cls}.on_timer",
+                     "on_timer(self, key, timestamp, state, ctx) or PyFlink's on_timer(self, timestamp, ctx)", 4, 2)
+        on_timer_fn = on_timer if _binds(on_timer, 4) else (lambda k, t, st, ctx, _f=on_timer: _f(t, ctx))
+    else:
+        on_timer_fn = None
+    on_end = getattr(pf, "on_end", None)
+    if callable(on_end):
+        _check_arity(on_end, f"{what}: {cls}.on_end", "on_end(self, key, state, ctx)", 3)
+    else:
+        on_end = None
+    open_ = getattr(pf, "open", None)
+    if callable(open_):
+        _check_arity(open_, f"{what}: {cls}.open",
+                     "open(self, subtask, parallelism) or PyFlink's open(self, runtime_context)", 2, 1)
+        if _binds(open_, 2):
+            opener = open_
+        else:
+            opener = lambda subtask, parallelism, _f=open_, _n=task_name: _f(  # noqa: E731
+                RuntimeContext(_n, subtask, parallelism))
+    else:
+        opener = None
+    close = getattr(pf, "close", None)
+    if callable(close):
+        _check_arity(close, f"{what}: {cls}.close", "close(self)", 0)
+    else:
+        close = None
+    return fn, on_timer_fn, on_end, opener, close
+
+
 class KeyedProcessFunction:
     """A keyed process function as a class (Flink's KeyedProcessFunction):
     override ``process_element``, and ``on_timer`` / ``on_end`` when used.
-    Each returns an iterable of output records, or None."""
+    Each returns an iterable of output records, or None. ``open`` runs in
+    each subtask before the first record, ``close`` after the end of input.
+
+    PyFlink's signatures work too, checked where ``process`` is declared:
+    ``process_element(self, value, ctx)`` (the key is
+    ``ctx.get_current_key()``), ``on_timer(self, timestamp, ctx)`` and
+    ``open(self, runtime_context)`` (a ``RuntimeContext``).
+    """
 
     def open(self, subtask: int, parallelism: int) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     def process_element(self, key, record, state: dict, ctx: Context):
@@ -367,12 +491,11 @@ class KeyedProcessOperator(TimerOperator):
         super().__init__(name)
         self.key_fn = key_fn
         self.ts_fn = ts_fn
-        if isinstance(fn, KeyedProcessFunction):
-            self.user = fn
-            fn, on_timer, on_end = fn.process_element, fn.on_timer, fn.on_end
+        self.user_open = self.user_close = None
+        if not callable(fn) or isinstance(fn, KeyedProcessFunction):
+            fn, on_timer, on_end, self.user_open, self.user_close = process_function_parts(
+                fn, f"process {name!r}", name)
             with_ctx = True
-        else:
-            self.user = None
         self.fn = fn if with_ctx else (lambda k, x, st, ctx, _f=fn: _f(k, x, st))
         self.on_timer_fn = on_timer
         self.on_end_fn = on_end
@@ -382,8 +505,8 @@ class KeyedProcessOperator(TimerOperator):
 
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
-        if self.user is not None:
-            self.user.open(subtask, parallelism)
+        if self.user_open is not None:
+            self.user_open(subtask, parallelism)
 
     def _key_state(self, k):
         st = self.state.get(k)
@@ -467,6 +590,13 @@ class KeyedProcessOperator(TimerOperator):
 
     def finish(self):
         super().finish()
+        try:
+            return self._end()
+        finally:
+            if self.user_close is not None:
+                self.user_close()
+
+    def _end(self):
         if self.on_end_fn is None:
             return []
         out: list = []
