@@ -257,3 +257,68 @@ def test_runtime_context_get_state_says_ours():
     from pyflowbuf.time.timers import RuntimeContext
     with pytest.raises(errors.ConfigurationError, match="state dict|state, a dict"):
         RuntimeContext("p", 0, 1).get_state("count")
+
+
+# ---------------------------------------------------------------- side outputs keep their records' times
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_a_window_after_a_side_output_sees_the_original_event_times(p):
+    tag = fb.OutputTag("odd")
+
+    def split(r, ctx):
+        if r[1] % 2:
+            ctx.output(tag, r)
+        else:
+            yield r
+
+    env = fb.Environment(parallelism=p)
+    records = [("k", i) for i in range(40)]
+    timed = env.from_collection(records).assign_timestamps(lambda r: float(r[1]), parallelism=1)
+    main = timed.map(lambda r: r, name="after").process(split)     # the times travel with the records
+    per_ten = (main.get_side_output(tag).key_by(lambda r: r[0]).window(fb.Tumbling(10))
+               .process(lambda k, w, recs: [(w.start, sorted(r[1] for r in recs))])).collect()
+    main.collect()
+    env.execute(timeout=60)
+    assert sorted(per_ten.result) == [(float(s), list(range(s + 1, s + 10, 2))) for s in range(0, 40, 10)]
+
+
+def test_a_window_after_late_records_sees_their_own_times():
+    env = fb.Environment(max_batch=1)
+    records = [("a", 1.0), ("a", 25.0), ("a", 2.0), ("a", 3.0), ("a", 14.0), ("a", 40.0), ("a", 11.0)]
+    res = (env.from_iterable(records).assign_timestamps(lambda r: r[1], watermark_interval=0, parallelism=1)
+              .map(lambda r: r, name="after")        # the times travel with the records from here
+              .key_by(lambda r: r[0]).window(fb.Tumbling(10)).aggregate(fb.Count()))
+    res.collect()
+    late = res.late()
+    stamps = late.process(lambda r, ctx: [(r[1], ctx.timestamp)]).collect()
+    # downstream the watermark has passed them too: a window takes them within its allowed lateness
+    again = (late.key_by(lambda r: r[0]).window(fb.Tumbling(10)).allowed_lateness(100)
+             .process(lambda k, w, recs: [(w.start, sorted(r[1] for r in recs))])).collect()
+    env.execute(timeout=60)
+    assert sorted(stamps.result) == [(2.0, 2.0), (3.0, 3.0), (11.0, 11.0), (14.0, 14.0)]
+    last: dict = {}
+    for start, recs in again.result:            # each late firing holds the window's records so far
+        if len(recs) > len(last.get(start, ())):
+            last[start] = recs
+    assert last == {0.0: [2.0, 3.0], 10.0: [11.0, 14.0]}
+
+
+def test_process_side_output_records_keep_the_time_ctx_gave_them():
+    tag = fb.OutputTag("echo")
+
+    def fn(key, r, state, ctx):
+        ctx.output(tag, r)                  # the record's own time
+        ctx.register_event_time_timer(ctx.timestamp + 100)
+
+    def on_timer(key, t, state, ctx):
+        ctx.output(tag, (key, "timer"))     # the timer's time
+        return []
+
+    env = fb.Environment()
+    timed = env.from_collection([("a", 1.0), ("a", 12.0)]).assign_timestamps(lambda r: r[1])
+    main = timed.key_by(lambda r: r[0]).process(fn, on_timer=on_timer)
+    main.collect()
+    starts = (main.get_side_output(tag).window_all(fb.Tumbling(10))
+              .process(lambda w, recs: [(w.start, len(recs))])).collect()
+    env.execute(timeout=60)
+    assert sorted(starts.result) == [(0.0, 1), (10.0, 1), (100.0, 1), (110.0, 1)]

@@ -61,8 +61,8 @@ def _stream_timestamps(stream, what):
         raise errors.ConfigurationError(
             f"{what} works in event time, and the stream {stream.node.name!r} has no timestamps: call "
             "assign_timestamps(fn, out_of_orderness=...) on it, or on a stream it comes from (timestamps "
-            "travel through map, filter, flat_map, process, union, connect, key_by, windows and joins; "
-            "a source has none, nor has a side output or a count window's result, and a union or "
+            "travel through map, filter, flat_map, process, union, connect, key_by, windows, joins and "
+            "side outputs; a source has none, nor has a count window's result, and a union or "
             "connect has them only when all its inputs do)")
     return ts
 

@@ -211,7 +211,7 @@ class Context:
         side = self._op.side
         if side is None:
             raise unknown_tag(self._op.name, tag, ())
-        side.output(tag, value)
+        side.output(tag, value, self.timestamp)
 
 
 class ProcessContext:
@@ -236,7 +236,7 @@ class ProcessContext:
         side = self._op.side
         if side is None:
             raise unknown_tag(self._op.name, tag, ())
-        side.output(tag, value)
+        side.output(tag, value, self.timestamp)
 
 
 class ProcessOperator(Operator):
