@@ -322,3 +322,41 @@ def test_process_side_output_records_keep_the_time_ctx_gave_them():
               .process(lambda w, recs: [(w.start, len(recs))])).collect()
     env.execute(timeout=60)
     assert sorted(starts.result) == [(0.0, 1), (10.0, 1), (100.0, 1), (110.0, 1)]
+
+
+def test_pyflink_style_process_function_on_an_unkeyed_stream():
+    class Stamp:                                   # PyFlink's ProcessFunction shape
+        def open(self, runtime_context):
+            self.p = runtime_context.get_number_of_parallel_subtasks()
+
+        def process_element(self, value, ctx):
+            yield (value, ctx.timestamp, self.p, ctx.timer_service().current_watermark() <= value)
+
+        def close(self):
+            pass
+
+    env = fb.Environment(parallelism=2)
+    out = (env.from_collection([1.0, 2.0, 3.0]).assign_timestamps(lambda x: x, parallelism=1)
+              .process(Stamp())).collect()
+    env.execute(timeout=60)
+    assert sorted(out.result) == [(x, x, 2, True) for x in (1.0, 2.0, 3.0)]
+
+
+def test_timers_and_the_key_on_an_unkeyed_stream_say_ours():
+    def fn(x, ctx):
+        ctx.timer_service().register_event_time_timer(10.0)
+        return [x]
+
+    env = fb.Environment()
+    env.from_collection([1.0]).process(fn, name="p").collect()
+    with pytest.raises(errors.JobFailedError, match="key_by"):
+        env.execute(timeout=60)
+
+
+def test_an_unkeyed_process_function_with_a_bad_signature_is_refused_at_declaration():
+    class Bad:
+        def process_element(self, value):
+            return [value]
+
+    with pytest.raises(errors.ConfigurationError, match=r"Bad\.process_element"):
+        fb.Environment().from_sequence(0, 3).process(Bad())

@@ -17,7 +17,8 @@ from pyflowbuf.errors import ConfigurationError, RecordTypeError, UnitWarning
 from pyflowbuf.operators import basic as ops
 from pyflowbuf.runtime.graph import Input, Node, carried_timestamps, set_uid
 from pyflowbuf.time.timers import (KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator,
-                                      ProcessOperator, process_function_parts, takes_context)
+                                      ProcessOperator, plain_process_function_parts, process_function_parts,
+                                      takes_context)
 from pyflowbuf.time.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
 from pyflowbuf.serializers import get_serializer, short_repr
 from pyflowbuf.windows.assigners import CountWindow
@@ -334,10 +335,14 @@ class Stream(SinkDeclarations):
         per-key state and timers).
 
         ``ctx.output(tag, value)`` emits ``value`` to the side output
-        ``tag``, an ``OutputTag`` declared in ``side_outputs``; take its
+        ``tag``, an ``OutputTag`` declared in ``side_outputs`` (or, with
+        none declared, any tag ``side_output(tag)`` asks for); take its
         stream with ``side_output(tag)``. ``ctx.timestamp`` is the record's
-        event time when the stream has timestamps. ``kind`` declares the
-        main output's kind.
+        event time when the stream has timestamps, ``ctx.watermark`` the
+        operator's watermark. ``kind`` declares the main output's kind.
+        ``fn`` may also be an object with PyFlink's ProcessFunction methods:
+        ``process_element(value, ctx)``, and ``open(runtime_context)`` /
+        ``close()`` if it has them, their signatures checked here.
 
         Returns a ``Stream``. A ``fn`` that is not callable, or
         ``side_outputs`` that are not OutputTags, is a ``TypeError``; a
@@ -359,14 +364,22 @@ class Stream(SinkDeclarations):
             numbers = lines.process(parse, side_outputs=[bad])
             rejects = numbers.side_output(bad)
         """
-        _callable(fn, "process")
-        _check_arity(fn, f"process {name!r}", "fn(record, ctx)", 2)
+        opener = closer = None
+        if isinstance(fn, type) and callable(getattr(fn, "process_element", None)):
+            raise TypeError(f"process takes a process function instance: {fn.__name__}() (with parentheses), "
+                            f"not the class {fn.__name__}")
+        if not callable(fn) and callable(getattr(fn, "process_element", None)):
+            # PyFlink's ProcessFunction: process_element(value, ctx), open, close
+            fn, opener, closer = plain_process_function_parts(fn, f"process {name!r}", name)
+        else:
+            _callable(fn, "process")
+            _check_arity(fn, f"process {name!r}", "fn(record, ctx)", 2)
         tags = declare_side_outputs(side_outputs, f"process {name!r}")
         kind = _check_kind(kind, f"process {name!r}")
         ts_fn = _timestamp_fn(self.node)
         if isinstance(ts_fn, str):
             ts_fn = None
-        node = self._then(name, lambda: ProcessOperator(name, fn, ts_fn), parallelism, kind)
+        node = self._then(name, lambda: ProcessOperator(name, fn, ts_fn, opener, closer), parallelism, kind)
         node.side_tags = tags
         # declaring no tags, side_output(tag) may name any (PyFlink's habit); declaring some, only those
         node.open_tags = not tags

@@ -219,16 +219,43 @@ class ProcessContext:
 
     timestamp
         The record's event time (None when the stream has no timestamps).
+    watermark
+        The operator's current watermark (-inf before the first).
     """
 
-    __slots__ = ("_op", "timestamp")
+    __slots__ = ("_op", "timestamp", "watermark")
 
     def __init__(self, op):
         self._op = op
         self.timestamp = None
+        self.watermark = NO_WATERMARK
 
     def current_processing_time(self) -> float:
         return time.time()
+
+    def current_watermark(self) -> float:
+        """PyFlink's ``timer_service().current_watermark()``: ``ctx.watermark``."""
+        return self.watermark
+
+    def timer_service(self) -> "ProcessContext":
+        """PyFlink's ``ctx.timer_service()``: the context itself, whose
+        ``current_watermark()`` and ``current_processing_time()`` it has;
+        timers are per key (``key_by(...).process``)."""
+        return self
+
+    def _no_timers(self, *args, **kwargs):
+        raise errors.ConfigurationError(
+            f"operator {self._op.name!r}: timers are per key, and this process function runs on a stream "
+            "without one: key_by(...).process(...) registers timers (as Flink allows timers only on keyed "
+            "streams)")
+
+    register_event_time_timer = register_processing_time_timer = _no_timers
+    delete_event_time_timer = delete_processing_time_timer = _no_timers
+
+    def get_current_key(self):
+        raise errors.ConfigurationError(
+            f"operator {self._op.name!r}: get_current_key() is for keyed streams; this process function "
+            "runs on a stream without a key (key_by(...).process(...) has one)")
 
     def output(self, tag, value) -> None:
         """Emit ``value`` to the side output ``tag`` (an ``OutputTag`` the
@@ -244,11 +271,28 @@ class ProcessOperator(Operator):
     None)`` per record, on a stream that need not be keyed (Flink's
     ProcessFunction); ``ctx.output(tag, value)`` emits to side outputs."""
 
-    def __init__(self, name, fn, ts_fn=None):
+    def __init__(self, name, fn, ts_fn=None, opener=None, closer=None):
         super().__init__(name)
         self.fn = fn
         self.ts_fn = ts_fn
         self.ctx = ProcessContext(self)
+        self.user_open, self.user_close = opener, closer
+
+    def open(self, subtask, parallelism):
+        super().open(subtask, parallelism)
+        if self.user_open is not None:
+            self.user_open(subtask, parallelism)
+
+    def on_watermark(self, watermark):
+        # for ctx.watermark; the watermark goes on as it came
+        if watermark > self.ctx.watermark:
+            self.ctx.watermark = watermark
+        return [], watermark
+
+    def finish(self):
+        if self.user_close is not None:
+            self.user_close()
+        return []
 
     def process_batch(self, batch):
         fn, ctx, ts_fn, add = self.fn, self.ctx, self.ts_fn, self._extend
@@ -300,18 +344,24 @@ class RuntimeContext:
         self.parallelism = parallelism
 
     def get_task_name(self) -> str:
+        """The operator's name (``name=`` or ``.name()``)."""
         return self.task_name
 
     def get_index_of_this_subtask(self) -> int:
+        """This subtask's index, 0 to parallelism - 1."""
         return self.subtask
 
     def get_number_of_parallel_subtasks(self) -> int:
+        """The operator's parallelism."""
         return self.parallelism
 
     def get_task_name_with_subtasks(self) -> str:
+        """``"name (i/p)"``, i counted from 1, as task names show."""
         return f"{self.task_name} ({self.subtask + 1}/{self.parallelism})"
 
     def get_state(self, *args, **kwargs):
+        """PyFlink's state descriptors are not how state is reached here: a
+        ``ConfigurationError`` that names the ``state`` dict."""
         raise errors.ConfigurationError(
             "runtime_context.get_state(...) (PyFlink's keyed state) is not how state is reached here: "
             "process_element(self, key, record, state, ctx) gets its key's state, a dict that goes into "
@@ -377,6 +427,30 @@ def process_function_parts(pf, what: str, task_name: str = ""):
     else:
         close = None
     return fn, on_timer_fn, on_end, opener, close
+
+
+def plain_process_function_parts(pf, what: str, task_name: str = ""):
+    """A PyFlink-style ProcessFunction object of ``Stream.process``, as the
+    operator calls it: ``(fn(record, ctx), open(subtask, parallelism) or
+    None, close() or None)``, its methods' signatures checked here."""
+    cls = type(pf).__name__
+    pe = pf.process_element
+    _check_arity(pe, f"{what}: {cls}.process_element", "process_element(self, value, ctx)", 2)
+    opener = closer = None
+    open_ = getattr(pf, "open", None)
+    if callable(open_):
+        _check_arity(open_, f"{what}: {cls}.open",
+                     "open(self, runtime_context) or open(self, subtask, parallelism)", 1, 2)
+        if _binds(open_, 2):
+            opener = open_
+        else:
+            opener = lambda subtask, parallelism, _f=open_, _n=task_name: _f(  # noqa: E731
+                RuntimeContext(_n, subtask, parallelism))
+    close = getattr(pf, "close", None)
+    if callable(close):
+        _check_arity(close, f"{what}: {cls}.close", "close(self)", 0)
+        closer = close
+    return pe, opener, closer
 
 
 class KeyedProcessFunction:
