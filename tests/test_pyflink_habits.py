@@ -360,3 +360,21 @@ def test_an_unkeyed_process_function_with_a_bad_signature_is_refused_at_declarat
 
     with pytest.raises(errors.ConfigurationError, match=r"Bad\.process_element"):
         fb.Environment().from_sequence(0, 3).process(Bad())
+
+
+def test_window_settings_in_the_wrong_place_say_where_they_go():
+    env = fb.Environment()
+    keyed = _timed(env, [("a", 1.0)]).key_by(lambda r: r[0])
+    w = keyed.window(fb.Tumbling(10))
+    for call in (lambda: w.name("x"), lambda: w.uid("x"), lambda: w.set_parallelism(2)):
+        with pytest.raises(errors.ConfigurationError, match="on their result"):
+            call()
+    res = w.aggregate(fb.Count())
+    for call in (lambda: res.trigger(fb.CountTrigger(2)), lambda: res.allowed_lateness(5),
+                 lambda: res.side_output_late_data(fb.OutputTag("l"))):
+        with pytest.raises(errors.ConfigurationError, match="before its function"):
+            call()
+    with pytest.raises(errors.ConfigurationError, match="no operator itself"):
+        keyed.name("x")
+    with pytest.raises(errors.ConfigurationError, match="no operator itself"):
+        env.from_sequence(0, 3).rebalance().set_parallelism(2)

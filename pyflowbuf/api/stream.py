@@ -83,13 +83,16 @@ class Stream(SinkDeclarations):
         ``.name()``; ours is also the ``name=`` of each declaration): the name
         shows in task names, metrics and errors. Returns this stream.
 
-        A ``name`` that is not a non-empty str is a ``ConfigurationError``.
+        A ``name`` that is not a non-empty str is a ``ConfigurationError``,
+        and so is a call on a ``key_by``/``rebalance()``/... stream (no
+        operator of its own).
 
         Example::
 
             counts = keyed.window(fb.Tumbling(60)).aggregate(fb.Count()).name("per-minute")
         """
         _job_name("name", name)
+        self._operator_itself("name")
         node = self.node
         node.name = name
         make = node.make_operator
@@ -104,7 +107,7 @@ class Stream(SinkDeclarations):
         used by another operator or sink. Returns this stream.
 
         A ``parallelism`` that is not an int >= 1 is a ``ConfigurationError``,
-        and so is a call on a source (give the source ``parallelism=``), on
+        and so is a call on a ``key_by``/``rebalance()``/... stream, on a source (give the source ``parallelism=``), on
         an operator that runs in one subtask (``window_all``) with another
         number, or on a stream already used (its consumers were planned for
         the parallelism it had).
@@ -114,6 +117,7 @@ class Stream(SinkDeclarations):
             sums = keyed.window(fb.Tumbling(60)).reduce(lambda a, b: a + b).set_parallelism(4)
         """
         _positive_int("parallelism", parallelism)
+        self._operator_itself("set_parallelism")
         node = self.node
         if not node.inputs:
             raise ConfigurationError(
@@ -134,6 +138,14 @@ class Stream(SinkDeclarations):
                 inp.partitioner = "forward" if inp.node.parallelism == parallelism else "rebalance"
         node.parallelism = parallelism
         return self
+
+    def _operator_itself(self, what):
+        if self._partitioner is not None:
+            how = "key_by" if self._partitioner == "hash" else f"{self._partitioner}()"
+            raise ConfigurationError(
+                f"{what}() on a {how} stream: {how} says how records reach the next operator and is no "
+                f"operator itself (PyFlink refuses it too); call {what}() on the operator before it, "
+                f"or on the one after it")
 
     # ---- partitioning ----
     def _with(self, partitioner, key_fn=None) -> "Stream":
@@ -966,6 +978,42 @@ class WindowResult(Stream):
         super().__init__(env, node)
         self._late = None
         self._late_tag = None
+
+    def _window_setting(self, what):
+        raise ConfigurationError(
+            f"{what} belongs to the windowed stream, before its function: "
+            f"....window(...).{what}.aggregate(...), not ....aggregate(...).{what}")
+
+    def trigger(self, trigger):
+        """Too late here: a ``ConfigurationError`` saying that ``trigger()``
+        comes between ``window(...)`` and ``reduce``/``aggregate``/``process``.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(10)).trigger(fb.CountTrigger(3)).aggregate(fb.Count())
+        """
+        self._window_setting("trigger(...)")
+
+    def allowed_lateness(self, seconds):
+        """Too late here: a ``ConfigurationError`` saying that
+        ``allowed_lateness()`` comes between ``window(...)`` and its function.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).allowed_lateness(30).aggregate(fb.Count())
+        """
+        self._window_setting("allowed_lateness(...)")
+
+    def side_output_late_data(self, tag):
+        """Too late here: a ``ConfigurationError`` saying that
+        ``side_output_late_data()`` comes between ``window(...)`` and its
+        function (or use ``late()`` on this result).
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).side_output_late_data(tag).aggregate(fb.Count())
+        """
+        self._window_setting("side_output_late_data(...)")
 
     def late(self, *, name: str = "late") -> Stream:
         """The records that came too late for every window they belong to

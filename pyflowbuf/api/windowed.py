@@ -149,6 +149,46 @@ class WindowedStream:
             "late() is called on the result of the window, once reduce, aggregate or process gave it "
             "its function: res = ...window(...).aggregate(...); late = res.late()")
 
+    def _not_yet(self, what, keyword, example):
+        raise errors.ConfigurationError(
+            f"{what} is set on the window operator, which reduce, aggregate, process or apply makes: "
+            f"call it on their result ({example}), or pass {keyword}= to them")
+
+    def name(self, name: str):
+        """The window has no operator yet: a ``ConfigurationError`` saying to
+        name the result of ``reduce``/``aggregate``/``process``/``apply``
+        (PyFlink's order), or to pass ``name=`` to them.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count()).name("per-minute")
+        """
+        self._not_yet("name(...)", "name", "....aggregate(...).name('per-minute')")
+
+    def uid(self, uid: str):
+        """The window has no operator yet: a ``ConfigurationError`` saying to
+        give the result of ``reduce``/``aggregate``/``process``/``apply`` its
+        uid.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count()).uid("per-minute")
+        """
+        raise errors.ConfigurationError(
+            "uid(...) is set on the window operator, which reduce, aggregate, process or apply makes: call "
+            "it on their result (....aggregate(...).uid('per-minute'))")
+
+    def set_parallelism(self, parallelism: int):
+        """The window has no operator yet: a ``ConfigurationError`` saying to
+        call it on the result of ``reduce``/``aggregate``/``process``/
+        ``apply``, or to pass ``parallelism=`` to them.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count()).set_parallelism(4)
+        """
+        self._not_yet("set_parallelism(...)", "parallelism", "....aggregate(...).set_parallelism(4)")
+
     def allowed_lateness(self, seconds) -> "WindowedStream":
         """Keep each window's state ``seconds`` past its end: records arriving
         in that time fire it again with the updated result.
