@@ -8,8 +8,11 @@ PyFlink's method signatures."""
 from __future__ import annotations
 
 import collections
+import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf import errors
@@ -378,3 +381,50 @@ def test_window_settings_in_the_wrong_place_say_where_they_go():
         keyed.name("x")
     with pytest.raises(errors.ConfigurationError, match="no operator itself"):
         env.from_sequence(0, 3).rebalance().set_parallelism(2)
+
+
+def test_allowed_lateness_in_pyflink_milliseconds_warns():
+    env = fb.Environment()
+    w = _timed(env, [("a", 1.0)]).key_by(lambda r: r[0]).window(fb.Tumbling(10))
+    with pytest.warns(errors.UnitWarning, match=r"allowed_lateness\(5\)"):
+        w.allowed_lateness(5000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w.allowed_lateness(300)
+
+
+def _reference(how, records):
+    """PyFlink's rolling aggregation of field 1, per key, in arrival order."""
+    acc: dict = {}
+    out = []
+    for r in records:
+        a = acc.get(r[0])
+        if a is None:
+            a = r
+        elif how == "sum":
+            a = (a[0], a[1] + r[1], a[2])
+        elif how == "min":
+            a = (a[0], min(a[1], r[1]), a[2])
+        elif how == "max":
+            a = (a[0], max(a[1], r[1]), a[2])
+        elif how == "min_by":
+            a = r if r[1] < a[1] else a
+        else:
+            a = r if r[1] > a[1] else a
+        acc[r[0]] = a
+        out.append(a)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(how=st.sampled_from(["sum", "min", "max", "min_by", "max_by"]), p=st.sampled_from([1, 2]),
+       values=st.lists(st.tuples(st.sampled_from("abc"), st.integers(-5, 5)), min_size=1, max_size=30))
+def test_rolling_aggregations_match_a_reference(how, p, values):
+    records = [(k, v, i) for i, (k, v) in enumerate(values)]
+    env = fb.Environment(parallelism=p)
+    out = getattr(env.from_collection(records).key_by(lambda r: r[0]), how)(1).collect()
+    env.execute(timeout=60)
+    expected = _reference(how, records)
+    # each key's outputs come in its records' order (one source subtask feeds them)
+    for key in "abc":
+        assert [r for r in out.result if r[0] == key] == [r for r in expected if r[0] == key]

@@ -5,6 +5,7 @@ module makes streams through the stream it came from (``Stream._derive``)
 and never imports ``stream.py``, which imports it."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 
@@ -194,13 +195,21 @@ class WindowedStream:
         in that time fire it again with the updated result.
 
         ``seconds`` is a number or ``timedelta`` >= 0 (else
-        ``ConfigurationError``). Returns this ``WindowedStream``.
+        ``ConfigurationError``); 1000 or more warns (``UnitWarning``: PyFlink's
+        takes milliseconds). Returns this ``WindowedStream``.
 
         Example::
 
             res = keyed.window(fb.Tumbling(60)).allowed_lateness(30).aggregate(fb.Count())
         """
         lateness = check_seconds("allowed_lateness", seconds)
+        if lateness >= 1000:
+            # PyFlink's allowed_lateness takes milliseconds: the same call here
+            # would keep windows open 1000 times longer
+            warnings.warn(errors.UnitWarning(
+                f"allowed_lateness({seconds!r}) is in seconds ({lateness / 3600:g} h); PyFlink's takes "
+                f"milliseconds: for {lateness / 1000:g} s pass allowed_lateness({lateness / 1000:g})"),
+                stacklevel=2)
         if lateness and self.assigner.domain != "event":
             raise errors.ConfigurationError(
                 f"allowed_lateness is for event-time windows: no record is late in {self.assigner!r} windows")
