@@ -10,9 +10,10 @@ import os
 
 import numpy as np
 
+from pyflowbuf._core.serde import stable_hash
 from pyflowbuf.config import _number, _positive_int  # noqa: F401 - _positive_int: shared with the API modules
-from pyflowbuf.errors import ConfigurationError, SaltedHashError
-from pyflowbuf.serializers import get_serializer, kind_label
+from pyflowbuf.errors import ConfigurationError, KeyTypeError, SaltedHashError
+from pyflowbuf.serializers import get_serializer, kind_label, short_repr
 
 
 def check_timeout(timeout):
@@ -416,3 +417,65 @@ def check_key_hashes(env) -> None:
         f"{'; and '.join(why)}. Key by the value itself (pyflowbuf hashes keys the same in every process: "
         f"key_by(lambda u: u) rather than key_by(lambda u: hash(u))), or {' and '.join(fix)}. A key function "
         "that hashes only ints (whose hash is not salted) can say so: key_by(pyflowbuf.stable_key(fn))")
+
+# ---- what a key_by key may be ----
+
+_KEY_TYPES = ("str, int, float, bool, bytes, None, or tuples and frozensets of them "
+              "(NumPy integers and floats too)")
+
+
+def _type_label(value) -> str:
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def key_fn_label(key_fn) -> str:
+    """The key_by declaration as a user finds it: the key function's name and
+    where it is defined."""
+    name = getattr(key_fn, "__qualname__", None) or type(key_fn).__name__
+    code = getattr(key_fn, "__code__", None)
+    if code is not None:
+        return f"key_by({name}) at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+    return f"key_by({name})"
+
+
+def check_keys(keys, operator: str, key_fn, codec_error=None) -> None:
+    """Refuse, at the first batch a key_by routes, keys that would give a
+    wrong answer or fail later: unhashable ones (a list, a dict), ones
+    without a hash that is the same in every process (``object()``, a
+    dataclass: equal keys would reach different subtasks, or every record
+    be a key of its own), and, with checkpoints, ones the checkpoint codec
+    cannot write (an IntEnum, a namedtuple), which would fail the first
+    checkpoint. The stable hash (``stable_hash``) and the codec decide
+    (``codec_error(key)``: why the job's checkpoints cannot store the key,
+    or None; None where the job takes no checkpoints); a ``KeyTypeError``
+    names the keyed operator, the key_by and the key. Called once per
+    output side (the routing path), not per record."""
+    where = f"{key_fn_label(key_fn)} into {operator!r}"
+    encoded: set = set()
+    for k in keys:
+        try:
+            hash(k)
+        except TypeError:
+            raise KeyTypeError(
+                f"{where}: the key function returned {short_repr(k)} (type {_type_label(k)}), which is not "
+                f"hashable, so it cannot be a key. Keys are hashable values with a stable hash: {_KEY_TYPES} "
+                "(e.g. tuple(...) instead of a list)") from None
+        try:
+            stable_hash(k)
+        except KeyTypeError:
+            raise KeyTypeError(
+                f"{where}: the key function returned {short_repr(k)} (type {_type_label(k)}), whose hash() "
+                "is not the same in every process (based on identity, or salted per process): equal keys would reach different subtasks and "
+                "restored state (an object() makes every record a key of its own). Keys are hashable "
+                f"values with a stable hash: {_KEY_TYPES}; return e.g. a field, an id, or a tuple of "
+                "the fields") from None
+        if codec_error is not None and type(k) not in encoded:
+            why = codec_error(k)
+            if why is not None:
+                raise KeyTypeError(
+                    f"{where}: the key {short_repr(k)} (type {_type_label(k)}) cannot be written into a "
+                    f"checkpoint ({why}); the job takes checkpoints, so return a plain key: {_KEY_TYPES} "
+                    "(e.g. int(k) for an IntEnum, tuple(k) for a namedtuple)")
+            if type(k) is not tuple:        # a tuple's items may differ between keys
+                encoded.add(type(k))

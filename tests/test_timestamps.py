@@ -188,10 +188,10 @@ def test_window_results_carry_max_timestamp_and_a_second_window_needs_no_new_ass
 
 
 @pytest.mark.parametrize("after_map", [False, True])
-def test_late_records_a_side_output_carries_no_times(after_map):
-    """late() is a side output, and side outputs carry no times (yet): its
-    records' time is read again with the assigner's function where the
-    window reads the assigner's stream, and is None after a map."""
+def test_late_records_keep_their_times(after_map):
+    """late() is a side output, and side outputs keep their records' times:
+    read again with the assigner's function where the window reads the
+    assigner's stream, carried with the records after a map (issue 27)."""
     data = [(0, 10.0), (1, 11.0), (2, 30.0), (3, 1.0), (4, 31.0)]    # (3, 1.0) is late
     env = fb.Environment(parallelism=1, max_batch=1)
     s = env.from_collection(data).assign_timestamps(lambda r: r[1], watermark_interval=0)
@@ -200,11 +200,10 @@ def test_late_records_a_side_output_carries_no_times(after_map):
     res = s.key_by(lambda r: 0).window(fb.Tumbling(10.0)).aggregate(fb.Count())
     late = observe(res.late())
     results = observe(res)
-    if after_map:
-        with pytest.raises(errors.ConfigurationError, match="side output"):
-            res.late().key_by(lambda r: 0).window(fb.Tumbling(1.0))
+    # a window downstream reads them in event time (no "has no timestamps")
+    res.late().key_by(lambda r: 0).window(fb.Tumbling(1.0)).allowed_lateness(100).aggregate(fb.Count())
     env.execute(timeout=60)
-    assert late.result == [((3, 1.0), None if after_map else 1.0)]
+    assert late.result == [((3, 1.0), 1.0)]
     assert sorted(results.result) == [(2, math.nextafter(20.0, -math.inf)), (2, math.nextafter(40.0, -math.inf))]
 
 

@@ -461,7 +461,7 @@ def test_trigger_errors():
     with pytest.raises(errors.ConfigurationError, match="vectorized"):
         timed.window(fb.Tumbling(1), trigger=fb.CountTrigger(2)).aggregate({"n": ("a", "count")})
     # the default trigger, spelled out, is the default path
-    assert timed.window(fb.Session(1), trigger=fb.EventTimeTrigger()).trigger is None
+    assert timed.window(fb.Session(1), trigger=fb.EventTimeTrigger())._trigger is None
 
 
 # ---- processing time, driven by the harness ----

@@ -24,7 +24,11 @@ class OutputTag:
     The operator declares the tags it emits to (``side_outputs=[tag, ...]``)
     and ``stream.side_output(tag)`` is the stream of a tag's records: they
     are checkpointed, exactly once, like any output. A declared tag nobody
-    reads drops its records.
+    reads drops its records. As in PyFlink, a process function that takes
+    a ctx need not declare its tags: declaring none, ``side_output(tag)``
+    (or ``get_side_output(tag)``) declares the tag it asks for; declaring
+    some, only those are its side outputs. ``ctx.output`` to a tag
+    neither declared nor asked for fails the job.
 
     Example::
 
@@ -123,6 +127,12 @@ def declared_tag(node, tag, what: str):
     if window and tag.name == LATE:
         raise ConfigurationError(f"{what}: the late records of the window {node.name!r} are result.late()")
     known = tags.get(tag.name)
+    if known is None and getattr(node, "open_tags", False):
+        # PyFlink's habit: ctx.output(tag, ...) with no declaration; asking
+        # for the tag's stream declares it (before the job runs, so the
+        # operator's ctx.output finds its route)
+        tags[tag.name] = tag
+        return tag
     if known is None:
         declared = [t for n, t in tags.items() if not (window and n == LATE)]
         raise ConfigurationError(

@@ -190,6 +190,76 @@ class SinkDeclarations:
         node.zero_copy = zero_copy
         return IteratorSink(node)
 
+    def execute_and_collect(self, job_execution_name: str | None = None, limit: int | None = None):
+        """Run the job and hand this stream's records back (PyFlink's
+        ``DataStream.execute_and_collect``): ``to_iterator()`` and
+        ``env.execute_iter`` in one call. Without ``limit``: an iterator over
+        the records as they come (closing it, or leaving its ``with`` block,
+        cancels the job if it still runs). With ``limit``: a list of the
+        first ``limit`` records, and the job is cancelled once it has them.
+
+        The job's other sinks run too. Errors as for ``execute_iter``; a
+        ``limit`` that is not an int >= 1 is a ``ConfigurationError``.
+
+        Example::
+
+            squares = env.from_sequence(0, 5).map(lambda x: x * x).execute_and_collect(limit=3)
+            # [0, 1, 4]
+        """
+        if limit is not None:
+            _positive_int("limit", limit)
+        records = self.env.execute_iter(self.to_iterator(name="execute_and_collect"), job_execution_name)
+        if limit is None:
+            return ClosingIterator(records)
+        out: list = []
+        try:
+            if limit:
+                for record in records:
+                    out.append(record)
+                    if len(out) >= limit:
+                        break
+        finally:
+            records.close()
+        return out
+
+
+class ClosingIterator:
+    """What ``execute_and_collect()`` returns (PyFlink's CloseableIterator):
+    the records as they come; ``close()``, or the end of a ``with`` block,
+    cancels the job if it still runs.
+
+    Example::
+
+        with env.from_sequence(0, 100).execute_and_collect() as records:
+            first = next(records)
+    """
+
+    def __init__(self, records):
+        self._records = records
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._records)
+
+    def close(self) -> None:
+        """Stop reading: the job is cancelled if it still runs.
+
+        Example::
+
+            it = env.from_sequence(0, 100).execute_and_collect()
+            it.close()
+        """
+        self._records.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
 
 
 class DataSink:

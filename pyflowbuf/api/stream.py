@@ -7,18 +7,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pyflowbuf._validation import _callable, _check_arity, _check_kind, _common_kind, _parallelism, note_key_function
+from pyflowbuf._validation import (_callable, _check_arity, _check_kind, _common_kind, _job_name, _parallelism,
+                                   _positive_int, note_key_function)
 from pyflowbuf.api.joined import IntervalJoin, JoinedStreams
 from pyflowbuf.api.side_outputs import LATE_TAG, declare_side_outputs, declared_tag
 from pyflowbuf.api.sinks import SinkDeclarations
 from pyflowbuf.api.windowed import AllWindowedStream, WindowedStream, _no_key
-from pyflowbuf.errors import ConfigurationError, UnitWarning
+from pyflowbuf.errors import ConfigurationError, RecordTypeError, UnitWarning
 from pyflowbuf.operators import basic as ops
 from pyflowbuf.runtime.graph import Input, Node, carried_timestamps, set_uid
 from pyflowbuf.time.timers import (KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator,
-                                      ProcessOperator, takes_context)
+                                      ProcessOperator, plain_process_function_parts, process_function_parts,
+                                      takes_context)
 from pyflowbuf.time.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
-from pyflowbuf.serializers import get_serializer
+from pyflowbuf.serializers import get_serializer, short_repr
+from pyflowbuf.windows.assigners import CountWindow
 
 
 class Stream(SinkDeclarations):
@@ -45,7 +48,11 @@ class Stream(SinkDeclarations):
         """How this stream feeds an operator of ``parallelism``: the partitioner
         set on it, else forward when the parallelism matches, else rebalance."""
         part = self._partitioner or ("forward" if parallelism == self.node.parallelism else "rebalance")
-        return Input(self.node, part, self._key_fn)
+        inp = Input(self.node, part, self._key_fn)
+        # set_parallelism may change the parallelism later: a partitioner
+        # chosen by it is chosen again then
+        inp.by_default = self._partitioner is None
+        return inp
 
     def _derive(self, node: Node, window_result: bool = False) -> "Stream":
         # windowed.py and joined.py make their streams here: they do not import this module
@@ -96,6 +103,75 @@ class Stream(SinkDeclarations):
                 "keyed operator makes (key_by(...).reduce(...), .process(...), a window's aggregate)")
         self.node.key_migration = fn
         return self
+
+    def name(self, name: str) -> "Stream":
+        """Rename the operator that makes this stream (PyFlink's
+        ``.name()``; ours is also the ``name=`` of each declaration): the name
+        shows in task names, metrics and errors. Returns this stream.
+
+        A ``name`` that is not a non-empty str is a ``ConfigurationError``,
+        and so is a call on a ``key_by``/``rebalance()``/... stream (no
+        operator of its own).
+
+        Example::
+
+            counts = keyed.window(fb.Tumbling(60)).aggregate(fb.Count()).name("per-minute")
+        """
+        _job_name("name", name)
+        self._operator_itself("name")
+        node = self.node
+        node.name = name
+        make = node.make_operator
+        if make is not None:
+            node.make_operator = _Renamed(make, name)
+        return self
+
+    def set_parallelism(self, parallelism: int) -> "Stream":
+        """Run the operator that makes this stream in ``parallelism``
+        subtasks (PyFlink's ``.set_parallelism()``; ours is also the
+        ``parallelism=`` of each declaration). Call it before the stream is
+        used by another operator or sink. Returns this stream.
+
+        A ``parallelism`` that is not an int >= 1 is a ``ConfigurationError``,
+        and so is a call on a ``key_by``/``rebalance()``/... stream, on a source (give the source ``parallelism=``), on
+        an operator that runs in one subtask (``window_all``) with another
+        number, or on a stream already used (its consumers were planned for
+        the parallelism it had).
+
+        Example::
+
+            sums = keyed.window(fb.Tumbling(60)).reduce(lambda a, b: a + b).set_parallelism(4)
+        """
+        _positive_int("parallelism", parallelism)
+        self._operator_itself("set_parallelism")
+        node = self.node
+        if not node.inputs:
+            raise ConfigurationError(
+                f"set_parallelism on the source {node.name!r}: a source's subtasks are fixed where it is "
+                "declared: pass parallelism= to it (e.g. env.from_sequence(0, 100, parallelism=4))")
+        if getattr(node, "single_subtask", False) and parallelism != 1:
+            raise ConfigurationError(
+                f"set_parallelism({parallelism}) on {node.name!r}: this operator runs in one subtask (a "
+                "window_all, or the vectorized window's combining step); key_by(...).window(...) spreads "
+                "windows over subtasks")
+        if node.consumers:
+            used = ", ".join(repr(c.name) for c in node.consumers)
+            raise ConfigurationError(
+                f"set_parallelism on {node.name!r} after its stream was used (by {used}): call it right "
+                f"after the operator, before using the stream, or pass parallelism= to the operator")
+        for inp in node.inputs:
+            if getattr(inp, "by_default", False):
+                inp.partitioner = "forward" if inp.node.parallelism == parallelism else "rebalance"
+        node.parallelism = parallelism
+        return self
+
+    def _operator_itself(self, what):
+        if self._partitioner is not None:
+            how = "key_by" if self._partitioner == "hash" else f"{self._partitioner}()"
+            raise ConfigurationError(
+                f"{what}() on a {how} stream: {how} says how records reach the next operator and is no "
+                f"operator itself (PyFlink refuses it too); call {what}() on the operator before it, "
+                f"or on the one after it")
 
     # ---- partitioning ----
     def _with(self, partitioner, key_fn=None) -> "Stream":
@@ -298,10 +374,14 @@ class Stream(SinkDeclarations):
         per-key state and timers).
 
         ``ctx.output(tag, value)`` emits ``value`` to the side output
-        ``tag``, an ``OutputTag`` declared in ``side_outputs``; take its
+        ``tag``, an ``OutputTag`` declared in ``side_outputs`` (or, with
+        none declared, any tag ``side_output(tag)`` asks for); take its
         stream with ``side_output(tag)``. ``ctx.timestamp`` is the record's
-        event time when the stream has timestamps. ``kind`` declares the
-        main output's kind.
+        event time when the stream has timestamps, ``ctx.watermark`` the
+        operator's watermark. ``kind`` declares the main output's kind.
+        ``fn`` may also be an object with PyFlink's ProcessFunction methods:
+        ``process_element(value, ctx)``, and ``open(runtime_context)`` /
+        ``close()`` if it has them, their signatures checked here.
 
         Returns a ``Stream``. A ``fn`` that is not callable, or
         ``side_outputs`` that are not OutputTags, is a ``TypeError``; a
@@ -323,15 +403,25 @@ class Stream(SinkDeclarations):
             numbers = lines.process(parse, side_outputs=[bad])
             rejects = numbers.side_output(bad)
         """
-        _callable(fn, "process")
-        _check_arity(fn, f"process {name!r}", "fn(record, ctx)", 2)
+        opener = closer = None
+        if isinstance(fn, type) and callable(getattr(fn, "process_element", None)):
+            raise TypeError(f"process takes a process function instance: {fn.__name__}() (with parentheses), "
+                            f"not the class {fn.__name__}")
+        if not callable(fn) and callable(getattr(fn, "process_element", None)):
+            # PyFlink's ProcessFunction: process_element(value, ctx), open, close
+            fn, opener, closer = plain_process_function_parts(fn, f"process {name!r}", name)
+        else:
+            _callable(fn, "process")
+            _check_arity(fn, f"process {name!r}", "fn(record, ctx)", 2)
         tags = declare_side_outputs(side_outputs, f"process {name!r}")
         kind = _check_kind(kind, f"process {name!r}")
         ts_fn = _timestamp_fn(self.node)
         if isinstance(ts_fn, str):
             ts_fn = None
-        node = self._then(name, lambda: ProcessOperator(name, fn, ts_fn), parallelism, kind)
+        node = self._then(name, lambda: ProcessOperator(name, fn, ts_fn, opener, closer), parallelism, kind)
         node.side_tags = tags
+        # declaring no tags, side_output(tag) may name any (PyFlink's habit); declaring some, only those
+        node.open_tags = not tags
         return Stream(self.env, node)
 
     def side_output(self, tag, *, name: str | None = None) -> "Stream":
@@ -353,8 +443,33 @@ class Stream(SinkDeclarations):
             parsed = lines.process(parse, side_outputs=[errors])
             parsed.side_output(errors).write_text("rejected")
         """
+        late = getattr(self, "_late_tag", None)
+        if late is not None and tag == late:        # side_output_late_data(tag)
+            return self.late()
         tag = declared_tag(self.node, tag, "side_output")
         return _side_stream(self, tag, name or f"{self.node.name}.{tag.name}", tag.kind)
+
+    def get_side_output(self, tag, *, name: str | None = None) -> "Stream":
+        """PyFlink's spelling of ``side_output(tag)``: the stream of the
+        records this stream's operator emitted to ``tag``. As in PyFlink, a
+        process function's tags need no declaring beforehand: the tags
+        asked for here are the ones its ``ctx.output`` may reach. Returns a
+        ``Stream``; errors as for ``side_output``.
+
+        Example::
+
+            odd = fb.OutputTag("odd", kind="int64")
+
+            def split(x, ctx):
+                if x % 2:
+                    ctx.output(odd, x)
+                else:
+                    yield x
+
+            evens = env.from_sequence(0, 10).process(split)
+            odds = evens.get_side_output(odd)
+        """
+        return self.side_output(tag, name=name)
 
     # ---- several inputs ----
     def union(self, *others: "Stream", parallelism: int | None = None, name: str = "union") -> "Stream":
@@ -520,8 +635,15 @@ class KeyedStream(Stream):
                 alarm, on_timer=lambda key, t, state, ctx: [(key, t)])
         """
 
-        is_class = isinstance(fn, KeyedProcessFunction)
-        if not is_class:
+        if isinstance(fn, type) and issubclass(fn, KeyedProcessFunction):
+            raise TypeError(f"process takes a KeyedProcessFunction instance: {fn.__name__}() (with parentheses), "
+                            f"not the class {fn.__name__}")
+        is_class = isinstance(fn, KeyedProcessFunction) or (
+            not callable(fn) and callable(getattr(fn, "process_element", None)))
+        if is_class:
+            # its methods' signatures, checked here rather than at the first record
+            process_function_parts(fn, f"process {name!r}", name)
+        else:
             _callable(fn, "process")
             _check_arity(fn, f"process {name!r}", "fn(key, record, state) or fn(key, record, state, ctx)", 3, 4)
         if on_timer is not None:
@@ -549,7 +671,92 @@ class KeyedStream(Stream):
                                                              with_ctx), parallelism, kind)
         node.event_time = True
         node.side_tags = tags
+        # declaring no tags, side_output(tag) may name any (PyFlink's habit); declaring some, only those
+        node.open_tags = not tags
         return Stream(self.env, node)
+
+    # ---- PyFlink's rolling aggregations ----
+    def _aggregate_field(self, how, field, name):
+        if isinstance(field, bool) or not isinstance(field, (int, str)):
+            raise TypeError(f"{how} takes a field position (an int) or a field name (a str) of the records, "
+                            f"got {field!r}")
+        return self.reduce(_FieldAggregate(how, field), name=name or how)
+
+    def sum(self, position_to_sum: int | str = 0, *, name: str | None = None) -> Stream:
+        """A rolling sum per key of one field (PyFlink's ``KeyedStream.sum``):
+        each record's field is added to its key's running value, and the
+        key's first record, with that field replaced by the sum, is emitted
+        for every input. The field is a position (tuples, lists, named
+        tuples), a name (dicts, named tuples), or 0 for records that are
+        numbers themselves.
+
+        Returns a ``Stream``. A field that is neither int nor str is a
+        ``TypeError``; a record without the field fails the job with a
+        ``RecordTypeError`` naming it.
+
+        Example::
+
+            totals = pairs.key_by(lambda p: p[0]).sum(1)      # ("a", 1), ("a", 2) -> ("a", 1), ("a", 3)
+        """
+        return self._aggregate_field("sum", position_to_sum, name)
+
+    def min(self, position_to_min: int | str = 0, *, name: str | None = None) -> Stream:
+        """A rolling minimum per key of one field (PyFlink's
+        ``KeyedStream.min``): the key's first record with that field replaced
+        by the smallest value seen. Fields as for ``sum``; ``min_by`` gives
+        the whole record that holds the minimum instead.
+
+        Example::
+
+            lowest = pairs.key_by(lambda p: p[0]).min(1)
+        """
+        return self._aggregate_field("min", position_to_min, name)
+
+    def max(self, position_to_max: int | str = 0, *, name: str | None = None) -> Stream:
+        """A rolling maximum per key of one field (PyFlink's
+        ``KeyedStream.max``): the key's first record with that field replaced
+        by the largest value seen. Fields as for ``sum``.
+
+        Example::
+
+            highest = pairs.key_by(lambda p: p[0]).max(1)
+        """
+        return self._aggregate_field("max", position_to_max, name)
+
+    def min_by(self, position_to_min_by: int | str = 0, *, name: str | None = None) -> Stream:
+        """Per key, the record with the smallest value of one field so far
+        (the first one on ties), emitted for every input (PyFlink's
+        ``KeyedStream.min_by``). Fields as for ``sum``.
+
+        Example::
+
+            cheapest = orders.key_by(lambda o: o["item"]).min_by("price")
+        """
+        return self._aggregate_field("min_by", position_to_min_by, name)
+
+    def max_by(self, position_to_max_by: int | str = 0, *, name: str | None = None) -> Stream:
+        """Per key, the record with the largest value of one field so far
+        (the first one on ties), emitted for every input (PyFlink's
+        ``KeyedStream.max_by``). Fields as for ``sum``.
+
+        Example::
+
+            biggest = orders.key_by(lambda o: o["item"]).max_by("price")
+        """
+        return self._aggregate_field("max_by", position_to_max_by, name)
+
+    def count_window(self, size: int, slide: int = 0) -> "Any":
+        """Windows of ``size`` records per key (PyFlink's
+        ``KeyedStream.count_window``): ``window(CountWindow(size))``, or with
+        a ``slide`` (0: none), ``window(CountWindow(size, slide))``. Returns
+        a ``WindowedStream``; a size or slide that is not an int >= 1 (slide
+        >= 0) is a ``ConfigurationError``.
+
+        Example::
+
+            per_10 = keyed.count_window(10).aggregate(fb.Count())
+        """
+        return self.window(CountWindow(size, None if slide == 0 else slide))
 
     def window(self, assigner, trigger=None) -> "Any":
         """Windows per key: event time (``Tumbling(size)``, ``Sliding(size,
@@ -702,6 +909,7 @@ class ConnectedStreams:
             stream = self._node(name, make, parallelism, kind)
             stream.node.event_time = True
             stream.node.side_tags = tags
+            stream.node.open_tags = not tags
             return stream
         if on_timer is not None or on_end is not None:
             raise ConfigurationError(f"process {name!r}: timers are per key: key_by both connected streams")
@@ -796,6 +1004,43 @@ class WindowResult(Stream):
     def __init__(self, env, node):
         super().__init__(env, node)
         self._late = None
+        self._late_tag = None
+
+    def _window_setting(self, what):
+        raise ConfigurationError(
+            f"{what} belongs to the windowed stream, before its function: "
+            f"....window(...).{what}.aggregate(...), not ....aggregate(...).{what}")
+
+    def trigger(self, trigger):
+        """Too late here: a ``ConfigurationError`` saying that ``trigger()``
+        comes between ``window(...)`` and ``reduce``/``aggregate``/``process``.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(10)).trigger(fb.CountTrigger(3)).aggregate(fb.Count())
+        """
+        self._window_setting("trigger(...)")
+
+    def allowed_lateness(self, seconds):
+        """Too late here: a ``ConfigurationError`` saying that
+        ``allowed_lateness()`` comes between ``window(...)`` and its function.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).allowed_lateness(30).aggregate(fb.Count())
+        """
+        self._window_setting("allowed_lateness(...)")
+
+    def side_output_late_data(self, tag):
+        """Too late here: a ``ConfigurationError`` saying that
+        ``side_output_late_data()`` comes between ``window(...)`` and its
+        function (or use ``late()`` on this result).
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).side_output_late_data(tag).aggregate(fb.Count())
+        """
+        self._window_setting("side_output_late_data(...)")
 
     def late(self, *, name: str = "late") -> Stream:
         """The records that came too late for every window they belong to
@@ -838,3 +1083,77 @@ def _late_after_collect(*args, **kwargs):
     raise ConfigurationError(
         "late() is a method of the window's result stream, not of the handle collect() returns: "
         "res = ....aggregate(...); counts = res.collect(); late = res.late().collect()")
+
+
+class _Renamed:
+    """A node's operator factory after ``Stream.name()``: the operator
+    carries the new name into task names, metrics and errors."""
+
+    def __init__(self, make, name):
+        self.make = make
+        self.name = name
+
+    def __call__(self):
+        op = self.make()
+        op.name = self.name
+        return op
+
+
+class _FieldAggregate:
+    """The reduce function of ``KeyedStream.sum/min/max/min_by/max_by``
+    (PyFlink's rolling aggregations of one field). Records are never changed
+    in place: the previous value may already have gone downstream."""
+
+    def __init__(self, how, field):
+        self.how = how
+        self.field = field
+
+    def _get(self, record):
+        f = self.field
+        try:
+            if isinstance(record, dict):
+                return record[f]
+            if isinstance(record, (tuple, list)):
+                if isinstance(f, str):
+                    names = getattr(type(record), "_fields", None)
+                    if names is None:
+                        raise KeyError(f)
+                    return record[names.index(f)]
+                return record[f]
+        except (KeyError, IndexError, ValueError):
+            pass
+        else:
+            if f == 0 and not isinstance(record, (dict, tuple, list)):
+                return record       # a basic value is its own field 0
+        raise RecordTypeError(
+            f"{self.how}({f!r}): the record {short_repr(record)} ({type(record).__name__}) has no field {f!r}; "
+            "give a position of a tuple or list, a key of a dict, a name of a named tuple, or 0 for "
+            "records that are numbers")
+
+    def _with(self, record, value):
+        f = self.field
+        if isinstance(record, dict):
+            return {**record, f: value}
+        if isinstance(record, (tuple, list)):
+            if isinstance(f, str):
+                return record._replace(**{f: value})
+            items = list(record)
+            items[f] = value
+            if isinstance(record, list):
+                return items
+            names = getattr(type(record), "_fields", None)
+            return type(record)(*items) if names is not None else tuple(items)
+        return value
+
+    def __call__(self, a, b):
+        va, vb = self._get(a), self._get(b)
+        how = self.how
+        if how == "min_by":
+            return b if vb < va else a
+        if how == "max_by":
+            return b if vb > va else a
+        if how == "sum":
+            return self._with(a, va + vb)
+        if how == "min":
+            return a if not vb < va else self._with(a, vb)
+        return a if not vb > va else self._with(a, vb)

@@ -5,12 +5,13 @@ module makes streams through the stream it came from (``Stream._derive``)
 and never imports ``stream.py``, which imports it."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 
 from pyflowbuf import errors
 from pyflowbuf._validation import _callable, _check_arity, _check_kind, _kind_identity
-from pyflowbuf.api.side_outputs import LATE, LATE_TAG, declare_side_outputs
+from pyflowbuf.api.side_outputs import LATE, LATE_TAG, OutputTag, declare_side_outputs
 from pyflowbuf.time.timers import takes_context
 from pyflowbuf.runtime.graph import carried_timestamps as _carried
 from pyflowbuf.runtime.graph import has_timestamps
@@ -61,8 +62,8 @@ def _stream_timestamps(stream, what):
         raise errors.ConfigurationError(
             f"{what} works in event time, and the stream {stream.node.name!r} has no timestamps: call "
             "assign_timestamps(fn, out_of_orderness=...) on it, or on a stream it comes from (timestamps "
-            "travel through map, filter, flat_map, process, union, connect, key_by, windows and joins; "
-            "a source has none, nor has a side output or a count window's result, and a union or "
+            "travel through map, filter, flat_map, process, union, connect, key_by, windows, joins and "
+            "side outputs; a source has none, nor has a count window's result, and a union or "
             "connect has them only when all its inputs do)")
     return ts
 
@@ -72,8 +73,11 @@ def _check_trigger(assigner, trigger):
     a typed error for a combination that has no meaning here."""
     if trigger is None:
         return None
+    if isinstance(trigger, type) and issubclass(trigger, Trigger):
+        raise TypeError(f"trigger= (and .trigger()) takes a Trigger instance: {trigger.__name__}(...) (with its arguments, e.g. "
+                        f"CountTrigger(3)), not the class {trigger.__name__}")
     if not isinstance(trigger, Trigger):
-        raise TypeError(f"trigger= takes EventTimeTrigger(), ContinuousEventTimeTrigger(s), CountTrigger(n) or "
+        raise TypeError(f"trigger= (and .trigger()) takes EventTimeTrigger(), ContinuousEventTimeTrigger(s), CountTrigger(n) or "
                         f"PurgingTrigger(...), got {type(trigger).__name__}")
     domain = assigner.domain
     if domain == "count":
@@ -127,7 +131,8 @@ class WindowedStream:
         self.keyed = keyed
         self.assigner = assigner
         self.lateness = 0.0
-        self.trigger = _check_trigger(assigner, trigger)
+        self._trigger = _check_trigger(assigner, trigger)
+        self._late_tag = None       # side_output_late_data(tag): the tag get_side_output(tag) reads
         what = "window_all()" if self._all else "window()"
         self.ts = _stream_timestamps(keyed, what) if assigner.domain == "event" else None
 
@@ -145,26 +150,129 @@ class WindowedStream:
             "late() is called on the result of the window, once reduce, aggregate or process gave it "
             "its function: res = ...window(...).aggregate(...); late = res.late()")
 
+    def _not_yet(self, what, keyword, example):
+        raise errors.ConfigurationError(
+            f"{what} is set on the window operator, which reduce, aggregate, process or apply makes: "
+            f"call it on their result ({example}), or pass {keyword}= to them")
+
+    def name(self, name: str):
+        """The window has no operator yet: a ``ConfigurationError`` saying to
+        name the result of ``reduce``/``aggregate``/``process``/``apply``
+        (PyFlink's order), or to pass ``name=`` to them.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count()).name("per-minute")
+        """
+        self._not_yet("name(...)", "name", "....aggregate(...).name('per-minute')")
+
+    def uid(self, uid: str):
+        """The window has no operator yet: a ``ConfigurationError`` saying to
+        give the result of ``reduce``/``aggregate``/``process``/``apply`` its
+        uid.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count()).uid("per-minute")
+        """
+        raise errors.ConfigurationError(
+            "uid(...) is set on the window operator, which reduce, aggregate, process or apply makes: call "
+            "it on their result (....aggregate(...).uid('per-minute'))")
+
+    def set_parallelism(self, parallelism: int):
+        """The window has no operator yet: a ``ConfigurationError`` saying to
+        call it on the result of ``reduce``/``aggregate``/``process``/
+        ``apply``, or to pass ``parallelism=`` to them.
+
+        Example::
+
+            res = keyed.window(fb.Tumbling(60)).aggregate(fb.Count()).set_parallelism(4)
+        """
+        self._not_yet("set_parallelism(...)", "parallelism", "....aggregate(...).set_parallelism(4)")
+
     def allowed_lateness(self, seconds) -> "WindowedStream":
         """Keep each window's state ``seconds`` past its end: records arriving
         in that time fire it again with the updated result.
 
         ``seconds`` is a number or ``timedelta`` >= 0 (else
-        ``ConfigurationError``). Returns this ``WindowedStream``.
+        ``ConfigurationError``); 1000 or more warns (``UnitWarning``: PyFlink's
+        takes milliseconds). Returns this ``WindowedStream``.
 
         Example::
 
             res = keyed.window(fb.Tumbling(60)).allowed_lateness(30).aggregate(fb.Count())
         """
         lateness = check_seconds("allowed_lateness", seconds)
+        if lateness >= 1000:
+            # PyFlink's allowed_lateness takes milliseconds: the same call here
+            # would keep windows open 1000 times longer
+            warnings.warn(errors.UnitWarning(
+                f"allowed_lateness({seconds!r}) is in seconds ({lateness / 3600:g} h); PyFlink's takes "
+                f"milliseconds: for {lateness / 1000:g} s pass allowed_lateness({lateness / 1000:g})"),
+                stacklevel=2)
         if lateness and self.assigner.domain != "event":
             raise errors.ConfigurationError(
                 f"allowed_lateness is for event-time windows: no record is late in {self.assigner!r} windows")
         self.lateness = lateness
         return self
 
+    def trigger(self, trigger) -> "WindowedStream":
+        """When the windows fire (Flink's ``WindowedStream.trigger``), the
+        same as ``window(assigner, trigger=...)``: ``EventTimeTrigger()``,
+        ``ContinuousEventTimeTrigger(s)``, ``CountTrigger(n)``,
+        ``PurgingTrigger(t)``. Call it before ``reduce``, ``aggregate``,
+        ``process`` or ``apply``; a later call replaces the trigger.
+
+        Returns this ``WindowedStream``. Something that is not a trigger
+        (or a trigger class instead of an instance) is a ``TypeError``; a
+        trigger that does not fit the windows (another time domain, a count
+        window) a ``ConfigurationError``.
+
+        Example::
+
+            every_3 = keyed.window(fb.Tumbling(10)).trigger(fb.CountTrigger(3)).aggregate(fb.Count())
+        """
+        self._trigger = _check_trigger(self.assigner, trigger)
+        return self
+
+    def side_output_late_data(self, tag) -> "WindowedStream":
+        """PyFlink's spelling of ``late()``: the records too late for their
+        windows go to the side output ``tag`` (an ``OutputTag``), read with
+        ``get_side_output(tag)`` (or ``late()``) on the window's result.
+
+        Returns this ``WindowedStream``; a ``tag`` that is not an
+        ``OutputTag`` is a ``TypeError``, one named "late" (ours, for
+        ``late()``) works as well.
+
+        Example::
+
+            late_tag = fb.OutputTag("late-data")
+            res = keyed.window(fb.Tumbling(60)).side_output_late_data(late_tag).aggregate(fb.Count())
+            late = res.get_side_output(late_tag)          # the same stream as res.late()
+        """
+        if not isinstance(tag, OutputTag):
+            raise TypeError(f"side_output_late_data takes an OutputTag, got {type(tag).__name__}")
+        self._late_tag = tag
+        return self
+
+    def apply(self, fn, *, parallelism=None, name: str = "window_apply", kind: Any = None) -> "WindowResult":
+        """Flink's ``WindowedStream.apply``: ``fn(key, window, records)`` once
+        per window firing, returning an iterable of outputs: the same as
+        ``process``. ``fn`` may also be an object with an ``apply(key,
+        window, records)`` method (PyFlink's ``WindowFunction``).
+
+        Returns a ``WindowResult``; errors as for ``process``.
+
+        Example::
+
+            sizes = keyed.window(fb.Tumbling(60)).apply(lambda key, w, recs: [(key, w.start, len(recs))])
+        """
+        if not callable(fn) and callable(getattr(fn, "apply", None)):
+            fn = fn.apply
+        return self.process(fn, parallelism=parallelism, name=name, kind=kind)
+
     def _spec(self):
-        return WindowSpec(self.assigner, self.keyed._key_fn, self.ts, self.lateness, self.trigger)
+        return WindowSpec(self.assigner, self.keyed._key_fn, self.ts, self.lateness, self._trigger)
 
     def _node(self, how, fn, window_function, parallelism, name, kind, tags=None):
         kind = _check_kind(kind, f"window {name!r}")
@@ -192,9 +300,15 @@ class WindowedStream:
         # late records leave through a side output, read when late() is taken
         node.side_tags = {LATE: LATE_TAG, **(tags or {})}
         node.window_late = True
+        # a window_all runs in one subtask: set_parallelism may not change that
+        node.single_subtask = self._all
+        # declaring no tags, ctx.output reaches a tag side_output(tag) names
+        # later (PyFlink's habit); declaring some, only those
+        node.open_tags = with_ctx and not tags
         res = self.keyed._derive(node, window_result=True)
         res._ts = self.ts
         res._input_kind = self.keyed.node.kind
+        res._late_tag = self._late_tag
         return res
 
     def reduce(self, fn: Callable, *, window_function: Callable | None = None, parallelism=None,
@@ -240,11 +354,11 @@ class WindowedStream:
                                .aggregate({"n": ("word", "count"), "total": ("amount", "sum")}))
         """
         if isinstance(agg, dict):
-            if self._all or self.assigner.domain != "event" or self.trigger is not None:
+            if self._all or self.assigner.domain != "event" or self._trigger is not None:
                 raise errors.ConfigurationError(
                     "aggregate({column: ...}) (the vectorized path) takes keyed event-time windows with the "
                     f"default trigger; here: {'window_all, ' if self._all else ''}{self.assigner!r}"
-                    f"{', trigger ' + repr(self.trigger) if self.trigger is not None else ''}")
+                    f"{', trigger ' + repr(self._trigger) if self._trigger is not None else ''}")
             return self._arrow_node(agg, parallelism, name)
         _check_aggregate(agg, self.assigner.merging, self.keyed.node.kind)
         if window_function is not None:
@@ -305,6 +419,7 @@ class WindowedStream:
             node = plain._then(name, lambda: ArrowWindowOperator(name, column_key, ts, assigner, aggs, lateness),
                                1, "arrow")
             node.event_time = True
+            node.single_subtask = True      # its state holds every row: one subtask
             return plain._derive(node)
         if lateness:
             raise errors.ConfigurationError(
@@ -316,6 +431,7 @@ class WindowedStream:
         node = plain._derive(part)._then(name, lambda: ArrowWindowOperator(
             name, column_key, ts, assigner, aggs, 0.0, mode="final"), 1, "arrow")
         node.event_time = True
+        node.single_subtask = True          # combines every partial result: one subtask
         return plain._derive(node)
 
 

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from pyflowbuf import errors
+from pyflowbuf._validation import check_keys
 from pyflowbuf._core.events import BARRIER, BARRIER_UNALIGNED, EVT_KIND, EVT_WATERMARK
 from pyflowbuf._core.serde import DEFAULT_ZERO_COPY_MIN, RecordReader, RecordWriter
 from pyflowbuf.serializers import CoreSerializer, get_serializer, infer_kind, record_type_error
@@ -78,6 +79,10 @@ class OutputSide:
     # emits to it (None: the chain's main output)
     tag = None
     source_node = None
+    # key_by: whether the keys of the first batch were checked (check_keys),
+    # and, where the job checkpoints them, why its codec cannot store a key
+    keys_checked = False
+    key_codec_error = None
 
     def __init__(self, pool, queues, partitioner, key_fn, kind: EdgeKind, max_record_size, timestamped=False):
         self.pool = pool
@@ -130,12 +135,17 @@ class OutputSide:
         ser = self.serializer
         part = self.partitioner
         records = batch
-        if part == "hash" and w.num_channels > 1:
+        if part == "hash" and (w.num_channels > 1 or not self.keys_checked):
             # keys come from the records as the user's function sees them,
             # before a serializer turns them into bytes
             key_fn = self.key_fn
             try:
                 keys = [key_fn(x) for x in batch]
+                if not self.keys_checked:
+                    # once, at every parallelism: one subtask routes no key,
+                    # and a bad key would be a wrong answer or fail later
+                    self.keys_checked = True
+                    check_keys(keys, self.consumer or "?", key_fn, self.key_codec_error)
             except Exception as exc:
                 raise self._key_by_failed(exc)
         if type(ser) is not CoreSerializer:

@@ -473,10 +473,14 @@ def _copy_key_dicts(state) -> dict:
 
 class Forward(Operator):
     """The records as they came: the head of the chain that reads a side
-    output (the writer that sent them checked them against its kind)."""
+    output (the writer that sent them checked them against its kind), with
+    their times where the side output carries them."""
 
     def process_batch(self, batch):
         return batch
+
+    def process_ts(self, batch, ts):
+        return batch, ts
 
 
 class Union(Operator):

@@ -27,16 +27,21 @@ class SideOutputs:
     """The side outputs of one operator instance.
 
     ``routes``: tag name -> (the declared tag, a list that collects its
-    records, or None when no stream reads the tag)."""
+    records, or None when no stream reads the tag). ``times``: tag name ->
+    a list that collects the records' event times, for the tags whose
+    stream carries timestamps (a side record keeps the time of the record
+    or timer it was made for, as a main output record does)."""
 
-    __slots__ = ("operator", "routes")
+    __slots__ = ("operator", "routes", "times")
 
-    def __init__(self, operator: str, routes: dict):
+    def __init__(self, operator: str, routes: dict, times: dict | None = None):
         self.operator = operator
         self.routes = routes
+        self.times = times or None
 
-    def output(self, tag, value) -> None:
-        """Emit ``value`` to side output ``tag``."""
+    def output(self, tag, value, t=None) -> None:
+        """Emit ``value`` to side output ``tag``; ``t``: its event time (kept
+        where the tag's stream carries timestamps)."""
         try:
             declared, buf = self.routes[tag.name]
         except (KeyError, AttributeError, TypeError):
@@ -45,6 +50,15 @@ class SideOutputs:
             raise self.unknown(tag)
         if buf is not None:
             buf.append(value)
+            if self.times is not None:
+                times = self.times.get(tag.name)
+                if times is not None:
+                    times.append(t)
+
+    def times_of(self, name: str):
+        """The list collecting tag ``name``'s record times (None: its stream
+        carries none, or nobody reads it)."""
+        return None if self.times is None else self.times.get(name)
 
     def buffer(self, name: str):
         """The list collecting tag ``name``'s records (None: nobody reads it)."""

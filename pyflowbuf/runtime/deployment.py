@@ -4,7 +4,11 @@ input sides over them, remote channels to other processes) and the subtasks
 placed here; and the sizing rules of the output pools that memory follows."""
 from __future__ import annotations
 
+import functools
+
 from pyflowbuf import errors
+from pyflowbuf.checkpoint.codec import encode_value
+from pyflowbuf.checkpoint.errors import UnsupportedStateError
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool, Notifier
 from pyflowbuf.exchange.sides import EdgeKind, InputSide, MultiInput, OutputSide
@@ -146,6 +150,8 @@ class Deployment:
                               timestamped=e.timestamped)
             side.max_parallelism = env.max_parallelism
             side.consumer = down.head.name
+            if job.checkpoint_config is not None:
+                side.key_codec_error = functools.partial(key_codec_error, allow_pickle=env.allow_pickle)
             if e.tag is not None:       # the task routes that node's side records here
                 side.tag, side.source_node = e.tag, e.source_node.id
             side.remote = [id(q) in self.exported for q in mine]
@@ -204,3 +210,13 @@ class Deployment:
                 if job._gate_output:
                     task.notifier = notifiers.get((v.id, i))
                 self.tasks.append(task)
+
+
+def key_codec_error(key, allow_pickle=False):
+    """Why a job's checkpoints could not store ``key`` (its state is stored
+    under it), or None: checked with the first keys a key_by routes."""
+    try:
+        encode_value(key, allow_pickle=allow_pickle)
+    except UnsupportedStateError as exc:
+        return str(exc)
+    return None

@@ -129,8 +129,8 @@ def _own_timestamps(n: Node) -> bool | None:
     them, False: there are none); None: as its inputs."""
     ts = getattr(n, "timestamps", None)
     if isinstance(n.kind, np.dtype) or isinstance(ts, str) or not n.inputs \
-            or getattr(n, "drops_timestamps", False) or any(i.tag is not None for i in n.inputs):
-        return False    # (a side output carries no times yet)
+            or getattr(n, "drops_timestamps", False):
+        return False    # (a side output's reader: as the operator emitting it)
     if ts is not None and getattr(n, "assigns_timestamps", False):
         return True
     return None     # (a filter's or a late() stream's timestamp function is its input's)
@@ -250,7 +250,8 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
                                          timestamped=inp.node.timestamped))
                 else:   # a side output's reader carries the tag's kind
                     edges.append(JobEdge(vertex_of[inp.node.id], v, inp.partitioner, inp.key_fn,
-                                         node.kind, input_index=k, tag=inp.tag, source_node=inp.node))
+                                         node.kind, input_index=k, tag=inp.tag, source_node=inp.node,
+                                         timestamped=inp.node.timestamped))
         vertex_of[node.id] = v
     return vertices, edges
 

@@ -127,9 +127,10 @@ class _NewEdge:
     def __init__(self, source, target, inp, k):
         self.source, self.target = source, target
         self.partitioner, self.key_fn, self.tag, self.input_index = inp.partitioner, inp.key_fn, inp.tag, k
-        # as graph.plan makes its JobEdges: a side output carries its reader's kind and no timestamps
+        # as graph.plan makes its JobEdges: a side output carries its reader's kind, and the times of
+        # the operator emitting it
         self.kind = inp.node.kind if inp.tag is None else target.head.kind
-        self.timestamped = bool(inp.node.timestamped) if inp.tag is None else False
+        self.timestamped = bool(inp.node.timestamped)
         self.out_index = 0
 
 

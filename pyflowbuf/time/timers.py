@@ -19,6 +19,7 @@ from array import array as _array
 from typing import Callable
 
 from pyflowbuf import errors
+from pyflowbuf._validation import _check_arity
 from pyflowbuf.operators.basic import Operator, _copy_key_dicts
 # the processing-time service lived here before; its names stay importable from here
 from pyflowbuf.time.processing_time import ProcessingTimeService, processing_time_service, schedule  # noqa: F401
@@ -175,6 +176,20 @@ class Context:
     def current_processing_time(self) -> float:
         return time.time()
 
+    def current_watermark(self) -> float:
+        """PyFlink's ``timer_service().current_watermark()``: ``ctx.watermark``."""
+        return self._op.timers.watermark
+
+    def get_current_key(self):
+        """PyFlink's spelling of ``ctx.key``."""
+        return self.key
+
+    def timer_service(self) -> "Context":
+        """PyFlink's ``ctx.timer_service()``: the timers are the context's own
+        methods here (``register_event_time_timer``, ``current_watermark``,
+        ``current_processing_time``...), so this returns the context."""
+        return self
+
     def register_event_time_timer(self, t) -> None:
         """Call ``on_timer(key, t, state, ctx)`` once the watermark reaches ``t``."""
         self._op._register_event(self.key, _seconds(t, "register_event_time_timer"))
@@ -196,7 +211,7 @@ class Context:
         side = self._op.side
         if side is None:
             raise unknown_tag(self._op.name, tag, ())
-        side.output(tag, value)
+        side.output(tag, value, self.timestamp)
 
 
 class ProcessContext:
@@ -204,16 +219,43 @@ class ProcessContext:
 
     timestamp
         The record's event time (None when the stream has no timestamps).
+    watermark
+        The operator's current watermark (-inf before the first).
     """
 
-    __slots__ = ("_op", "timestamp")
+    __slots__ = ("_op", "timestamp", "watermark")
 
     def __init__(self, op):
         self._op = op
         self.timestamp = None
+        self.watermark = NO_WATERMARK
 
     def current_processing_time(self) -> float:
         return time.time()
+
+    def current_watermark(self) -> float:
+        """PyFlink's ``timer_service().current_watermark()``: ``ctx.watermark``."""
+        return self.watermark
+
+    def timer_service(self) -> "ProcessContext":
+        """PyFlink's ``ctx.timer_service()``: the context itself, whose
+        ``current_watermark()`` and ``current_processing_time()`` it has;
+        timers are per key (``key_by(...).process``)."""
+        return self
+
+    def _no_timers(self, *args, **kwargs):
+        raise errors.ConfigurationError(
+            f"operator {self._op.name!r}: timers are per key, and this process function runs on a stream "
+            "without one: key_by(...).process(...) registers timers (as Flink allows timers only on keyed "
+            "streams)")
+
+    register_event_time_timer = register_processing_time_timer = _no_timers
+    delete_event_time_timer = delete_processing_time_timer = _no_timers
+
+    def get_current_key(self):
+        raise errors.ConfigurationError(
+            f"operator {self._op.name!r}: get_current_key() is for keyed streams; this process function "
+            "runs on a stream without a key (key_by(...).process(...) has one)")
 
     def output(self, tag, value) -> None:
         """Emit ``value`` to the side output ``tag`` (an ``OutputTag`` the
@@ -221,7 +263,7 @@ class ProcessContext:
         side = self._op.side
         if side is None:
             raise unknown_tag(self._op.name, tag, ())
-        side.output(tag, value)
+        side.output(tag, value, self.timestamp)
 
 
 class ProcessOperator(Operator):
@@ -229,11 +271,28 @@ class ProcessOperator(Operator):
     None)`` per record, on a stream that need not be keyed (Flink's
     ProcessFunction); ``ctx.output(tag, value)`` emits to side outputs."""
 
-    def __init__(self, name, fn, ts_fn=None):
+    def __init__(self, name, fn, ts_fn=None, opener=None, closer=None):
         super().__init__(name)
         self.fn = fn
         self.ts_fn = ts_fn
         self.ctx = ProcessContext(self)
+        self.user_open, self.user_close = opener, closer
+
+    def open(self, subtask, parallelism):
+        super().open(subtask, parallelism)
+        if self.user_open is not None:
+            self.user_open(subtask, parallelism)
+
+    def on_watermark(self, watermark):
+        # for ctx.watermark; the watermark goes on as it came
+        if watermark > self.ctx.watermark:
+            self.ctx.watermark = watermark
+        return [], watermark
+
+    def finish(self):
+        if self.user_close is not None:
+            self.user_close()
+        return []
 
     def process_batch(self, batch):
         fn, ctx, ts_fn, add = self.fn, self.ctx, self.ts_fn, self._extend
@@ -265,12 +324,151 @@ class ProcessOperator(Operator):
         return self._checked(out), _array("d", out_ts)
 
 
+class RuntimeContext:
+    """What ``open(self, runtime_context)`` of a ``KeyedProcessFunction``
+    gets (PyFlink's RuntimeContext): the subtask it runs in. Keyed state is
+    not reached through it here: each call gets its key's ``state`` dict.
+
+    Example::
+
+        class Count(fb.KeyedProcessFunction):
+            def open(self, runtime_context):
+                self.me = runtime_context.get_index_of_this_subtask()
+    """
+
+    __slots__ = ("task_name", "subtask", "parallelism")
+
+    def __init__(self, task_name: str, subtask: int, parallelism: int):
+        self.task_name = task_name
+        self.subtask = subtask
+        self.parallelism = parallelism
+
+    def get_task_name(self) -> str:
+        """The operator's name (``name=`` or ``.name()``)."""
+        return self.task_name
+
+    def get_index_of_this_subtask(self) -> int:
+        """This subtask's index, 0 to parallelism - 1."""
+        return self.subtask
+
+    def get_number_of_parallel_subtasks(self) -> int:
+        """The operator's parallelism."""
+        return self.parallelism
+
+    def get_task_name_with_subtasks(self) -> str:
+        """``"name (i/p)"``, i counted from 1, as task names show."""
+        return f"{self.task_name} ({self.subtask + 1}/{self.parallelism})"
+
+    def get_state(self, *args, **kwargs):
+        """PyFlink's state descriptors are not how state is reached here: a
+        ``ConfigurationError`` that names the ``state`` dict."""
+        raise errors.ConfigurationError(
+            "runtime_context.get_state(...) (PyFlink's keyed state) is not how state is reached here: "
+            "process_element(self, key, record, state, ctx) gets its key's state, a dict that goes into "
+            "checkpoints (state['count'] = ...)")
+
+    get_list_state = get_map_state = get_reducing_state = get_aggregating_state = get_state
+
+
+def _binds(fn, n) -> bool:
+    try:
+        inspect.signature(fn).bind(*range(n))
+        return True
+    except TypeError:
+        return False
+    except ValueError:          # no signature: left to the call
+        return True
+
+
+def process_function_parts(pf, what: str, task_name: str = ""):
+    """A process function object's methods as the keyed operator calls
+    them: ``(fn(key, record, state, ctx), on_timer(key, t, state, ctx) or
+    None, on_end or None, open(subtask, parallelism), close())``. Each
+    method's signature is checked here, where the operator is declared
+    (ours, or PyFlink's: ``process_element(value, ctx)``,
+    ``on_timer(timestamp, ctx)``, ``open(runtime_context)``); one that fits
+    neither is a ConfigurationError naming it."""
+    cls = type(pf).__name__
+    pe = getattr(pf, "process_element", None)
+    if not callable(pe):
+        raise TypeError(f"{what}: {cls} has no process_element method")
+    _check_arity(pe, f"{what}: {cls}.process_element",
+                 "process_element(self, key, record, state, ctx) or PyFlink's process_element(self, value, ctx)",
+                 4, 2)
+    fn = pe if _binds(pe, 4) else (lambda k, x, st, ctx, _f=pe: _f(x, ctx))
+    on_timer = getattr(pf, "on_timer", None)
+    if on_timer is not None and getattr(type(pf), "on_timer", None) is KeyedProcessFunction.on_timer:
+        on_timer_fn = on_timer         # the base's: nothing to fire, refused if a timer is registered
+    elif callable(on_timer):
+        _check_arity(on_timer, f"{what}: {cls}.on_timer",
+                     "on_timer(self, key, timestamp, state, ctx) or PyFlink's on_timer(self, timestamp, ctx)", 4, 2)
+        on_timer_fn = on_timer if _binds(on_timer, 4) else (lambda k, t, st, ctx, _f=on_timer: _f(t, ctx))
+    else:
+        on_timer_fn = None
+    on_end = getattr(pf, "on_end", None)
+    if callable(on_end):
+        _check_arity(on_end, f"{what}: {cls}.on_end", "on_end(self, key, state, ctx)", 3)
+    else:
+        on_end = None
+    open_ = getattr(pf, "open", None)
+    if callable(open_):
+        _check_arity(open_, f"{what}: {cls}.open",
+                     "open(self, subtask, parallelism) or PyFlink's open(self, runtime_context)", 2, 1)
+        if _binds(open_, 2):
+            opener = open_
+        else:
+            opener = lambda subtask, parallelism, _f=open_, _n=task_name: _f(  # noqa: E731
+                RuntimeContext(_n, subtask, parallelism))
+    else:
+        opener = None
+    close = getattr(pf, "close", None)
+    if callable(close):
+        _check_arity(close, f"{what}: {cls}.close", "close(self)", 0)
+    else:
+        close = None
+    return fn, on_timer_fn, on_end, opener, close
+
+
+def plain_process_function_parts(pf, what: str, task_name: str = ""):
+    """A PyFlink-style ProcessFunction object of ``Stream.process``, as the
+    operator calls it: ``(fn(record, ctx), open(subtask, parallelism) or
+    None, close() or None)``, its methods' signatures checked here."""
+    cls = type(pf).__name__
+    pe = pf.process_element
+    _check_arity(pe, f"{what}: {cls}.process_element", "process_element(self, value, ctx)", 2)
+    opener = closer = None
+    open_ = getattr(pf, "open", None)
+    if callable(open_):
+        _check_arity(open_, f"{what}: {cls}.open",
+                     "open(self, runtime_context) or open(self, subtask, parallelism)", 1, 2)
+        if _binds(open_, 2):
+            opener = open_
+        else:
+            opener = lambda subtask, parallelism, _f=open_, _n=task_name: _f(  # noqa: E731
+                RuntimeContext(_n, subtask, parallelism))
+    close = getattr(pf, "close", None)
+    if callable(close):
+        _check_arity(close, f"{what}: {cls}.close", "close(self)", 0)
+        closer = close
+    return pe, opener, closer
+
+
 class KeyedProcessFunction:
     """A keyed process function as a class (Flink's KeyedProcessFunction):
     override ``process_element``, and ``on_timer`` / ``on_end`` when used.
-    Each returns an iterable of output records, or None."""
+    Each returns an iterable of output records, or None. ``open`` runs in
+    each subtask before the first record, ``close`` after the end of input.
+
+    PyFlink's signatures work too, checked where ``process`` is declared:
+    ``process_element(self, value, ctx)`` (the key is
+    ``ctx.get_current_key()``), ``on_timer(self, timestamp, ctx)`` and
+    ``open(self, runtime_context)`` (a ``RuntimeContext``).
+    """
 
     def open(self, subtask: int, parallelism: int) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     def process_element(self, key, record, state: dict, ctx: Context):
@@ -367,12 +565,11 @@ class KeyedProcessOperator(TimerOperator):
         super().__init__(name)
         self.key_fn = key_fn
         self.ts_fn = ts_fn
-        if isinstance(fn, KeyedProcessFunction):
-            self.user = fn
-            fn, on_timer, on_end = fn.process_element, fn.on_timer, fn.on_end
+        self.user_open = self.user_close = None
+        if not callable(fn) or isinstance(fn, KeyedProcessFunction):
+            fn, on_timer, on_end, self.user_open, self.user_close = process_function_parts(
+                fn, f"process {name!r}", name)
             with_ctx = True
-        else:
-            self.user = None
         self.fn = fn if with_ctx else (lambda k, x, st, ctx, _f=fn: _f(k, x, st))
         self.on_timer_fn = on_timer
         self.on_end_fn = on_end
@@ -382,8 +579,8 @@ class KeyedProcessOperator(TimerOperator):
 
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
-        if self.user is not None:
-            self.user.open(subtask, parallelism)
+        if self.user_open is not None:
+            self.user_open(subtask, parallelism)
 
     def _key_state(self, k):
         st = self.state.get(k)
@@ -467,6 +664,13 @@ class KeyedProcessOperator(TimerOperator):
 
     def finish(self):
         super().finish()
+        try:
+            return self._end()
+        finally:
+            if self.user_close is not None:
+                self.user_close()
+
+    def _end(self):
         if self.on_end_fn is None:
             return []
         out: list = []

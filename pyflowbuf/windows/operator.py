@@ -108,7 +108,7 @@ class WindowContext:
         if side is None or getattr(tag, "name", None) == LATE:    # late() is fed by the operator alone
             raise unknown_tag(self._op.name, tag, () if side is None else
                               [t for n, (t, _) in side.routes.items() if n != LATE])
-        side.output(tag, value)
+        side.output(tag, value, getattr(self.window, "max_timestamp", None))
 
     def __repr__(self):
         return f"WindowContext(key={self.key!r}, window={self.window!r}, firing={self.firing!r})"
@@ -178,6 +178,7 @@ class WindowOperator(_WindowOutput, TimerOperator):
         self.fn = fn
         self.window_function = window_function
         self._late = None               # the LATE side output's buffer when a stream reads it
+        self._late_times = None         # ... and its records' times, where that stream carries them
         self.windows: dict = {}         # (key, start, end) -> accumulator   (non-merging)
         self.sessions: dict = {}        # key -> sorted [[start, end, acc], ...]  (merging)
         self.cleanup = TimerQueue()     # (key, start, end) at end + lateness
@@ -189,6 +190,7 @@ class WindowOperator(_WindowOutput, TimerOperator):
         super().open(subtask, parallelism)
         if self.side is not None:
             self._late = self.side.buffer(LATE)
+            self._late_times = self.side.times_of(LATE)
 
     # ---- records ----
     def process_batch(self, batch):
@@ -311,7 +313,9 @@ class WindowOperator(_WindowOutput, TimerOperator):
         self._ots = None
         if late:
             if self._late is not None:
-                self._late.extend(x for x, _ in late)   # (a side output carries no times yet)
+                self._late.extend(x for x, _ in late)
+                if self._late_times is not None:        # late records keep their own times
+                    self._late_times.extend(t for _, t in late)
                 self.late_out += len(late)
             else:
                 self.late_dropped += len(late)

@@ -17,6 +17,7 @@ from pyflowbuf import errors
 from pyflowbuf.operators.basic import Output
 from pyflowbuf.time.processing_time import schedule
 from pyflowbuf.operators.side_outputs import SideOutputs
+from pyflowbuf.time.watermarks import to_seconds
 
 
 class OperatorChain:
@@ -119,13 +120,18 @@ class OperatorChain:
         return fired if isinstance(fired, _array) else _array("d", fired)
 
     def ship_side_outputs(self) -> None:
-        """Side records collected since the last call, to their outputs."""
-        for buf, outs in self._side_routes:
+        """Side records collected since the last call, to their outputs (with
+        their times where the side output's stream carries timestamps)."""
+        for buf, times, outs, producer in self._side_routes:
             if buf:
                 batch = buf[:]
                 buf.clear()
+                ts = None
+                if times is not None:
+                    ts = _side_times(times, producer)
+                    times.clear()
                 for out in outs:
-                    out.emit(batch)
+                    out.emit(batch, ts)
 
     def give_outputs(self, post, event_time) -> None:
         """Hand each operator its ``ChainOutput`` (before ``open``): ``post``
@@ -184,13 +190,32 @@ def _route_side_outputs(vertex, operators, outputs) -> list:
         if not tags:
             continue
         table = {}
+        times = {}
         for name, tag in tags.items():
             outs = [o for o in outputs if o.tag == name and o.source_node == node.id]
             buf = [] if outs else None
             table[name] = (tag, buf)
             if outs:
-                routes.append((buf, outs))
+                timed = times[name] = [] if any(o.timestamped for o in outs) else None
+                routes.append((buf, timed, outs, op.name))
                 for o in outs:
                     o.producer = f"{op.name} (side output {name!r})"
-        op.side = SideOutputs(op.name, table)
+        op.side = SideOutputs(op.name, table, {n: t for n, t in times.items() if t is not None})
     return routes
+
+
+def _side_times(times: list, producer: str):
+    """The times of a batch of side records, as an array('d'): each is the
+    time of the record or timer it was made for."""
+    try:
+        return _array("d", times)
+    except TypeError:
+        pass
+    out = _array("d")
+    for t in times:
+        if t is None:
+            raise errors.ConfigurationError(
+                f"operator {producer!r}: a record it sent to a side output has no event time, and the side "
+                "output's stream carries timestamps: set ctx.timestamp (seconds) before ctx.output")
+        out.append(to_seconds(t))
+    return out
