@@ -377,3 +377,19 @@ def committed_lines(out) -> collections.Counter:
             with open(os.path.join(out, name)) as fh:
                 got.update(ast.literal_eval(line) for line in fh if line.strip())
     return got
+
+
+def test_an_edge_whose_records_gained_timestamps_is_not_replayed_in_place(monkeypatch):
+    """A side output's edge carries its records' times now; an older
+    checkpoint stored that edge's bytes without them. Replayed in place they
+    would be read as frames with an 8-byte time: the edge counts as changed
+    (then refused where it is not keyed), never as the same edge."""
+    from pyflowbuf.runtime import inflight_rescale as ir
+
+    monkeypatch.setattr(ir, "_identity", lambda v: v)
+    d = {"partitioner": "forward", "tag": "late", "out_index": 0, "timestamped": False,
+         "from_chain": "a", "to_chain": "b"}
+    e = SimpleNamespace(partitioner="forward", tag="late", out_index=0, timestamped=False, source="a", target="b")
+    assert ir.InflightPlan._same_edge(d, e)
+    e.timestamped = True
+    assert not ir.InflightPlan._same_edge(d, e)

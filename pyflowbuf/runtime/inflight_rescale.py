@@ -201,7 +201,10 @@ class InflightPlan:
 
     @staticmethod
     def _same_edge(d, e) -> bool:
+        # (timestamps too: a side output's edge carries them since its records keep their times, so an
+        # older checkpoint's side-output bytes, stored without, must not replay as frames with them)
         return (e.partitioner == d["partitioner"] and e.tag == d["tag"] and e.out_index == d["out_index"]
+                and e.timestamped == d["timestamped"]
                 and _identity(e.source) == d["from_chain"] and _identity(e.target) == d["to_chain"])
 
     # ---- before anything starts ----
