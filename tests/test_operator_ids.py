@@ -8,6 +8,8 @@ resumes it; the records collected over both runs must be exactly one run's
 from __future__ import annotations
 
 import collections
+import inspect
+import re
 import time
 import warnings
 
@@ -22,7 +24,7 @@ KEYS = 7
 
 
 def counting_job(env, *, extra_filter=False, map_name="pair", sums=False, uid_counts=True, sums_uid="sums",
-                 p=2, rate=3000):
+                 p=2, rate=3000, collect_uid="out"):
     s = env.from_sequence(0, N, parallelism=p, rate_limit=rate).uid("numbers")
     if extra_filter:
         s = s.filter(lambda x: True, name="keep-all")
@@ -31,6 +33,8 @@ def counting_job(env, *, extra_filter=False, map_name="pair", sums=False, uid_co
     if uid_counts:
         counts = counts.uid("counts")
     out = counts.collect()
+    if collect_uid:
+        out.uid(collect_uid)
     extra = None
     if sums:
         extra = (pairs.key_by(lambda kv: kv[0]).reduce(lambda a, b: (a[0], a[1] + b[1]), name="sums")
@@ -112,21 +116,57 @@ def test_a_new_stateful_operator_starts_empty(tmp_path):
 def test_an_id_given_to_an_operator_of_another_kind_is_refused(tmp_path):
     path, _, _ = first_run(tmp_path)
     env = second_env(tmp_path)
-    env.from_sequence(0, N, parallelism=2).uid("numbers").map(lambda x: (x, 1)).uid("counts").collect()
+    env.from_sequence(0, N, parallelism=2).uid("numbers").map(lambda x: (x, 1)).uid("counts").collect().uid("out")
     with pytest.raises(IncompatibleCheckpointError, match="'counts' was a KeyedReduce"):
         env.execute(60, restore_from=path)
 
 
-def test_derived_ids_follow_name_and_rank(tmp_path):
-    """Without uid the id is name#rank: adding operators of other names
-    keeps the keyed state where it was."""
-    path, out1, _ = first_run(tmp_path, uid_counts=False)
-    env = second_env(tmp_path)
-    out2, _ = counting_job(env, rate=None, uid_counts=False, extra_filter=True)
+def test_derived_ids_follow_the_graph(tmp_path):
+    """Without uids the ids are derived from the graph: the same job,
+    rescaled or chained differently, finds its state; with a stateless
+    operator inserted before the count every id after it is another, and
+    the restore is refused rather than starting the count over."""
+    path, out1, _ = first_run(tmp_path, uid_counts=False, collect_uid=None)
+    env = second_env(tmp_path, chaining=False)
+    out2, _ = counting_job(env, rate=None, uid_counts=False, collect_uid=None, p=3)
     env.execute(60, restore_from=path)
     check_exactly_once(out1.result + out2.result)
-    nodes = {n.name: n.operator_uid for n in env.nodes}
-    assert nodes["reduce"] == "reduce#0" and nodes["keep-all"] == "keep-all#0"
+    reduce_id = next(n.operator_uid for n in env.nodes if n.name == "reduce")
+    assert reduce_id.startswith("KeyedReduce-")
+    env = second_env(tmp_path)
+    counting_job(env, rate=None, uid_counts=False, collect_uid=None, extra_filter=True)
+    with pytest.raises(IncompatibleCheckpointError, match=re.escape(repr(reduce_id)) + ".*allow_non_restored_state"):
+        env.execute(60, restore_from=path)
+
+
+def test_a_reduce_inserted_before_a_reduce_without_uids_is_refused(tmp_path):
+    """Issue 27, case 4: a new reduce inserted before the old one (no uids)
+    took the old one's derived id ("reduce#0") and its sums: results 200
+    times too large, with a warning only. Now the old state is refused."""
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
+    pairs = env.from_sequence(0, N, parallelism=2, rate_limit=3000).map(lambda x: (x % KEYS, 1))
+    pairs.key_by(lambda kv: kv[0]).reduce(lambda a, b: (a[0], a[1] + b[1])).collect()
+    job = env.execute_async()
+    time.sleep(0.4)
+    path = job.stop(savepoint=str(tmp_path / "sp"))
+    env = second_env(tmp_path)
+    pairs = env.from_sequence(0, N, parallelism=2).map(lambda x: (x % KEYS, 1))
+    scaled = pairs.key_by(lambda kv: kv[0]).reduce(lambda a, b: (a[0], max(a[1], b[1])), name="peak")
+    out = scaled.key_by(lambda kv: kv[0]).reduce(lambda a, b: (a[0], a[1] + b[1])).collect()
+    with pytest.raises(IncompatibleCheckpointError, match=r"'peak' \(id 'KeyedReduce-.*fed CollectSink in the "
+                                                          r"checkpoint and feeds KeyedReduce here.*\.uid\("):
+        env.execute(60, restore_from=path)
+    assert out.result == []
+
+
+def test_an_operator_given_a_uid_keeps_the_state_of_its_derived_id(tmp_path):
+    """The way out of a refused change: restore into the job as it was, now
+    with uids; each operator finds the state of the id derived for it."""
+    path, out1, _ = first_run(tmp_path, uid_counts=False, collect_uid=None)
+    env = second_env(tmp_path)
+    out2, _ = counting_job(env, rate=None, uid_counts=True, collect_uid="out")
+    env.execute(60, restore_from=path)
+    check_exactly_once(out1.result + out2.result)
 
 
 def test_uids_are_checked():
@@ -143,8 +183,11 @@ def test_uids_are_checked():
 def test_a_stateful_operator_without_uid_warns_when_checkpointing(tmp_path):
     env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir=str(tmp_path / "ck"))
     env.from_sequence(0, 10).key_by(lambda x: x % 2).reduce(lambda a, b: a + b).collect()
-    with pytest.warns(OperatorIdWarning, match="'reduce' \\(id 'reduce#0'\\)"):
+    declared = inspect.currentframe().f_lineno - 1
+    with pytest.warns(OperatorIdWarning, match="'reduce' has no uid.*'KeyedReduce-") as got:
         env.execute(30)
+    # it points at the line that declared the operator, not into pyflowbuf
+    assert [(w.filename, w.lineno) for w in got] == [(__file__, declared)]
     env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir=str(tmp_path / "ck2"))
     env.from_sequence(0, 10).key_by(lambda x: x % 2).reduce(lambda a, b: a + b).uid("sum").collect()
     env2 = fb.Environment()
@@ -186,9 +229,10 @@ def test_a_sink_found_by_its_uid_when_a_sink_is_added_writes_exactly_once(tmp_pa
 
 
 def test_a_sink_whose_derived_id_moved_is_refused_rather_than_writing_over_its_parts(tmp_path):
-    """Without a uid, a sink declared before it moves the file sink's derived
-    id ("write_text#0" -> "#1"): restored without its state it would number
-    its parts from 0 again, over the committed ones. Refused, naming uid."""
+    """Without a uid, a sink of the same kind declared before it on the same
+    stream makes the file sink's derived id ambiguous: restored with the
+    other sink's state (or none) it would number its parts from 0 again,
+    over the committed ones. Refused, naming uid."""
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
     _lines_job(env, str(tmp_path / "out"), sink_uid=None, rate=3000)
     job = env.execute_async()
@@ -197,7 +241,9 @@ def test_a_sink_whose_derived_id_moved_is_refused_rather_than_writing_over_its_p
     before = _lines(tmp_path / "out")
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck2"))
     _lines_job(env, str(tmp_path / "out"), other_dir=str(tmp_path / "other"), sink_uid=None)
-    with pytest.raises(fb.errors.OutputExistsError, match=r"no state of this sink \(operator id 'write_text#1'.*uid"):
+    with pytest.raises(IncompatibleCheckpointError, match=r"'write_text' \(id 'TextFileSink-.*1 operator\(s\) of "
+                                                          r"its type read the same input\(s\) in the checkpoint, 2 "
+                                                          r"here.*\.uid\("):
         env.execute(60, restore_from=path)
     assert _lines(tmp_path / "out") == before          # nothing written over
 
