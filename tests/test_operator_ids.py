@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import pathlib
 import re
 import time
 import warnings
@@ -16,11 +17,13 @@ import warnings
 import pytest
 
 import pyflowbuf as fb
+from pyflowbuf.cli.checkpoints import open_target, show
 from pyflowbuf.checkpoint import IncompatibleCheckpointError
 from pyflowbuf.errors import ConfigurationError, OperatorIdWarning
 
 N = 3000
 KEYS = 7
+DATA = pathlib.Path(__file__).parent / "data"
 
 
 def counting_job(env, *, extra_filter=False, map_name="pair", sums=False, uid_counts=True, sums_uid="sums",
@@ -157,6 +160,17 @@ def test_a_reduce_inserted_before_a_reduce_without_uids_is_refused(tmp_path):
                                                           r"checkpoint and feeds KeyedReduce here.*\.uid\("):
         env.execute(60, restore_from=path)
     assert out.result == []
+    # `pyflowbuf checkpoints show` says which ids were derived, and how
+    shown = {o["name"]: o for o in show(open_target(path))["operators"]}
+    assert shown["reduce"]["id_from"] == "graph" and shown["reduce"]["uid"].startswith("KeyedReduce-")
+    assert shown["sequence"]["id_from"] == "graph" and shown["collect"]["id_from"] == "graph"
+
+
+def test_checkpoints_show_tells_uids_from_ids_derived_by_name_and_rank():
+    """A savepoint of an earlier release holds no id scheme: its name#rank
+    ids are shown as such (test_savepoints restores it)."""
+    shown = {o["uid"]: o["id_from"] for o in show(open_target(DATA / "savepoint-format-2"))["operators"]}
+    assert shown == {"numbers": "uid", "map#0": "name#rank", "counts": "uid", "collect#0": "name#rank"}
 
 
 def test_an_operator_given_a_uid_keeps_the_state_of_its_derived_id(tmp_path):

@@ -1,9 +1,17 @@
 """Restoring a checkpoint or savepoint into a job graph by operator id.
 
 A checkpoint stores each subtask's state per operator id (``Stream.uid``, or
-one derived from the operator's name and its rank among operators of that
-name), keyed state split by key group (``pyflowbuf.checkpoint.keygroups``). A
+one derived from the operator's place in the graph: ``graph.assign_uids``),
+keyed state split by key group (``pyflowbuf.checkpoint.keygroups``). A
 restore maps that state to the operators of the job being started:
+
+* ids first (``RestorePlan.map_ids``): a uid is itself; a derived id is
+  checked against what the checkpoint recorded of it (``derived_ids``: its
+  group, rank and what it fed), and refused where another operator of its
+  type may have been inserted or removed beside it; a checkpoint written
+  before ids were derived from the graph (no ``id_scheme``) holds ids of
+  name and rank (``"reduce#0"``), read by that rule; an operator given a
+  uid since finds the state of the id derived for it;
 
 * an operator whose id is in the checkpoint gets its state: keyed state, the
   key groups of the new subtask's range, whatever the two parallelisms (up to
@@ -26,10 +34,11 @@ The stored layout (format 2) of a subtask's STATE value::
 
     {"format": 2, "vertex": "src -> map", "subtask": 0, "parallelism": 2,
      "max_parallelism": 128, "finished": False,
-     "source_uid": "src#0", "source": <position>, "source_identity": {...},
-     "operators": [{"uid": "reduce#0", "name": "reduce", "type": "KeyedReduce",
+     "source_uid": "numbers", "source": <position>, "source_identity": {...},
+     "operators": [{"uid": "KeyedReduce-3f2a9c1b04de", "name": "reduce", "type": "KeyedReduce",
                     "keyed": True, "key_groups": [0, 64], "value": <dumps(keyed value)>},
-                   {"uid": "map#0", "name": "map", "type": "Map", "state": None}, ...]}
+                   {"uid": "Map-783c9e66ef27", "name": "map", "type": "Map", "state": None}, ...],
+     "derived_ids": {"KeyedReduce-3f2a9c1b04de": {"scheme": "topology-1", ...}, ...}}
 
 A keyed value is ``{"maps": {name: {"columns": ..., "groups": uint16 array}},
 "timers": {name: {"times": [...], "keys": [...], "groups": uint16 array}},
@@ -54,7 +63,8 @@ edges: ``inflight_rescale.edge_descriptions``).
 The checkpoint's ``_metadata`` repeats the layout in plain fields
 (``properties["state_format"]``, ``["max_parallelism"]``, ``["operators"]``:
 per operator id its name, type, parallelism, key groups and state bytes per
-subtask), for tools that show a checkpoint without reading its task files.
+subtask; ``["id_scheme"]`` and ``["derived_ids"]``: which ids were derived,
+how), for tools that show a checkpoint without reading its task files.
 """
 from __future__ import annotations
 
