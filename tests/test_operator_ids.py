@@ -274,3 +274,27 @@ def test_sink_handles_take_uids_checked_like_streams():
     env.execute(30)
     assert out.result == list(range(10))
     assert {n.uid for n in env.nodes} >= {"a", "results"}
+
+
+# ---- our own jobs give their stateful operators uids ----
+
+def test_the_main_jobs_declare_a_uid_for_each_stateful_operator(tmp_path):
+    """The demo's checkpointing jobs (pyflowbuf/demo.py), declared without
+    running them: no OperatorIdWarning. (The examples and the docs' blocks
+    are checked as they run: tests/test_examples.py, test_readme_snippets.py.)"""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from pyflowbuf import demo
+    from pyflowbuf.runtime.restore import check_operator_ids
+
+    src = tmp_path / "lines.parquet"
+    pq.write_table(pa.table({"ts": [0.0, 1.0], "text": ["a b", "c"]}), src)
+    env1 = fb.Environment(parallelism=2, checkpoint_interval=0.2, checkpoint_dir=str(tmp_path / "ck1"))
+    demo.checkpoint_job(env1, 100, lambda x: x, tmp_path / "out")
+    env2 = fb.Environment(parallelism=2, checkpoint_interval=0.2, checkpoint_dir=str(tmp_path / "ck2"))
+    demo.windows_job(env2, src, 2, lambda r: r)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OperatorIdWarning)
+        for env in (env1, env2):
+            check_operator_ids(env)
