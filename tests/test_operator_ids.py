@@ -298,3 +298,19 @@ def test_the_main_jobs_declare_a_uid_for_each_stateful_operator(tmp_path):
         warnings.simplefilter("error", OperatorIdWarning)
         for env in (env1, env2):
             check_operator_ids(env)
+
+
+def test_the_warning_points_at_the_job_module_under_pyflowbuf_run(tmp_path):
+    """Under `pyflowbuf run job.py` the warning names job.py's line, not
+    pyflowbuf's (issue 27)."""
+    from cli_helpers import cli
+
+    job = tmp_path / "job.py"
+    job.write_text("import pyflowbuf as fb\n"
+                   f"env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir={str(tmp_path / 'ck')!r})\n"
+                   "out = env.from_sequence(0, 10).uid('numbers').key_by(lambda x: x % 2)\n"
+                   "out = out.reduce(lambda a, b: a + b).collect().uid('out')\n")
+    with pytest.warns(OperatorIdWarning, match="'reduce' has no uid") as got:
+        code, _, err = cli("run", str(job))
+    assert code == 0, err
+    assert [(w.filename, w.lineno) for w in got] == [(str(job), 4)]
