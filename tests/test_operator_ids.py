@@ -314,3 +314,51 @@ def test_the_warning_points_at_the_job_module_under_pyflowbuf_run(tmp_path):
         code, _, err = cli("run", str(job))
     assert code == 0, err
     assert [(w.filename, w.lineno) for w in got] == [(str(job), 4)]
+
+
+# ---- checkpoints written before ids were derived from the graph ----
+
+@pytest.fixture
+def legacy_writer(monkeypatch):
+    """Checkpoints written as releases before ids were derived from the graph
+    wrote them: ids of name and rank ("map#0"), no ``id_scheme``. Returns the
+    function that ends it (the restore then runs as this release does)."""
+    from pyflowbuf.runtime import checkpointing, graph, restore
+
+    assign, properties = graph.assign_uids, restore.metadata_properties
+
+    def legacy_assign(nodes):
+        assign(nodes)
+        for n in nodes:
+            n.derived_uid, n.id_info = n.legacy_uid, None
+
+    def legacy_properties(*args, **kw):
+        out = properties(*args, **kw)
+        del out["id_scheme"], out["derived_ids"]
+        return out
+
+    monkeypatch.setattr(graph, "assign_uids", legacy_assign)
+    monkeypatch.setattr(restore, "assign_uids", legacy_assign)
+    monkeypatch.setattr(checkpointing, "metadata_properties", legacy_properties)
+    return monkeypatch.undo
+
+
+@pytest.mark.parametrize("p2", [2, 3])
+def test_an_unaligned_checkpoint_of_name_rank_ids_restores_its_inflight_data(tmp_path, legacy_writer, p2):
+    """Its in-flight data names its edges by those ids: read as this job's
+    ids, it goes back in place (the same parallelism) or moves by key group."""
+    from pyflowbuf.checkpoint import CheckpointStorage
+    from test_unaligned_rescale import committed, expected, run_cancel, slow_job
+
+    out, ck, n = str(tmp_path / "out"), str(tmp_path / "ck"), 3000
+    conf = dict(checkpoint_interval=0.25, checkpoint_dir=ck, checkpoint_alignment="unaligned", segment_size=4096)
+    env = fb.Environment(parallelism=2, **conf)
+    slow_job(env, 2, n, out, ("reduce",), delay=0.003, rate=3000)
+    run_cancel(env, ck)
+    legacy_writer()
+    meta = CheckpointStorage(ck).latest()
+    assert "id_scheme" not in meta.properties and "map#0" in meta.properties["operators"]
+    env2 = fb.Environment(parallelism=p2, **conf)
+    slow_job(env2, p2, n, out, ("reduce",))
+    env2.execute(180, restore_from="latest")
+    assert committed(out) == expected(n, ("reduce",))
