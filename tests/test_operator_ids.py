@@ -362,3 +362,39 @@ def test_an_unaligned_checkpoint_of_name_rank_ids_restores_its_inflight_data(tmp
     slow_job(env2, p2, n, out, ("reduce",))
     env2.execute(180, restore_from="latest")
     assert committed(out) == expected(n, ("reduce",))
+
+
+# ---- derived ids, from the graph alone (nothing runs) ----
+
+def _ids(p=2, chaining=True, rebalance=False, name="count", extra=False, upstream_uid=False, window="reduce"):
+    from pyflowbuf.windows import Count
+
+    env = fb.Environment(parallelism=p, chaining=chaining)
+    s = env.from_sequence(0, 10)
+    if extra:
+        s = s.filter(lambda x: True)
+    if rebalance:
+        s = s.rebalance()
+    s = s.map(lambda x: (x % 2, 1))
+    if upstream_uid:
+        s = s.uid("pairs")
+    timed = s.assign_timestamps(lambda kv: kv[1]).key_by(lambda kv: kv[0])
+    counts = timed.reduce(lambda a, b: (a[0], a[1] + b[1]), name=name)
+    w = timed.window(fb.Tumbling(1.0))
+    (w.reduce(lambda a, b: a) if window == "reduce" else w.aggregate(Count())).collect()
+    counts.collect()
+    env.plan()
+    return {n.name if n.name != name else "count": n.derived_uid for n in env.nodes if n.name != "collect"}
+
+
+@pytest.mark.parametrize("change", [{"p": 3}, {"chaining": False}, {"rebalance": True}, {"name": "tally"},
+                                    {"upstream_uid": True}])
+def test_a_rescale_rechaining_rename_or_a_uid_upstream_keeps_every_derived_id(change):
+    assert _ids(**change) == _ids()
+
+
+def test_an_operator_inserted_changes_the_derived_ids_after_it_and_windows_differ_by_kind():
+    before, after = _ids(), _ids(extra=True)
+    assert before["sequence"] == after["sequence"]
+    assert all(before[k] != after[k] for k in ("map", "timestamps", "count", "window_reduce"))
+    assert _ids(window="aggregate")["window_aggregate"] != before["window_reduce"]

@@ -225,10 +225,25 @@ def operator_type(node: Node) -> str:
     t = node.__dict__.get("_operator_type")
     if t is None:
         if node.make_operator is not None:
-            t = type(node.make_operator()).__name__
+            op = node.make_operator()
+            t = type(op).__name__
+            node._state_kind = _state_kind(op, t)
         else:
             t = "source" if node.source is not None else "iterator"
         node._operator_type = t
+    return t
+
+
+def _state_kind(op, t: str) -> str:
+    """What a derived id hashes of an operator's kind: its class, and for a
+    window (one class for them all) its function's kind and its assigner's
+    class, so a window reduce turned into an aggregate or a tumbling
+    window into a session window at the same place never gets the other's
+    state. (Only names of types and constants: ids must be the same in
+    every process and every run.)"""
+    how, assigner = getattr(op, "how", None), getattr(op, "assigner", None)
+    if isinstance(how, str) and assigner is not None:
+        return f"{t}:{how}:{type(assigner).__name__}"
     return t
 
 
@@ -304,7 +319,7 @@ def assign_uids(nodes: list) -> None:
         node.legacy_uid = legacy
         kind = operator_type(node)
         reads = ",".join(f"{i}:{inp.tag or ''}:{inp.node.derived_uid}" for i, inp in enumerate(node.inputs))
-        group = _digest(f"{kind}|{reads}")
+        group = _digest(f"{node.__dict__.get('_state_kind', kind)}|{reads}")
         members = groups.setdefault(group, [])
         rank = len(members)
         members.append(node)
