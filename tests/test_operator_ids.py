@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import json
 import pathlib
 import re
 import time
@@ -398,3 +399,21 @@ def test_an_operator_inserted_changes_the_derived_ids_after_it_and_windows_diffe
     assert before["sequence"] == after["sequence"]
     assert all(before[k] != after[k] for k in ("map", "timestamps", "count", "window_reduce"))
     assert _ids(window="aggregate")["window_aggregate"] != before["window_reduce"]
+
+
+def test_a_savepoint_of_name_rank_ids_restores_into_the_job_given_uids(tmp_path):
+    """tests/data/savepoint-format-2 (an earlier release's): its collect()
+    had no uid ("collect#0"); given one now, it still finds its state."""
+    src = DATA / "savepoint-format-2"
+    expected = json.loads((src / "expected.json").read_text())
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
+    out = (env.from_sequence(0, expected["n"], parallelism=2).uid("numbers")
+              .map(lambda x: (x % 7, 1)).key_by(lambda kv: kv[0])
+              .reduce(lambda a, b: (a[0], a[1] + b[1])).uid("counts").collect().uid("out"))
+    env.execute(60, restore_from=str(src))
+    at = {int(k): v for k, v in expected["counts_at_savepoint"].items()}
+    totals = collections.Counter(x % expected["keys"] for x in range(expected["n"]))
+    per_key = collections.defaultdict(list)
+    for k, c in out.result:
+        per_key[k].append(c)
+    assert {k: sorted(v) for k, v in per_key.items()} == {k: list(range(at[k] + 1, totals[k] + 1)) for k in totals}
