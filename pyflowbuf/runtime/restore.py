@@ -83,7 +83,6 @@ from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.runtime.graph import ID_SCHEME, LEGACY_SCHEME, assign_uids, is_stateful, operator_type
 from pyflowbuf.runtime.inflight_rescale import InflightPlan
 from pyflowbuf.checkpoint.inflight import decode_inflight
-from pyflowbuf.operators.basic import Operator
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 
