@@ -36,13 +36,14 @@ def main(d):
     batches = [[f"{t},{'tea' if t % 3 else 'cake'}" for t in range(i * 10, i * 10 + 10) for _ in range(2)]
                for i in range(5)]
     env = fb.Environment(parallelism=2, checkpoint_interval=0.5, checkpoint_dir=os.path.join(d, "chk"))
-    counts = (env.read_text(inbox, monitor=0.2, monitor_timeout=3.0)   # scan every 0.2 s
+    # (uids: the ids checkpoints store the state of the source, the watermarks and the windows under)
+    counts = (env.read_text(inbox, monitor=0.2, monitor_timeout=3.0).uid("orders")   # scan every 0.2 s
                  .map(lambda line: line.split(","))
-                 .assign_timestamps(lambda r: float(r[0]), idle_timeout=1.0)
+                 .assign_timestamps(lambda r: float(r[0]), idle_timeout=1.0).uid("event-time")
                  .key_by(lambda r: r[1])
                  .window(fb.Tumbling(10.0))
-                 .aggregate(Count(), window_function=lambda product, w, n: (w.start, product, n))
-                 .collect())
+                 .aggregate(Count(), window_function=lambda product, w, n: (w.start, product, n)).uid("counts")
+                 .collect().uid("results"))
     threading.Thread(target=drop_files, args=(inbox, batches), daemon=True).start()
     env.execute(timeout=120)
     result = sorted(counts.result)

@@ -87,6 +87,19 @@ def local_pipeline_demo(records: int = 2_000_000, console=None) -> dict:
     return result
 
 
+def checkpoint_job(env, records: int, fail_once, sink_dir) -> None:
+    """The keyed count of ``checkpoint_demo``, declared on ``env``. Every
+    stateful operator has a uid: the id its state is stored under, whatever
+    is changed around it later."""
+    (env.from_sequence(0, records, parallelism=1, rate_limit=records / 3).uid("numbers")   # about 3 s
+        .map(fail_once, name="fails-once", kind="int64")
+        .map(lambda x: (x % 10, x), kind="struct", name="pair")
+        .key_by(lambda kv: kv[0])
+        .reduce(lambda a, b: (a[0], a[1] + b[1]), name="sum").uid("sums")
+        .map(lambda kv: f"{kv[0]},{kv[1]}", kind="str", name="format")
+        .write_text(sink_dir, parallelism=1).uid("sums-out"))
+
+
 def checkpoint_demo(out: Path, records: int = 200_000) -> dict:
     """A keyed count that fails once, recovers from its checkpoint, and still
     writes each running count exactly once (two-phase-committed part files)."""
@@ -107,13 +120,7 @@ def checkpoint_demo(out: Path, records: int = 200_000) -> dict:
 
     env = fb.Environment(parallelism=2, chaining=False, checkpoint_interval=0.2, checkpoint_dir=chk,
                          restart_attempts=1, name="checkpoint-demo")
-    (env.from_sequence(0, records, parallelism=1, rate_limit=records / 3)   # about 3 s
-        .map(fail_once, name="fails-once", kind="int64")
-        .map(lambda x: (x % 10, x), kind="struct", name="pair")
-        .key_by(lambda kv: kv[0])
-        .reduce(lambda a, b: (a[0], a[1] + b[1]), name="sum")
-        .map(lambda kv: f"{kv[0]},{kv[1]}", kind="str", name="format")
-        .write_text(sink_dir, parallelism=1))
+    checkpoint_job(env, records, fail_once, sink_dir)
     t0 = time.perf_counter()
     env.execute(300)
     lines = []
@@ -141,6 +148,22 @@ def checkpoint_demo(out: Path, records: int = 200_000) -> dict:
     return result
 
 
+def windows_job(env, src, lines: int, fail_once):
+    """The windowed word count of ``windows_demo``, declared on ``env``
+    (with a uid for each stateful operator); returns its collect() handle."""
+    import pyflowbuf as fb
+    from pyflowbuf.windows import Count
+
+    return (env.read_parquet(src, rate_limit=lines / 2).uid("lines")          # about 2 s
+               .map(fail_once, name="fails-once")
+               .flat_map(lambda r: [(w, r["ts"]) for w in r["text"].split()], name="words")
+               .assign_timestamps(lambda wt: wt[1], out_of_orderness=0.5).uid("event-time")   # disorder: 0.4 s at most
+               .key_by(lambda wt: wt[0])
+               .window(fb.Tumbling(1.0))
+               .aggregate(Count(), window_function=lambda w, win, n: (w, win.start, n)).uid("word-counts")
+               .collect().uid("results"))
+
+
 def windows_demo(out: Path, lines: int = 20_000) -> dict:
     """A windowed word count over a Parquet file (event time, 1 s tumbling
     windows, out-of-order timestamps), with unaligned checkpoints, a failure in
@@ -152,7 +175,6 @@ def windows_demo(out: Path, lines: int = 20_000) -> dict:
     import pyarrow.parquet as pq
 
     import pyflowbuf as fb
-    from pyflowbuf.windows import Count
 
     words = ["stream", "buffer", "credit", "barrier", "window", "spark", "arrow", "flink"]
     rng = random.Random(7)
@@ -172,14 +194,7 @@ def windows_demo(out: Path, lines: int = 20_000) -> dict:
 
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=chk, restart_attempts=1,
                          checkpoint_alignment="unaligned", name="windows-demo")
-    counts = (env.read_parquet(src, rate_limit=lines / 2)                    # about 2 s
-                 .map(fail_once, name="fails-once")
-                 .flat_map(lambda r: [(w, r["ts"]) for w in r["text"].split()], name="words")
-                 .assign_timestamps(lambda wt: wt[1], out_of_orderness=0.5)   # the disorder is 0.4 s at most
-                 .key_by(lambda wt: wt[0])
-                 .window(fb.Tumbling(1.0))
-                 .aggregate(Count(), window_function=lambda w, win, n: (w, win.start, n))
-                 .collect())
+    counts = windows_job(env, src, lines, fail_once)
     t0 = time.perf_counter()
     env.execute(300)
     want: dict = {}

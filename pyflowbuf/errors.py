@@ -142,8 +142,9 @@ class UnitWarning(UserWarning):
 
 class OperatorIdWarning(UserWarning):
     """A stateful operator of a checkpointed job has no ``uid()``: its state
-    is stored under an id derived from its name and rank, which a change of
-    the job can change (its state would then not be restored)."""
+    is stored under an id derived from its place in the graph, which a change
+    of the job before it changes (its state would then be refused). The
+    warning points at the line that declared the operator."""
 
 
 class WorkerSideEffectWarning(UserWarning):

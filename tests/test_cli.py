@@ -725,7 +725,7 @@ def test_show_state_names_each_tasks_operators_and_sizes_their_state(checkpoints
     # the keyed count's state per operator id, its key groups split over the two subtasks
     groups = []
     for k in ("v1-0", "v1-1"):
-        m = re.search(r"process#0 \(KeyedProcess\): (\d+) bytes, key groups (\d+)\.\.(\d+)",
+        m = re.search(r"KeyedProcess-[0-9a-f]+ \(KeyedProcess\): (\d+) bytes, key groups (\d+)\.\.(\d+)",
                       states[k]["operators"])
         assert m and int(m.group(1)) > 0, states[k]["operators"]
         groups.append((int(m.group(2)), int(m.group(3))))
@@ -842,7 +842,7 @@ def test_show_and_verify_take_a_savepoint_directory_with_a_table_per_operator(tm
     code, table, _ = cli("checkpoints", "show", os.path.join(sp, "_metadata"))
     assert code == 0 and "(savepoint, complete)" in table
     rows = {line.split()[0]: line.split() for line in table.split("operators")[-1].splitlines()[3:] if line.strip()}
-    assert rows["sums"][1:3] == ["reduce", "KeyedReduce"] and "0..63" in rows["sums"] and "64..127" in rows["sums"]
+    assert rows["sums"][1:4] == ["uid", "reduce", "KeyedReduce"] and "0..63" in rows["sums"] and "64..127" in rows["sums"]
     code, out, _ = cli("checkpoints", "verify", sp, "--json")
     assert code == 0 and json.loads(out)["ok"]
     code, _, err = cli("checkpoints", "list", sp)

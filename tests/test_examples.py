@@ -53,3 +53,5 @@ def test_example_runs_as_written(name, tmp_path):
                          text=True, timeout=TIMEOUT_S, env=env)
     assert res.returncode == 0, f"examples/{name} failed:\n--- stdout ---\n{res.stdout[-2000:]}\n--- stderr ---\n{res.stderr[-4000:]}"
     assert sorted(os.listdir(tmp_path)) == [], f"examples/{name} wrote into its working directory"
+    # our examples give every stateful operator a uid (docs/checkpoints.md, "Ids without a uid")
+    assert "OperatorIdWarning" not in res.stderr, res.stderr[-4000:]

@@ -119,9 +119,7 @@ def test_a_migrated_checkpoint_is_not_migrated_again(tmp_path):
 def test_a_migration_that_merges_keys_is_refused(tmp_path):
     path, _ = first_run(tmp_path)
     env = second_env(tmp_path)
-    s = env.from_sequence(0, N, parallelism=2).uid("numbers").map(lambda x: (x, 1), name="pair")
-    (s.key_by(lambda kv: "one").reduce(lambda a, b: (a[0], a[1] + b[1])).uid("counts")
-      .migrate_keys(lambda k: "one").collect())
+    counting(env, lambda x: "one", migrate=lambda k: "one")
     with pytest.raises((IncompatibleCheckpointError, JobFailedError)) as info:
         env.execute(60, restore_from=path)
     assert "cannot be merged" in str(info.value) + str(info.value.__cause__)

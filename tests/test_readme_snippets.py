@@ -101,3 +101,5 @@ def test_readme_python_block_runs_as_written(code, tmp_path):
     res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
                          timeout=TIMEOUT_S, env=env)
     assert res.returncode == 0, f"the block failed:\n{code}\n--- stderr ---\n{res.stderr[-4000:]}"
+    # our examples give every stateful operator a uid (docs/checkpoints.md, "Ids without a uid")
+    assert "OperatorIdWarning" not in res.stderr, res.stderr[-4000:]

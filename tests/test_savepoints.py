@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 import time
 
@@ -179,7 +180,8 @@ def test_in_flight_data_does_not_move_but_a_savepoint_does(tmp_path):
     held = [m for m in CheckpointStorage(ck).list_complete() if m.inflight_bytes]
     assert held
     # ... and the slow sink's input (a forward edge) is full
-    held = [m for m in held if any(s.get("inflight") and s["edges"]["in"] and s["edges"]["in"][0]["to"] == "sink#0"
+    sink = next(n.operator_uid for n in env.nodes if n.name == "sink")   # (a derived id)
+    held = [m for m in held if any(s.get("inflight") and s["edges"]["in"] and s["edges"]["in"][0]["to"] == sink
                                    for s in m.properties["layout"].values())]
     assert held
 
@@ -189,7 +191,7 @@ def test_in_flight_data_does_not_move_but_a_savepoint_does(tmp_path):
         backpressured_job(e)
         return e
     with pytest.raises(ConfigurationError, match=r"in-flight data on \d+ edge\(s\) that are not keyed.*forward edge "
-                                                 r"into operator 'sink#0'.*cannot be redistributed.*savepoint"):
+                                                 r"into operator '" + re.escape(sink) + r"'.*cannot be redistributed.*savepoint"):
         rescaled().execute(30, restore_from=held[-1].checkpoint_id)
     env2 = rescaled()
     job2 = env2.execute_async(restore_from=sp)

@@ -68,8 +68,10 @@ class Stream(SinkDeclarations):
         and savepoints store its state under it, and a restore gives the
         state back to the operator with that id, whatever else changed in
         the job (operators added, removed, renamed, chained differently).
-        Without one, the id is derived from the operator's name and its rank
-        among operators of that name. Returns this stream.
+        Without one, the id is derived from the operator's place in the
+        graph (its type, its inputs' ids, its rank among operators of its
+        type reading them: docs/checkpoints.md), which an operator inserted
+        or removed before it changes. Returns this stream.
 
         Example::
 

@@ -257,7 +257,7 @@ def _show(args) -> int:
         if data["commits"] is not None:
             pairs.append(("sink commits", str(data["commits"])))
         # (the operators and the per-task layout of state format 2: the operators table below)
-        shown = ("operators", "layout") if data["operators"] else ()
+        shown = ("operators", "layout", "derived_ids") if data["operators"] else ()
         pairs += [(k, render.value(v)) for k, v in data["properties"].items() if k not in shown]
         pairs += [(k, render.value(v)) for k, v in data["extra"].items() if not _is_table(v)]
         render.lines(pairs)
@@ -286,10 +286,10 @@ def _show(args) -> int:
             render.table("state", [("task", "left")] + [(k.replace("_", " "), "left") for k in keys],
                          [[str(t["task_key"])] + [t["state"].get(k, "") for k in keys] for t in tasks])
         if data["operators"]:
-            render.table("operators", [("operator id", "left"), ("name", "left"), ("type", "left"),
-                                       ("parallelism", "right"), ("state", "right"), ("key groups", "left"),
-                                       ("in-flight (its tasks)", "right")],
-                         [[str(o["uid"]), str(o["name"]), str(o["type"]), str(o["parallelism"]),
+            render.table("operators", [("operator id", "left"), ("id from", "left"), ("name", "left"),
+                                       ("type", "left"), ("parallelism", "right"), ("state", "right"),
+                                       ("key groups", "left"), ("in-flight (its tasks)", "right")],
+                         [[str(o["uid"]), str(o["id_from"]), str(o["name"]), str(o["type"]), str(o["parallelism"]),
                            render.size(o["state_bytes"]) if o["stateful"] else "-",
                            " ".join(f"{a}..{b - 1}" for a, b in o["key_groups"]), render.size(o["inflight_bytes"])]
                           for o in data["operators"]])

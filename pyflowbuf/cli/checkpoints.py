@@ -323,6 +323,8 @@ def _operators(props: dict, tasks: list) -> list:
     ops, layout = props.get("operators"), props.get("layout")
     if not isinstance(ops, dict):
         return []
+    derived = props.get("derived_ids") if isinstance(props.get("derived_ids"), dict) else {}
+    scheme = props.get("id_scheme")
     layout = layout if isinstance(layout, dict) else {}
     inflight = {t["task_key"]: t.get("inflight_bytes") or 0 for t in tasks}
     out = []
@@ -334,11 +336,29 @@ def _operators(props: dict, tasks: list) -> list:
                         if isinstance(v, dict) and isinstance(v.get("key_groups"), list))
         holders = [k for k, t in layout.items() if isinstance(t, dict)
                    and (uid in (t.get("uids") or []) or t.get("source_uid") == uid)]
-        out.append({"uid": uid, "name": o.get("name"), "type": o.get("type"), "parallelism": o.get("parallelism"),
+        out.append({"uid": uid, "id_from": id_from(uid, scheme, derived),
+                    "name": o.get("name"), "type": o.get("type"), "parallelism": o.get("parallelism"),
                     "keyed": bool(o.get("keyed")), "stateful": bool(o.get("stateful")),
                     "state_bytes": o.get("state_bytes"), "key_groups": [list(g) for g in groups],
                     "inflight_bytes": sum(inflight.get(k, 0) for k in holders), "tasks": sorted(holders, key=_natural)})
     return sorted(out, key=lambda o: _natural(str(o["uid"])))
+
+
+_LEGACY_ID = re.compile(r"^.+#[0-9]+'*$")
+
+
+def id_from(uid, scheme, derived: dict) -> str:
+    """Where an operator's id came from: "uid" (``.uid()``), "graph" (derived
+    from its place in the graph, ``runtime.graph.assign_uids``), or "name#rank"
+    (derived from its name and rank, by releases before ids were derived from
+    the graph: such a checkpoint records no ``id_scheme``, and an id of that
+    form is taken for a derived one)."""
+    if scheme is None:
+        return "name#rank" if _LEGACY_ID.match(str(uid)) else "uid"
+    info = derived.get(uid)
+    if not isinstance(info, dict):
+        return "uid"
+    return "graph" if str(info.get("scheme", "")).startswith("topology") else str(info.get("scheme"))
 
 
 def verify(target: Target) -> dict:

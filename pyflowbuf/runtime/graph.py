@@ -10,12 +10,16 @@ them (``has_timestamps``): decided per node when the graph is declared, so a
 stream without them pays nothing, and the plan marks each edge."""
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
 from pyflowbuf import errors
+from pyflowbuf.operators.basic import Operator
 
 PARTITIONERS = ("forward", "rebalance", "hash", "broadcast")
 
@@ -49,7 +53,14 @@ class Node:
     consumers: list = field(default_factory=list)
     timestamped: bool = False                        # its records carry timestamps (set by plan())
     uid: str | None = None                           # Stream.uid(): the operator id its state is stored under
-    derived_uid: str | None = None                   # set by assign_uids when there is no uid
+    derived_uid: str | None = None                   # set by assign_uids: the id of its place in the graph
+    legacy_uid: str | None = None                    # set by assign_uids: name#rank, as derived before ID_SCHEME
+    id_info: dict | None = None                      # set by assign_uids: how derived_uid was derived
+    declared_at: tuple | None = None                 # (file, line) of the user's code that declared it
+
+    def __post_init__(self):
+        if self.declared_at is None:
+            self.declared_at = declaration_site()
 
     @property
     def operator_uid(self) -> str:
@@ -181,13 +192,115 @@ def set_uid(nodes: list, node, uid) -> None:
     node.uid = uid
 
 
+# How ids are derived for operators without a uid, as recorded in a
+# checkpoint's metadata ("id_scheme"); checkpoints without it were written
+# with LEGACY_SCHEME ids ("reduce#0": name and rank among that name).
+ID_SCHEME = "topology-1"
+LEGACY_SCHEME = "name-rank"
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def declaration_site() -> tuple | None:
+    """(file, line) of the innermost caller outside pyflowbuf's own package:
+    where the user declared the operator being made (a job run by
+    ``pyflowbuf run`` or ``run_dataflow`` included). A warning about the
+    operator points there (``warnings.warn_explicit``)."""
+    f = sys._getframe(1)
+    while f is not None:
+        # (a dataclass's generated __init__ has no file of its own: its module tells)
+        ours = f.f_code.co_filename.startswith(_PACKAGE_DIR) or \
+            f.f_globals.get("__name__", "").partition(".")[0] == "pyflowbuf"
+        if not ours:
+            return f.f_code.co_filename, f.f_lineno
+        f = f.f_back
+    return None
+
+
+def operator_type(node: Node) -> str:
+    """The kind of operator a node runs, as its derived id and a
+    checkpoint name it: its operator's class (``KeyedReduce``,
+    ``CollectSink``), "source" or "iterator". Not its ``name``: a name is a
+    label, renaming it keeps the operator's state."""
+    t = node.__dict__.get("_operator_type")
+    if t is None:
+        if node.make_operator is not None:
+            op = node.make_operator()
+            t = type(op).__name__
+            node._state_kind = _state_kind(op, t)
+        else:
+            t = "source" if node.source is not None else "iterator"
+        node._operator_type = t
+    return t
+
+
+def _state_kind(op, t: str) -> str:
+    """What a derived id hashes of an operator's kind: its class, and for a
+    window (one class for them all) its function's kind and its assigner's
+    class, so a window reduce turned into an aggregate or a tumbling
+    window into a session window at the same place never gets the other's
+    state. (Only names of types and constants: ids must be the same in
+    every process and every run.)"""
+    how, assigner = getattr(op, "how", None), getattr(op, "assigner", None)
+    if isinstance(how, str) and assigner is not None:
+        return f"{t}:{how}:{type(assigner).__name__}"
+    return t
+
+
+def is_stateful(node: Node) -> bool:
+    """Whether a node may hold state in a checkpoint: a source (its
+    position), a sink, an operator with keyed state or a snapshot of its own."""
+    if node.make_operator is None:
+        return node.source is not None
+    if node.is_sink:
+        return True
+    s = node.__dict__.get("_stateful")
+    if s is None:
+        cls = type(node.make_operator())
+        s = node._stateful = bool(cls.keyed_state or cls.snapshot_state is not Operator.snapshot_state)
+    return s
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
+def _next_stateful(node: Node) -> list:
+    """The operator types of the first stateful nodes (or sinks) after
+    ``node``, looking through stateless ones: what its output feeds. A
+    restore compares them (``restore.RestorePlan``) to tell an operator from
+    one of its kind inserted right before or after it."""
+    out, seen, todo = set(), set(), list(node.consumers)
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        if c.is_sink or is_stateful(c):
+            out.add(operator_type(c))
+        else:
+            todo.extend(c.consumers)
+    return sorted(out)
+
+
 def assign_uids(nodes: list) -> None:
-    """Give every node without ``uid`` a derived one: its name and its rank
-    among the nodes of that name (``"reduce#0"``), so adding, removing or
-    renaming operators of other names leaves it as it was. Two explicit
-    uids alike are refused: their state would be mixed."""
+    """Give every node its derived id (``derived_uid``, the id of its state
+    when it has no ``uid``), from its place in the graph as Flink hashes
+    its stream graph: its operator type, which nodes it reads (their derived
+    ids, by input and side output) and its rank among the nodes of that type
+    reading the same inputs (``"KeyedReduce-3f2a9c1b04de"``). So inserting or
+    removing an operator changes the ids after it, and a restore refuses
+    their state rather than hand it to another operator; the parallelism,
+    chaining, partitioning and names are left out (a rescale, ``chaining=
+    False``, a ``rebalance()`` or a rename keep the ids). An upstream node's
+    derived id counts even when it has a uid, so giving operators uids
+    later moves no other id.
+
+    Each node also gets ``legacy_uid`` (name and rank among that name, the
+    ids of checkpoints written before ``ID_SCHEME``) and ``id_info`` (what a
+    checkpoint records to check a restore's mapping). Two explicit uids
+    alike are refused: their state would be mixed."""
     seen: dict = {}
-    counts: dict = {}
     for node in nodes:
         if node.uid is not None:
             other = seen.get(node.uid)
@@ -195,13 +308,30 @@ def assign_uids(nodes: list) -> None:
                 raise ValueError(f"operators {other.name!r} and {node.name!r} both have uid {node.uid!r}: "
                                  "each operator needs its own")
             seen[node.uid] = node
-    for node in nodes:
+    counts: dict = {}
+    groups: dict = {}
+    for node in nodes:          # declaration order: a node's inputs come before it
         k = counts.get(node.name, 0)
         counts[node.name] = k + 1
-        derived = f"{node.name}#{k}"
+        legacy = f"{node.name}#{k}"
+        while legacy in seen:
+            legacy += "'"
+        node.legacy_uid = legacy
+        kind = operator_type(node)
+        reads = ",".join(f"{i}:{inp.tag or ''}:{inp.node.derived_uid}" for i, inp in enumerate(node.inputs))
+        group = _digest(f"{node.__dict__.get('_state_kind', kind)}|{reads}")
+        members = groups.setdefault(group, [])
+        rank = len(members)
+        members.append(node)
+        derived = f"{kind}-{_digest(f'{group}#{rank}')}"
         while derived in seen:
             derived += "'"
         node.derived_uid = derived
+        node.id_info = {"scheme": ID_SCHEME, "group": group, "rank": rank}
+    for members in groups.values():
+        names = [n.name for n in members]
+        for n in members:
+            n.id_info.update(of=len(members), names=names, next=_next_stateful(n))
 
 
 def plan(nodes: list, chaining: bool) -> tuple[list, list]:

@@ -1,9 +1,17 @@
 """Restoring a checkpoint or savepoint into a job graph by operator id.
 
 A checkpoint stores each subtask's state per operator id (``Stream.uid``, or
-one derived from the operator's name and its rank among operators of that
-name), keyed state split by key group (``pyflowbuf.checkpoint.keygroups``). A
+one derived from the operator's place in the graph: ``graph.assign_uids``),
+keyed state split by key group (``pyflowbuf.checkpoint.keygroups``). A
 restore maps that state to the operators of the job being started:
+
+* ids first (``RestorePlan.map_ids``): a uid is itself; a derived id is
+  checked against what the checkpoint recorded of it (``derived_ids``: its
+  group, rank and what it fed), and refused where another operator of its
+  type may have been inserted or removed beside it; a checkpoint written
+  before ids were derived from the graph (no ``id_scheme``) holds ids of
+  name and rank (``"reduce#0"``), read by that rule; an operator given a
+  uid since finds the state of the id derived for it;
 
 * an operator whose id is in the checkpoint gets its state: keyed state, the
   key groups of the new subtask's range, whatever the two parallelisms (up to
@@ -26,10 +34,11 @@ The stored layout (format 2) of a subtask's STATE value::
 
     {"format": 2, "vertex": "src -> map", "subtask": 0, "parallelism": 2,
      "max_parallelism": 128, "finished": False,
-     "source_uid": "src#0", "source": <position>, "source_identity": {...},
-     "operators": [{"uid": "reduce#0", "name": "reduce", "type": "KeyedReduce",
+     "source_uid": "numbers", "source": <position>, "source_identity": {...},
+     "operators": [{"uid": "KeyedReduce-3f2a9c1b04de", "name": "reduce", "type": "KeyedReduce",
                     "keyed": True, "key_groups": [0, 64], "value": <dumps(keyed value)>},
-                   {"uid": "map#0", "name": "map", "type": "Map", "state": None}, ...]}
+                   {"uid": "Map-783c9e66ef27", "name": "map", "type": "Map", "state": None}, ...],
+     "derived_ids": {"KeyedReduce-3f2a9c1b04de": {"scheme": "topology-1", ...}, ...}}
 
 A keyed operator's entry also holds ``"key_kinds"``: the kinds of every key
 in its state (``pyflowbuf.runtime.key_kinds``), repeated per operator in
@@ -61,11 +70,13 @@ edges: ``inflight_rescale.edge_descriptions``).
 The checkpoint's ``_metadata`` repeats the layout in plain fields
 (``properties["state_format"]``, ``["max_parallelism"]``, ``["operators"]``:
 per operator id its name, type, parallelism, key groups and state bytes per
-subtask), for tools that show a checkpoint without reading its task files.
+subtask; ``["id_scheme"]`` and ``["derived_ids"]``: which ids were derived,
+how), for tools that show a checkpoint without reading its task files.
 """
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from operator import itemgetter
 
@@ -77,11 +88,10 @@ from pyflowbuf.checkpoint.container import dumps, loads
 from pyflowbuf.checkpoint.storage import CorruptCheckpointError, IncompatibleCheckpointError
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.connectors import outputs as sink_outputs
-from pyflowbuf.runtime.graph import assign_uids
+from pyflowbuf.runtime.graph import ID_SCHEME, LEGACY_SCHEME, assign_uids, is_stateful, operator_type
 from pyflowbuf.runtime.inflight_rescale import InflightPlan
 from pyflowbuf.runtime import key_kinds
 from pyflowbuf.checkpoint.inflight import decode_inflight
-from pyflowbuf.operators.basic import Operator
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 
@@ -140,9 +150,20 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
                operators=entries, source_uid=v.head.operator_uid if task.source is not None else None)
     summary = {"vertex": v.name, "subtask": i, "parallelism": v.parallelism, "finished": bool(state["finished"]),
                "source_uid": out["source_uid"], "uids": [e["uid"] for e in entries], "operators": summary_ops}
+    derived = derived_ids(v)
+    if derived:
+        out["derived_ids"] = summary["derived_ids"] = derived
     if referenced:
         summary["refs"] = sorted(referenced)
     return out, summary
+
+
+def derived_ids(vertex) -> dict:
+    """How the ids of a vertex's operators without a uid were derived
+    (``graph.assign_uids``: scheme, group, rank, of, names, next), by id:
+    what a restore checks its mapping against."""
+    return {n.operator_uid: dict(n.id_info) for n in vertex.nodes
+            if n.uid is None and n.id_info is not None and (n.make_operator is not None or n.source is not None)}
 
 
 def keyed_value(op, raw, max_parallelism, start, end, uid, index, written=None):
@@ -339,18 +360,25 @@ def summary_of(stored: dict) -> dict:
         if "directory" in e:
             info["directory"] = e["directory"]
         ops[e["uid"]] = info
-    return {"vertex": stored["vertex"], "subtask": stored["subtask"], "parallelism": stored["parallelism"],
-            "finished": bool(stored["finished"]), "source_uid": stored.get("source_uid"),
-            "uids": [e["uid"] for e in stored["operators"]], "operators": ops, "inflight": False}
+    out = {"vertex": stored["vertex"], "subtask": stored["subtask"], "parallelism": stored["parallelism"],
+           "finished": bool(stored["finished"]), "source_uid": stored.get("source_uid"),
+           "uids": [e["uid"] for e in stored["operators"]], "operators": ops, "inflight": False}
+    if stored.get("derived_ids"):
+        out["derived_ids"] = stored["derived_ids"]
+    return out
 
 
 def metadata_properties(summaries: dict, max_parallelism) -> dict:
     """The plain fields ``_metadata`` holds about the state: per operator id,
-    its name, type, parallelism, and per subtask the key groups and bytes."""
+    its name, type, parallelism, and per subtask the key groups and bytes;
+    ``id_scheme`` and ``derived_ids``: which ids were derived, and how
+    (``graph.assign_uids``), the others being uids."""
     ops: dict = {}
+    derived: dict = {}
     for task_key, s in sorted(summaries.items()):
         if s is None:
             continue
+        derived.update(s.get("derived_ids") or {})
         if s.get("source_uid"):
             src = ops.setdefault(s["source_uid"], {"name": s["vertex"].split(" -> ")[0], "type": "source",
                                                    "parallelism": s["parallelism"], "keyed": False,
@@ -371,7 +399,15 @@ def metadata_properties(summaries: dict, max_parallelism) -> dict:
                 sub["key_groups"] = info["key_groups"]
             o["subtasks"][task_key] = sub
     return {"state_format": STATE_FORMAT, "max_parallelism": max_parallelism, "operators": ops,
-            "layout": {k: s for k, s in summaries.items() if s is not None}}
+            "id_scheme": ID_SCHEME, "derived_ids": {uid: info for uid, info in derived.items() if uid in ops},
+            "layout": {k: _without_ids(s) for k, s in summaries.items() if s is not None}}
+
+
+def _without_ids(summary: dict) -> dict:
+    # (derived_ids: once for the checkpoint, not once per subtask)
+    if "derived_ids" not in summary:
+        return summary
+    return {k: v for k, v in summary.items() if k != "derived_ids"}
 
 
 def _merge_key_kinds(o: dict, info: dict) -> None:
@@ -408,6 +444,13 @@ class RestorePlan:
         self._cache: dict = {}
         self._decoded: dict = {}
         self._inflight = None       # the InflightPlan, once a graph asked
+        # ids of operators without a uid: derived from the graph, or (written
+        # before that) from name and rank; either way mapped to this job's ids
+        # once its graph is known (map_ids)
+        self.id_scheme = props.get("id_scheme", LEGACY_SCHEME)
+        self.derived = props.get("derived_ids") or {}
+        self._rename: dict = {}
+        self._mapped = False
 
     @property
     def where(self) -> str:
@@ -418,7 +461,7 @@ class RestorePlan:
         st = self._cache.get(task_key)
         if st is None:
             snap = self.storage.read_task_state(self.meta.checkpoint_id, task_key, metadata=self.meta)
-            st = snap.state
+            st = self._renamed_state(snap.state)
             if snap.inflight:
                 st = dict(st)
                 st["inflight"] = {name: decode_inflight(views) for name, views in snap.inflight.items()}
@@ -438,8 +481,87 @@ class RestorePlan:
                 return k
         return None
 
+    # ---- operator ids ----
+    def map_ids(self, vertices) -> None:
+        """Map the checkpoint's operator ids onto this job's, once: an
+        operator with a uid has its uid; one without has its derived id,
+        found by the rule the checkpoint was written with (``id_scheme``: its
+        place in the graph; before that, its name and rank, read as such only
+        from such a checkpoint). An operator given a uid since keeps the state
+        of the id derived for it, where the checkpoint holds nothing under
+        that uid. A derived id the checkpoint holds stateful state of, whose
+        operator cannot be told apart from another of its type (one of its
+        type inserted, removed or reordered beside it or right after it) is
+        refused: ``IncompatibleCheckpointError`` naming them and ``.uid()``."""
+        if self._mapped or vertices is None:
+            return
+        self._mapped = True
+        nodes = sorted({id(n): n for v in vertices for n in v.nodes}.values(), key=lambda n: n.id)
+        legacy = self.id_scheme == LEGACY_SCHEME
+        taken = {n.operator_uid for n in nodes}
+        rename, pairs = {}, []
+        for n in nodes:
+            if n.make_operator is None and n.source is None:
+                continue        # an iterator sink: nothing stored
+            old = n.legacy_uid if legacy else n.derived_uid
+            if n.uid is not None:
+                # a uid given since: its state, if any, is under the id derived for it then
+                if n.uid in self.operators or old not in self.operators or old in taken:
+                    continue
+                if not legacy and old not in self.derived:
+                    continue
+            if old in self.operators:
+                pairs.append((old, n))
+                if old != n.operator_uid:
+                    rename[old] = n.operator_uid
+        if not legacy:
+            self._check_derived(pairs)
+        if rename:
+            self._rename = rename
+            self.operators = {rename.get(k, k): v for k, v in self.operators.items()}
+            self.layout = {k: _renamed_layout(s, rename) for k, s in self.layout.items()}
+            self._cache.clear()
+
+    def _check_derived(self, pairs) -> None:
+        bad = []
+        for old, n in pairs:
+            info, new = self.derived.get(old), n.id_info
+            if info is None or new is None or not self.operators.get(old, {}).get("stateful"):
+                continue
+            if info.get("of") != new.get("of"):
+                bad.append(f"{n.name!r} (id {old!r}): {info.get('of')} operator(s) of its type read the same "
+                           f"input(s) in the checkpoint, {new.get('of')} here")
+            elif (info.get("of", 1) > 1 and info.get("names") != new.get("names")
+                  and sorted(info.get("names") or []) == sorted(new.get("names") or [])):
+                bad.append(f"{n.name!r} (id {old!r}): the operators of its type that read the same input(s) "
+                           f"were declared in another order ({', '.join(info['names'])}; now "
+                           f"{', '.join(new['names'])})")
+            elif not set(info.get("next") or ()) <= set(new.get("next") or ()):
+                was = ", ".join(info.get("next") or ()) or "nothing stateful"
+                now = ", ".join(new.get("next") or ()) or "nothing stateful"
+                bad.append(f"{n.name!r} (id {old!r}) fed {was} in the checkpoint and feeds {now} here: an "
+                           f"operator of its type ({operator_type(n)}) may have been inserted or removed next to it")
+        if bad:
+            raise IncompatibleCheckpointError(
+                f"{self.where}: the state of operator(s) without a uid cannot be mapped safely onto this job: "
+                + "; ".join(bad) + ". Their ids are derived from their place in the graph, and this change "
+                "could hand one operator's state to another. Restore into the job as it was with .uid('...') "
+                "given to these operators (they keep their state), take a savepoint, then change the job")
+
+    def _renamed_state(self, st):
+        """A stored subtask state with the checkpoint's ids as this job's (``map_ids``)."""
+        r = self._rename
+        if not r or not isinstance(st, dict):
+            return st
+        st = dict(st)
+        if st.get("source_uid") in r:
+            st["source_uid"] = r[st["source_uid"]]
+        st["operators"] = [dict(e, uid=r[e["uid"]]) if e.get("uid") in r else e for e in st.get("operators") or ()]
+        return st
+
     # ---- checks, before anything starts ----
     def check(self, vertices) -> None:
+        self.map_ids(vertices)
         where = self.where
         if self.old_max != self.max_parallelism:
             raise errors.ConfigurationError(
@@ -513,6 +635,7 @@ class RestorePlan:
     def check_sources(self, vertices) -> None:
         """Each source whose id the checkpoint holds checks the identity of
         the input it recorded (before any worker process starts)."""
+        self.map_ids(vertices)
         for v in vertices:
             if v.head.source is None:
                 continue
@@ -535,10 +658,12 @@ class RestorePlan:
         """The restore of one subtask (Subtask.restore), read from the
         checkpoint; its operators are the task's own (for their merge rules)."""
         v, i = task.vertex, task.index
+        vertices = getattr(getattr(task, "job", None), "vertices", None)
+        self.map_ids(vertices if vertices is not None else _graph_of(v))
         uids = chain_uids(v)
         src_uid = v.head.operator_uid if task.source is not None else None
         same = self._same_task(v, i, uids, src_uid)
-        inflight = self._inflight_plan(getattr(getattr(task, "job", None), "vertices", None))
+        inflight = self._inflight_plan(vertices)
         migrations = self._migrations(v, uids)
         if same is not None:
             stored = self._read(same)
@@ -688,8 +813,8 @@ class RestorePlan:
         """The stored state of ``task_key`` in an earlier checkpoint this one refers to."""
         st = self._cache.get((checkpoint_id, task_key))
         if st is None:
-            st = self._cache[(checkpoint_id, task_key)] = self.storage.read_shared_state(
-                self.meta, checkpoint_id, task_key)
+            st = self._cache[(checkpoint_id, task_key)] = self._renamed_state(self.storage.read_shared_state(
+                self.meta, checkpoint_id, task_key))
         return st
 
     def _operator_state(self, op, uid, v, i, migration=None):
@@ -799,6 +924,55 @@ def _distinct_keys_restore(op, values, start, end, where, uid):
     return keyed_restore(op, values, start, end)
 
 
+def _graph_of(vertex) -> list:
+    """The vertices (as lists of nodes) of the graph ``vertex`` is part of,
+    found through its nodes' inputs and consumers, where a task knows no job."""
+    seen, todo = {}, list(vertex.nodes)
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen[id(n)] = n
+        todo.extend(i.node for i in n.inputs)
+        todo.extend(n.consumers)
+    return [_Nodes(list(seen.values()))]
+
+
+class _Nodes:
+    __slots__ = ("nodes",)
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+
+def _renamed_layout(s: dict, r: dict) -> dict:
+    """A subtask's layout in ``_metadata`` with its ids renamed (``RestorePlan.map_ids``)."""
+    s = dict(s)
+    s["uids"] = [r.get(u, u) for u in s.get("uids") or ()]
+    if s.get("source_uid") in r:
+        s["source_uid"] = r[s["source_uid"]]
+    s["operators"] = {r.get(k, k): v for k, v in (s.get("operators") or {}).items()}
+    edges = s.get("edges")
+    if isinstance(edges, dict):
+        s["edges"] = {side: [_renamed_edge(d, r) for d in ds] for side, ds in edges.items()}
+    return s
+
+
+def _renamed_edge(d: dict, r: dict) -> dict:
+    d = dict(d)
+    if d.get("to") in r:
+        d["to"] = r[d["to"]]
+    for side in ("from_chain", "to_chain"):
+        c = d.get(side)
+        if isinstance(c, dict):
+            c = dict(c)
+            if c.get("source") in r:
+                c["source"] = r[c["source"]]
+            c["uids"] = [r.get(u, u) for u in c.get("uids") or ()]
+            d[side] = c
+    return d
+
+
 def _holds_task(s: dict, v) -> bool:
     """Whether vertex ``v`` runs the chain an old subtask's layout ``s`` ran, at its parallelism."""
     return (s["uids"] == chain_uids(v) and s["parallelism"] == v.parallelism
@@ -807,9 +981,11 @@ def _holds_task(s: dict, v) -> bool:
 
 def check_operator_ids(env) -> None:
     """Before a job starts: every operator's id (duplicates refused), every
-    parallelism within ``max_parallelism``; with checkpointing on, a warning
-    naming the stateful operators whose id is derived (a change of the
-    graph can change it, and their state would then not be restored)."""
+    parallelism within ``max_parallelism``; with checkpointing on, an
+    ``OperatorIdWarning`` for each stateful operator whose id is derived
+    (inserting or removing an operator before it changes that id, and its
+    state is then refused), pointing at the line of the user's code that
+    declared it."""
     try:
         assign_uids(env.nodes)
     except ValueError as exc:
@@ -817,19 +993,16 @@ def check_operator_ids(env) -> None:
     kg.check_max_parallelism(env.max_parallelism, [(n.name, n.parallelism) for n in env.nodes])
     if env.checkpoint_interval is None:
         return
-    unnamed = []
     for n in env.nodes:
-        if n.uid is not None or n.make_operator is None or n.is_sink:
+        if n.uid is not None or n.make_operator is None or n.is_sink or not is_stateful(n):
             continue
-        cls = type(n.make_operator())
-        if cls.keyed_state or cls.snapshot_state is not Operator.snapshot_state:
-            unnamed.append(f"{n.name!r} (id {n.derived_uid!r})")
-    if unnamed:
-        warnings.warn(
-            f"stateful operator(s) {', '.join(unnamed)} have no uid: their state is stored under an id derived "
-            "from the name and rank, which changes when operators of that name are added or removed. Give each "
-            "one a stable id with .uid('...') so later versions of the job can restore it",
-            errors.OperatorIdWarning, stacklevel=4)
+        message = (f"stateful operator {n.name!r} has no uid: its state is stored under an id derived from its "
+                   f"place in the graph ({n.derived_uid!r}), which changes when operators are inserted or removed "
+                   "before it, and a restore then refuses its state. Give it a stable id with .uid('...') so "
+                   "later versions of the job can restore it")
+        filename, lineno = n.declared_at or ("<unknown>", 0)
+        warnings.warn_explicit(message, errors.OperatorIdWarning, filename, lineno,
+                               module=os.path.splitext(os.path.basename(filename))[0])
 
 
 def commit_outputs(nodes, meta) -> list:
@@ -845,6 +1018,14 @@ def commit_outputs(nodes, meta) -> list:
         if fo is None:
             continue
         old = ops.get(n.operator_uid)
+        if old is None:
+            # a sink without a uid in a checkpoint written before ids were derived from the graph,
+            # or one given a uid since (as RestorePlan.map_ids maps them)
+            scheme = meta.properties.get("id_scheme", LEGACY_SCHEME)
+            was = n.legacy_uid if scheme == LEGACY_SCHEME else n.derived_uid
+            if n.uid is None or (was not in {m.operator_uid for m in nodes}
+                                 and (scheme == LEGACY_SCHEME or was in (meta.properties.get("derived_ids") or {}))):
+                old = ops.get(was)
         if old is not None and fo.parallelism is not None and old["parallelism"] > fo.parallelism:
             fo.parallelism = old["parallelism"]
         fo.uid = n.operator_uid
