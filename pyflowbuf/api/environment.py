@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from typing import Any
@@ -165,6 +166,31 @@ class Environment(SourceDeclarations):
                     "give the number of workers to the cluster (SparkCluster(spark, workers=N)), not also "
                     "Environment(workers=...)")
         _control.check_settings(self)
+
+    @property
+    def checkpoint_config(self) -> CheckpointConfig:
+        """The ``CheckpointConfig``, as the job uses it: with checkpoints on and
+        no directory given, ``directory`` is the job's own,
+        ``checkpoints/<name>`` (``pyflowbuf.config.default_checkpoint_dir``),
+        which follows the job's name (``execute("payments")`` too).
+
+        Example::
+
+            env = fb.Environment(checkpoint_interval=1.0, name="payments")
+            env.checkpoint_dir                 # 'checkpoints/payments'
+        """
+        given = self._given_checkpoint_config
+        name = getattr(self, "name", None)
+        if not isinstance(given, CheckpointConfig) or given.directory is not None or not given.enabled or not isinstance(name, str) or not name:
+            return given
+        # a copy made without __post_init__: reading the setting must not warn again
+        resolved = copy.copy(given)
+        object.__setattr__(resolved, "directory", _config.default_checkpoint_dir(name))
+        return resolved
+
+    @checkpoint_config.setter
+    def checkpoint_config(self, value) -> None:
+        self._given_checkpoint_config = value
 
     def configuration(self) -> dict:
         """The keyword arguments that build an Environment with these settings:
