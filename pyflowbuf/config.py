@@ -54,12 +54,12 @@ def job_directory_name(job_name: str) -> str:
     Example::
 
         job_directory_name("payments")      # 'payments'
-        job_directory_name("clicks/v2")     # 'clicks_v2-' + 8 hex digits
+        job_directory_name("clicks/v2")     # 'clicks_v2-' + 12 hex digits
     """
     safe = _UNSAFE_NAME.sub("_", job_name).strip("._-")[:64]
     if safe == job_name and not _RESERVED_NAME.match(safe):
         return safe
-    digest = blake2b(job_name.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+    digest = blake2b(job_name.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
     return f"{safe or 'job'}-{digest}"
 
 

@@ -15,6 +15,7 @@ import time
 
 import fsspec
 import pytest
+from hypothesis import given, strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf import errors
@@ -140,6 +141,16 @@ def test_checkpoint_dir_reports_where_the_checkpoints_are(tmp_path, monkeypatch)
     code, out, err = cli("checkpoints", "list", "checkpoints", "--json")
     assert code == 0, err
     assert [(j["name"], j["job"]) for j in json.loads(out)["jobs"]] == [("renamed", "renamed")]
+
+
+@given(st.lists(st.text(min_size=1, max_size=80), min_size=2, max_size=6, unique=True))
+def test_distinct_job_names_get_distinct_safe_directories(names):
+    dirs = [job_directory_name(n) for n in names]
+    assert len(set(dirs)) == len(dirs)
+    for name, d in zip(names, dirs):
+        assert d and "/" not in d and "\\" not in d and not d.startswith(".") and len(d) < 100
+        assert d.isascii() and d.isprintable()
+        assert d == job_directory_name(name)            # stable across runs: "latest" finds it
 
 
 def test_any_job_name_gets_a_safe_directory_of_its_own():

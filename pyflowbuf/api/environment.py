@@ -275,8 +275,15 @@ class Environment(SourceDeclarations):
         ``restore_from`` (checkpointing on): start from a checkpoint of an
         earlier run of the same job in ``checkpoint_dir``: ``"latest"`` (the
         newest complete one, or a fresh start when there is none), a
-        checkpoint id, a ``chk-<id>`` directory, or a savepoint directory
-        (``job.savepoint()``), at any parallelism up to ``max_parallelism``.
+        checkpoint id (``15`` or ``"15"``), a ``chk-<id>`` directory, or a
+        savepoint directory (``job.savepoint()``), at any parallelism up to
+        ``max_parallelism``. A checkpoint found by ``"latest"`` or an id must
+        be this job's (its name, and its stateful operators), else
+        ``IncompatibleCheckpointError``; one given by path may be of an
+        earlier version of it. A ``checkpoint_dir`` in use by another running
+        job, or holding another job's checkpoints, is
+        ``CheckpointDirectoryInUseError`` (docs/checkpoints.md, "Whose
+        checkpoints: the job's directory").
         State maps to operators by id (``Stream.uid``); state of an operator
         the job no longer has is refused unless
         ``allow_non_restored_state=True``. When complete checkpoints
