@@ -482,3 +482,24 @@ def test_cli_restore_takes_an_id_or_a_path(tmp_path, monkeypatch, spelling):
     finally:
         for name in [m for m in sys.modules if m.startswith("jobdir_cli_job")]:
             del sys.modules[name]
+
+
+def test_checkpoints_of_the_old_default_layout_are_not_skipped_silently(tmp_path, monkeypatch):
+    """Before each job had a directory, the default put chk-<id> in
+    ./checkpoints itself. "latest" from the new default directory does not
+    start from scratch past them: it says where they are and how to go on."""
+    monkeypatch.chdir(tmp_path)
+    old = fb.Environment(checkpoint_interval=0.05, checkpoint_dir="checkpoints")      # the old default, as given
+    counting(old, N, RATE)
+    run_until_a_checkpoint(old)
+    latest = CheckpointStorage("checkpoints").latest().checkpoint_id
+    new = fb.Environment(checkpoint_interval=0.05)
+    counting(new, N, None)
+    with pytest.raises(errors.ConfigurationError, match=f"checkpoints/chk-{latest}.*checkpoint_dir='checkpoints'"):
+        new.execute(60, restore_from="latest")
+    code, out, err = cli("checkpoints", "list", "checkpoints", "--json")     # still a checkpoint directory
+    assert code == 0 and latest in [c["id"] for c in json.loads(out)["checkpoints"]]
+    again = fb.Environment(checkpoint_interval=0.05, checkpoint_dir="checkpoints")
+    out = counting(again, N, None)
+    again.execute(120, restore_from="latest")
+    assert again.last_execution.restored_from == latest and finals(out.result) == expected(N)

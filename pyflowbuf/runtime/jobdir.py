@@ -1,19 +1,20 @@
 """A job's checkpoint directory belongs to that job (docs/checkpoints.md,
 "Whose checkpoints: the job's directory").
 
-* ``open_directory``: the lock a job's driver holds on it while it runs
-  (``pyflowbuf.checkpoint.lock``), and, for a fresh start, the refusal of a
-  directory that holds another job's checkpoints: numbering after them and
-  retention would remove them, and their "latest" would become this job's.
+* ``open_directory``: the lock a job's driver holds on the directory while
+  it runs (``pyflowbuf.checkpoint.lock``); ``check_no_other_job``: the
+  refusal of a directory that holds another job's checkpoints (this job
+  would number its own after them and its retention would remove them).
 * ``job_fingerprint``: what a checkpoint records of the job's stateful
   operators (``_metadata``'s ``properties["fingerprint"]``), beside its name
   (``properties["job"]``).
-* ``check_identity``: a restore found by the job's own lookup ("latest", an
-  id, a ``chk-<id>`` of its directory) must be the same job's: the same name
-  and, by the fingerprint, some stateful operator in common (for jobs that
-  kept the default name "job", the same stateful operators). A checkpoint or
-  savepoint given by its path is the user's choice, and restores into a
-  changed version of the job as it always did (operator ids decide).
+* ``check_restore_point`` / ``check_identity``: a checkpoint found by the
+  job's own lookup ("latest", an id, a ``chk-<id>`` of its directory) must
+  be the same job's: the same name and, by the fingerprint, some stateful
+  operator in common (for jobs that kept the default name "job", the same
+  stateful operators). A checkpoint or savepoint given by its path is the
+  user's choice, and restores into a changed version of the job as it
+  always did (operator ids decide).
 """
 from __future__ import annotations
 
