@@ -219,7 +219,7 @@ def _run(args) -> int:
 
 def _list(args) -> int:
     jobs = None if args.verify else chk.list_jobs(args.path)
-    if jobs is not None and not _holds_checkpoints(args.path):
+    if jobs is not None:
         if args.json:
             render.emit_json(jobs)
             return 0
@@ -253,15 +253,6 @@ def _list(args) -> int:
         if c["status"] in (chk.TORN, chk.CORRUPT):
             print(f"chk-{c['id']}: {c['status']}: {c['reason']}")
     return 0
-
-
-def _holds_checkpoints(path) -> bool:
-    """Whether ``path`` is a checkpoint directory itself (chk-<id> or _metadata in it)."""
-    try:
-        chk.open_target(path)
-        return True
-    except CliError:
-        return False
 
 
 _GROUP_FIELDS = ("operator_id", "uid", "operator")

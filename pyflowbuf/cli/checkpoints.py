@@ -149,7 +149,10 @@ def list_jobs(path) -> dict | None:
         fs, p = _split(given)
         if not fs.isdir(p):
             return None
-        jobs = job_directories(fs, p)
+        names = _children(fs, p)
+        if METADATA_FILE in names or any(_CHK_DIR.match(n) for n in names):
+            return None         # a checkpoint directory itself
+        jobs = job_directories(fs, p, names)
     except (ValueError, ImportError, OSError):
         return None
     return {"directory": fs.unstrip_protocol(p), "jobs": jobs} if jobs else None
