@@ -103,8 +103,6 @@ def test_two_jobs_with_the_default_directory_each_restore_their_own(tmp_path, mo
         env = fb.Environment(checkpoint_interval=0.05, name=name)
         counting(env, N, RATE, value or (lambda x: 1))
         run_until_a_checkpoint(env)
-        assert env.checkpoint_dir == f"checkpoints/{name}"
-        assert CheckpointStorage(env.checkpoint_dir).latest().properties["job"] == name
         envs[name] = env
     for name, value in (("clicks", lambda x: 1), ("payments", sums)):
         env = fb.Environment(checkpoint_interval=0.05, name=name)
@@ -112,6 +110,9 @@ def test_two_jobs_with_the_default_directory_each_restore_their_own(tmp_path, mo
         env.execute(120, restore_from="latest")
         assert env.last_execution.restored_from is not None, name
         assert finals(out.result) == expected(N, value), name
+    for name, env in envs.items():
+        assert env.checkpoint_dir == f"checkpoints/{name}"
+        assert CheckpointStorage(env.checkpoint_dir).latest().properties["job"] == name
 
 
 def test_checkpoint_dir_reports_where_the_checkpoints_are(tmp_path, monkeypatch):
