@@ -504,3 +504,28 @@ def test_checkpoints_of_the_old_default_layout_are_not_skipped_silently(tmp_path
     out = counting(again, N, None)
     again.execute(120, restore_from="latest")
     assert again.last_execution.restored_from == latest and finals(out.result) == expected(N)
+
+
+def test_the_control_file_and_the_cli_summary_are_in_the_jobs_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env = fb.Environment(checkpoint_interval=0.05, name="payments", control_port=0)
+    _endless(env)
+    job = env.execute_async()
+    try:
+        assert job.control.path == os.path.join(str(tmp_path), "checkpoints", "payments", "_control.json")
+        assert os.path.exists(job.control.path)
+    finally:
+        cancel(job)
+    (tmp_path / "jobdir_summary_job.py").write_text(textwrap.dedent("""\
+        import pyflowbuf as fb
+        env = fb.Environment(checkpoint_interval=0.05, name="summary")
+        env.from_sequence(0, 100).uid("numbers").key_by(lambda x: x % 3).reduce(lambda a, b: a + b).uid("s").collect()
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        code, out, err = cli("run", "jobdir_summary_job.py", "--json")
+    finally:
+        for name in [m for m in sys.modules if m.startswith("jobdir_summary_job")]:
+            del sys.modules[name]
+    assert code == 0, err
+    assert "in checkpoints/summary" in err, err            # the summary says where the checkpoints went
