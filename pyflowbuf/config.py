@@ -23,8 +23,10 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 import sys
 import warnings
+from hashlib import blake2b
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,40 @@ from pyflowbuf.errors import ConfigurationError, UnitWarning
 
 CHECKPOINTING_MODES = ("exactly_once", "at_least_once")
 ALIGNMENTS = ("aligned", "unaligned")
+
+# Where a job's checkpoints go when no directory is given: a directory per job
+# below this one (``checkpoints/<job name>``), as Flink keeps each job's under
+# its job id. The name, not a fresh id, so that the next run of the job (its
+# ``restore_from="latest"``) finds them.
+DEFAULT_CHECKPOINT_DIR = "checkpoints"
+
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+_RESERVED_NAME = re.compile(r"^(chk-[0-9]+|savepoints)$")
+
+
+def job_directory_name(job_name: str) -> str:
+    """The directory a job's checkpoints get under ``checkpoints/`` by
+    default: its name where the name is a plain, safe file name; otherwise
+    the name's safe characters and a hash of the whole name, so that two
+    names never share a directory and no name leaves it (``..``, ``/``).
+
+    Example::
+
+        job_directory_name("payments")      # 'payments'
+        job_directory_name("clicks/v2")     # 'clicks_v2-' + 12 hex digits
+    """
+    safe = _UNSAFE_NAME.sub("_", job_name).strip("._-")[:64]
+    if safe == job_name and not _RESERVED_NAME.match(safe):
+        return safe
+    digest = blake2b(job_name.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
+    return f"{safe or 'job'}-{digest}"
+
+
+def default_checkpoint_dir(job_name: str) -> str:
+    """``checkpoints/<job_directory_name(job_name)>``: where the checkpoints of
+    a job that names no ``checkpoint_dir`` go (relative to the working
+    directory, as ``checkpoints`` always was)."""
+    return f"{DEFAULT_CHECKPOINT_DIR}/{job_directory_name(job_name)}"
 
 # ---- the argument checks every layer shares ----
 
@@ -114,8 +150,11 @@ class CheckpointConfig(_Config):
     Parameters
     ----------
     interval : seconds between checkpoints; None: no checkpoints.
-    directory : where checkpoints go, a path or an fsspec URL (default
-        ``"checkpoints"``).
+    directory : where the job's checkpoints go, a path or an fsspec URL, used
+        as it is; one job at a time holds it (a lock), and a restore refuses
+        another job's checkpoints there. None (default): a directory of the
+        job's own, ``checkpoints/<job name>`` (``job_directory_name``); the
+        Environment reports it (``env.checkpoint_dir``) once checkpoints are on.
     timeout : seconds after which a checkpoint that has not completed expires.
     retained : complete checkpoints kept (older ones are removed).
     mode : ``"exactly_once"`` (barriers aligned) or ``"at_least_once"``
@@ -490,7 +529,10 @@ class FlatSetting:
         if self.attr == "debloat_config" and isinstance(value, DebloatConfig):   # env.debloat = DebloatConfig()
             setattr(env, self.attr, value)
         else:
-            setattr(env, self.attr, getattr(env, self.attr).replace(**{self.field: value}))
+            # the object as given, not as read back: a default checkpoint
+            # directory stays "the job's own" (it follows a later job name)
+            held = vars(env).get("_given_" + self.attr) or getattr(env, self.attr)
+            setattr(env, self.attr, held.replace(**{self.field: value}))
 
 
 def flat_settings(cls):

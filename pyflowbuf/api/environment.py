@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from typing import Any
@@ -167,6 +168,31 @@ class Environment(SourceDeclarations):
                     "Environment(workers=...)")
         _control.check_settings(self)
 
+    @property
+    def checkpoint_config(self) -> CheckpointConfig:
+        """The ``CheckpointConfig``, as the job uses it: with checkpoints on and
+        no directory given, ``directory`` is the job's own,
+        ``checkpoints/<name>`` (``pyflowbuf.config.default_checkpoint_dir``),
+        which follows the job's name (``execute("payments")`` too).
+
+        Example::
+
+            env = fb.Environment(checkpoint_interval=1.0, name="payments")
+            env.checkpoint_dir                 # 'checkpoints/payments'
+        """
+        given = self._given_checkpoint_config
+        name = getattr(self, "name", None)
+        if not isinstance(given, CheckpointConfig) or given.directory is not None or not given.enabled or not isinstance(name, str) or not name:
+            return given
+        # a copy made without __post_init__: reading the setting must not warn again
+        resolved = copy.copy(given)
+        object.__setattr__(resolved, "directory", _config.default_checkpoint_dir(name))
+        return resolved
+
+    @checkpoint_config.setter
+    def checkpoint_config(self, value) -> None:
+        self._given_checkpoint_config = value
+
     def configuration(self) -> dict:
         """The keyword arguments that build an Environment with these settings:
         the plain ones and one config object per group (no graph, no job).
@@ -250,8 +276,15 @@ class Environment(SourceDeclarations):
         ``restore_from`` (checkpointing on): start from a checkpoint of an
         earlier run of the same job in ``checkpoint_dir``: ``"latest"`` (the
         newest complete one, or a fresh start when there is none), a
-        checkpoint id, a ``chk-<id>`` directory, or a savepoint directory
-        (``job.savepoint()``), at any parallelism up to ``max_parallelism``.
+        checkpoint id (``15`` or ``"15"``), a ``chk-<id>`` directory, or a
+        savepoint directory (``job.savepoint()``), at any parallelism up to
+        ``max_parallelism``. A checkpoint found by ``"latest"`` or an id must
+        be this job's (its name, and its stateful operators), else
+        ``IncompatibleCheckpointError``; one given by path may be of an
+        earlier version of it. A ``checkpoint_dir`` in use by another running
+        job, or holding another job's checkpoints, is
+        ``CheckpointDirectoryInUseError`` (docs/checkpoints.md, "Whose
+        checkpoints: the job's directory").
         State maps to operators by id (``Stream.uid``); state of an operator
         the job no longer has is refused unless
         ``allow_non_restored_state=True``. When complete checkpoints

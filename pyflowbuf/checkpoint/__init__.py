@@ -3,6 +3,7 @@
 from pyflowbuf.checkpoint.codec import decode_value, encode_value
 from pyflowbuf.checkpoint.container import dumps, loads
 from pyflowbuf.checkpoint.errors import (
+    CheckpointDirectoryInUseError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointStateError,
@@ -26,7 +27,7 @@ from pyflowbuf.checkpoint.storage import (
 )
 
 __all__ = [
-    "ALIGNMENTS", "CheckpointError", "CheckpointInfo", "CheckpointMetadata", "CheckpointNotFoundError",
+    "ALIGNMENTS", "CheckpointDirectoryInUseError", "CheckpointError", "CheckpointInfo", "CheckpointMetadata", "CheckpointNotFoundError",
     "CheckpointStateError", "CheckpointStorage", "CorruptCheckpointError", "IncompatibleCheckpointError",
     "KeyKindError", "PickleNotAllowedError", "SavepointStorage",
     "TaskSnapshot", "TaskStateHandle", "TaskStateNotFoundError", "TaskStateWriter", "UnsafeCommitError",

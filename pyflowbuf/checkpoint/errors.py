@@ -63,6 +63,18 @@ class KeyKindError(IncompatibleCheckpointError):
         self.failed_operator = operator
 
 
+class CheckpointDirectoryInUseError(CheckpointError, ConfigurationError):
+    """The checkpoint directory belongs to another job: one that is running
+    and holds its lock (``holder``: the lock's job, pid, host, start), or one
+    whose checkpoints it holds, which this job would number over and remove
+    by retention. ``path`` is the directory."""
+
+    def __init__(self, message, *, path=None, holder=None):
+        super().__init__(message)
+        self.path = path
+        self.holder = holder
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No such checkpoint, or it is not complete (no ``_metadata``)."""
 

@@ -744,17 +744,33 @@ class CheckpointStorage(_References):
                 out.append(info.metadata)
         return out
 
-    def latest(self, *, verify: bool = True) -> CheckpointMetadata | None:
+    def latest(self, *, verify: bool = True, min_id: int = 0) -> CheckpointMetadata | None:
         """The newest complete, intact checkpoint, or None. Newer torn or corrupt
         ones are logged (warning) and skipped in favour of older ones. With
         ``verify`` every task file's checksums are checked (it reads them all);
-        without, only the metadata and the files' sizes."""
-        for cid in sorted(self._ids(), reverse=True):
+        without, only the metadata and the files' sizes. ``min_id``: only
+        checkpoints from that id on (those of one run of the job)."""
+        for cid in sorted((c for c in self._ids() if c >= min_id), reverse=True):
             info = self._probe(cid, verify)
             if info.metadata is not None:
                 return info.metadata
             self._report(info)
         return None
+
+    def owners(self) -> dict:
+        """Which job wrote each checkpoint that has a readable ``_metadata``:
+        checkpoint id -> the job's name (``properties["job"]``; None for
+        metadata written before names were recorded). Task files are not
+        read or checked."""
+        out = {}
+        for cid in self._ids():
+            try:
+                meta = self._read_metadata(cid)
+            except CheckpointError:
+                continue
+            job = meta.properties.get("job")
+            out[cid] = job if isinstance(job, str) else None
+        return out
 
     def read_task_state(self, checkpoint_id: int, task_key: str, *,
                         metadata: CheckpointMetadata | None = None) -> TaskSnapshot:

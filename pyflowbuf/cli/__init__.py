@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import traceback
@@ -88,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "resume it with --restore latest.")
     run.add_argument("job", metavar="JOB", help="job.py, job.py:function, package.module[:function]")
     run.add_argument("--restore", metavar="latest|ID|PATH",
-                     help="start from a checkpoint in the job's checkpoint_dir: latest (a fresh start when there "
-                          "is none), a checkpoint id, or its chk-<id> directory")
+                     help="start from a checkpoint: latest (the newest of the job's checkpoint_dir; a fresh start "
+                          "when there is none), a checkpoint id there, or a path: a chk-<id> directory, a "
+                          "savepoint, a checkpoint copied elsewhere (as execute(restore_from=...) takes them)")
     run.add_argument("--parallelism", type=_positive, metavar="N",
                      help="the default parallelism of the job's operators (those without their own parallelism=)")
     run.add_argument("--workers", type=_positive, metavar="N", help="run in N worker processes")
@@ -216,6 +218,21 @@ def _run(args) -> int:
 
 
 def _list(args) -> int:
+    jobs = None if args.verify else chk.list_jobs(args.path)
+    if jobs is not None:
+        if args.json:
+            render.emit_json(jobs)
+            return 0
+        render.table(f"jobs' checkpoint directories in {jobs['directory']}",
+                     [("directory", "left"), ("job", "left"), ("checkpoints", "right"), ("newest", "right"),
+                      ("running", "left")],
+                     [[j["name"], "" if j["job"] is None else str(j["job"]), str(j["checkpoints"]),
+                       "" if j["newest"] is None else f"chk-{j['newest']}",
+                       "" if j["running"] is None else f"pid {j['running']['pid']} on {j['running']['host']}"]
+                      for j in jobs["jobs"]])
+        print(f"`pyflowbuf checkpoints list {os.path.join(args.path, jobs['jobs'][0]['name'])}` lists one's "
+              "checkpoints")
+        return 0
     target = chk.open_target(args.path)
     if target.checkpoint_id is not None:
         raise CliError(f"{args.path} is one checkpoint (chk-{target.checkpoint_id}): `list` takes the "

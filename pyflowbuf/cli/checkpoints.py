@@ -20,6 +20,7 @@ import fsspec
 
 from pyflowbuf.checkpoint.container import FILE_METADATA, SEC_METADATA, _decode_section, _MemSource, _parse
 from pyflowbuf.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError, PickleNotAllowedError
+from pyflowbuf.checkpoint.lock import LOCK_FILE, read_lock, stale_reason
 from pyflowbuf.checkpoint.storage import METADATA_FILE, CheckpointStorage, SavepointStorage
 
 _CHK_DIR = re.compile(r"^chk-(0|[1-9][0-9]*)$")
@@ -96,11 +97,65 @@ def open_target(path, checkpoint_id: int | None = None) -> Target:
             if checkpoint_id is not None and checkpoint_id != cid:
                 raise CliError(f"{given} holds checkpoint {cid} (a savepoint), and the id given is {checkpoint_id}")
             return Target(storage, cid, given)
+        jobs = job_directories(fs, p, names)
+        if jobs:
+            raise CliError(f"{given} holds the checkpoint directories of {len(jobs)} job(s) "
+                           f"({', '.join(j['name'] for j in jobs)}), not checkpoints: give one of them, "
+                           f"e.g. {posixpath.join(given, jobs[0]['name'])}")
         raise CliError(f"{given} is not a checkpoint directory: it holds no chk-<id> directories "
                        f"and no {METADATA_FILE}")
     if checkpoint_id is not None and checkpoint_id not in ids:
         raise CliError(f"{given} holds no checkpoint {checkpoint_id} (it holds chk-{', chk-'.join(map(str, ids))})")
     return Target(CheckpointStorage(fs.unstrip_protocol(p)), checkpoint_id, given)
+
+
+def job_directories(fs, path, names=None) -> list[dict]:
+    """The jobs' checkpoint directories directly below ``path`` (as the
+    default ``checkpoints/<job name>`` puts them): each one's directory
+    name, path, the job it belongs to (its lock's or its newest metadata's),
+    how many chk-<id> it holds, the newest, and the running job holding its
+    lock (None when none does)."""
+    out = []
+    for name in sorted(names if names is not None else _children(fs, path)):
+        sub = posixpath.join(path, name)
+        try:
+            if not fs.isdir(sub):
+                continue
+            children = _children(fs, sub)
+        except (OSError, ValueError):
+            continue
+        ids = sorted(int(n[4:]) for n in children if _CHK_DIR.match(n))
+        lock = read_lock(fs, sub) if LOCK_FILE in children else None
+        if not ids and lock is None:
+            continue
+        storage = CheckpointStorage(fs.unstrip_protocol(sub))
+        owners = storage.owners()
+        job = owners[max(owners)] if owners else None
+        running = None
+        if lock is not None and stale_reason(lock) is None:
+            running = {"job": lock.get("job"), "pid": lock.get("pid"), "host": lock.get("host")}
+        out.append({"name": name, "path": fs.unstrip_protocol(sub), "job": job if job is not None else
+                    (lock or {}).get("job"), "checkpoints": len(ids), "newest": ids[-1] if ids else None,
+                    "running": running})
+    return out
+
+
+def list_jobs(path) -> dict | None:
+    """``list`` on a directory that holds jobs' checkpoint directories (the
+    default ``checkpoints``), not checkpoints: which jobs; None when it holds
+    neither."""
+    given = os.fspath(path)
+    try:
+        fs, p = _split(given)
+        if not fs.isdir(p):
+            return None
+        names = _children(fs, p)
+        if METADATA_FILE in names or any(_CHK_DIR.match(n) for n in names):
+            return None         # a checkpoint directory itself
+        jobs = job_directories(fs, p, names)
+    except (ValueError, ImportError, OSError):
+        return None
+    return {"directory": fs.unstrip_protocol(p), "jobs": jobs} if jobs else None
 
 
 def raw_metadata(storage: CheckpointStorage, cid: int) -> dict:

@@ -51,6 +51,7 @@ from pyflowbuf.checkpoint.storage import TaskStateHandle
 from pyflowbuf.net import new_secret
 from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.connectors import filesystems as fsx
+from pyflowbuf.runtime import jobdir
 from pyflowbuf.runtime import restore as restore_mod
 from pyflowbuf.connectors import outputs as sink_outputs
 from pyflowbuf.runtime.deployment import check_output_pools
@@ -432,6 +433,8 @@ class ClusterExecution(Execution):
         self.restart_failures: list = []   # (task, operator, error text) of each failure recovered
         self._user_cancelled = False
         self._task_keys = ckpt.graph_task_keys(vertices)
+        self._jobdir = None            # the driver's hold on checkpoint_dir (runtime/jobdir.py)
+        self._started_from = None      # the checkpoint or savepoint this run started from
         self.launcher.check(self)
 
     # ---- lifecycle ----
@@ -453,6 +456,7 @@ class ClusterExecution(Execution):
             close_listeners(self.sampler.listeners)
             if self.coordinator is not None:
                 self.coordinator.stop()
+            self._release_directory()
             raise
         if self.coordinator is not None:
             self.coordinator.start()
@@ -524,6 +528,7 @@ class ClusterExecution(Execution):
         finally:
             self.ended = time.monotonic()
             try:
+                self._release_directory()       # (done already, unless the end itself failed)
                 relay.close()       # the final merged sample, the last thing the job records
             finally:
                 self._done.set()
@@ -636,10 +641,18 @@ class ClusterExecution(Execution):
             if v.head.source is not None:
                 ckpt.check_rewindable(config, v.head.name, v.head.source())
         storage = CheckpointStorage(config.directory, retained=config.retained, allow_pickle=config.allow_pickle)
+        # held here, by the driver, for every worker (runtime/jobdir.py)
+        fingerprint = jobdir.job_fingerprint(self.env.nodes, self.env.max_parallelism)
+        self._jobdir = jobdir.open_directory(storage, self.env.name, fingerprint)
         self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)
+        self.coordinator.fingerprint = fingerprint
         self.coordinator.listeners = self.sampler.listeners
         self.coordinator.outputs = sink_outputs.graph_outputs(self.env.nodes)
-        return self._restore_point(ckpt.restore_plan(storage, self.restore_from))
+        meta = ckpt.restore_plan(storage, self.restore_from)
+        jobdir.check_restore_point(storage, self.restore_from, meta, self.env, fingerprint)
+        jobdir.check_no_other_job(storage, self.env.name)
+        self._started_from = meta
+        return self._restore_point(meta)
 
     def _restore_point(self, meta):
         if meta is None:
@@ -671,6 +684,11 @@ class ClusterExecution(Execution):
     def _stop_checkpointing(self):
         self.coordinator.stop()
         self.coordinator.abort_all("the job ended")
+        self._release_directory()
+
+    def _release_directory(self):
+        if self._jobdir is not None:
+            self._jobdir.release()
 
     def _should_restart(self) -> bool:
         config = self.checkpoint_config
@@ -699,7 +717,7 @@ class ClusterExecution(Execution):
             self._conns = {}
         self.launcher.end_attempt()
         self._finished_workers = set()
-        meta = ckpt.latest_checkpoint(coordinator.storage, verify=False)
+        meta = ckpt.restart_point(coordinator, self._started_from)
         restore_id = self._restore_point(meta)
         with self._lock:
             if self._user_cancelled:

@@ -31,6 +31,7 @@ from typing import Any
 from fsspec.implementations.local import LocalFileSystem
 
 from pyflowbuf import errors
+from pyflowbuf.config import DEFAULT_CHECKPOINT_DIR  # noqa: F401 - its old home
 from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpointError, IncompatibleCheckpointError,
                                           SavepointStorage, UnsupportedStateError)
 from pyflowbuf.checkpoint.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_inflight, encode_inflight  # noqa: F401
@@ -42,8 +43,6 @@ from pyflowbuf.runtime.metrics import publish_checkpoint
 from pyflowbuf.connectors import outputs as outputs_mod
 
 log = logging.getLogger("pyflowbuf.checkpoint")
-
-DEFAULT_CHECKPOINT_DIR = "checkpoints"
 
 
 @dataclass
@@ -134,6 +133,8 @@ class CheckpointCoordinator:
         # after every directory there, damaged or abandoned ones too: a new
         # checkpoint never lands in a directory an old one left behind
         self._next_id = max(storage.checkpoint_ids(), default=0) + 1
+        self.first_id = self._next_id      # this run's checkpoints are numbered from here
+        self.fingerprint = None            # the job's (runtime.jobdir.job_fingerprint), into _metadata
         self.pending: dict[int, _Pending] = {}
         self.history: list[dict] = []
         self.finished: dict[str, tuple] = {}       # task key -> (state, commits, summary)
@@ -368,6 +369,8 @@ class CheckpointCoordinator:
         properties = {"job": self.job_name, "kind": p.kind, "alignment_ms": p.alignment_ms,
                       "mode": self.config.mode, "alignment": p.alignment, "commits": p.commits,
                       "savepoint": p.savepoint}
+        if self.fingerprint is not None:
+            properties["fingerprint"] = self.fingerprint
         properties.update(metadata_properties(p.summaries, self.config.max_parallelism))
         try:
             refs = self._references(p)
@@ -713,16 +716,29 @@ def task_key(vertex, index) -> str:
     return f"v{vertex.id}-{index}"
 
 
+def restore_id(restore_from) -> int | None:
+    """The checkpoint id ``restore_from`` names: an int, or a str of digits
+    (``restore_from="15"``, as ``pyflowbuf run --restore 15`` means it); None
+    when it names something else. A directory named by digits is ``"./15"``."""
+    if isinstance(restore_from, int) and not isinstance(restore_from, bool):
+        return restore_from
+    if isinstance(restore_from, str) and restore_from.isascii() and restore_from.isdigit():
+        return int(restore_from)
+    return None
+
+
 def restore_plan(storage, restore_from, *, verify: bool = True):
     """The CheckpointMetadata to restore from: ``"latest"`` (None when there is
-    none yet), a checkpoint id, or a ``chk-<id>`` directory path."""
+    none yet), a checkpoint id (an int or a str of digits), or a path: a
+    ``chk-<id>`` directory, a savepoint, a checkpoint copied elsewhere."""
     if restore_from is None:
         return None
     if restore_from == "latest":
         return latest_checkpoint(storage, verify=verify)
-    if isinstance(restore_from, int) and not isinstance(restore_from, bool):
-        return storage.load_metadata(restore_from, verify=verify)
-    if not isinstance(restore_from, (str, os.PathLike)):
+    cid = restore_id(restore_from)
+    if cid is not None:
+        return storage.load_metadata(cid, verify=verify)
+    if not isinstance(restore_from, (str, os.PathLike)) or isinstance(restore_from, bool):
         raise errors.ConfigurationError(
             f"restore_from must be 'latest', a checkpoint id, a chk-<id> directory or a savepoint directory, "
             f"got {restore_from!r}")
@@ -759,16 +775,18 @@ def _same_path(storage, given: str, own: str) -> bool:
     return a == b
 
 
-def latest_checkpoint(storage, *, verify: bool = True):
+def latest_checkpoint(storage, *, verify: bool = True, min_id: int = 0):
     """The newest intact complete checkpoint; None when there is none at all
     (a first run, or one that never completed a checkpoint). When complete
     checkpoints exist and every one is damaged: CorruptCheckpointError.
     Starting from scratch then would write again what they committed, so
-    it must be asked for (``restore_from=None`` and the sinks' ``mode``)."""
-    meta = storage.latest(verify=verify)
+    it must be asked for (``restore_from=None`` and the sinks' ``mode``).
+    ``min_id``: only the checkpoints from that id on."""
+    meta = storage.latest(verify=verify, min_id=min_id)
     if meta is not None:
         return meta
-    broken = [info for info in storage.scan(verify=verify) if info.status == "CORRUPT"]
+    broken = [info for info in storage.scan(verify=verify)
+              if info.status == "CORRUPT" and info.checkpoint_id >= min_id]
     if not broken:
         return None
     what = "; ".join(f"chk-{info.checkpoint_id}: {info.error.reason}" for info in broken)
@@ -778,6 +796,17 @@ def latest_checkpoint(storage, *, verify: bool = True):
         "start from scratch on purpose with execute(restore_from=None) and mode='overwrite' on the file "
         "sinks (or another checkpoint_dir and output path)",
         checkpoint_id=broken[-1].checkpoint_id, path=broken[-1].path)
+
+
+def restart_point(coordinator, started_from):
+    """What a restart after a failure restores: the newest intact checkpoint
+    of this run (numbered from ``coordinator.first_id`` on), else what the
+    run started from (``started_from``: the restored checkpoint or savepoint,
+    None for a fresh start). Never a checkpoint an earlier run of the job
+    left in the directory: a run that started fresh (or from a savepoint)
+    and failed before its first checkpoint would go on from that run's state."""
+    meta = latest_checkpoint(coordinator.storage, verify=False, min_id=coordinator.first_id)
+    return meta if meta is not None else started_from
 
 
 class SnapshotWriter:

@@ -15,6 +15,7 @@ from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.exchange import debloat
 from pyflowbuf.connectors import outputs as sink_outputs
+from pyflowbuf.runtime import jobdir
 from pyflowbuf.runtime import restore as restore_mod
 from pyflowbuf.runtime.deployment import Deployment, check_output_pools, output_pool_size, segments_needed
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
@@ -210,6 +211,8 @@ class JobExecution(Execution):
         self.restart_failures: list = []   # (task, operator, exception text) of each failure recovered
         self.network_pools: list = []  # the pool of every attempt, to check that all came back
         self._snapshot_writer = None
+        self._jobdir = None            # the driver's hold on checkpoint_dir (runtime/jobdir.py)
+        self._started_from = None      # the checkpoint or savepoint this run started from
 
     # ---- building ----
     def _output_pool_size(self, nsub: int):
@@ -324,6 +327,8 @@ class JobExecution(Execution):
                 self._stop_checkpointing()
         finally:
             try:
+                if self._jobdir is not None:
+                    self._jobdir.release()      # (done already, unless the end itself failed)
                 # the final sample is the last thing the job records, taken
                 # before anyone waiting on the job is woken
                 self.sampler.stop()
@@ -369,13 +374,22 @@ class JobExecution(Execution):
         if self.coordinator is None:
             storage = CheckpointStorage(config.directory, retained=config.retained,
                                         allow_pickle=config.allow_pickle)
+            # the job's hold on its directory first: nothing of another job's is read or written
+            fingerprint = jobdir.job_fingerprint(self.env.nodes, self.env.max_parallelism)
+            self._jobdir = jobdir.open_directory(storage, self.env.name, fingerprint)
             self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)
+            self.coordinator.fingerprint = fingerprint
             self.coordinator.listeners = listeners
             self.coordinator.outputs = sink_outputs.graph_outputs(self.env.nodes)
         # else: a worker process, given a proxy of the driver's coordinator
         self._snapshot_writer = ckpt.new_writer()
         # a worker is told the id of a checkpoint the driver has already checked
         meta = ckpt.restore_plan(self.coordinator.storage, self.restore_from, verify=self.remote is None)
+        if self.remote is None:
+            jobdir.check_restore_point(self.coordinator.storage, self.restore_from, meta, self.env,
+                                       self.coordinator.fingerprint)
+            jobdir.check_no_other_job(self.coordinator.storage, self.env.name)
+        self._started_from = meta
         if meta is None:
             restore_mod.started_fresh(self)
         self._arm_checkpointing(meta)
@@ -445,6 +459,8 @@ class JobExecution(Execution):
             self.coordinator.abort_all("the job ended")
         if self._snapshot_writer is not None:
             self._snapshot_writer.shutdown(wait=True)
+        if self._jobdir is not None:
+            self._jobdir.release()      # the last write to the directory is done
 
     def _should_restart(self) -> bool:
         config = self.checkpoint_config
@@ -474,7 +490,7 @@ class JobExecution(Execution):
         if old.available_segments != old.total_segments:
             raise errors.FlowBufError(
                 f"{old.total_segments - old.available_segments} segment(s) were not returned by the failed attempt")
-        meta = ckpt.latest_checkpoint(self.coordinator.storage, verify=False)
+        meta = ckpt.restart_point(self.coordinator, self._started_from)
         with self._lock:
             self.failure = None
             self.cancelled = False

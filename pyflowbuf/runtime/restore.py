@@ -1040,14 +1040,14 @@ def checks_key_kinds(execution, meta, first=True) -> bool:
     own verdict, for a worker told by its driver), not for one the execution
     wrote itself and restores after a failure."""
     here = (meta.checkpoint_id, meta.path)
-    started = execution.__dict__.setdefault("_started_from", here)
+    started = execution.__dict__.setdefault("_key_kinds_checked_at", here)
     return bool(first) and here == started
 
 
 def started_fresh(execution) -> None:
     """An execution that restored nothing at its start: what it restores
     later (after a failure) it wrote itself (``checks_key_kinds``)."""
-    execution.__dict__.setdefault("_started_from", None)
+    execution.__dict__.setdefault("_key_kinds_checked_at", None)
 
 
 def restored_commits(meta, nodes, allow_non_restored_state: bool) -> list:
