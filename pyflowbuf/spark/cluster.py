@@ -51,6 +51,7 @@ from pyflowbuf.config import MetricsConfig
 from pyflowbuf.cluster.control_channel import ControlListener, connect_control
 from pyflowbuf.net.protocol import new_secret
 from pyflowbuf.connectors import filesystems as fsx
+from pyflowbuf.cluster.locations import file_locations
 from pyflowbuf.cluster.driver import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution
 from pyflowbuf.cluster.worker import run_worker
 
@@ -105,18 +106,6 @@ class JobDescription:
 def _local_master(master: str) -> bool:
     """True when every executor runs on the driver's host."""
     return master.startswith("local")
-
-
-def _locations(env):
-    """(what, location) of every file location the job's tasks reach: the
-    checkpoint directory, the file sinks' directories, the file sources' paths."""
-    if env.checkpoint_config.directory is not None:
-        yield "checkpoint_dir", os.fspath(env.checkpoint_config.directory)
-    for node in env.nodes:
-        if node.file_output is not None:
-            yield f"sink {node.name!r}", node.file_output.path
-        for p in getattr(node, "input_paths", None) or ():
-            yield f"source {node.name!r}", p
 
 
 class SparkCluster:
@@ -198,7 +187,7 @@ class SparkCluster:
                         "SparkCluster(..., allow_unencrypted=True) if the records may cross the network "
                         "in the clear")
         master = self._conf("spark.master", self.sc.master)
-        for what, location in _locations(env):
+        for what, location in file_locations(env):
             if fsx.is_process_local(location):
                 raise errors.ConfigurationError(
                     f"{what}: {location!r} is in the driver's memory (memory://), and the Spark tasks run in "
