@@ -10,6 +10,7 @@ in the driver, before anything is submitted, so they need no working executor.
 """
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -191,7 +192,7 @@ def test_executors_not_there_within_start_timeout_fail_naming_the_slots(clock):
 
 
 @pytest.mark.parametrize("master, conf, expected", [
-    ("local-cluster[2,1,1024]", {}, 2), ("local-cluster[3, 4, 2048]", {"spark.task.cpus": "2"}, 6),
+    ("local-cluster[2,1,1024]", {}, 2), ("local-cluster[3, 4, 2048]", {}, 12),
     ("local[4]", {}, 4), ("local", {}, 1), ("local[3,2]", {}, 3),
     ("spark://h:7077", {"spark.executor.instances": "5", "spark.executor.cores": "2"}, 10),
     ("yarn", {}, None)])
@@ -201,6 +202,8 @@ def test_the_slots_a_master_will_have(master, conf, expected):
             return {"spark.master": master, **conf}.get(key, default)
     Ctx.master = master
     assert SparkCluster(Ctx(), workers=1).expected_slots() == expected
+    if expected:
+        assert SparkCluster(Ctx(), workers=1, task_cpus=2).expected_slots() in (expected // 2, 0)
 
 
 def test_a_cluster_too_small_is_refused_at_once(clock):
@@ -214,3 +217,23 @@ def test_a_cluster_too_small_is_refused_at_once(clock):
     with pytest.raises(errors.NotEnoughSlotsError, match=r"workers=3\).*has 2 task slots"):
         cluster._check_slots()
     assert clock[0] == 1000.0           # no wait
+
+
+@pytest.mark.parametrize("text, says", [
+    ('Traceback ...\nRuntimeError: pyflowbuf executor check: {"error": "it has pyflowbuf 0.0.9 at /x/pyflowbuf/'
+     '__init__.py, the driver 0.1.0", "python": "/opt/py/bin/python3", "version": "3.11.2"}\n\tat org.apache...',
+     r"their Python /opt/py/bin/python3 \(Python 3\.11\.2\) \(the driver asked for PYSPARK_PYTHON='py'\) cannot "
+     r"import it \(it has pyflowbuf 0\.0\.9 .*\)\. Set PYSPARK_PYTHON"),
+    ('java.io.IOException: Cannot run program "/no/python": error=2, No such file or directory\n\tat ...',
+     r"cannot start their Python '/no/python'.*error=2.*Set PYSPARK_PYTHON"),
+    ("[PYTHON_VERSION_MISMATCH] Python in worker has different version: 3.10 than that in driver: 3.11, PySpark "
+     "cannot run with different minor versions.\n", r"another Python than the driver.*3\.10 than that in driver"),
+])
+def test_what_spark_says_of_the_executors_python_becomes_one_typed_line(text, says):
+    problem = cluster_mod.executor_problem(text, "py")
+    assert isinstance(problem, errors.ExecutorEnvironmentError)
+    assert len(str(problem).splitlines()) == 1 and re.search(says, str(problem)), str(problem)
+
+
+def test_other_spark_errors_are_left_as_they_are():
+    assert cluster_mod.executor_problem("org.apache.spark.SparkException: Job aborted: task lost", "py") is None

@@ -448,8 +448,7 @@ class SparkCluster:
         master, ``local-cluster[n,cores,mem]``, or ``spark.executor.instances``
         with ``spark.executor.cores``; None when they do not."""
         master = self._conf("spark.master", self.sc.master) or ""
-        spark_cpus = max(1, int(self._conf("spark.task.cpus", "1")))
-        per_task = max(self.task_cpus, spark_cpus)
+        per_task = self.task_cpus      # the tasks' own resource profile when it differs from spark.task.cpus
         m = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master)
         if m:
             return int(m.group(1)) * (int(m.group(2)) // per_task)
