@@ -106,6 +106,20 @@ class OutputExistsError(ConfigurationError, FileExistsError):
     ``mode="overwrite"`` or ``mode="append"``, or choose another path."""
 
 
+class ExecutorEnvironmentError(ConfigurationError):
+    """Spark's executors cannot run a ``SparkCluster`` job's tasks: their
+    Python cannot import pyflowbuf (or a dependency of it), has another
+    version of it, or cannot be started. The message names the executors'
+    Python and the fix (``PYSPARK_PYTHON``, or shipping the package)."""
+
+
+class NotEnoughSlotsError(ConfigurationError, TimeoutError):
+    """A ``SparkCluster`` has fewer free task slots than workers (barrier
+    tasks start all at once): the cluster is too small, or its executors did
+    not register within ``start_timeout``. The message names the slots found
+    and needed."""
+
+
 class AlreadyExecutedError(FlowBufError, RuntimeError):
     """An Environment executes its graph once (as Flink's does): a second
     ``execute()``, ``execute_async()`` or ``execute_iter()`` needs a new

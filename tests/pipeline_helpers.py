@@ -9,6 +9,9 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
+
+from pyflowbuf.connectors.sources import SequenceSource
 
 
 def job_threads(job) -> list:
@@ -111,3 +114,49 @@ class FailOnceAfterCheckpoint:
         if fire:
             raise RuntimeError(f"injected failure at call {self.calls}")
         return x
+
+
+# ---- a bounded job that is still running when the test stops it
+
+class HeldSequenceSource(SequenceSource):
+    """``from_sequence(0, n)``'s source (the same identity and positions, so
+    a plain ``from_sequence`` restores from its savepoints) that holds at
+    ``hold_at`` until the file ``release`` exists: there it emits nothing
+    and idles as an unbounded source with nothing new does, so checkpoints
+    and a stop-with-savepoint go on. Each subtask that reached ``hold_at``
+    says so with the file ``release + ".held-<subtask>"``. A test stops the
+    job there, however slow or loaded the machine, instead of racing a
+    timer against the end of the input."""
+
+    def __init__(self, n, hold_at, release):
+        super().__init__(0, n, 1)
+        self.hold_at, self.release = hold_at, release
+
+    def next_batch(self, max_records):
+        if self._ranges is None and not os.path.exists(self.release):
+            if self.next_value >= self.hold_at:
+                marker = f"{self.release}.held-{self.subtask}"
+                if not os.path.exists(marker):
+                    with open(marker, "w"):
+                        pass
+                time.sleep(0.01)
+                return []
+            # never past hold_at in one batch
+            max_records = min(max_records, -(-(self.hold_at - self.next_value) // self.stride))
+        return super().next_batch(max_records)
+
+
+def held_sequence(env, n, *, parallelism, rate_limit, hold_at, release):
+    """A stream like ``env.from_sequence(0, n, parallelism=..., rate_limit=...)``
+    (name, kind, parallelism: the same graph) from a HeldSequenceSource."""
+    return env._source("sequence", lambda: HeldSequenceSource(n, hold_at, release), "int64", rate_limit,
+                       parallelism)
+
+
+def wait_until_held(release, parallelism, job=None, timeout=120):
+    """Until every subtask of a held sequence has reached its hold."""
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(f"{release}.held-{i}") for i in range(parallelism)):
+        assert time.monotonic() < deadline, "the source did not reach its hold"
+        assert job is None or not job.done, "the job ended before its source reached its hold"
+        time.sleep(0.02)

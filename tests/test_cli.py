@@ -69,6 +69,58 @@ def job_source(ckdir, out, *, n, parallelism=2, rate=None, extra="", sink_parall
         """)
 
 
+def watching_job_source(ckdir, out, *, parallelism=2, rate=2000, interval=0.05):
+    """The keyed count of ``job_source`` over the numbers in the text files of
+    ``in/``, a watched directory: the job runs until it is told to stop (the
+    source never ends), so a signal always finds it running, however loaded
+    the machine; with ``END_AFTER`` (seconds) in its environment it ends
+    once no new file has appeared for that long (a resumed run that
+    completes the output)."""
+    return textwrap.dedent(f"""\
+        import os
+        import pyflowbuf as fb
+
+        def count(key, n, state):
+            state["n"] = state.get("n", 0) + 1
+            return [f"{{key}},{{state['n']}}"]
+
+        end_after = os.environ.get("END_AFTER")
+        env = fb.Environment(parallelism={parallelism}, checkpoint_interval={interval}, checkpoint_dir={str(ckdir)!r},
+                             checkpoints_retained=3, buffer_timeout=0.001, segment_size=256)
+        (env.read_text("in", monitor=0.05, monitor_timeout=float(end_after) if end_after else None,
+                       rate_limit={rate!r})
+            .map(int)
+            .key_by(lambda n: n % {KEYS})
+            .process(count)
+            .write_text({str(out)!r}))
+        if __name__ == "__main__":
+            env.execute()
+        """)
+
+
+def feed(directory, numbers, files=4):
+    """Numbers into ``files`` new text files of a watched directory, each
+    whole when it appears (written beside it, then renamed in)."""
+    os.makedirs(directory, exist_ok=True)
+    numbers = list(numbers)
+    for i in range(files):
+        part = numbers[i::files]
+        tmp = os.path.join(os.path.dirname(directory), f".feed-{part[0]}.tmp")
+        with open(tmp, "w") as f:
+            f.write("".join(f"{x}\n" for x in part))
+        os.replace(tmp, os.path.join(directory, f"numbers-{part[0]:08d}.txt"))
+
+
+def wait_for_checkpoint(proc, ckdir, timeout=120):
+    """Until a checkpoint of the running job is complete (its _metadata, in
+    ``ckdir`` or a subdirectory of it), while the process runs."""
+    deadline = time.monotonic() + timeout
+    while not glob.glob(os.path.join(str(ckdir), "**", "chk-*", "_metadata"), recursive=True):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoint completed"
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def clean_imports():
     """Job modules loaded by `run` in this process are forgotten afterwards."""
@@ -209,7 +261,27 @@ def test_incremental_checkpoints_are_listed_shown_and_verified(tmp_path, clean_i
     ``verify`` checks the referenced files too."""
     job = tmp_path / "job_incr.py"
     src = job_source(tmp_path / "ck", tmp_path / "out", n=4000, rate=8000, parallelism=1)
-    job.write_text(src.replace("key_by(lambda n: n % " + str(KEYS) + ")", "key_by(lambda n: n % 40 if n < 400 else 0)"))
+    hold = textwrap.dedent(f"""\
+        import glob, os, re, time
+        since = []
+
+        def hold(n):
+            # from record 400 on only key 0 changes: go slowly until two checkpoints
+            # completed since, so the newest refers to an earlier one's files however
+            # loaded the machine (a bounded job would otherwise race the checkpoint timer)
+            if n >= 400:
+                done = [int(m.group(1)) for p in glob.glob(os.path.join({str(tmp_path / "ck")!r}, "**", "_metadata"),
+                                                           recursive=True)
+                        for m in [re.search(r"chk-(\\d+)", p)] if m]
+                newest = max(done, default=0)
+                if not since:
+                    since.append(newest)
+                if newest < since[0] + 2:
+                    time.sleep(0.002)
+            return n
+        """)
+    job.write_text(hold + src.replace("key_by(lambda n: n % " + str(KEYS) + ")",
+                                      "map(hold).key_by(lambda n: n % 40 if n < 400 else 0)"))
     code, out, err = cli("run", job, "--json")
     assert code == 0, err
     storage = CheckpointStorage(tmp_path / "ck")
@@ -433,17 +505,16 @@ def test_run_twice_the_second_restores_and_the_output_is_exactly_once(tmp_path, 
                          ids=["ctrl-c", "sigterm-workers"])
 def test_ctrl_c_cancels_with_130_and_restore_latest_resumes_exactly_once(tmp_path, sig, code, extra):
     """Through a real `python -m pyflowbuf run`: SIGINT (or SIGTERM) once a
-    checkpoint is complete, then a second run resumes from the latest."""
+    checkpoint is complete, then a second run resumes from the latest. The
+    job watches a directory, so it is still running when the signal comes;
+    the rest of the input arrives after the stop."""
     n = 8000
-    (tmp_path / "job.py").write_text(job_source("ck", "out", n=n, rate=2000))
+    (tmp_path / "job.py").write_text(watching_job_source("ck", "out"))
+    feed(tmp_path / "in", range(n // 2))
     proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--restore", "latest", *extra],
                             cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not glob.glob(str(tmp_path / "ck" / "chk-*" / "_metadata")):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no checkpoint completed"
-            time.sleep(0.05)
+        wait_for_checkpoint(proc, tmp_path / "ck")
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -452,10 +523,11 @@ def test_ctrl_c_cancels_with_130_and_restore_latest_resumes_exactly_once(tmp_pat
     assert proc.returncode == code, err
     assert "cancelled by" in err and "--restore latest" in err and "Traceback" not in err
     interrupted = CheckpointStorage(tmp_path / "ck").latest().checkpoint_id
-    assert len(committed_lines(tmp_path / "out")) < n        # it stopped before the end
+    assert len(committed_lines(tmp_path / "out")) <= n // 2       # it stopped before the rest came
 
+    feed(tmp_path / "in", range(n // 2, n))
     res = subprocess.run([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--restore", "latest", "--json"],
-                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+                         cwd=tmp_path, env=dict(ENV, END_AFTER="1.0"), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert last_json(res.stdout)["restored_from"] == interrupted
     assert committed_lines(tmp_path / "out") == expected_lines(n)
@@ -464,17 +536,15 @@ def test_ctrl_c_cancels_with_130_and_restore_latest_resumes_exactly_once(tmp_pat
 def test_savepoint_on_stop_stops_with_a_savepoint_and_resumes_from_it_exactly_once(tmp_path):
     """Through a real `python -m pyflowbuf run --savepoint-on-stop`: Ctrl-C
     takes a final savepoint instead of cancelling; resuming from it (at
-    another parallelism) completes the output exactly once."""
+    another parallelism) completes the output exactly once. The job watches
+    a directory, so it is still running when Ctrl-C comes."""
     n = 8000
-    (tmp_path / "job.py").write_text(job_source("ck", "out", n=n, rate=2000))
+    (tmp_path / "job.py").write_text(watching_job_source("ck", "out"))
+    feed(tmp_path / "in", range(n // 2))
     proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--savepoint-on-stop", "sp"],
                             cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not glob.glob(str(tmp_path / "ck" / "chk-*" / "_metadata")):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no checkpoint completed"
-            time.sleep(0.05)
+        wait_for_checkpoint(proc, tmp_path / "ck")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -483,10 +553,11 @@ def test_savepoint_on_stop_stops_with_a_savepoint_and_resumes_from_it_exactly_on
     assert proc.returncode == 0, err
     assert "stopped with a savepoint in" in err and "Traceback" not in err
     assert os.path.exists(tmp_path / "sp" / "_metadata")
-    assert len(committed_lines(tmp_path / "out")) < n        # it stopped before the end
+    assert len(committed_lines(tmp_path / "out")) <= n // 2       # it stopped before the rest came
+    feed(tmp_path / "in", range(n // 2, n))
     res = subprocess.run([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--restore", "sp",
                           "--parallelism", "3", "--json"],
-                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+                         cwd=tmp_path, env=dict(ENV, END_AFTER="1.0"), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert last_json(res.stdout)["restored_from"] is not None
     assert committed_lines(tmp_path / "out") == expected_lines(n)
@@ -830,7 +901,11 @@ def test_show_and_verify_take_a_savepoint_directory_with_a_table_per_operator(tm
         .key_by(lambda x: x % 5).reduce(lambda a, b: a + b).uid("sums")
         .sink(lambda r: None).uid("drop"))
     job = env.execute_async()
-    time.sleep(0.4)
+    # until records have reached the reduce (its state is not empty), however slow the machine
+    deadline = time.monotonic() + 120
+    while not any(m.get("records_in", 0) > 0 for task, m in env.metrics().items() if "reduce" in task):
+        assert time.monotonic() < deadline and not job.done, "no record reached the reduce"
+        time.sleep(0.05)
     sp = job.stop(savepoint=str(tmp_path / "sp"))
     data = json.loads(cli("checkpoints", "show", sp, "--json")[1])
     assert data["kind"] == "savepoint" and data["status"] == "complete"

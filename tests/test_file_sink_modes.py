@@ -210,7 +210,8 @@ def test_modes_on_an_fsspec_url_in_one_process(memory_url, sink):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="workers need fork")
 def test_a_memory_url_is_refused_in_worker_processes(memory_url):
-    with pytest.raises(errors.JobFailedError, match="one process's memory"):
+    # before any worker starts (tests/test_worker_locations.py has every sink and source)
+    with pytest.raises(errors.ConfigurationError, match="one process's memory"):
         write("text", memory_url, range(10), 2, workers=2)
 
 

@@ -22,6 +22,7 @@ import pyflowbuf as fb
 from pyflowbuf.checkpoint import SavepointStorage
 from pyflowbuf.errors import ConfigurationError
 from pyflowbuf.checkpoint import keygroups as kg
+from pipeline_helpers import held_sequence, wait_until_held
 from reference_model import ref_stable_hash
 from test_serde import Pipe, read_channel
 
@@ -45,8 +46,14 @@ def per_second_counts(keyed):
     return keyed.process(per_second, on_timer=fire).uid("seconds")
 
 
-def keyed_job(env, p, n, out, rate, kinds=("reduce", "timers", "window")):
-    src = env.from_sequence(0, n, parallelism=p, rate_limit=rate).uid("numbers")
+def keyed_job(env, p, n, out, rate, kinds=("reduce", "timers", "window"), hold=None):
+    """``hold=(hold_at, release)``: the source holds at ``hold_at`` until the
+    file ``release`` exists (pipeline_helpers.HeldSequenceSource), so the test
+    stops or savepoints a job that is still running."""
+    if hold is None:
+        src = env.from_sequence(0, n, parallelism=p, rate_limit=rate).uid("numbers")
+    else:
+        src = held_sequence(env, n, parallelism=p, rate_limit=rate, hold_at=hold[0], release=hold[1]).uid("numbers")
     keyed = (src.map(lambda x: (x % KEYS, x / 100.0, 1))
              .assign_timestamps(lambda r: r[1]).uid("event-time")
              .key_by(lambda r: r[0]))
@@ -101,11 +108,13 @@ def committed(out) -> collections.Counter:
 
 
 def run_stop_resume(tmp, p1, p2, n, stop_after, rate, kinds=("reduce", "timers", "window")):
+    """``stop_after``: the fraction of the input read when the job is stopped."""
     out, ck, sp = os.path.join(tmp, "out"), os.path.join(tmp, "ck"), os.path.join(tmp, "sp")
+    release = os.path.join(tmp, "release")
     env = fb.Environment(parallelism=p1, checkpoint_interval=0.1, checkpoint_dir=ck)
-    keyed_job(env, p1, n, out, rate, kinds)
+    keyed_job(env, p1, n, out, rate, kinds, hold=(int(n * stop_after), release))
     job = env.execute_async()
-    time.sleep(stop_after)
+    wait_until_held(release, p1, job)
     path = job.stop(savepoint=sp)
     assert job.stopped_with_savepoint is not None
     env2 = fb.Environment(parallelism=p2, checkpoint_interval=0.1, checkpoint_dir=ck)
@@ -128,11 +137,13 @@ def test_a_keyed_job_resumed_at_another_parallelism_commits_each_result_once(tmp
 def test_a_savepoint_taken_while_running_restores_at_more_subtasks(tmp_path):
     """job.savepoint() leaves the job running; its state restores at 4."""
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    release = str(tmp_path / "release")
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=ck)
-    keyed_job(env, 2, 2000, out, rate=4000, kinds=("reduce",))
+    keyed_job(env, 2, 2000, out, rate=4000, kinds=("reduce",), hold=(1000, release))
     job = env.execute_async()
-    time.sleep(0.3)
+    wait_until_held(release, 2, job)
     sp = job.savepoint(str(tmp_path / "sp"))
+    open(release, "w").close()      # the job reads on to the end
     job.join(60)
     meta = SavepointStorage(sp).latest()
     assert meta.properties["savepoint"] is True
@@ -150,11 +161,13 @@ def test_a_savepoint_taken_while_running_restores_at_more_subtasks(tmp_path):
 
 def test_a_restore_at_fewer_subtasks_removes_what_the_gone_subtasks_wrote_after_it(tmp_path):
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    release = str(tmp_path / "release")
     env = fb.Environment(parallelism=4, checkpoint_interval=0.05, checkpoint_dir=ck)
-    keyed_job(env, 4, 3000, out, rate=6000, kinds=("reduce",))
+    keyed_job(env, 4, 3000, out, rate=6000, kinds=("reduce",), hold=(1500, release))
     job = env.execute_async()
-    time.sleep(0.25)
+    wait_until_held(release, 4, job)
     sp = job.savepoint(str(tmp_path / "sp"))
+    open(release, "w").close()      # the job reads on to the end
     job.join(60)
     assert committed(out) == expected(3000, kinds=("reduce",))
     env2 = fb.Environment(parallelism=1, checkpoint_interval=0.1, checkpoint_dir=ck)
@@ -166,9 +179,10 @@ def test_a_restore_at_fewer_subtasks_removes_what_the_gone_subtasks_wrote_after_
 def test_changing_max_parallelism_is_refused(tmp_path):
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=ck)
-    keyed_job(env, 2, 2000, out, rate=4000, kinds=("reduce",))
+    release = str(tmp_path / "release")
+    keyed_job(env, 2, 2000, out, rate=4000, kinds=("reduce",), hold=(1000, release))
     job = env.execute_async()
-    time.sleep(0.2)
+    wait_until_held(release, 2, job)
     sp = job.stop(savepoint=str(tmp_path / "sp"))
     env2 = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=ck, max_parallelism=256)
     keyed_job(env2, 2, 2000, out, rate=None, kinds=("reduce",))
@@ -230,10 +244,11 @@ def test_key_groups_in_bulk_match_the_pure_python_hash(keys, maxp):
 def test_workers_stop_with_savepoint_and_resume_at_another_parallelism(tmp_path):
     """With workers=2 each worker process restores its own subtasks' key groups."""
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    release = str(tmp_path / "release")
     env = fb.Environment(parallelism=2, workers=2, checkpoint_interval=0.1, checkpoint_dir=ck)
-    keyed_job(env, 2, 4000, out, rate=3000)
+    keyed_job(env, 2, 4000, out, rate=3000, hold=(2000, release))
     job = env.execute_async()
-    time.sleep(1.0)
+    wait_until_held(release, 2, job)
     sp = job.stop(savepoint=str(tmp_path / "sp"))
     assert sum(committed(out).values()) < sum(expected(4000).values())
     env2 = fb.Environment(parallelism=3, workers=2, checkpoint_interval=0.1, checkpoint_dir=ck)
@@ -300,21 +315,28 @@ def test_a_monitored_directory_resumes_at_another_parallelism(tmp_path):
     their owners at the new parallelism; every line is read once."""
     src = tmp_path / "in"
     src.mkdir()
-    for i in range(8):
-        (src / f"f{i}.txt").write_text("".join(f"{i}-{j}\n" for j in range(400)))
 
-    def build(p, rate):
+    def files(ids):
+        for i in ids:
+            (src / f"f{i}.txt").write_text("".join(f"{i}-{j}\n" for j in range(400)))
+
+    def build(p, rate, end_after):
         env = fb.Environment(parallelism=p, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
-        out = (env.read_text(str(src), monitor=0.05, monitor_timeout=0.5, parallelism=p, rate_limit=rate)
+        out = (env.read_text(str(src), monitor=0.05, monitor_timeout=end_after, parallelism=p, rate_limit=rate)
                   .uid("lines").key_by(lambda line: line.split("-")[0])
                   .reduce(lambda a, b: b).uid("last").collect())
         return env, out
 
-    env, o1 = build(2, 2000)
+    files(range(4))
+    env, o1 = build(2, 2000, None)      # watching without an end: running until stopped
     job = env.execute_async()
-    time.sleep(0.6)
+    deadline = time.monotonic() + 120
+    while not any(m.get("records_in", 0) > 0 for task, m in env.metrics().items() if "reduce" in task):
+        assert time.monotonic() < deadline and not job.done, "no line reached the reduce"
+        time.sleep(0.05)
     sp = job.stop(savepoint=str(tmp_path / "sp"))
-    env, o2 = build(3, None)
+    files(range(4, 8))                  # the rest comes while the job is stopped
+    env, o2 = build(3, None, 0.5)
     env.execute(60, restore_from=sp)
     lines = o1.result + o2.result
     assert o1.result and o2.result

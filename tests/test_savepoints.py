@@ -14,12 +14,22 @@ import pytest
 import pyflowbuf as fb
 from pyflowbuf.checkpoint import CheckpointStateError, CheckpointStorage, SavepointStorage
 from pyflowbuf.errors import ConfigurationError
+from pipeline_helpers import held_sequence, wait_until_held
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
-def parquet_job(env, n, out, rate, p=2):
-    (env.from_sequence(0, n, parallelism=p, rate_limit=rate).uid("numbers")
+def _numbers(env, n, p, rate, hold):
+    """``hold=(hold_at, release)``: the source holds at ``hold_at`` until the
+    file ``release`` exists (pipeline_helpers.HeldSequenceSource), so the
+    test stops or savepoints a job that is still running."""
+    if hold is None:
+        return env.from_sequence(0, n, parallelism=p, rate_limit=rate)
+    return held_sequence(env, n, parallelism=p, rate_limit=rate, hold_at=hold[0], release=hold[1])
+
+
+def parquet_job(env, n, out, rate, p=2, hold=None):
+    (_numbers(env, n, p, rate, hold).uid("numbers")
         .map(lambda x: {"key": x % 11, "x": x})
         .key_by(lambda r: r["key"])
         .reduce(lambda a, b: {"key": a["key"], "x": b["x"], "n": a.get("n", 1) + 1}).uid("counts")
@@ -41,9 +51,10 @@ def test_stop_with_savepoint_then_resume_loses_and_duplicates_nothing(tmp_path):
     n = 8000
     out, ck, sp = str(tmp_path / "out"), str(tmp_path / "ck"), str(tmp_path / "sp")
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=ck)
-    parquet_job(env, n, out, rate=4000)
+    release = str(tmp_path / "release")
+    parquet_job(env, n, out, rate=4000, hold=(n // 2, release))
     job = env.execute_async()
-    time.sleep(0.5)
+    wait_until_held(release, 2, job)
     assert job.stop(savepoint=sp) == sp
     assert job.done and job.stopped_with_savepoint is not None
     first = read_parquet_dir(out)
@@ -60,17 +71,18 @@ def test_stop_with_savepoint_then_resume_loses_and_duplicates_nothing(tmp_path):
     assert {k: sorted(v) for k, v in per_key.items()} == {k: list(range(1, c + 1)) for k, c in want.items()}
 
 
-def counting(env, n, p, rate):
-    return (env.from_sequence(0, n, parallelism=p, rate_limit=rate).uid("numbers")
+def counting(env, n, p, rate, hold=None):
+    return (_numbers(env, n, p, rate, hold).uid("numbers")
                .map(lambda x: (x % 7, 1)).key_by(lambda kv: kv[0])
                .reduce(lambda a, b: (a[0], a[1] + b[1])).uid("counts").collect())
 
 
 def test_a_savepoint_copied_elsewhere_restores(tmp_path):
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
-    out1 = counting(env, 3000, 2, 3000)
+    release = str(tmp_path / "release")
+    out1 = counting(env, 3000, 2, 3000, hold=(1500, release))
     job = env.execute_async()
-    time.sleep(0.4)
+    wait_until_held(release, 2, job)
     sp = job.stop(savepoint=str(tmp_path / "sp"))
     moved = str(tmp_path / "elsewhere" / "my-savepoint")
     shutil.copytree(sp, moved)
@@ -112,11 +124,18 @@ def test_savepoints_show_in_the_history_and_survive_retention(tmp_path):
     ck = str(tmp_path / "ck")
     env = fb.Environment(parallelism=2, checkpoint_interval=0.05, checkpoint_dir=ck, checkpoints_retained=1,
                          checkpoint_alignment="unaligned", alignment_timeout=0)
-    counting(env, 4000, 2, 8000)
+    release = str(tmp_path / "release")
+    counting(env, 4000, 2, 8000, hold=(2000, release))
     job = env.execute_async()
-    time.sleep(0.2)
+    wait_until_held(release, 2, job)
     sp = job.savepoint()                    # default: under checkpoint_dir/savepoints
     assert sp.startswith(os.path.join(ck, "savepoints") + os.sep)
+    # checkpoints go on while the source holds; then it reads on to the end
+    deadline = time.monotonic() + 120
+    while sum(1 for c in env.checkpoints() if not c["savepoint"] and c["status"] == "completed") < 2:
+        assert time.monotonic() < deadline, "fewer than 2 checkpoints completed"
+        time.sleep(0.05)
+    open(release, "w").close()
     job.join(60)
     history = env.checkpoints()
     sps = [c for c in history if c["savepoint"]]

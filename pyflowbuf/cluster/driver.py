@@ -52,6 +52,7 @@ from pyflowbuf.net import new_secret
 from pyflowbuf.runtime import checkpointing as ckpt
 from pyflowbuf.connectors import filesystems as fsx
 from pyflowbuf.runtime import jobdir
+from pyflowbuf.cluster.locations import check_shared_locations
 from pyflowbuf.runtime import restore as restore_mod
 from pyflowbuf.connectors import outputs as sink_outputs
 from pyflowbuf.runtime.deployment import check_output_pools
@@ -347,6 +348,7 @@ def check_every_process(env, vertices, edges, workers) -> None:
         raise errors.ConfigurationError(
             f"checkpoint_dir {os.fspath(directory)!r} is in one process's memory, and this job's tasks run in "
             f"{workers} other processes: use a directory every process reaches (a local path, file://, s3://, ...)")
+    check_shared_locations(env, workers)
 
 
 class CollectedRecords:

@@ -19,7 +19,9 @@ How one attempt runs:
 3. each task starts a ``NetworkServer`` on its executor's address, connects
    to the driver, announces the server, receives every worker's address and
    the checkpoint to restore, and runs its share of the job
-   (``pyflowbuf.cluster.driver.run_worker``);
+   (``pyflowbuf.cluster.driver.run_worker``). The task's function is shipped by value and imports pyflowbuf before
+   it unpickles the job: executors whose Python lacks it fail the first
+   attempt with ``ExecutorEnvironmentError`` naming that Python and the fix;
 4. a failure (a task's error, or a control channel that closes early: a
    lost executor or Python worker) cancels the attempt's Spark job by its
    tag; the driver restores the latest complete checkpoint in a new attempt
@@ -27,7 +29,10 @@ How one attempt runs:
 
 Before anything is submitted the driver refuses, each with a
 ``ConfigurationError`` naming the setting: dynamic allocation, more workers
-than free task slots, Spark network encryption without
+than free task slots (``NotEnoughSlotsError``, after waiting up to
+``start_timeout`` for executors that register), a function of the job that
+cannot be pickled (naming its operator and the variable at fault), Spark
+network encryption without
 ``allow_unencrypted=True`` (the exchange authenticates but does not
 encrypt), a local checkpoint, sink or source path (not an fsspec URL) with a
 master whose executors may run on other hosts, and a ``memory://`` location
@@ -35,28 +40,37 @@ master whose executors may run on other hosts, and a ``memory://`` location
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import io
+import json
+import logging
 import os
+import re
 import socket
 import sys
+import sysconfig
 import threading
 import time
+import types
 import uuid
 
 from pyflowbuf import errors
+from pyflowbuf._version import __version__
 from pyflowbuf.api import Environment
 from pyflowbuf.config import MetricsConfig
 from pyflowbuf.cluster.control_channel import ControlListener, connect_control
 from pyflowbuf.net.protocol import new_secret
 from pyflowbuf.connectors import filesystems as fsx
+from pyflowbuf.cluster.locations import file_locations
 from pyflowbuf.cluster.driver import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution
 from pyflowbuf.cluster.worker import run_worker
 
-# how long the pre-submit check waits for executors to register (a session
-# just started has none yet) before it counts the free slots
-SLOTS_WAIT_S = 10.0
+log = logging.getLogger("pyflowbuf.spark")
+
+# while the driver waits for executors to register: a log line this often
+SLOTS_PROGRESS_S = 5.0
 # after cancelJobsWithTag: how long the driver waits for Spark to end the job
 CANCEL_WAIT_S = 30.0
 # what of Spark's error message goes into a worker's failure
@@ -107,16 +121,214 @@ def _local_master(master: str) -> bool:
     return master.startswith("local")
 
 
-def _locations(env):
-    """(what, location) of every file location the job's tasks reach: the
-    checkpoint directory, the file sinks' directories, the file sources' paths."""
-    if env.checkpoint_config.directory is not None:
-        yield "checkpoint_dir", os.fspath(env.checkpoint_config.directory)
-    for node in env.nodes:
-        if node.file_output is not None:
-            yield f"sink {node.name!r}", node.file_output.path
-        for p in getattr(node, "input_paths", None) or ():
-            yield f"source {node.name!r}", p
+# ---- what runs first on an executor
+
+# The barrier task's function, compiled here under a module name no executor
+# can import, so that cloudpickle ships it by value: it runs on an executor
+# whose Python lacks pyflowbuf, and says so (with that Python) instead of
+# failing inside Spark's unpickling of the task, 60 lines down a Py4J trace.
+_ENTRY_SOURCE = """
+def barrier_task(payload, driver_version, marker):
+    def run(iterator):
+        import json, pickle, sys
+        problem = None
+        try:
+            import pyflowbuf
+            found = getattr(pyflowbuf, "__version__", None)
+            if found != driver_version:
+                problem = {"error": "it has pyflowbuf %s at %s, the driver %s" % (
+                    found, getattr(pyflowbuf, "__file__", "?"), driver_version)}
+            else:
+                task = pickle.loads(payload)
+        except ImportError as exc:
+            problem = {"error": "%s: %s" % (type(exc).__name__, exc)}
+        if problem is not None:
+            problem.update(python=sys.executable, version=sys.version.split()[0])
+            raise RuntimeError(marker + json.dumps(problem))
+        return task(iterator)
+    return run
+"""
+_ENTRY_MODULE = "pyflowbuf_spark_task_entry"     # never importable: by value
+_ENTRY_MARKER = "pyflowbuf executor check: "
+
+
+def _entry_function():
+    namespace = {"__name__": _ENTRY_MODULE}
+    exec(compile(_ENTRY_SOURCE, f"<{_ENTRY_MODULE}>", "exec"), namespace)  # noqa: S102 - our own constant source
+    return namespace["barrier_task"]
+
+
+def task_function(task, dumps=None):
+    """The function Spark runs in each barrier task: ``task`` (pickled here,
+    loaded on the executor once pyflowbuf imports there)."""
+    if dumps is None:
+        dumps = _spark_dumps()
+    return _entry_function()(dumps(task), __version__, _ENTRY_MARKER)
+
+
+def _spark_dumps():
+    from pyspark import cloudpickle
+
+    return cloudpickle.dumps
+
+
+def executor_problem(text: str, python_exec: str | None = None):
+    """An ExecutorEnvironmentError when Spark's error ``text`` says the
+    executors' Python cannot run pyflowbuf's tasks; else None."""
+    driver_python = f" (the driver asked for PYSPARK_PYTHON={python_exec!r})" if python_exec else ""
+    fix = ("Set PYSPARK_PYTHON, before the SparkSession starts, to a Python that has pyflowbuf and its "
+           "dependencies (numpy, fsspec, msgpack; pyarrow for Arrow jobs) on every executor host, or ship the package "
+           "with the job: spark.submit.pyFiles / sc.addPyFile of a pyflowbuf wheel built for the executors' "
+           "platform, or spark.archives of a conda-pack or venv-pack archive with PYSPARK_PYTHON pointing "
+           "into it (docs/spark-cluster.md, \"Troubleshooting\")")
+    m = re.search(re.escape(_ENTRY_MARKER) + r"(\{.*?\})\s*$", text, re.M)
+    if m:
+        try:
+            found = json.loads(m.group(1))
+        except ValueError:
+            found = {}
+        return errors.ExecutorEnvironmentError(
+            f"Spark's executors cannot run pyflowbuf: their Python {found.get('python', '?')} "
+            f"(Python {found.get('version', '?')}){driver_python} cannot import it "
+            f"({found.get('error', '?')}). {fix}")
+    m = re.search(r"Cannot run program \"([^\"]*)\"[^\n]*", text)
+    if m:
+        return errors.ExecutorEnvironmentError(
+            f"Spark's executors cannot start their Python {m.group(1)!r}{driver_python}: {m.group(0)}. {fix}")
+    m = re.search(r"Python in worker has different version[^\n]*", text)
+    if m:
+        return errors.ExecutorEnvironmentError(
+            f"Spark's executors run another Python than the driver{driver_python}: {m.group(0)}. {fix}")
+    return None
+
+
+# ---- functions that cannot travel to the executors
+
+def _global_names(code):
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _parts(obj):
+    """(how it is reached, object) of what pickling ``obj`` pickles too."""
+    if isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        for name, cell in zip(code.co_freevars, obj.__closure__ or ()):
+            try:
+                yield f"closure variable {name!r}", cell.cell_contents
+            except ValueError:      # an empty cell
+                pass
+        for name in sorted(_global_names(code)):
+            if name in obj.__globals__ and not isinstance(obj.__globals__[name], types.ModuleType):
+                yield f"global {name!r}", obj.__globals__[name]
+        for i, value in enumerate(obj.__defaults__ or ()):
+            yield f"default argument {i}", value
+        for name, value in (obj.__kwdefaults__ or {}).items():
+            yield f"default of {name!r}", value
+    elif isinstance(obj, types.MethodType):
+        yield "its object (self)", obj.__self__
+        yield "its function", obj.__func__
+    elif isinstance(obj, functools.partial):
+        yield "its function", obj.func
+        for i, value in enumerate(obj.args):
+            yield f"argument {i}", value
+        for name, value in obj.keywords.items():
+            yield f"argument {name!r}", value
+    elif isinstance(obj, dict):
+        for k, value in list(obj.items())[:1000]:
+            yield f"item {k!r}", value
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for i, value in enumerate(list(obj)[:1000]):
+            yield f"item {i}", value
+    elif not isinstance(obj, (type, types.ModuleType)) and isinstance(getattr(obj, "__dict__", None), dict) \
+            and not _library_object(obj):
+        for name, value in list(vars(obj).items()):
+            yield f"attribute {name!r}", value
+
+
+def _library_object(obj) -> bool:
+    """An object of an installed library or the standard library (a
+    SparkSession, a socket): named as it is, not taken apart."""
+    module = sys.modules.get(type(obj).__module__)
+    path = os.path.realpath(getattr(module, "__file__", None) or "")
+    if not path or (type(obj).__module__ or "").startswith("pyflowbuf"):
+        return False
+    paths = sysconfig.get_paths()
+    roots = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    return any(path.startswith(root + os.sep) for root in roots)
+
+
+def _pickle_error(obj, dumps):
+    try:
+        dumps(obj)
+    except Exception as exc:  # noqa: BLE001 - whatever pickling raises is the answer
+        return exc
+    return None
+
+
+def _describe_function(fn) -> str:
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
+
+def _user_code(obj) -> bool:
+    module = getattr(obj, "__module__", None) or ""
+    return not (module == "pyflowbuf" or module.startswith("pyflowbuf."))
+
+
+def unpicklable(nodes, dumps):
+    """ConfigurationError naming the first operator of ``nodes`` with a
+    function that cannot be pickled for the executors, the function, the
+    variable it reaches that is at fault and the fix; None if all pickle."""
+    for node in nodes:
+        parts = [("its key_by function", inp.key_fn) for inp in node.inputs if inp.key_fn is not None]
+        parts += [(f"its {name}", value) for name, value in vars(node).items()
+                  if name not in ("inputs", "consumers", "collect_parts")]
+        for what, value in parts:
+            exc = _pickle_error(value, dumps)
+            if exc is None:
+                continue
+            path, obj, seen = [(what, value)], value, {id(value)}
+            while len(path) < 12:
+                for how, part in _parts(obj):
+                    if id(part) in seen:
+                        continue
+                    seen.add(id(part))
+                    inner = _pickle_error(part, dumps)
+                    if inner is not None:
+                        path.append((how, part))
+                        obj, exc = part, inner
+                        break
+                else:
+                    break
+            return errors.ConfigurationError(_unpicklable_text(node, path, exc))
+    return None
+
+
+def _unpicklable_text(node, path, exc):
+    # the user's function nearest the culprit, and how it reaches it
+    fn_at = max((i for i, (_, o) in enumerate(path[:-1])
+                 if callable(o) and hasattr(o, "__code__") and _user_code(o)), default=None)
+    culprit = path[-1][1]
+    kind = f"{type(culprit).__module__}.{type(culprit).__qualname__}".replace("builtins.", "")
+    if fn_at is not None:
+        fn = path[fn_at][1]
+        what = "its key_by function" if path[0][0] == "its key_by function" and fn_at == 0 else "its function"
+        via = " -> ".join(how for how, _ in path[fn_at + 1:])
+        where = f"{what} {_describe_function(fn)}: {via} holds a {kind}"
+    else:
+        where = " -> ".join(how for how, _ in path) + f" holds a {kind}"
+    spark = "pyspark" in kind.lower() or "py4j" in kind.lower()
+    fix = ("a SparkSession, SparkContext or DataFrame exists only in the driver: use its data instead "
+           "(collect() it, or broadcast a value), not the object" if spark else
+           "create such an object inside the function or in an operator's open() (on the executor), "
+           "or pass plain values (numbers, strings, lists, dicts)")
+    return (f"operator {node.name!r} cannot be shipped to Spark's executors: {where}, which cannot be "
+            f"pickled ({type(exc).__name__}: {exc}); {fix}")
 
 
 class SparkCluster:
@@ -133,7 +345,9 @@ class SparkCluster:
         executors and the driver's control listener may take (for firewalls);
         None: any free port.
     start_timeout : seconds for every worker task to start and report to the
-        driver; after a failure, for the new attempt to start.
+        driver; after a failure, for the new attempt to start. Also how long
+        the driver waits for enough free task slots (executors that are still
+        registering) before it gives up with ``NotEnoughSlotsError``.
     allow_unencrypted : run although Spark's network encryption is on
         (pyflowbuf's exchange authenticates each connection but does not
         encrypt the records).
@@ -198,7 +412,7 @@ class SparkCluster:
                         "SparkCluster(..., allow_unencrypted=True) if the records may cross the network "
                         "in the clear")
         master = self._conf("spark.master", self.sc.master)
-        for what, location in _locations(env):
+        for what, location in file_locations(env):
             if fsx.is_process_local(location):
                 raise errors.ConfigurationError(
                     f"{what}: {location!r} is in the driver's memory (memory://), and the Spark tasks run in "
@@ -228,17 +442,61 @@ class SparkCluster:
             running += int(info.numRunningTasks())
         return slots - running * max(1, self.task_cpus // spark_cpus)
 
+    def expected_slots(self) -> int | None:
+        """The task slots (for tasks of ``task_cpus`` cores) the cluster has
+        once all its executors registered, where the settings say: a local
+        master, ``local-cluster[n,cores,mem]``, or ``spark.executor.instances``
+        with ``spark.executor.cores``; None when they do not."""
+        master = self._conf("spark.master", self.sc.master) or ""
+        per_task = self.task_cpus      # the tasks' own resource profile when it differs from spark.task.cpus
+        m = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master)
+        if m:
+            return int(m.group(1)) * (int(m.group(2)) // per_task)
+        m = re.fullmatch(r"local(?:\[\s*(\d+|\*)\s*(?:,\s*\d+\s*)?\])?", master)
+        if m:
+            cores = m.group(1)
+            cores = 1 if cores is None else (os.cpu_count() or 1) if cores == "*" else int(cores)
+            return cores // per_task
+        instances, cores = self._conf("spark.executor.instances"), self._conf("spark.executor.cores")
+        if instances and cores and instances.isdigit() and cores.isdigit():
+            return int(instances) * (int(cores) // per_task)
+        return None
+
     def _check_slots(self) -> None:
-        deadline = time.monotonic() + min(SLOTS_WAIT_S, self.start_timeout)
+        expected = self.expected_slots()
+        if expected is not None and expected < self.workers:
+            master = self._conf("spark.master", self.sc.master)
+            raise errors.NotEnoughSlotsError(
+                f"SparkCluster(workers={self.workers}): the cluster (master {master!r}) has {expected} task "
+                f"slots for tasks of task_cpus={self.task_cpus}, and all workers must run at once (barrier "
+                "tasks); lower workers, or give the session more executors or spark.executor.cores")
+        self.wait_for_slots("the job cannot start")
+
+    def wait_for_slots(self, what: str) -> None:
+        """Until ``workers`` task slots are free: the executors of a session
+        just started, or of a real cluster, register one by one, and a lost
+        one comes back. Waits up to ``start_timeout``, logging its progress;
+        then NotEnoughSlotsError naming the slots found and needed."""
+        started = time.monotonic()
+        deadline = started + self.start_timeout
+        next_log = started + SLOTS_PROGRESS_S
         free = self.free_slots()
-        while free < self.workers and time.monotonic() < deadline:
-            time.sleep(0.25)        # executors of a session just started are still registering
+        while free < self.workers:
+            now = time.monotonic()
+            if now >= deadline:
+                raise errors.NotEnoughSlotsError(
+                    f"SparkCluster(workers={self.workers}): {what}: the cluster has {max(free, 0)} free task "
+                    f"slots for tasks of task_cpus={self.task_cpus} and needs {self.workers} (barrier tasks "
+                    f"start all at once); no more executors registered or became free within start_timeout="
+                    f"{self.start_timeout:g} s. Give the executors longer (SparkCluster(start_timeout=...)), "
+                    "lower workers, or give the session more executors or spark.executor.cores")
+            if now >= next_log:
+                log.info("SparkCluster(workers=%d): waiting for executors: %d of %d task slots free after "
+                         "%.0f s (start_timeout=%g s)", self.workers, max(free, 0), self.workers, now - started,
+                         self.start_timeout)
+                next_log = now + SLOTS_PROGRESS_S
+            time.sleep(0.25)
             free = self.free_slots()
-        if free < self.workers:
-            raise errors.ConfigurationError(
-                f"SparkCluster(workers={self.workers}): the cluster has {max(free, 0)} free task slots for "
-                f"tasks of task_cpus={self.task_cpus}, and all workers must run at once (barrier tasks); "
-                "lower workers, or give the session more executors or spark.executor.cores")
 
 
 class _TaskSpec:
@@ -400,12 +658,20 @@ class SparkLauncher:
         self._thread = None
         self._tag = None
         self._error = None              # the Spark job's error, as text
+        self._problem = None            # an ExecutorEnvironmentError read from that error
         self._lost_reported = False
         self._lock = threading.Lock()
         self._relays: list = []         # (output channel, thread) of the current attempt's workers
 
     def check(self, execution):
         self.cluster.check(self.env)
+        # the job travels pickled in the tasks' closure: a function that cannot
+        # be pickled is named here, with its operator, before anything is submitted
+        dumps = _spark_dumps()
+        exc = _pickle_error(self.description, dumps)
+        if exc is not None:
+            raise unpicklable(self.env.nodes, dumps) or errors.ConfigurationError(
+                f"the job cannot be pickled for Spark's executors: {type(exc).__name__}: {exc}")
 
     # ---- one attempt ----
     def _driver_host(self) -> str:
@@ -430,16 +696,8 @@ class SparkLauncher:
     def _wait_for_slots(self, attempt):
         """After a failure the lost executor may still be coming back: a
         barrier job submitted without the slots would fail (or wait) in Spark."""
-        deadline = time.monotonic() + self.start_timeout
-        free = self.cluster.free_slots()
-        while free < self.workers:
-            if time.monotonic() >= deadline:
-                raise errors.FlowBufError(
-                    f"attempt {attempt} cannot start: the cluster has {max(free, 0)} free task slots for "
-                    f"{self.workers} workers, and no executor came back within start_timeout="
-                    f"{self.start_timeout} s")
-            time.sleep(0.25)
-            free = self.cluster.free_slots()
+        self.cluster.wait_for_slots(f"attempt {attempt} cannot start (no executor came back within "
+                                    f"start_timeout={self.start_timeout:g} s)")
 
     def launch(self, execution, attempt) -> dict:
         if attempt > 0:
@@ -455,6 +713,7 @@ class SparkLauncher:
         self._tag = tag
         self.attempts.append(tag)
         self._error = None
+        self._problem = None
         self._lost_reported = False
         self.tasks = {}
         self._thread = threading.Thread(target=self._run_spark_job, args=(spec, tag, attempt),
@@ -465,6 +724,8 @@ class SparkLauncher:
             deadline = time.monotonic() + self.start_timeout
             while len(conns) < self.workers:
                 if not self._thread.is_alive():
+                    if self._problem is not None:
+                        raise self._problem
                     raise errors.JobFailedError(
                         f"the Spark job of attempt {attempt} ended before all {self.workers} workers started: "
                         f"{self._error or 'no error reported'}")
@@ -537,6 +798,7 @@ class SparkLauncher:
             self.submit(spec)
         except BaseException as exc:  # noqa: BLE001 - the driver reports it with the workers' failure
             text = str(exc)
+            self._problem = executor_problem(text, getattr(sc, "pythonExec", None))
             if len(text) > SPARK_ERROR_LIMIT:
                 text = text[:SPARK_ERROR_LIMIT] + "\n[... cut]"
             self._error = f"{type(exc).__name__}: {text}"
@@ -557,7 +819,7 @@ class SparkLauncher:
 
             profile = ResourceProfileBuilder().require(TaskResourceRequests().cpus(self.cluster.task_cpus)).build
             rdd = rdd.withResources(profile)
-        rdd.barrier().mapPartitions(spec).collect()
+        rdd.barrier().mapPartitions(task_function(spec)).collect()
 
     def exit_report(self, w):
         """Why worker ``w`` closed its control channel without a word: a lost

@@ -86,6 +86,9 @@ def _fails_once(marker: str, checkpoint_dir: str):
                 with open(marker, "w") as f:
                     f.write(repr(record))
                 raise RuntimeError("injected failure (the demo fails this task once)")
+            # no checkpoint yet (a loaded machine): go slowly until one is
+            # there, so that the failure comes before the job ends
+            time.sleep(0.005)
         return record
     return fn
 

@@ -27,7 +27,7 @@ from pyflowbuf.api import Environment
 from pyflowbuf.cluster.driver import ClusterExecution
 from pyflowbuf.connectors.sources import Source
 from pyflowbuf.spark._schema import conform_batch, resolve_schema, session_timezone
-from pyflowbuf.spark.cluster import SparkCluster, SparkLauncher, run_barrier_task
+from pyflowbuf.spark.cluster import SparkCluster, SparkLauncher, run_barrier_task, task_function
 
 # partition iterators handed from a Spark task to its source subtask, by
 # (job key, subtask); an entry lives only while its task runs
@@ -118,7 +118,8 @@ class DataflowLauncher(SparkLauncher):
         self.key = key
 
     def submit(self, spec):
-        self.df.mapInArrow(_DataflowTask(spec, self.key), "pyflowbuf_worker_pid long", barrier=True).collect()
+        self.df.mapInArrow(task_function(_DataflowTask(spec, self.key)), "pyflowbuf_worker_pid long",
+                           barrier=True).collect()
 
 
 class _DataflowCluster(SparkCluster):
