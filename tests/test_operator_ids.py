@@ -21,6 +21,7 @@ import pyflowbuf as fb
 from pyflowbuf.cli.checkpoints import open_target, show
 from pyflowbuf.checkpoint import IncompatibleCheckpointError
 from pyflowbuf.errors import ConfigurationError, OperatorIdWarning
+from pipeline_helpers import held_sequence, wait_until_held
 
 N = 3000
 KEYS = 7
@@ -28,8 +29,10 @@ DATA = pathlib.Path(__file__).parent / "data"
 
 
 def counting_job(env, *, extra_filter=False, map_name="pair", sums=False, uid_counts=True, sums_uid="sums",
-                 p=2, rate=3000, collect_uid="out"):
-    s = env.from_sequence(0, N, parallelism=p, rate_limit=rate).uid("numbers")
+                 p=2, rate=3000, collect_uid="out", hold=None):
+    # hold: (value, release file): the first run's source holds there until stopped (held_sequence)
+    s = (env.from_sequence(0, N, parallelism=p, rate_limit=rate) if hold is None else
+         held_sequence(env, N, parallelism=p, rate_limit=rate, hold_at=hold[0], release=hold[1])).uid("numbers")
     if extra_filter:
         s = s.filter(lambda x: True, name="keep-all")
     pairs = s.map(lambda x: (x % KEYS, 1), name=map_name)
@@ -57,9 +60,10 @@ def check_exactly_once(records):
 def first_run(tmp_path, chaining=True, **kw):
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"),
                          chaining=chaining)
-    out, extra = counting_job(env, **kw)
+    release = str(tmp_path / "release")
+    out, extra = counting_job(env, hold=(N // 3, release), **kw)
     job = env.execute_async()
-    time.sleep(0.4)
+    wait_until_held(release, kw.get("p", 2), job)
     path = job.stop(savepoint=str(tmp_path / "sp"))
     assert len(out.result) < N, "the first run should stop before its end"
     return path, out, extra
@@ -148,10 +152,12 @@ def test_a_reduce_inserted_before_a_reduce_without_uids_is_refused(tmp_path):
     took the old one's derived id ("reduce#0") and its sums: results 200
     times too large, with a warning only. Now the old state is refused."""
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
-    pairs = env.from_sequence(0, N, parallelism=2, rate_limit=3000).map(lambda x: (x % KEYS, 1))
+    release = str(tmp_path / "release")
+    pairs = held_sequence(env, N, parallelism=2, rate_limit=3000, hold_at=N // 3, release=release)
+    pairs = pairs.map(lambda x: (x % KEYS, 1))
     pairs.key_by(lambda kv: kv[0]).reduce(lambda a, b: (a[0], a[1] + b[1])).collect()
     job = env.execute_async()
-    time.sleep(0.4)
+    wait_until_held(release, 2, job)
     path = job.stop(savepoint=str(tmp_path / "sp"))
     env = second_env(tmp_path)
     pairs = env.from_sequence(0, N, parallelism=2).map(lambda x: (x % KEYS, 1))
@@ -215,8 +221,10 @@ def test_a_stateful_operator_without_uid_warns_when_checkpointing(tmp_path):
 
 # ---- sinks have ids too: a file sink's part numbers are stored under it ----
 
-def _lines_job(env, out_dir, *, other_dir=None, sink_uid="lines", rate=None):
-    s = env.from_sequence(0, N, parallelism=2, rate_limit=rate).uid("numbers").map(lambda x: x * 2)
+def _lines_job(env, out_dir, *, other_dir=None, sink_uid="lines", rate=None, hold=None):
+    s = (env.from_sequence(0, N, parallelism=2, rate_limit=rate) if hold is None else
+         held_sequence(env, N, parallelism=2, rate_limit=rate, hold_at=hold[0], release=hold[1]))
+    s = s.uid("numbers").map(lambda x: x * 2)
     if other_dir is not None:
         s.write_text(other_dir)          # a new sink of the same name, declared first
     sink = s.write_text(out_dir)
@@ -230,10 +238,11 @@ def _lines(directory):
 @pytest.mark.parametrize("workers", [None, 2])
 def test_a_sink_found_by_its_uid_when_a_sink_is_added_writes_exactly_once(tmp_path, workers):
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
-    handle = _lines_job(env, str(tmp_path / "out"), rate=3000)
+    release = str(tmp_path / "release")
+    handle = _lines_job(env, str(tmp_path / "out"), rate=3000, hold=(N // 3, release))
     assert isinstance(handle, fb.DataSink) and repr(handle) == "<DataSink 'write_text' uid='lines'>"
     job = env.execute_async()
-    time.sleep(0.4)
+    wait_until_held(release, 2, job)
     path = job.stop(savepoint=str(tmp_path / "sp"))
     assert 0 < len(_lines(tmp_path / "out")) < N, "the first run should stop before its end"
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck2"),
@@ -249,9 +258,10 @@ def test_a_sink_whose_derived_id_moved_is_refused_rather_than_writing_over_its_p
     other sink's state (or none) it would number its parts from 0 again,
     over the committed ones. Refused, naming uid."""
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
-    _lines_job(env, str(tmp_path / "out"), sink_uid=None, rate=3000)
+    release = str(tmp_path / "release")
+    _lines_job(env, str(tmp_path / "out"), sink_uid=None, rate=3000, hold=(N // 3, release))
     job = env.execute_async()
-    time.sleep(0.4)
+    wait_until_held(release, 2, job)
     path = job.stop(savepoint=str(tmp_path / "sp"))
     before = _lines(tmp_path / "out")
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck2"))
