@@ -118,6 +118,63 @@ def fast_switching():
     sys.setswitchinterval(old)
 
 
+class _LoopbackNetwork:
+    """A secret, a NetworkBufferPool (``segments`` of the default size) and
+    the servers and connection managers a test makes with them."""
+
+    def __init__(self, segments):
+        from pyflowbuf._core.memory import NetworkBufferPool
+        from pyflowbuf.net import new_secret
+
+        self.secret = new_secret()
+        self.nbp = NetworkBufferPool(segments)
+        self.stops = []         # callables the test adds: run first at the end, then managers, then servers
+        self._servers, self._managers = [], []
+
+    def server(self, **kw):
+        """A started NetworkServer on 127.0.0.1 with the secret."""
+        from pyflowbuf.net import NetworkServer
+
+        s = NetworkServer(self.secret, **kw)
+        s.start()
+        self._servers.append(s)
+        return s
+
+    def manager(self, **kw):
+        """A ConnectionManager with the secret, or with ``secret=`` another."""
+        from pyflowbuf.net import ConnectionManager
+
+        m = ConnectionManager(kw.pop("secret", self.secret), **kw)
+        self._managers.append(m)
+        return m
+
+    def close(self):
+        for stop in self.stops:
+            stop()
+        for m in self._managers:
+            m.close()
+        for s in self._servers:
+            s.close()
+
+
+@pytest.fixture
+def loopback_network():
+    """``net = loopback_network(512)``: ``net.secret``, ``net.nbp`` (512
+    segments), ``net.server(**kw)`` and ``net.manager(**kw)``; at the end of
+    the test the callables in ``net.stops`` run, then every manager and
+    server made is closed."""
+    made = []
+
+    def make(segments=256):
+        net = _LoopbackNetwork(segments)
+        made.append(net)
+        return net
+
+    yield make
+    for net in made:
+        net.close()
+
+
 @pytest.fixture(scope="session")
 def kafka_broker(tmp_path_factory):
     """One real Kafka broker (KRaft, 127.0.0.1, a free port) for the whole

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import pyflowbuf as fb
 from pyflowbuf import errors
 from pyflowbuf.windows import AggregateFunction, Count, Session, Sliding, Tumbling
+from pipeline_helpers import Times
 
 
 # ---- the reference ----
@@ -135,22 +136,6 @@ def run_job(records, *, kind, size, slide=None, ooo=0.0, lateness=0.0, paralleli
     late_out = late.collect() if late is not None else None
     env.execute(timeout=120)
     return out.result, (late_out.result if late_out is not None else None), env
-
-
-class Times(AggregateFunction):
-    """Collects the times of the window's records (a mergeable accumulator)."""
-
-    def create_accumulator(self):
-        return []
-
-    def add(self, value, acc):
-        return acc + [value[1]]
-
-    def get_result(self, acc):
-        return sorted(acc)
-
-    def merge(self, a, b):
-        return a + b
 
 
 def norm(rows):
