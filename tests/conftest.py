@@ -175,6 +175,34 @@ def loopback_network():
         net.close()
 
 
+@pytest.fixture
+def memory_root():
+    """A fresh directory of fsspec's memory:// file system (this process's
+    memory: a job in one process), emptied at the end of the test."""
+    import uuid
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    root = f"/pyflowbuf-test-{uuid.uuid4().hex[:8]}"
+    yield root
+    for key in [k for k in MemoryFileSystem.store if k.startswith(root)]:
+        del MemoryFileSystem.store[key]
+    MemoryFileSystem.pseudo_dirs[:] = [d for d in MemoryFileSystem.pseudo_dirs if not d.startswith(root)]
+
+
+@pytest.fixture
+def clean_imports():
+    """The job modules that ``pyflowbuf run`` loads in this process (job*,
+    pyflowbuf_job*, other_job*) are forgotten afterwards, and sys.path is
+    restored."""
+    path, modules = list(sys.path), set(sys.modules)
+    yield
+    sys.path[:] = path
+    for name in set(sys.modules) - modules:
+        if name.startswith(("job", "pyflowbuf_job", "other_job")):
+            del sys.modules[name]
+
+
 @pytest.fixture(scope="session")
 def kafka_broker(tmp_path_factory):
     """One real Kafka broker (KRaft, 127.0.0.1, a free port) for the whole

@@ -2,8 +2,8 @@
 cancelling a job (the loaded-machine rule: wait for what a test needs, never
 race a timer); after a job, every segment is back in its pool and no thread
 of the job is left; the committed output of a part-file sink; a job script
-that a test runs as its own process, killed and resumed; a window aggregate
-that keeps the times of its records."""
+that a test runs as its own process, killed and resumed; for window tests, random
+records and an aggregate that keeps their times."""
 
 import collections
 import os
@@ -54,6 +54,19 @@ def cancel_and_join(job, timeout=60, *, failure_ok=False):
     except errors.JobFailedError:
         if not failure_ok:
             raise
+
+
+def random_stream(rnd, n, *, keys=3, disorder=2, very_late=0.0, step=0.25):
+    """``n`` records ``(key, time)`` of ``keys`` keys (``rnd``: a
+    random.Random), times on a grid of ``step`` (exact floats), each up to
+    ``disorder`` steps early, and with probability ``very_late`` far behind."""
+    out = []
+    for i in range(n):
+        t = i * step - rnd.randint(0, disorder) * step
+        if rnd.random() < very_late:
+            t -= rnd.randint(8, 40) * step
+        out.append((f"k{rnd.randrange(keys)}", t))
+    return out
 
 
 class Times(AggregateFunction):

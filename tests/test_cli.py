@@ -119,17 +119,6 @@ def wait_for_checkpoint(proc, ckdir, timeout=120):
              "a completed checkpoint", timeout=timeout, proc=proc)
 
 
-@pytest.fixture
-def clean_imports():
-    """Job modules loaded by `run` in this process are forgotten afterwards."""
-    path, modules = list(sys.path), set(sys.modules)
-    yield
-    sys.path[:] = path
-    for name in set(sys.modules) - modules:
-        if name.startswith(("job", "pyflowbuf_job", "other_job")):
-            del sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A checkpoint_dir with three complete checkpoints of a keyed count, taken

@@ -81,17 +81,6 @@ def running(proc):
 
 # ---------------------------------------------------------------- real jobs, own processes
 
-@pytest.fixture
-def clean_imports():
-    """The job module `run` loads in this process is forgotten afterwards."""
-    path, modules = list(sys.path), set(sys.modules)
-    yield
-    sys.path[:] = path
-    for name in set(sys.modules) - modules:
-        if name.startswith(("job", "pyflowbuf_job")):
-            del sys.modules[name]
-
-
 def test_savepoint_of_a_running_job_then_restore_from_it_is_exactly_once(tmp_path, monkeypatch, clean_imports):
     """`pyflowbuf savepoint` while the job runs; the job runs on and then dies
     (SIGKILL, nothing else committed: its periodic checkpoints are an hour
