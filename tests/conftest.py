@@ -118,6 +118,91 @@ def fast_switching():
     sys.setswitchinterval(old)
 
 
+class _LoopbackNetwork:
+    """A secret, a NetworkBufferPool (``segments`` of the default size) and
+    the servers and connection managers a test makes with them."""
+
+    def __init__(self, segments):
+        from pyflowbuf._core.memory import NetworkBufferPool
+        from pyflowbuf.net import new_secret
+
+        self.secret = new_secret()
+        self.nbp = NetworkBufferPool(segments)
+        self.stops = []         # callables the test adds: run first at the end, then managers, then servers
+        self._servers, self._managers = [], []
+
+    def server(self, **kw):
+        """A started NetworkServer on 127.0.0.1 with the secret."""
+        from pyflowbuf.net import NetworkServer
+
+        s = NetworkServer(self.secret, **kw)
+        s.start()
+        self._servers.append(s)
+        return s
+
+    def manager(self, **kw):
+        """A ConnectionManager with the secret, or with ``secret=`` another."""
+        from pyflowbuf.net import ConnectionManager
+
+        m = ConnectionManager(kw.pop("secret", self.secret), **kw)
+        self._managers.append(m)
+        return m
+
+    def close(self):
+        for stop in self.stops:
+            stop()
+        for m in self._managers:
+            m.close()
+        for s in self._servers:
+            s.close()
+
+
+@pytest.fixture
+def loopback_network():
+    """``net = loopback_network(512)``: ``net.secret``, ``net.nbp`` (512
+    segments), ``net.server(**kw)`` and ``net.manager(**kw)``; at the end of
+    the test the callables in ``net.stops`` run, then every manager and
+    server made is closed."""
+    made = []
+
+    def make(segments=256):
+        net = _LoopbackNetwork(segments)
+        made.append(net)
+        return net
+
+    yield make
+    for net in made:
+        net.close()
+
+
+@pytest.fixture
+def memory_root():
+    """A fresh directory of fsspec's memory:// file system (this process's
+    memory: a job in one process), emptied at the end of the test."""
+    import uuid
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    root = f"/pyflowbuf-test-{uuid.uuid4().hex[:8]}"
+    yield root
+    for key in [k for k in MemoryFileSystem.store if k.startswith(root)]:
+        del MemoryFileSystem.store[key]
+    MemoryFileSystem.pseudo_dirs[:] = [d for d in MemoryFileSystem.pseudo_dirs if not d.startswith(root)]
+
+
+@pytest.fixture
+def clean_imports():
+    """The job modules that ``pyflowbuf run`` loads in this process (job*,
+    pyflowbuf_job*, other_job*) are forgotten afterwards, and sys.path is
+    restored."""
+    path, modules = list(sys.path), set(sys.modules)
+    yield
+    sys.path[:] = path
+    for name in set(sys.modules) - modules:
+        if name.startswith(("job", "pyflowbuf_job", "other_job")):
+            del sys.modules[name]
+
+
 @pytest.fixture(scope="session")
 def kafka_broker(tmp_path_factory):
     """One real Kafka broker (KRaft, 127.0.0.1, a free port) for the whole

@@ -1,7 +1,9 @@
-"""Checks shared by the pipeline test modules: after a job, every segment is
-back in its pool and no thread of the job is left; the committed output of a
-part-file sink; a job script that a test runs as its own process, killed
-and resumed."""
+"""Helpers shared by the test modules: waiting for a condition and
+cancelling a job (the loaded-machine rule: wait for what a test needs, never
+race a timer); after a job, every segment is back in its pool and no thread
+of the job is left; the committed output of a part-file sink; a job script
+that a test runs as its own process, killed and resumed; for window tests, random
+records and an aggregate that keeps their times."""
 
 import collections
 import os
@@ -11,7 +13,77 @@ import textwrap
 import threading
 import time
 
+from pyflowbuf import errors
 from pyflowbuf.connectors.sources import SequenceSource
+from pyflowbuf.windows import AggregateFunction
+
+# A bound for a wait that only a hang reaches: a loaded machine makes a job
+# slow, never this slow.
+WAIT_S = 120
+
+
+def wait_for(predicate, what="the condition", *, timeout=WAIT_S, proc=None, job=None, step=0.02):
+    """Until ``predicate()`` is true; returns its value. Fails (AssertionError
+    naming ``what``) after ``timeout`` seconds, or at once when the process
+    ``proc`` or the job ``job`` ended first: then the condition can no longer
+    come. ``what`` may be a function, called at the failure for a message
+    that shows the state then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        said = what() if callable(what) else what
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process ended before {said}: {proc.communicate()}")
+        if job is not None and job.done:
+            raise AssertionError(f"the job ended before {said}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {said}")
+        time.sleep(step)
+
+
+def cancel_and_join(job, timeout=60, *, failure_ok=False):
+    """Cancel ``job`` and wait until it has ended (its threads and workers
+    gone). A JobFailedError from a job that failed before the cancel is
+    raised, unless ``failure_ok``: where the test has checked what it
+    needs already and only cleans up."""
+    job.cancel()
+    try:
+        job.join(timeout)
+    except errors.JobFailedError:
+        if not failure_ok:
+            raise
+
+
+def random_stream(rnd, n, *, keys=3, disorder=2, very_late=0.0, step=0.25):
+    """``n`` records ``(key, time)`` of ``keys`` keys (``rnd``: a
+    random.Random), times on a grid of ``step`` (exact floats), each up to
+    ``disorder`` steps early, and with probability ``very_late`` far behind."""
+    out = []
+    for i in range(n):
+        t = i * step - rnd.randint(0, disorder) * step
+        if rnd.random() < very_late:
+            t -= rnd.randint(8, 40) * step
+        out.append((f"k{rnd.randrange(keys)}", t))
+    return out
+
+
+class Times(AggregateFunction):
+    """Collects the times of the window's records (a mergeable accumulator):
+    records are ``(key, time)``, the result is the sorted times."""
+
+    def create_accumulator(self):
+        return []
+
+    def add(self, value, acc):
+        return acc + [value[1]]
+
+    def get_result(self, acc):
+        return sorted(acc)
+
+    def merge(self, a, b):
+        return a + b
 
 
 def job_threads(job) -> list:
@@ -155,8 +227,5 @@ def held_sequence(env, n, *, parallelism, rate_limit, hold_at, release):
 
 def wait_until_held(release, parallelism, job=None, timeout=120):
     """Until every subtask of a held sequence has reached its hold."""
-    deadline = time.monotonic() + timeout
-    while not all(os.path.exists(f"{release}.held-{i}") for i in range(parallelism)):
-        assert time.monotonic() < deadline, "the source did not reach its hold"
-        assert job is None or not job.done, "the job ended before its source reached its hold"
-        time.sleep(0.02)
+    wait_for(lambda: all(os.path.exists(f"{release}.held-{i}") for i in range(parallelism)),
+             "the source to reach its hold", timeout=timeout, job=job)

@@ -17,6 +17,7 @@ import pytest
 import pyflowbuf as fb
 from pyflowbuf import errors
 from pyflowbuf.serializers import Serializer
+from pipeline_helpers import cancel_and_join
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -607,8 +608,7 @@ def test_prometheus_with_workers_is_served_by_the_caller():
             for w in want:
                 assert w in body, w
         finally:
-            job.cancel()
-            job.join(30)
+            cancel_and_join(job)
     assert _no_children()
 
 

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from cli_helpers import ENV, KEYS, ROOT, cli, committed_lines, expected_lines
+from pipeline_helpers import wait_for
 from pyflowbuf.checkpoint import CheckpointStorage, shared
 from pyflowbuf.checkpoint.codec import encode_value
 from pyflowbuf.checkpoint.container import FILE_METADATA, SEC_METADATA, _ContainerWriter
@@ -114,22 +115,8 @@ def feed(directory, numbers, files=4):
 def wait_for_checkpoint(proc, ckdir, timeout=120):
     """Until a checkpoint of the running job is complete (its _metadata, in
     ``ckdir`` or a subdirectory of it), while the process runs."""
-    deadline = time.monotonic() + timeout
-    while not glob.glob(os.path.join(str(ckdir), "**", "chk-*", "_metadata"), recursive=True):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no checkpoint completed"
-        time.sleep(0.05)
-
-
-@pytest.fixture
-def clean_imports():
-    """Job modules loaded by `run` in this process are forgotten afterwards."""
-    path, modules = list(sys.path), set(sys.modules)
-    yield
-    sys.path[:] = path
-    for name in set(sys.modules) - modules:
-        if name.startswith(("job", "pyflowbuf_job", "other_job")):
-            del sys.modules[name]
+    wait_for(lambda: glob.glob(os.path.join(str(ckdir), "**", "chk-*", "_metadata"), recursive=True),
+             "a completed checkpoint", timeout=timeout, proc=proc)
 
 
 @pytest.fixture(scope="module")

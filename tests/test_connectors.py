@@ -653,20 +653,6 @@ def test_csv_quotes_inside_unquoted_fields_are_plain_characters_at_every_paralle
 fsspec = pytest.importorskip("fsspec")
 
 
-@pytest.fixture
-def memory_root():
-    """A fresh memory:// directory (one process's memory: a job in one process)."""
-    import uuid
-
-    from fsspec.implementations.memory import MemoryFileSystem
-
-    root = f"/pyflowbuf-src-{uuid.uuid4().hex[:8]}"
-    yield root
-    for key in [k for k in MemoryFileSystem.store if k.startswith(root)]:
-        del MemoryFileSystem.store[key]
-    MemoryFileSystem.pseudo_dirs[:] = [d for d in MemoryFileSystem.pseudo_dirs if not d.startswith(root)]
-
-
 def _copy_tree_to(local_dir, url):
     fs, root = fsspec.core.url_to_fs(url)
     for name in sorted(os.listdir(local_dir)):

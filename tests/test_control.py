@@ -20,6 +20,7 @@ import pytest
 
 import pyflowbuf as fb
 from cli_helpers import ENV, KEYS, cli, committed_lines, expected_lines
+from pipeline_helpers import cancel_and_join, wait_for
 from pyflowbuf.errors import ConfigurationError, PortUnavailableError
 from pyflowbuf.net import protocol as P
 from pyflowbuf.cluster.control_channel import _NO_BUFFERS
@@ -59,21 +60,12 @@ JOB = textwrap.dedent("""\
     """)
 
 
-def wait_for(predicate, what, proc=None, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the job ended before {what}: {proc.communicate()}")
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.02)
-
-
 def start_job_process(tmp_path, *, n, rate, interval):
     (tmp_path / "job.py").write_text(JOB.format(n=n, interval=interval, keys=KEYS))
     proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--control-port", "0"],
                             cwd=tmp_path, env=dict(ENV, JOB_RATE=str(rate)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: os.path.exists(tmp_path / "ck" / control.CONTROL_FILE), "control file", proc)
+    wait_for(lambda: os.path.exists(tmp_path / "ck" / control.CONTROL_FILE), "control file", proc=proc)
     return proc
 
 
@@ -88,17 +80,6 @@ def running(proc):
 
 
 # ---------------------------------------------------------------- real jobs, own processes
-
-@pytest.fixture
-def clean_imports():
-    """The job module `run` loads in this process is forgotten afterwards."""
-    path, modules = list(sys.path), set(sys.modules)
-    yield
-    sys.path[:] = path
-    for name in set(sys.modules) - modules:
-        if name.startswith(("job", "pyflowbuf_job")):
-            del sys.modules[name]
-
 
 def test_savepoint_of_a_running_job_then_restore_from_it_is_exactly_once(tmp_path, monkeypatch, clean_imports):
     """`pyflowbuf savepoint` while the job runs; the job runs on and then dies
@@ -135,7 +116,7 @@ def test_stop_with_a_savepoint_then_resume_loses_and_repeats_nothing(tmp_path, m
     monkeypatch.chdir(tmp_path)
     n = 30_000
     with running(start_job_process(tmp_path, n=n, rate=2000, interval=0.1)) as proc:
-        wait_for(lambda: glob.glob("ck/chk-*/_metadata"), "checkpoint", proc)
+        wait_for(lambda: glob.glob("ck/chk-*/_metadata"), "checkpoint", proc=proc)
         code, out, err = cli("stop", "ck", "--savepoint", "sp")
         assert code == 0, err
         assert "stopped job 'job'" in out and str(tmp_path / "sp") in out and "--restore" in out
@@ -168,9 +149,8 @@ def slow_job(tmp_path):
     job = env.execute_async()
     yield env, job
     if not job.done:
-        job.cancel()
         with contextlib.suppress(Exception):
-            job.join(60)
+            cancel_and_join(job)
 
 
 def test_the_control_file_is_private_names_the_endpoint_and_goes_with_the_job(tmp_path):

@@ -9,18 +9,12 @@ import time
 import pytest
 
 import pyflowbuf as fb
+from pipeline_helpers import cancel_and_join, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 SEG = 32 * 1024
 FAST = dict(debloat=True, debloat_period=0.03, debloat_samples=4)
-
-
-def _wait(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def _gates(job):
@@ -154,7 +148,7 @@ def test_memory_given_back_under_backpressure_and_taken_back():
                     return t.outputs[0].pool
             return None
 
-        _wait(lambda: sink_pool() is not None and sink_pool().in_use > 0, 20, "no data flowed")
+        wait_for(lambda: sink_pool() is not None and sink_pool().in_use > 0, "data to flow", timeout=20)
         pool = sink_pool()
         # the configured bounds: the debloater may already have lowered the cap
         # by the time data is seen flowing (a loaded machine), never the floor
@@ -167,26 +161,25 @@ def test_memory_given_back_under_backpressure_and_taken_back():
             assert pool.min_size == lo and pool.max_size >= lo, "a pool went below its minimum"
             return pool.max_size <= 16 and pool.in_use <= 16
 
-        _wait(watch, 60, f"the pool kept its segments: max {pool.max_size}, in use {pool.in_use}")
+        wait_for(watch, lambda: f"the pool to give back segments: max {pool.max_size}, in use {pool.in_use}",
+                 timeout=60)
         net = job.network_pool
-        _wait(lambda: net.resident_bytes < net.total_bytes / 2 and job._debloat_timer.released_bytes > 0, 30,
-              f"resident memory did not shrink: {net.resident_bytes} B, queues "
-              f"{[(q.buffer_size, q.desired_bytes, len(q)) for q in job._queues]}, released "
-              f"{job._debloat_timer.released_bytes}, gates {[getattr(t, 'debloat_gates', None) for t in job.tasks]}")
+        wait_for(lambda: net.resident_bytes < net.total_bytes / 2 and job._debloat_timer.released_bytes > 0,
+                 lambda: f"resident memory to shrink: {net.resident_bytes} B, queues "
+                 f"{[(q.buffer_size, q.desired_bytes, len(q)) for q in job._queues]}, released "
+                 f"{job._debloat_timer.released_bytes}, gates {[getattr(t, 'debloat_gates', None) for t in job.tasks]}",
+                 timeout=30)
         gates = [g for t in job.tasks for g in (getattr(t, "debloat_gates", None) or [])]
         assert any(g["buffer_size"] < SEG for g in gates)
         # throughput rises: the cap goes back up within a few periods
         slow.clear()
         t0 = time.monotonic()
-        _wait(lambda: pool.max_size >= hi // 2, 40 * period + 5, f"memory not taken back: max {pool.max_size}")
+        wait_for(lambda: pool.max_size >= hi // 2, lambda: f"memory to be taken back: max {pool.max_size}",
+                 timeout=40 * period + 5)
         pools["took_back_s"] = time.monotonic() - t0
         assert pool.min_size == lo
     finally:
-        job.cancel()
-        try:
-            job.join(30)
-        except fb.errors.JobFailedError:
-            pass
+        cancel_and_join(job, failure_ok=True)
     assert pools["took_back_s"] < 40 * period + 5
 
 

@@ -32,6 +32,7 @@ from pyflowbuf.runtime.checkpointing import (CheckpointSettings, CheckpointCoord
                                              latest_checkpoint, restore_plan, task_key)
 from pyflowbuf.operators.basic import KeyedReduce
 from pyflowbuf.runtime.restore import RestorePlan
+from pipeline_helpers import cancel_and_join
 
 
 def _count(a, b):
@@ -344,11 +345,7 @@ def test_a_job_resumed_from_an_incremental_checkpoint_at_another_parallelism(tmp
             break
         deadline -= 1
         time.sleep(0.05)
-    job.cancel()
-    try:
-        job.join(30)
-    except fb.errors.JobFailedError:
-        pass
+    cancel_and_join(job, failure_ok=True)
     meta = storage.latest()
     assert meta is not None and shared.references(meta), "no incremental checkpoint was taken"
     env2 = fb.Environment(parallelism=3, chaining=False, checkpoint_interval=0.05, checkpoint_dir=ck)

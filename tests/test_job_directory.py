@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import fsspec
 import pytest
@@ -24,16 +23,9 @@ from pyflowbuf.checkpoint.lock import LOCK_FILE, DirectoryLock, process_start_ti
 from pyflowbuf.config import job_directory_name
 
 from cli_helpers import ENV, cli
+from pipeline_helpers import cancel_and_join, wait_for
 
 KEYS = 5
-
-
-def wait_for(predicate, what, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def counting(env, n, rate, value=lambda x: 1, *, extra_state=False):
@@ -64,22 +56,14 @@ def expected(n, value=lambda x: 1) -> dict:
 
 
 def cancel(job):
-    job.cancel()
-    try:
-        job.join(60)
-    except errors.JobFailedError:
-        pass
+    cancel_and_join(job, failure_ok=True)
 
 
 def run_until_a_checkpoint(env):
     """Start the job and cancel it once a checkpoint of it completed."""
     job = env.execute_async()
     wait_for(lambda: any(c["status"] == "completed" for c in env.checkpoints()), "a completed checkpoint")
-    job.cancel()
-    try:
-        job.join(60)
-    except errors.JobFailedError:
-        pass
+    cancel_and_join(job, failure_ok=True)
     return job
 
 

@@ -21,6 +21,7 @@ from pyflowbuf.checkpoint.storage import SavepointStorage
 from pyflowbuf.errors import ConfigurationError, JobFailedError
 from pyflowbuf.runtime import key_kinds
 from pyflowbuf.checkpoint import KeyKindError
+from pipeline_helpers import wait_for
 
 N = 3000
 KEYS = 10
@@ -33,13 +34,6 @@ def counting(env, key_fn, *, rate=None, migrate=None, p=2, window=False):
     if migrate is not None:
         counts = counts.migrate_keys(migrate)
     return counts.map(lambda kv: (kv[0] % KEYS, kv[1]), name="by-key").collect()
-
-
-def wait_for(cond, timeout=60.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not met in time"
-        time.sleep(0.01)
 
 
 def first_run(tmp_path, key_fn=lambda x: x % KEYS, p=2):

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 import pyflowbuf as fb
+from pipeline_helpers import cancel_and_join, wait_for
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="workers= forks")
 
@@ -38,8 +39,7 @@ def test_prometheus_port_zero_exposes_and_logs_the_port_it_bound(workers, caplog
             time.sleep(0.05)
         assert 'job="free-port"' in body
     finally:
-        job.cancel()
-        job.join(30)
+        cancel_and_join(job)
 
 
 def test_prometheus_port_is_none_without_an_exporter():
@@ -52,13 +52,6 @@ def test_prometheus_port_is_none_without_an_exporter():
 
 def _pyflowbuf_threads():
     return [t.name for t in threading.enumerate() if t.name.lower().startswith("pyflowbuf")]
-
-
-def _wait_until(pred, timeout):
-    deadline = time.monotonic() + timeout
-    while not pred() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return pred()
 
 
 @pytest.mark.parametrize("workers", [None, pytest.param(2, marks=needs_fork)])
@@ -84,8 +77,8 @@ def test_closing_execute_iter_early_leaves_no_process_or_thread(workers, how):
     assert len(got) == 500
     # the workers are reaped (no zombie) and every pyflowbuf thread has ended
     new_children = lambda: [c for c in me.children() if c.pid not in children_before]  # noqa: E731
-    assert _wait_until(lambda: not new_children(), 15), [(c.pid, c.status()) for c in new_children()]
-    assert _wait_until(lambda: set(_pyflowbuf_threads()) <= threads_before, 15), _pyflowbuf_threads()
+    wait_for(lambda: not new_children(), lambda: f"the workers to end: {[(c.pid, c.status()) for c in new_children()]}")
+    wait_for(lambda: set(_pyflowbuf_threads()) <= threads_before, lambda: f"the threads to end: {_pyflowbuf_threads()}")
     assert env.last_execution.done
     assert len(workers_pids) == (workers or 0)
     for pid in workers_pids:

@@ -18,6 +18,7 @@ from pyflowbuf import monitoring
 from pyflowbuf.api import Environment
 from pyflowbuf.runtime.metrics import backpressure_level
 from pyflowbuf.connectors.sources import RateLimiter
+from pipeline_helpers import cancel_and_join, wait_for
 
 METRIC_KEYS = {"busy_ms_per_s", "idle_ms_per_s", "backpressured_ms_per_s", "records_in", "records_out",
                "records_in_per_s", "records_out_per_s", "bytes_in", "bytes_out", "bytes_in_per_s",
@@ -26,21 +27,6 @@ METRIC_KEYS = {"busy_ms_per_s", "idle_ms_per_s", "backpressured_ms_per_s", "reco
 
 def _slow_sink(batch):
     time.sleep(0.002)
-
-
-def _wait_for(pred, timeout=5.0, step=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(step)
-    return pred()
-
-
-def _stop(job):
-    job.cancel()
-    job.join(10)
 
 
 # ---- levels ----
@@ -66,10 +52,10 @@ def test_slow_sink_puts_upstream_at_high_and_sink_busy():
     env.from_sequence(0, None).sink(_slow_sink, batched=True)
     job = env.execute_async()
     try:
-        _wait_for(lambda: len(job.sampler.history) >= 4, timeout=5)
+        wait_for(lambda: len(job.sampler.history) >= 4, "4 metric samples")
         snap = job.metrics()
     finally:
-        _stop(job)
+        cancel_and_join(job)
     src, sink = snap["sequence (1/1)"], snap["sink (1/1)"]
     assert src["level"] == "HIGH", src
     assert src["backpressured_ms_per_s"] > 500
@@ -87,10 +73,10 @@ def test_fast_sink_shows_ok():
     env.from_sequence(0, None, rate_limit=RateLimiter(records_per_s=20_000)).sink(seen.append)
     job = env.execute_async()
     try:
-        _wait_for(lambda: len(job.sampler.history) >= 4, timeout=5)
+        wait_for(lambda: len(job.sampler.history) >= 4, "4 metric samples")
         snaps = [s for _, s in job.sampler.history[1:]]
     finally:
-        _stop(job)
+        cancel_and_join(job)
     assert seen
     for snap in snaps:
         for name, m in snap.items():
@@ -150,8 +136,8 @@ def test_prometheus_endpoint_serves_task_gauges():
         assert exp.addr == "127.0.0.1" and exp.port > 0
         assert exp.url.startswith("http://127.0.0.1:")
         src = 'job="prom",task="sequence (1/1)",vertex="sequence"'
-        body = _wait_for(lambda: (lambda b: b if f"pyflowbuf_task_backpressure_level{{{src}}} 2.0" in b else "")(
-            _scrape(exp.url)), timeout=5)
+        body = wait_for(lambda: (lambda b: b if f"pyflowbuf_task_backpressure_level{{{src}}} 2.0" in b else "")(
+            _scrape(exp.url)), "the source at HIGH in a scrape")
         assert f"pyflowbuf_task_backpressure_level{{{src}}} 2.0" in body, body
         sink = 'job="prom",task="sink (1/1)",vertex="sink"'
         for name in ("busy_ms_per_s", "idle_ms_per_s", "backpressured_ms_per_s", "records_in",
@@ -161,7 +147,7 @@ def test_prometheus_endpoint_serves_task_gauges():
         assert f"pyflowbuf_task_backpressure_level{{{sink}}} 0.0" in body
         assert f"pyflowbuf_task_running{{{sink}}} 1.0" in body
     finally:
-        _stop(job)
+        cancel_and_join(job)
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         _scrape(exp.url)                        # close() shut the server down
 

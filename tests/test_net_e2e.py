@@ -19,6 +19,7 @@ from pyflowbuf.errors import (AuthenticationError, CancelledError, ConnectionLos
 from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
 from pyflowbuf.net import frames as F
 from pyflowbuf.net import protocol as P
+from pipeline_helpers import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -84,35 +85,10 @@ def read_all(reader, timeout=30):
     return out, events
 
 
-def wait_for(cond, timeout=10):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 @pytest.fixture
-def env():
-    secret = new_secret()
-    nbp = NetworkBufferPool(512)
-    servers, mgrs = [], []
-
-    def server(**kw):
-        s = NetworkServer(secret, **kw)
-        s.start()
-        servers.append(s)
-        return s
-
-    def manager(**kw):
-        m = ConnectionManager(kw.pop("secret", secret), **kw)
-        mgrs.append(m)
-        return m
-
-    yield secret, nbp, server, manager
-    for m in mgrs:
-        m.close()
-    for s in servers:
-        s.close()
+def env(loopback_network):
+    net = loopback_network(512)
+    return net.secret, net.nbp, net.server, net.manager
 
 
 # ------------------------------------------------------------ one process, threads

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf.errors import ConnectionLostError, ProtocolError, RemoteError
-from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
+from pyflowbuf.net import NetworkServer, new_secret
 from pyflowbuf.net import frames as F
+from pipeline_helpers import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,37 +25,10 @@ def auth_response_prefix():
     return F.encode_auth_response(F.MODE_CREDIT, os.urandom(F.NONCE_SIZE), os.urandom(32))[:-1]
 
 
-def wait_for(cond, timeout=10):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 @pytest.fixture
-def env():
-    secret = new_secret()
-    nbp = NetworkBufferPool(256)
-    servers, mgrs, stops = [], [], []
-
-    def server(**kw):
-        s = NetworkServer(secret, **kw)
-        s.start()
-        servers.append(s)
-        return s
-
-    def manager(**kw):
-        m = ConnectionManager(secret, **kw)
-        mgrs.append(m)
-        return m
-
-    yield secret, nbp, server, manager, stops
-    for stop in stops:
-        stop()
-    for m in mgrs:
-        m.close()
-    for s in servers:
-        s.close()
+def env(loopback_network):
+    net = loopback_network(256)
+    return net.secret, net.nbp, net.server, net.manager, net.stops
 
 
 def export(srv, nbp, pid, n):

@@ -14,7 +14,7 @@ import pytest
 import pyflowbuf as fb
 from pyflowbuf.checkpoint import CheckpointStateError, CheckpointStorage, SavepointStorage
 from pyflowbuf.errors import ConfigurationError
-from pipeline_helpers import held_sequence, wait_until_held
+from pipeline_helpers import cancel_and_join, held_sequence, wait_until_held
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -158,7 +158,7 @@ def test_savepoint_errors(tmp_path):
         with pytest.raises(ConfigurationError, match="needs checkpointing"):
             job.savepoint(str(tmp_path / "sp"))
     finally:
-        job.cancel()
+        cancel_and_join(job, failure_ok=True)
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("x")
@@ -169,7 +169,7 @@ def test_savepoint_errors(tmp_path):
         with pytest.raises(CheckpointStateError, match="not empty"):
             job.savepoint(str(full))
     finally:
-        job.cancel()
+        cancel_and_join(job, failure_ok=True)
     with pytest.raises(Exception, match="no complete checkpoint or savepoint"):
         env3 = fb.Environment(checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck3"))
         counting(env3, 10, 1, None)

@@ -16,6 +16,7 @@ import pyflowbuf as fb
 from pyflowbuf._core.events import BARRIER
 from pyflowbuf.exchange.sides import OutputSide
 from pyflowbuf.windows import Count, Tumbling
+from pipeline_helpers import cancel_and_join, wait_for
 
 KEYS = 3
 PER_WINDOW = 100        # timestamp x // 10, windows of 10 s: 100 numbers each
@@ -42,13 +43,6 @@ def _identity(x):
 
 def expected_count(key, start):
     return sum(1 for x in range(start * 10, start * 10 + PER_WINDOW) if x % KEYS == key)
-
-
-def wait_for(predicate, what, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def windows_fired(out, n):
@@ -97,7 +91,7 @@ def stop_restore_stop(tmp_path, workers=None, branch=None):
         wait_for(checkpointed(env, 4), "checkpoints in the first run")
         sp = job.stop(savepoint=str(tmp_path / "sp1"), timeout=60)
     finally:
-        job.cancel()
+        cancel_and_join(job, failure_ok=True)
     first = list(out1.result)
     assert first
     env2 = env_for(tmp_path, workers)
@@ -107,7 +101,7 @@ def stop_restore_stop(tmp_path, workers=None, branch=None):
         wait_for(checkpointed(env2, 4), "checkpoints after the restore")
         job2.stop(savepoint=str(tmp_path / "sp2"), timeout=60)
     finally:
-        job2.cancel()
+        cancel_and_join(job2, failure_ok=True)
     assert max(s for _, s, _ in out2.result) > max(s for _, s, _ in first)
     check_exactly_once(first + out2.result)
     return first, out2.result
@@ -183,7 +177,7 @@ def test_nothing_flows_after_the_stop_barrier(tmp_path, after_barrier):
         stopping.set()
         sp = job.stop(savepoint=str(tmp_path / "sp1"), timeout=60)
     finally:
-        job.cancel()
+        cancel_and_join(job, failure_ok=True)
     assert held, "the branch saw no record after the stop was asked for"
     assert sent_after == []
     first = list(out1.result)
@@ -195,7 +189,7 @@ def test_nothing_flows_after_the_stop_barrier(tmp_path, after_barrier):
         wait_for(lambda: any(s > top + 30 for _, s, _ in out2.result), "windows after the restore")
         job2.stop(savepoint=str(tmp_path / "sp2"), timeout=60)
     finally:
-        job2.cancel()
+        cancel_and_join(job2, failure_ok=True)
     check_exactly_once(first + out2.result)
 
 
@@ -208,7 +202,7 @@ def test_drain_fires_every_window_inside_the_savepoint(tmp_path, workers):
         wait_for(checkpointed(env, 3), "checkpoints in the first run")
         sp = job.stop(savepoint=str(tmp_path / "sp1"), drain=True, timeout=60)
     finally:
-        job.cancel()
+        cancel_and_join(job, failure_ok=True)
     # every number read before the savepoint is in a window that fired, once
     want = collections.Counter((x % KEYS, x // 100 * 10) for x in read.result)
     got = collections.Counter()
@@ -223,7 +217,7 @@ def test_drain_fires_every_window_inside_the_savepoint(tmp_path, workers):
         wait_for(checkpointed(env2, 3), "checkpoints after the restore")
         job2.stop(savepoint=str(tmp_path / "sp2"), timeout=60)
     finally:
-        job2.cancel()
+        cancel_and_join(job2, failure_ok=True)
     assert read2.result and not set(read2.result) & set(read.result)     # it read on
     assert out2.result == []        # ... and fired nothing again: event time had ended
 
@@ -247,7 +241,7 @@ def test_the_command_line_stops_with_drain(tmp_path):
         assert code == 0, err
         assert "stopped job" in text and job.done
     finally:
-        job.cancel()
+        cancel_and_join(job, failure_ok=True)
     want = collections.Counter((x % KEYS, x // 100 * 10) for x in read.result)
     assert collections.Counter({(k, int(s)): n for k, s, n in out.result}) == want
     assert len(out.result) == len(want)
@@ -287,7 +281,7 @@ def test_a_stop_that_fails_lets_the_job_go_on(tmp_path):
         sp = job.stop(savepoint=str(tmp_path / "sp1"), timeout=60)
     finally:
         release.set()
-        job.cancel()
+        cancel_and_join(job, failure_ok=True)
     first = list(out1.result)
     env2 = env_for(tmp_path)
     out2, _ = window_job(env2)
@@ -296,7 +290,7 @@ def test_a_stop_that_fails_lets_the_job_go_on(tmp_path):
         wait_for(checkpointed(env2, 3), "checkpoints after the restore")
         job2.stop(savepoint=str(tmp_path / "sp2"), timeout=60)
     finally:
-        job2.cancel()
+        cancel_and_join(job2, failure_ok=True)
     check_exactly_once(first + out2.result)
 
 
@@ -319,7 +313,7 @@ def test_a_drained_stop_that_fails_fails_the_job(tmp_path):
             job.join(60)
     finally:
         release.set()
-        job.cancel()
+        cancel_and_join(job, failure_ok=True)
 
 
 def test_no_processing_time_timer_fires_after_the_stop_barrier(tmp_path, after_barrier):
@@ -356,7 +350,7 @@ def test_no_processing_time_timer_fires_after_the_stop_barrier(tmp_path, after_b
         stopping.set()
         job.stop(savepoint=str(tmp_path / "sp"), timeout=60)
     finally:
-        job.cancel()
+        cancel_and_join(job, failure_ok=True)
     assert sent_after == []
 
 
@@ -384,6 +378,6 @@ def test_nothing_flows_after_the_stop_barrier_in_workers(tmp_path, after_barrier
         open(flag, "w").close()
         job.stop(savepoint=str(tmp_path / "sp1"), timeout=60)
     finally:
-        job.cancel()
+        cancel_and_join(job, failure_ok=True)
     assert not os.path.exists(flag), "the branch saw no record after the stop was asked for"
     assert not os.path.exists(marker), open(marker).read()

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import pyflowbuf as fb
 from pyflowbuf import errors
 from pyflowbuf.checkpoint import CheckpointStorage
+from pipeline_helpers import cancel_and_join
 from test_checkpoints import FailOnce, KillWorkerOnce, check_exactly_once, check_kill_restarts, random_job
 
 RESTORES = collections.Counter()
@@ -141,11 +142,7 @@ def run_for(env, seconds, completed=2, limit=60):
         if (now - start >= seconds and done >= completed) or now - start > limit:
             break
         time.sleep(0.05)
-    job.cancel()
-    try:
-        job.join(60)
-    except errors.JobFailedError:
-        pass
+    cancel_and_join(job, failure_ok=True)
     return env.checkpoints()
 
 

@@ -47,6 +47,7 @@ from pyflowbuf.exchange.sides import kind_code
 from pyflowbuf.runtime import checkpointing
 from pyflowbuf.runtime.inflight_rescale import split_by_key_group
 from pyflowbuf.runtime.task.checkpoints import SubtaskCheckpoints
+from pipeline_helpers import cancel_and_join
 from reference_model import ref_stable_hash
 from test_rescale import KEYS, WINDOW, committed, expected, per_second_counts
 
@@ -111,11 +112,7 @@ def run_cancel(env, ck, holds=keyed_inflight):
         if meta is not None and holds(meta):
             break
         time.sleep(0.05)
-    job.cancel()
-    try:
-        job.join(60)
-    except errors.JobFailedError:
-        pass
+    cancel_and_join(job, failure_ok=True)
     meta = storage.latest()
     got = holds(meta)
     assert got, meta.properties["layout"]

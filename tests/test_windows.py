@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import pyflowbuf as fb
 from pyflowbuf import errors
 from pyflowbuf.windows import AggregateFunction, Count, Session, Sliding, Tumbling
+from pipeline_helpers import Times, random_stream
 
 
 # ---- the reference ----
@@ -137,36 +138,8 @@ def run_job(records, *, kind, size, slide=None, ooo=0.0, lateness=0.0, paralleli
     return out.result, (late_out.result if late_out is not None else None), env
 
 
-class Times(AggregateFunction):
-    """Collects the times of the window's records (a mergeable accumulator)."""
-
-    def create_accumulator(self):
-        return []
-
-    def add(self, value, acc):
-        return acc + [value[1]]
-
-    def get_result(self, acc):
-        return sorted(acc)
-
-    def merge(self, a, b):
-        return a + b
-
-
 def norm(rows):
     return sorted((k, float(s), float(e), list(ts)) for k, s, e, ts in rows)
-
-
-def random_stream(rnd, n, *, keys=3, disorder=2, very_late=0.0, step=0.25):
-    """Times on a grid of ``step`` (exact floats), each up to ``disorder``
-    steps early, and with probability ``very_late`` far behind."""
-    out = []
-    for i in range(n):
-        t = i * step - rnd.randint(0, disorder) * step
-        if rnd.random() < very_late:
-            t -= rnd.randint(8, 40) * step
-        out.append((f"k{rnd.randrange(keys)}", t))
-    return out
 
 
 # ---- differential tests ----

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
-from pipeline_helpers import FailOnceAfterCheckpoint
+from pipeline_helpers import FailOnceAfterCheckpoint, Times, random_stream
 from pyflowbuf import errors
 from pyflowbuf.testing import OperatorHarness
 from pyflowbuf.windows import AggregateFunction
@@ -219,32 +219,6 @@ def make_trigger(spec):
     if spec[0] == "continuous":
         return fb.ContinuousEventTimeTrigger(spec[1])
     return fb.CountTrigger(spec[1])
-
-
-def random_stream(rnd, n, *, keys=3, disorder=2, very_late=0.0, step=0.25):
-    """Times on a grid of ``step`` (exact floats), each up to ``disorder``
-    steps early, and with probability ``very_late`` far behind."""
-    out = []
-    for i in range(n):
-        t = i * step - rnd.randint(0, disorder) * step
-        if rnd.random() < very_late:
-            t -= rnd.randint(8, 40) * step
-        out.append((f"k{rnd.randrange(keys)}", t))
-    return out
-
-
-class Times(AggregateFunction):
-    def create_accumulator(self):
-        return []
-
-    def add(self, value, acc):
-        return acc + [value[1]]
-
-    def get_result(self, acc):
-        return sorted(acc)
-
-    def merge(self, a, b):
-        return a + b
 
 
 def reference_for(records, *, kind, size, slide=None, ooo=0.0, lateness=0.0, trigger="event"):

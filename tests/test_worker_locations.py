@@ -3,7 +3,6 @@ in a job whose tasks run in worker processes: refused before any worker
 starts, naming the sink or source, as a ``memory://`` checkpoint directory
 is (issue 27). In one process the same job runs."""
 import os
-import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,17 +13,6 @@ from pyflowbuf import errors
 
 fsspec = pytest.importorskip("fsspec")
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="workers need fork")
-
-
-@pytest.fixture
-def memory_root():
-    from fsspec.implementations.memory import MemoryFileSystem
-
-    root = f"/pyflowbuf-locations-{uuid.uuid4().hex[:8]}"
-    yield root
-    for key in [k for k in MemoryFileSystem.store if k.startswith(root)]:
-        del MemoryFileSystem.store[key]
-    MemoryFileSystem.pseudo_dirs[:] = [d for d in MemoryFileSystem.pseudo_dirs if not d.startswith(root)]
 
 
 def _inputs(root):

@@ -77,7 +77,7 @@ class SinkDeclarations:
         Example::
 
             stream.print()                  # one line per record
-            stream.print("debug")           # "debug> record"
+            stream.print("debug")           # lines such as debug> 42
         """
         if prefix is not None and not isinstance(prefix, str):
             raise ConfigurationError(f"print: prefix must be a str or None, got {prefix!r}")
