@@ -298,6 +298,7 @@ def test_the_main_jobs_declare_a_uid_for_each_stateful_operator(tmp_path):
 
     from pyflowbuf import demo
     from pyflowbuf.runtime.restore import check_operator_ids
+    from pyflowbuf.spark import cluster_demo       # (imports no pyspark until it runs)
 
     src = tmp_path / "lines.parquet"
     pq.write_table(pa.table({"ts": [0.0, 1.0], "text": ["a b", "c"]}), src)
@@ -305,9 +306,11 @@ def test_the_main_jobs_declare_a_uid_for_each_stateful_operator(tmp_path):
     demo.checkpoint_job(env1, 100, lambda x: x, tmp_path / "out")
     env2 = fb.Environment(parallelism=2, checkpoint_interval=0.2, checkpoint_dir=str(tmp_path / "ck2"))
     demo.windows_job(env2, src, 2, lambda r: r)
+    env3 = fb.Environment(parallelism=2, checkpoint_interval=0.2, checkpoint_dir=str(tmp_path / "ck3"))
+    cluster_demo.cluster_job(env3, [("a", 0.0)], 1, str(tmp_path / "marker"), str(tmp_path / "ck3"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", OperatorIdWarning)
-        for env in (env1, env2):
+        for env in (env1, env2, env3):
             check_operator_ids(env)
 
 

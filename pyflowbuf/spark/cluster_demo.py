@@ -93,6 +93,19 @@ def _fails_once(marker: str, checkpoint_dir: str):
     return fn
 
 
+def cluster_job(env, records, words, marker: str, chk: str):
+    """The demo's dataflow declared on ``env`` (a uid for each stateful
+    operator, as a job that is restored should have); its collect() handle."""
+    return (env.from_collection(records, rate_limit=words / 3).uid("words")      # about 3 s
+               .map(_fails_once(marker, chk), name="fails-once")
+               .assign_timestamps(lambda r: r[1], out_of_orderness=0.5).uid("event-time")
+               .key_by(lambda r: r[0])
+               .window(fb.Tumbling(1.0))
+               .aggregate(fb.Count(), window_function=lambda w, win, n: (w, float(win.start), n))
+               .uid("word-counts")
+               .collect().uid("results"))
+
+
 def run_cluster_demo(out: Path, quick: bool = False, *, spark=None, words: int = 24_000,
                      verbose: bool = True) -> dict:
     """Run the step; returns (and prints) a summary: the master, the
@@ -126,13 +139,7 @@ def run_cluster_demo(out: Path, quick: bool = False, *, spark=None, words: int =
     try:
         env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=2), name="spark-cluster-demo",
                              checkpoint_interval=0.3, checkpoint_dir=str(chk), restart_attempts=1)
-        counts = (env.from_collection(records, rate_limit=words / 3)      # about 3 s
-                     .map(_fails_once(str(marker), str(chk)), name="fails-once")
-                     .assign_timestamps(lambda r: r[1], out_of_orderness=0.5)
-                     .key_by(lambda r: r[0])
-                     .window(fb.Tumbling(1.0))
-                     .aggregate(fb.Count(), window_function=lambda w, win, n: (w, float(win.start), n))
-                     .collect())
+        counts = cluster_job(env, records, words, str(marker), str(chk))
         t0 = time.perf_counter()
         env.execute(300)
         ex = env.last_execution
