@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from pyflowbuf import errors as _errors
+from pyflowbuf._core.memory import DEFAULT_SEGMENT_SIZE
 from pyflowbuf.kinds import Serializer, register_serializer
 
 _LITERAL_LOCK = threading.Lock()
@@ -59,7 +60,6 @@ except ImportError:  # pragma: no cover - exercised only without pyarrow
 
 __all__ = ["ArrowSerializer", "PandasSerializer", "NumpySerializer", "DEFAULT_SEGMENT_SIZE"]
 
-DEFAULT_SEGMENT_SIZE = 32 * 1024
 MAGIC = 0xFB
 TAG_ARROW = ord("A")
 TAG_NUMPY = ord("N")

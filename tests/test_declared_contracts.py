@@ -1,0 +1,141 @@
+"""Contracts that used to rest on copies staying equal (issue 28, point 4):
+one definition of the key-group owner, used by routing and by state
+assignment; one definition of the segment default."""
+import inspect
+import os
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pyflowbuf as fb
+from pyflowbuf._core import memory
+from pyflowbuf._core.channel import BufferQueue
+from pyflowbuf._core.memory import DEFAULT_SEGMENT_SIZE, NetworkBufferPool
+from pyflowbuf._core.serde import RecordReader, RecordWriter
+from pyflowbuf.checkpoint import keygroups as kg
+
+from reference_model import ref_stable_hash
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ------------------------------------------------------------ key-group owner
+
+keys_st = st.lists(st.one_of(st.integers(-2**70, 2**70), st.text(max_size=6), st.binary(max_size=6),
+                             st.floats(allow_nan=False), st.none(),
+                             st.tuples(st.integers(-9, 9), st.text(max_size=2))), max_size=80)
+
+
+@st.composite
+def parallelisms(draw):
+    p = draw(st.integers(1, 40))
+    # powers of two (the default 128) take the writer's mask-and-shift path,
+    # the others its divisions: both must agree with state assignment
+    maxp = draw(st.one_of(st.sampled_from([m for m in (1 << i for i in range(16)) if m >= p]),
+                          st.integers(p, 300), st.integers(p, 1 << 15)))
+    return p, maxp
+
+
+def routed(keys, p, maxp):
+    """The channel RecordWriter.write_batch_keyed sends each key's record to."""
+    nbp = NetworkBufferPool(64, 4096)
+    queues = [BufferQueue(nbp) for _ in range(p)]
+    writer = RecordWriter(nbp.create_pool(0, 64), queues, kind="int64")
+    writer.write_batch_keyed(list(range(len(keys))), keys, None, maxp)
+    writer.end_input()
+    where = [None] * len(keys)
+    for ch, q in enumerate(queues):
+        for i in RecordReader(q, kind="int64"):
+            where[i] = ch
+    return where
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys=keys_st, pm=parallelisms())
+def test_routing_and_state_assignment_agree_on_every_key(keys, pm):
+    """The subtask key_by sends a key to is the subtask whose key-group range
+    (what a restore hands it) holds the key's group, for every key,
+    parallelism and max_parallelism; and both are Flink's formula."""
+    p, maxp = pm
+    ranges = [kg.key_group_range(maxp, p, i) for i in range(p)]
+    for key, ch in zip(keys, routed(keys, p, maxp)):
+        group = kg.key_group(key, maxp)
+        assert group == ref_stable_hash(key) % maxp
+        assert ranges[ch][0] <= group < ranges[ch][1], (key, ch, ranges[ch])
+        assert ch == kg.operator_index(maxp, p, group) == group * p // maxp
+
+
+@settings(max_examples=100, deadline=None)
+@given(pm=parallelisms())
+def test_every_group_has_exactly_the_owner_whose_range_holds_it(pm):
+    p, maxp = pm
+    ranges = [kg.key_group_range(maxp, p, i) for i in range(p)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == maxp
+    for (_, e0), (s1, _) in zip(ranges, ranges[1:]):
+        assert e0 == s1
+    for g in range(0, maxp, max(1, maxp // 64)):
+        i = kg.operator_index(maxp, p, g)
+        assert ranges[i][0] <= g < ranges[i][1]
+
+
+def test_key_group_arguments_out_of_range_are_refused():
+    with pytest.raises(ValueError, match="max_parallelism must be > 0"):
+        kg.key_group("a", 0)
+    with pytest.raises(ValueError, match="parallelism must be in 1..max_parallelism=4"):
+        kg.key_group_range(4, 5, 0)
+    with pytest.raises(ValueError, match="subtask index 3 is outside 0..2"):
+        kg.key_group_range(8, 3, 3)
+    with pytest.raises(ValueError, match="key group 8 is outside 0..7"):
+        kg.operator_index(8, 3, 8)
+
+
+# ------------------------------------------------------------ segment default
+
+# A literal of the segment default (32 KiB) in code, outside its definition.
+_SEGMENT_LITERAL = re.compile(r"\b32u?\s*\*\s*1024u?\b|\b32768\b")
+_ALLOWED = {
+    ("csrc/fb_arena.h", "#define FB_DEFAULT_SEGMENT_SIZE"),            # the definition
+    ("pyflowbuf/runtime/inflight_rescale.py", "_ITEM_BYTES = "),      # a replay item's size, not a segment's
+    ("pyflowbuf/api/environment.py", "max_parallelism"),              # the key-group bound (1 << 15)
+}
+
+
+def test_the_segment_default_is_written_once():
+    found = []
+    for top in ("pyflowbuf", "csrc"):
+        for d, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if not name.endswith((".py", ".pyx", ".pxi", ".pxd", ".h", ".pyi")):
+                    continue
+                path = os.path.join(d, name)
+                rel = os.path.relpath(path, ROOT)
+                with open(path, encoding="utf-8") as f:
+                    for n, line in enumerate(f, 1):
+                        if _SEGMENT_LITERAL.search(line) and not any(
+                                rel == a and what in line for a, what in _ALLOWED):
+                            found.append(f"{rel}:{n}: {line.strip()}")
+    assert not found, ("the segment default is defined once (FB_DEFAULT_SEGMENT_SIZE, csrc/fb_arena.h) and "
+                       "reaches Python as pyflowbuf._core.memory.DEFAULT_SEGMENT_SIZE; use that:\n"
+                       + "\n".join(found))
+
+
+def test_every_segment_default_is_the_one_definition():
+    from pyflowbuf.exchange.debloat import DebloatSettings
+    from pyflowbuf.net.frames import FrameDecoder
+    from pyflowbuf.net.server import NetworkServer
+
+    assert DEFAULT_SEGMENT_SIZE == 32 * 1024          # Flink's default
+    assert memory.MIN_SEGMENT_SIZE == 256 and memory.MAX_SEGMENT_SIZE == 1 << 20
+    assert fb.NetworkConfig().segment_size == DEFAULT_SEGMENT_SIZE
+    assert NetworkBufferPool(1).segment_size == DEFAULT_SEGMENT_SIZE
+    assert DebloatSettings().max_size == DEFAULT_SEGMENT_SIZE
+    assert FrameDecoder().max_buffer_size == DEFAULT_SEGMENT_SIZE
+    assert inspect.signature(NetworkServer).parameters["max_buffer_size"].default == DEFAULT_SEGMENT_SIZE
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("pandas")
+    from pyflowbuf import serializers_arrow as sa
+
+    assert sa.DEFAULT_SEGMENT_SIZE == DEFAULT_SEGMENT_SIZE
+    assert sa.ArrowSerializer().segment_size == sa.NumpySerializer().segment_size == DEFAULT_SEGMENT_SIZE
+    assert sa.PandasSerializer().arrow.segment_size == DEFAULT_SEGMENT_SIZE
