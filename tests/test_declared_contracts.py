@@ -1,6 +1,7 @@
 """Contracts that used to rest on copies staying equal (issue 28, point 4):
 one definition of the key-group owner, used by routing and by state
-assignment; one definition of the segment default."""
+assignment; one definition of the segment default; the batch kinds follow
+the job's segment size."""
 import inspect
 import os
 import re
@@ -139,3 +140,47 @@ def test_every_segment_default_is_the_one_definition():
     assert sa.DEFAULT_SEGMENT_SIZE == DEFAULT_SEGMENT_SIZE
     assert sa.ArrowSerializer().segment_size == sa.NumpySerializer().segment_size == DEFAULT_SEGMENT_SIZE
     assert sa.PandasSerializer().arrow.segment_size == DEFAULT_SEGMENT_SIZE
+
+
+# ------------------------------------------- the batch kinds and segment_size
+
+@pytest.mark.parametrize("segment_size, rows", [
+    (1 << 18, 8000),    # 64 KB records inside one 256 KiB segment: aligned in place
+    (4096, 1200),       # 10 KB records spanning 4 KiB segments: aligned once reassembled
+])
+def test_arrow_records_follow_the_jobs_segment_size(segment_size, rows):
+    """The arrow kind aligns a record's payload for the segments it travels
+    through. With the job's segment size, not the 32 KiB default, every
+    batch is decoded in place: its column buffers are slices of the record,
+    not copies Arrow had to make to realign them."""
+    pa = pytest.importorskip("pyarrow")
+    np = pytest.importorskip("numpy")
+    seen = []
+
+    def sink(batches):
+        for b in batches:
+            buf = b.column(0).buffers()[1]
+            seen.append((b.num_rows, buf.address % 8, buf.parent is not None))
+
+    env = fb.Environment(network=fb.NetworkConfig(segment_size=segment_size), chaining=False)
+    data = [pa.record_batch([pa.array(np.arange(rows, dtype=np.int64) + i)], names=["x"]) for i in range(3)]
+    (env.from_collection(data, kind="arrow").map(lambda b: b, kind="arrow")
+        .sink(sink, batched=True))
+    env.execute(60)
+    assert seen == [(rows, 0, True)] * 3
+
+
+def test_the_batch_kinds_take_a_segment_size_and_others_ignore_it():
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("pandas")
+    from pyflowbuf import serializers_arrow as sa
+    from pyflowbuf.serializers import get_serializer
+
+    for ser in (sa.ArrowSerializer(zero_copy=False), sa.NumpySerializer(), sa.PandasSerializer()):
+        mine = ser.for_segment_size(4096)
+        assert (mine.arrow if isinstance(mine, sa.PandasSerializer) else mine).segment_size == 4096
+        assert ser.for_segment_size(DEFAULT_SEGMENT_SIZE) is ser       # unchanged: no copy
+        assert (ser.arrow if isinstance(ser, sa.PandasSerializer) else ser).segment_size == DEFAULT_SEGMENT_SIZE
+    assert sa.ArrowSerializer(zero_copy=False).for_segment_size(4096).zero_copy is False
+    core = get_serializer("int64")
+    assert core.for_segment_size(4096) is core
