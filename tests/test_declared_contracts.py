@@ -184,3 +184,35 @@ def test_the_batch_kinds_take_a_segment_size_and_others_ignore_it():
     assert sa.ArrowSerializer(zero_copy=False).for_segment_size(4096).zero_copy is False
     core = get_serializer("int64")
     assert core.for_segment_size(4096) is core
+
+
+# ------------------------------------------ the operator contract's optional parts
+
+_OPTIONAL = ("timestamped", "passes_records", "on_watermark", "metrics")
+# (an exchange side's ``timestamped`` is not the operator's: it may stay a probe)
+_PROBE = re.compile(r"\b(?:getattr|hasattr)\((?!side\b)[^,()]+,\s*[\"'](%s)[\"']" % "|".join(_OPTIONAL))
+
+
+def test_the_optional_parts_of_an_operator_are_declared_with_their_defaults():
+    from pyflowbuf.operators.basic import Map, Operator
+
+    op = Operator("x")
+    assert (op.timestamped, op.passes_records, op.on_watermark, op.metrics) == (False, False, None, None)
+    m = Map("m", lambda x: x)
+    assert m.on_watermark is None and m.metrics is None
+    assert m.process_batch([1, 2]) == [1, 2]
+
+
+def test_the_runtime_reads_the_optional_parts_without_probing():
+    found = []
+    for top in ("pyflowbuf/runtime", "pyflowbuf/testing.py"):
+        path = os.path.join(ROOT, top)
+        files = [path] if path.endswith(".py") else [
+            os.path.join(d, n) for d, _, names in os.walk(path) for n in names if n.endswith(".py")]
+        for f in files:
+            with open(f, encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    if _PROBE.search(line):
+                        found.append(f"{os.path.relpath(f, ROOT)}:{n}: {line.strip()}")
+    assert not found, ("Operator declares these (pyflowbuf/operators/basic.py): read them as attributes\n"
+                       + "\n".join(found))
