@@ -25,6 +25,13 @@
 #include "fb_mpmc.h"
 #include "fb_park.h"
 
+/* Segment sizes: the one definition of the default (32 KiB, as Flink's
+ * taskmanager.memory.segment-size) and of the range a NetworkBufferPool takes;
+ * Python reads them from pyflowbuf._core.memory (DEFAULT_SEGMENT_SIZE...). */
+#define FB_DEFAULT_SEGMENT_SIZE (32u * 1024u)
+#define FB_MIN_SEGMENT_SIZE 256u
+#define FB_MAX_SEGMENT_SIZE (1u << 20)
+
 static inline void *fb_aligned_zalloc(size_t size) {
     void *mem = NULL;
     if (posix_memalign(&mem, FB_CACHELINE, size) != 0) return NULL;

@@ -58,4 +58,51 @@ static inline uint64_t fb_hash_bytes(const char *p, size_t n) {
     }
     return fb_mix64(h);
 }
+/* Key groups (Flink's KeyGroupRangeAssignment): the one definition of which
+ * subtask owns a key. Routing (the RecordWriter's key_by) and state
+ * assignment (pyflowbuf.checkpoint.keygroups, through pyflowbuf._core.serde)
+ * both call these, so "the subtask a key is sent to holds its state" cannot
+ * drift between two copies of the arithmetic. A key's group is its stable
+ * hash modulo max_parallelism; subtask i of parallelism p owns the contiguous
+ * groups [ceil(i*M/p), ceil((i+1)*M/p)), which is exactly the set of groups g
+ * with g*p/M == i. Products are taken in 64 bits: M <= 1 << 15 and p <= M. */
+static inline uint32_t fb_key_group(uint64_t hash, uint32_t max_parallelism) {
+    return (uint32_t)(hash % max_parallelism);
+}
+
+static inline uint32_t fb_key_group_owner(uint32_t group, uint32_t parallelism, uint32_t max_parallelism) {
+    return (uint32_t)((uint64_t)group * parallelism / max_parallelism);
+}
+
+static inline uint32_t fb_key_group_range_start(uint32_t index, uint32_t parallelism, uint32_t max_parallelism) {
+    return (uint32_t)(((uint64_t)index * max_parallelism + parallelism - 1) / parallelism);
+}
+
+/* The owner of each key of a batch, with the divisions set up once per
+ * batch: for a power-of-two max_parallelism (the default 128) a mask and a
+ * shift give the same numbers as fb_key_group and fb_key_group_owner without
+ * two divisions per record. max_parallelism 0 routes by hash modulo the
+ * channels (an exchange outside a job's key groups). */
+typedef struct {
+    uint64_t max_parallelism;
+    uint64_t channels;
+    uint32_t shift;      /* log2(max_parallelism) when it is a power of two */
+    int pow2;
+} fb_key_router;
+
+static inline void fb_key_router_init(fb_key_router *r, uint32_t channels, uint32_t max_parallelism) {
+    r->max_parallelism = max_parallelism;
+    r->channels = channels;
+    r->pow2 = max_parallelism != 0 && (max_parallelism & (max_parallelism - 1)) == 0;
+    r->shift = r->pow2 ? (uint32_t)__builtin_ctz(max_parallelism) : 0;
+}
+
+static inline uint32_t fb_key_router_channel(const fb_key_router *r, uint64_t hash) {
+    if (r->pow2)
+        return (uint32_t)(((hash & (r->max_parallelism - 1)) * r->channels) >> r->shift);
+    if (r->max_parallelism)
+        return fb_key_group_owner(fb_key_group(hash, (uint32_t)r->max_parallelism),
+                                  (uint32_t)r->channels, (uint32_t)r->max_parallelism);
+    return (uint32_t)(hash % r->channels);
+}
 #endif

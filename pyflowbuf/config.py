@@ -30,6 +30,7 @@ from hashlib import blake2b
 from dataclasses import dataclass
 from typing import Any
 
+from pyflowbuf._core.memory import DEFAULT_SEGMENT_SIZE, MAX_SEGMENT_SIZE, MIN_SEGMENT_SIZE
 from pyflowbuf.errors import ConfigurationError, UnitWarning
 
 CHECKPOINTING_MODES = ("exactly_once", "at_least_once")
@@ -266,7 +267,7 @@ class NetworkConfig(_Config):
         env = fb.Environment(network=fb.NetworkConfig(segment_size=4096, buffer_timeout=0.01))
     """
 
-    segment_size: int = 32 * 1024
+    segment_size: int = DEFAULT_SEGMENT_SIZE
     num_segments: int | None = None
     buffer_timeout: float = 0.1
     output_buffers: tuple | None = None
@@ -280,8 +281,9 @@ class NetworkConfig(_Config):
         n = self._name
         ss = self.segment_size
         _positive_int(n("segment_size"), ss)
-        if ss & (ss - 1) or not 256 <= ss <= 1 << 20:
-            raise ConfigurationError(f"{n('segment_size')} must be a power of two between 256 and 1048576, got {ss}")
+        if ss & (ss - 1) or not MIN_SEGMENT_SIZE <= ss <= MAX_SEGMENT_SIZE:
+            raise ConfigurationError(f"{n('segment_size')} must be a power of two between {MIN_SEGMENT_SIZE} and "
+                                     f"{MAX_SEGMENT_SIZE}, got {ss}")
         if self.num_segments is not None:
             _positive_int(n("num_segments"), self.num_segments)
         _seconds(n("buffer_timeout"), self.buffer_timeout, zero=True)

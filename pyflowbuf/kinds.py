@@ -36,6 +36,14 @@ class Serializer:
     def decode_batch(self, records: list) -> list:
         return records
 
+    def for_segment_size(self, segment_size: int) -> "Serializer":
+        """This kind as it writes into segments of ``segment_size`` bytes. A
+        job's output calls it with the job's segment size before it writes,
+        so a kind that lays records out by segment (the batch kinds align
+        their payloads) follows the job's ``segment_size``, not its own
+        default. A kind that does not depend on it returns itself."""
+        return self
+
     def __repr__(self):
         return f"{type(self).__name__}()"
 

@@ -40,6 +40,7 @@ it started near the end of one is realigned by Arrow: correct, one copy).
 from __future__ import annotations
 
 import ast
+import copy
 import struct
 import threading
 from typing import Any
@@ -47,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from pyflowbuf import errors as _errors
+from pyflowbuf._core.memory import DEFAULT_SEGMENT_SIZE
 from pyflowbuf.kinds import Serializer, register_serializer
 
 _LITERAL_LOCK = threading.Lock()
@@ -59,7 +61,6 @@ except ImportError:  # pragma: no cover - exercised only without pyarrow
 
 __all__ = ["ArrowSerializer", "PandasSerializer", "NumpySerializer", "DEFAULT_SEGMENT_SIZE"]
 
-DEFAULT_SEGMENT_SIZE = 32 * 1024
 MAGIC = 0xFB
 TAG_ARROW = ord("A")
 TAG_NUMPY = ord("N")
@@ -122,6 +123,8 @@ class ArrowSerializer(Serializer):
     segment_size
         The segment size of the pools the records travel through; only used
         to pick the alignment of large records (see the module docstring).
+        In a job, the job's ``segment_size`` (``NetworkConfig``) is used
+        whatever is given here (``for_segment_size``).
     compression
         ``None``, ``"lz4"`` or ``"zstd"``: IPC body compression (worth it only
         for the TCP exchange; decoding then allocates).
@@ -238,6 +241,16 @@ class ArrowSerializer(Serializer):
     def decode_batch(self, records: list) -> list:
         return [self.decode_one(r) for r in records]
 
+    def for_segment_size(self, segment_size: int) -> "ArrowSerializer":
+        """A copy that aligns records for segments of ``segment_size`` (this
+        one when it already does); its caches are replaced whole, never
+        changed in place, so the copy may share them."""
+        if int(segment_size) == self.segment_size:
+            return self
+        other = copy.copy(self)
+        other.segment_size = int(segment_size)
+        return other
+
     def __repr__(self):
         return (f"ArrowSerializer(segment_size={self.segment_size}, compression={self.compression!r}, "
                 f"zero_copy={self.zero_copy})")
@@ -311,6 +324,14 @@ class PandasSerializer(Serializer):
 
     def decode_batch(self, records: list) -> list:
         return [self.decode_one(r) for r in records]
+
+    def for_segment_size(self, segment_size: int) -> "PandasSerializer":
+        arrow = self.arrow.for_segment_size(segment_size)
+        if arrow is self.arrow:
+            return self
+        other = copy.copy(self)
+        other.arrow = arrow
+        return other
 
     def __repr__(self):
         return f"PandasSerializer(preserve_index={self.preserve_index!r})"
@@ -426,6 +447,15 @@ class NumpySerializer(Serializer):
 
     def decode_batch(self, records: list) -> list:
         return [self.decode_one(r) for r in records]
+
+    def for_segment_size(self, segment_size: int) -> "NumpySerializer":
+        """A copy that aligns records for segments of ``segment_size`` (see
+        ArrowSerializer.for_segment_size); the dtype caches are shared."""
+        if int(segment_size) == self.segment_size:
+            return self
+        other = copy.copy(self)
+        other.segment_size = int(segment_size)
+        return other
 
     def __repr__(self):
         return f"NumpySerializer(segment_size={self.segment_size})"

@@ -185,7 +185,7 @@ class OperatorHarness:
         """
         self._check_open("process_watermark")
         wm = _seconds(watermark, "process_watermark")
-        handler = getattr(self.operator, "on_watermark", None)
+        handler = self.operator.on_watermark
         out: list = []
         if handler is not None:
             out, wm = handler(wm)
@@ -279,7 +279,7 @@ class OperatorHarness:
 
             assert h.metrics["late_records_dropped"] == 1
         """
-        m = getattr(self.operator, "metrics", None)
+        m = self.operator.metrics
         return {} if m is None else m()
 
     def side_output(self, tag) -> list:
@@ -339,7 +339,7 @@ class OperatorHarness:
 
     def _emit(self, records, ts=None) -> list:
         records = list(records or ())
-        if getattr(self.operator, "timestamped", False) and records:
+        if self.operator.timestamped and records:
             times = list(ts) if ts is not None else [None] * len(records)
             self.output_timestamps.extend(times)
         self.output.extend(records)

@@ -12,9 +12,10 @@ from pyflowbuf.includes.ring cimport FB_DATA_EVENT, FB_DATA_FIXED, FB_DATA_RECOR
 
 from pyflowbuf import errors as _errors
 
-DEFAULT_SEGMENT_SIZE = 32 * 1024
-MIN_SEGMENT_SIZE = 256
-MAX_SEGMENT_SIZE = 1 << 20
+# defined once, in csrc/fb_arena.h; every default segment size in the package is this one
+DEFAULT_SEGMENT_SIZE = FB_DEFAULT_SEGMENT_SIZE
+MIN_SEGMENT_SIZE = FB_MIN_SEGMENT_SIZE
+MAX_SEGMENT_SIZE = FB_MAX_SEGMENT_SIZE
 _DATA_TYPES = {FB_DATA_RECORDS: "records", FB_DATA_FIXED: "fixed", FB_DATA_EVENT: "event"}
 
 

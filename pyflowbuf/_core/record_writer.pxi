@@ -311,34 +311,37 @@ cdef class RecordWriter:
         and the error says which index failed. ``timestamps``: one float64
         per record, for a timestamped writer (and only for one)."""
         self._channel(channel)
-        return self._write_many(records, 0, channel, None, timestamps)
+        return self._write_many(records, 0, channel, None, timestamps, 0)
 
     def write_batch_rebalance(self, records, timestamps=None):
         """Round-robin over subpartitions, record by record (Flink's rebalance)."""
-        return self._write_many(records, 1, 0, None, timestamps)
+        return self._write_many(records, 1, 0, None, timestamps, 0)
 
     def write_batch_keyed(self, records, keys, timestamps=None, int max_parallelism=0):
         """Send each record to the subtask that owns its key.
 
         With ``max_parallelism`` > 0 (what jobs use) by key group: the key's
-        group is ``stable_hash(key) % max_parallelism`` and channel ``c`` owns
-        the contiguous groups ``[ceil(c*M/n), ceil((c+1)*M/n))`` (Flink's
-        KeyGroupRangeAssignment), so state split by key group can be handed
-        to another parallelism. With 0: ``stable_hash(key) % num_channels``."""
+        group is ``key_group(key, max_parallelism)`` and channel ``c`` owns
+        ``key_group_range(max_parallelism, num_channels, c)`` (Flink's
+        KeyGroupRangeAssignment; one definition, in ``csrc/fb_serde.h``, for
+        this routing and for state assignment), so state split by key group
+        can be handed to another parallelism. With 0:
+        ``stable_hash(key) % num_channels``."""
         if max_parallelism < 0 or (max_parallelism and max_parallelism < self.num_channels):
             raise ValueError(f"max_parallelism must be 0 or >= the {self.num_channels} channels, "
                              f"got {max_parallelism}")
-        return self._write_many(records, 2, max_parallelism, keys, timestamps)
+        return self._write_many(records, 2, 0, keys, timestamps, <uint32_t>max_parallelism)
 
     def write_batch_broadcast(self, records, timestamps=None):
         """Write every record to every subpartition."""
-        return self._write_many(records, 3, 0, None, timestamps)
+        return self._write_many(records, 3, 0, None, timestamps, 0)
 
     def write_batch_to(self, records, channels, timestamps=None):
         """Write record i to subpartition ``channels[i]``."""
-        return self._write_many(records, 4, 0, channels, timestamps)
+        return self._write_many(records, 4, 0, channels, timestamps, 0)
 
-    cdef object _write_many(self, records, int mode, int channel, object keys, object timestamps):
+    cdef object _write_many(self, records, int mode, int channel, object keys, object timestamps,
+                            uint32_t max_parallelism):
         if not isinstance(records, list):
             records = list(records)
         cdef Py_ssize_t i = 0, n = PyList_GET_SIZE(records)
@@ -346,14 +349,8 @@ cdef class RecordWriter:
         cdef int nch = self.num_channels
         cdef const double[::1] tsv
         cdef const double *tsp = NULL
-        cdef uint64_t maxp = <uint64_t>channel if mode == 2 else 0    # keyed: channel carries max_parallelism
-        cdef uint64_t kg
-        # a power of two (the default 128): a mask and a shift instead of two divisions
-        cdef bint pow2 = maxp != 0 and (maxp & (maxp - 1)) == 0
-        cdef int shift = 0
-        if pow2:
-            while (<uint64_t>1 << shift) < maxp:
-                shift += 1
+        cdef fb_key_router router
+        fb_key_router_init(&router, <uint32_t>nch, max_parallelism)    # 0 unless keyed
         if keys is not None:
             if not isinstance(keys, list):
                 keys = list(keys)
@@ -378,14 +375,7 @@ cdef class RecordWriter:
                     ch = self.rr_next
                     self.rr_next = ch + 1 if ch + 1 < nch else 0
                 elif mode == 2:
-                    if pow2:
-                        kg = _stable_hash(<object>PyList_GET_ITEM(keys, i)) & (maxp - 1)
-                        ch = <int>((kg * <uint64_t>nch) >> shift)
-                    elif maxp:
-                        kg = _stable_hash(<object>PyList_GET_ITEM(keys, i)) % maxp
-                        ch = <int>(kg * <uint64_t>nch // maxp)
-                    else:
-                        ch = <int>(_stable_hash(<object>PyList_GET_ITEM(keys, i)) % <uint64_t>nch)
+                    ch = <int>fb_key_router_channel(&router, _stable_hash(<object>PyList_GET_ITEM(keys, i)))
                 elif mode == 4:
                     ch = self._channel(<object>PyList_GET_ITEM(keys, i))
                 if mode == 3:

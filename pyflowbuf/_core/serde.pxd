@@ -80,7 +80,8 @@ cdef class RecordWriter:
     cdef int _write_obj(self, int ch, object rec) except -1
     cdef int _channel(self, int ch) except -1
     cdef int _set_one_ts(self, timestamp) except -1
-    cdef object _write_many(self, records, int mode, int channel, object keys, object timestamps)
+    cdef object _write_many(self, records, int mode, int channel, object keys, object timestamps,
+                            uint32_t max_parallelism)
 
 
 cdef class _RecordDeserializer:

@@ -112,10 +112,46 @@ def stable_hash(key):
     return _stable_hash(key)
 
 
-def key_groups(keys, int max_parallelism):
-    """``[stable_hash(k) % max_parallelism for k in keys]`` in one call: the
+cdef int _check_groups(long long max_parallelism, long long parallelism) except -1:
+    if max_parallelism <= 0 or max_parallelism > 0xFFFFFFFF:
+        raise ValueError(f"max_parallelism must be > 0 (the number of key groups), got {max_parallelism}")
+    if parallelism <= 0 or parallelism > max_parallelism:
+        raise ValueError(f"parallelism must be in 1..max_parallelism={max_parallelism} (each subtask owns "
+                         f"at least one key group), got {parallelism}")
+    return 0
+
+
+def key_group(key, long long max_parallelism):
+    """The key group of ``key``: ``stable_hash(key) % max_parallelism``."""
+    _check_groups(max_parallelism, 1)
+    return fb_key_group(_stable_hash(key), <uint32_t>max_parallelism)
+
+
+def key_groups(keys, long long max_parallelism):
+    """``[key_group(k, max_parallelism) for k in keys]`` in one call: the
     key group of each key (checkpoints split keyed state by it)."""
-    if max_parallelism <= 0:
-        raise ValueError(f"max_parallelism must be > 0, got {max_parallelism}")
-    cdef uint64_t m = <uint64_t>max_parallelism
-    return [<long long>(_stable_hash(k) % m) for k in keys]
+    _check_groups(max_parallelism, 1)
+    cdef uint32_t m = <uint32_t>max_parallelism
+    return [fb_key_group(_stable_hash(k), m) for k in keys]
+
+
+def key_group_owner(long long max_parallelism, long long parallelism, long long group):
+    """The subtask of ``parallelism`` that owns key group ``group``: the
+    channel ``RecordWriter.write_batch_keyed`` sends the group's keys to
+    (``group * parallelism // max_parallelism``, Flink's
+    computeOperatorIndexForKeyGroup)."""
+    _check_groups(max_parallelism, parallelism)
+    if not 0 <= group < max_parallelism:
+        raise ValueError(f"key group {group} is outside 0..{max_parallelism - 1}")
+    return fb_key_group_owner(<uint32_t>group, <uint32_t>parallelism, <uint32_t>max_parallelism)
+
+
+def key_group_range(long long max_parallelism, long long parallelism, long long index):
+    """The key groups subtask ``index`` of ``parallelism`` owns, ``(start,
+    end)``: exactly the groups ``g`` with ``key_group_owner(max_parallelism,
+    parallelism, g) == index``."""
+    _check_groups(max_parallelism, parallelism)
+    if not 0 <= index < parallelism:
+        raise ValueError(f"subtask index {index} is outside 0..{parallelism - 1}")
+    return (fb_key_group_range_start(<uint32_t>index, <uint32_t>parallelism, <uint32_t>max_parallelism),
+            fb_key_group_range_start(<uint32_t>index + 1, <uint32_t>parallelism, <uint32_t>max_parallelism))

@@ -14,14 +14,18 @@ from __future__ import annotations
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf._core.serde import key_groups, stable_hash
+# The formulas are defined once, in C (csrc/fb_serde.h), and this module
+# uses the same functions as the RecordWriter's key_by routing: key_group (a
+# key's group), key_group_range (the groups of a subtask) and key_group_owner
+# (the subtask of a group), so routing and state assignment cannot disagree.
+from pyflowbuf._core.serde import key_group, key_group_owner, key_group_range, key_groups, stable_hash  # noqa: F401
 
 DEFAULT_MAX_PARALLELISM = 128      # Flink's default for small parallelisms
-UPPER_BOUND = 32768                # Flink's upper bound (1 << 15)
+UPPER_BOUND = 1 << 15              # Flink's upper bound
 
 
 def check_max_parallelism(value, parallelisms=()) -> int:
-    """``value`` once it is an int in 1..32768 and at least every operator's
+    """``value`` once it is an int in 1..UPPER_BOUND and at least every operator's
     parallelism in ``parallelisms`` ((name, parallelism) pairs)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= UPPER_BOUND:
         raise errors.ConfigurationError(
@@ -35,21 +39,10 @@ def check_max_parallelism(value, parallelisms=()) -> int:
     return value
 
 
-def key_group(key, max_parallelism: int) -> int:
-    """The key group of ``key``."""
-    return stable_hash(key) % max_parallelism
-
-
-def key_group_range(max_parallelism: int, parallelism: int, index: int) -> tuple[int, int]:
-    """The groups subtask ``index`` of ``parallelism`` owns: ``[start, end)``."""
-    start = (index * max_parallelism + parallelism - 1) // parallelism
-    end = ((index + 1) * max_parallelism + parallelism - 1) // parallelism
-    return start, end
-
-
 def operator_index(max_parallelism: int, parallelism: int, group: int) -> int:
-    """The subtask of ``parallelism`` that owns key group ``group``."""
-    return group * parallelism // max_parallelism
+    """The subtask of ``parallelism`` that owns key group ``group``: the
+    subtask ``key_by`` routes the group's keys to."""
+    return key_group_owner(max_parallelism, parallelism, group)
 
 
 def group_index(keys, max_parallelism: int) -> np.ndarray:

@@ -36,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pyflowbuf._core.memory import DEFAULT_SEGMENT_SIZE
 from pyflowbuf.exchange.sides import MultiInput
 
 # Free segments' pages are handed back again every this many periods while
@@ -58,7 +59,7 @@ class DebloatSettings:
     samples: int = 20
     threshold: float = 0.25
     min_size: int = 256
-    max_size: int = 32 * 1024
+    max_size: int = DEFAULT_SEGMENT_SIZE
 
     @property
     def alpha(self) -> float:

@@ -115,7 +115,8 @@ class OutputSide:
         core = "bytes" if isinstance(kind, np.dtype) else kind.core_kind
         self.writer = RecordWriter(self.pool, self.queues, kind=core, max_record_size=self.max_record_size,
                                    timestamped=self.timestamped)
-        self.serializer = None if isinstance(kind, np.dtype) else kind
+        # the batch kinds align records by segment: the job's segments, not their default
+        self.serializer = None if isinstance(kind, np.dtype) else kind.for_segment_size(self.pool.segment_size)
         self.dtype = kind if isinstance(kind, np.dtype) else None
         if self.dtype is not None and self.partitioner == "hash":
             raise ValueError("key_by on a rows (NumPy) stream is not supported; map rows to records first")

@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 
+from pyflowbuf._core.memory import DEFAULT_SEGMENT_SIZE
 from pyflowbuf.api import Environment
 from pyflowbuf.experiments.throttle import Pacer, Speed
 from pyflowbuf.runtime.metrics import _rates
@@ -215,11 +216,11 @@ def _run_once(out_dir, quick, phase_seconds, interval, calibration_seconds, phas
     elif checkpoint_mode is None:
         # Flink's default buffers, and a target small enough for these rates
         # (millions of records/s fill 1 s of in-flight data far beyond them)
-        buffers = dict(segment_size=32 * 1024, debloat_target=debloat_target)
+        buffers = dict(segment_size=DEFAULT_SEGMENT_SIZE, debloat_target=debloat_target)
     else:
         import tempfile
         # Flink's defaults: what an aligned barrier waits behind is what they hold
-        buffers = dict(segment_size=32 * 1024, checkpoint_interval=iv, checkpoint_alignment=checkpoint_mode,
+        buffers = dict(segment_size=DEFAULT_SEGMENT_SIZE, checkpoint_interval=iv, checkpoint_alignment=checkpoint_mode,
                        checkpoint_dir=tempfile.mkdtemp(prefix="pyflowbuf-experiment-"))
         if debloat:
             buffers["debloat_target"] = debloat_target

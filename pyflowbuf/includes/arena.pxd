@@ -4,6 +4,10 @@ from pyflowbuf.includes.mpmc cimport fb_mpmc
 from pyflowbuf.includes.park cimport fb_event
 
 cdef extern from "fb_arena.h" nogil:
+    enum:
+        FB_DEFAULT_SEGMENT_SIZE
+        FB_MIN_SEGMENT_SIZE
+        FB_MAX_SEGMENT_SIZE
     ctypedef struct fb_arena:
         char *base
         uint64_t segment_size

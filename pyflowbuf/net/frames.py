@@ -21,6 +21,7 @@ import struct
 from typing import NamedTuple
 
 from pyflowbuf._core import netio as _wire
+from pyflowbuf._core.memory import DEFAULT_SEGMENT_SIZE
 from pyflowbuf.errors import ProtocolError
 
 # The constants the C send and receive loops share are defined on the C side
@@ -449,7 +450,7 @@ class FrameDecoder:
     partial frame waits for more bytes and never makes the decoder read past
     the end of what it was given."""
 
-    def __init__(self, max_buffer_size=32 * 1024, max_control_frame=DEFAULT_MAX_CONTROL_FRAME):
+    def __init__(self, max_buffer_size=DEFAULT_SEGMENT_SIZE, max_control_frame=DEFAULT_MAX_CONTROL_FRAME):
         self.max_buffer_size = max_buffer_size
         self.max_control_frame = max_control_frame
         self._buf = bytearray()

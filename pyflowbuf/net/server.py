@@ -13,7 +13,7 @@ import time
 from pyflowbuf._core import netio
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.events import BARRIER, END_OF_PARTITION
-from pyflowbuf._core.memory import Notifier
+from pyflowbuf._core.memory import DEFAULT_SEGMENT_SIZE, Notifier
 from pyflowbuf.errors import (AuthenticationError, CancelledError, ConnectionLostError, FlowBufError,
                               ProtocolError, RemoteError)
 from pyflowbuf.net import frames as F
@@ -89,7 +89,7 @@ class NetworkServer:
     failed (at most 256).
     """
 
-    def __init__(self, secret, host="127.0.0.1", port=0, *, max_buffer_size=32 * 1024,
+    def __init__(self, secret, host="127.0.0.1", port=0, *, max_buffer_size=DEFAULT_SEGMENT_SIZE,
                  dead_peer_timeout=P.DEFAULT_DEAD_PEER_TIMEOUT,
                  handshake_timeout=P.DEFAULT_HANDSHAKE_TIMEOUT, max_connections=256,
                  max_pending_handshakes=64, on_error=None):

@@ -108,6 +108,19 @@ class Operator:
     side: Any = None
     # its Output (set by its task before open); None while not running
     chain_output: Any = None
+    # The optional parts of the contract, declared with the value that means
+    # "not used" so that the runtime reads them instead of probing for them
+    # (``timestamped`` above is one too). An operator whose output is its
+    # input, unchanged, says so: the writers then check a source's records
+    # once, not the task too.
+    passes_records = False
+    # ``on_watermark(watermark) -> (records, watermark or None)``: an
+    # operator of event time defines it (what it fired, and the watermark to
+    # pass on, None to hold it back); None: watermarks go past it untouched.
+    on_watermark: Any = None
+    # ``metrics() -> dict``: counters of its own (late records of windows),
+    # summed over a chain; None: it has none.
+    metrics: Any = None
 
     def __init__(self, name: str):
         self.name = name

@@ -31,8 +31,8 @@ from typing import Any, Callable
 from pyflowbuf import errors as _errors
 from pyflowbuf.serializers import Serializer
 from pyflowbuf.serializers_arrow import (
-    _HDR, _PAD, FLAG_PANDAS, MAGIC, TAG_ARROW, TAG_NUMPY, VERSION, ArrowSerializer, NumpySerializer,
-    PandasSerializer, _check_header, _payload_offset, _tail_pad, pa)
+    _HDR, _PAD, DEFAULT_SEGMENT_SIZE, FLAG_PANDAS, MAGIC, TAG_ARROW, TAG_NUMPY, VERSION, ArrowSerializer,
+    NumpySerializer, PandasSerializer, _check_header, _payload_offset, _tail_pad, pa)
 from pyflowbuf.spark._schema import to_record_batch
 
 TAG_SEQ = ord("S")
@@ -84,7 +84,8 @@ class PartitionArrowSerializer(ArrowSerializer):
 
     name = "spark-arrow"   # not "arrow": with accept_pandas it takes DataFrames too
 
-    def __init__(self, segment_size: int = 32 * 1024, *, accept_pandas: bool = False, zero_copy: bool = True):
+    def __init__(self, segment_size: int = DEFAULT_SEGMENT_SIZE, *, accept_pandas: bool = False,
+                 zero_copy: bool = True):
         super().__init__(segment_size, None, zero_copy)
         self.accept_pandas = bool(accept_pandas)
         # each cache is one attribute replaced whole: safe when subtasks share the instance

@@ -109,7 +109,7 @@ class OperatorChain:
         """The times of ``records``, which ``op`` made outside of a batch (fired
         windows and timers, its end) with their times in ``op.fired_ts``;
         None on a chain without timestamps or where its output carries none."""
-        if not self.timestamped or not getattr(op, "timestamped", False):
+        if not self.timestamped or not op.timestamped:
             return None
         fired = op.fired_ts
         op.fired_ts = None
@@ -143,7 +143,7 @@ class OperatorChain:
         """Counters of the chain's operators (late records of windows), summed."""
         out: dict = {}
         for op in self.operators:
-            m = getattr(op, "metrics", None)
+            m = op.metrics
             if m is not None:
                 for k, v in m().items():
                     out[k] = out.get(k, 0) + v

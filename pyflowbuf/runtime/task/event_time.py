@@ -69,7 +69,7 @@ class EventTime:
             if wm is None:
                 break       # held back: the operators after it see none
             op = ops[k]
-            handler = getattr(op, "on_watermark", None)
+            handler = op.on_watermark
             if handler is None:
                 continue
             chain.current_operator = op.name

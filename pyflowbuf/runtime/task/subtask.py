@@ -79,7 +79,7 @@ class Subtask(threading.Thread):
         self.finished_ns = 0
         self.state = "CREATED"
         # decided once: does this chain carry timestamps?
-        timestamped = (any(getattr(op, "timestamped", False) for op in operators)
+        timestamped = (any(op.timestamped for op in operators)
                        or any(getattr(side, "timestamped", False) for side in sides))
         # Every output carries barriers, watermarks and the end of input; the
         # chain's records go to the main ones, side records (ctx.output) to
@@ -110,7 +110,7 @@ class Subtask(threading.Thread):
         # check them here, against the source's kind, as a writer would.
         self._source_misfit = None if source is None or not operators else _SourceCheck(vertex.head)
         if self._source_misfit is not None and outputs and all(
-                getattr(op, "passes_records", False) for op in operators):
+                op.passes_records for op in operators):
             # an assigner at the source hands its records to the writers as
             # they came, and a writer checks each one: the source's check
             # would be paid twice (the writer's errors name the source)
