@@ -422,6 +422,7 @@ RESUME = textwrap.dedent("""
     import glob, os, sys
     import pyflowbuf as fb
     chk, out, marker = sys.argv[1], sys.argv[2], sys.argv[3]
+    driver = os.getpid()        # (a worker's parent is the job's zygote)
     calls = [0]
     def maybe_die(x):
         calls[0] += 1
@@ -432,7 +433,7 @@ RESUME = textwrap.dedent("""
                 os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 return x
-            os.kill(os.getppid(), 9)     # the driver dies; its workers die with it
+            os.kill(driver, 9)     # the driver dies; its zygote and workers die with it
             os._exit(17)
         return x
     env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=chk, chaining=False)
