@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.timeout(120),
 
 
 def _left_behind():
-    """This process's children and theirs (a zygote, workers), from /proc, once
-    the job's have had time to go: ``[(pid, name, state)]``."""
+    """This process's descendants that are a job's zygote or workers (by the
+    names they give themselves, ``pfb-*``; not, e.g., multiprocessing's forkserver),
+    from /proc, once they have had time to go: ``[(pid, name, state)]``."""
     deadline = time.monotonic() + 10
     while True:
         stats = {}
@@ -35,8 +36,9 @@ def _left_behind():
             p = todo.pop()
             for child, (parent, name, state) in stats.items():
                 if parent == p:
-                    found.append((child, name, state))
                     todo.append(child)
+                    if name.startswith("pfb-"):
+                        found.append((child, name, state))
         if (not found and not multiprocessing.active_children()) or time.monotonic() > deadline:
             return found + [(p.pid, p.name, "multiprocessing") for p in multiprocessing.active_children()]
         time.sleep(0.05)

@@ -174,20 +174,43 @@ def _children():
 
 
 DRIVER = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, threading
     import pyflowbuf as fb
-    env = fb.Environment(workers=2, parallelism=2)
-    env.from_sequence(0, None, parallelism=1, rate_limit=5_000).map(lambda x: x, parallelism=2).sink(lambda x: None)
-    job = env.execute_async()
-    print(job.launcher.zygote.pid, *job.launcher.pids, flush=True)
+    jobs = []
+    def start():
+        env = fb.Environment(workers=2, parallelism=2)
+        env.from_sequence(0, None, parallelism=1, rate_limit=5_000).map(lambda x: x, parallelism=2).sink(lambda x: None)
+        jobs.append(env.execute_async())
+    for _ in range(int(sys.argv[2])):
+        if sys.argv[1] == "thread":     # a thread that ends: only EOF on its socket tells a zygote
+            t = threading.Thread(target=start)
+            t.start()
+            t.join()
+        else:
+            start()
+    bystander = os.fork()       # the caller's own child, alive after the driver: it holds no zygote's socket
+    if bystander == 0:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 1)     # (the test reads the driver's output to its end)
+        os.dup2(devnull, 2)
+        signal.pause()
+        os._exit(0)
+    print(bystander, *[p for job in jobs for p in (job.launcher.zygote.pid, *job.launcher.pids)], flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
 
-def test_the_zygote_and_workers_die_with_the_driver():
+@pytest.mark.parametrize("started, jobs", [("main", 1), ("thread", 2)])
+def test_the_zygote_and_workers_die_with_the_driver(started, jobs):
+    """Two jobs: the second's zygote, forked from the driver, must not hold
+    the first's socket open."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([sys.executable, "-c", DRIVER, started, str(jobs)], capture_output=True, text=True,
+                          timeout=120, env=env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    pids = [int(p) for p in proc.stdout.split()]
-    assert len(pids) == 3, proc.stdout
-    assert _wait_gone(pids, zombies=False) == []
+    bystander, *pids = [int(p) for p in proc.stdout.split()]
+    try:
+        assert len(pids) == 3 * jobs, proc.stdout
+        assert _wait_gone(pids, zombies=False) == []
+    finally:
+        os.kill(bystander, signal.SIGKILL)

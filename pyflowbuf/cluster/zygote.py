@@ -49,6 +49,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 
 from pyflowbuf import errors
 
@@ -100,6 +101,23 @@ def apply_output_decisions(outputs, decisions) -> None:
             setattr(o, a, v)
 
 
+# the driver's ends of the zygotes running now: a process forked from the
+# driver (a later job's zygote, anyone's fork) must not hold them, or a zygote
+# would not see EOF when the driver dies
+_OPEN: "weakref.WeakSet[Zygote]" = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    for z in list(_OPEN):
+        sock, z._sock, z._alive = z._sock, None, False
+        if sock is not None:
+            sock.close()
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _send(sock, msg, fds=()):
     data = pickle.dumps(msg)
     if fds:
@@ -148,6 +166,7 @@ class Zygote:
         self._replies: list = []
         self._alive = True
         self.threads_at_fork: list = []     # the zygote's thread count at each fork (the tests read it)
+        _OPEN.add(self)
 
     # ---- requests ----
     def fork(self, payload, fds) -> int:
@@ -210,6 +229,7 @@ class Zygote:
             self._sock.close()      # (EOF ends it too)
             self._sock = None
             self._alive = False
+            _OPEN.discard(self)
         deadline = time.monotonic() + timeout
         while True:
             try:
