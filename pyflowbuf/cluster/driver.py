@@ -3,11 +3,13 @@ in worker i % workers, and exchanges between workers go over the TCP layer
 (pyflowbuf.net) with credit-based flow control. This is what gives Python
 operators more than one core.
 
-The driver (the calling process) forks the workers, so the job graph and its
-functions need no pickling; it hands out the workers' addresses, relays
+The driver (the calling process) forks a zygote before the execution starts a
+thread, and the zygote forks the workers (``pyflowbuf.cluster.zygote``), so the
+job graph and its functions need no pickling; the driver hands out the workers' addresses, relays
 cancellation, gathers metrics, collected results and the first real failure,
-and leaves no process behind: workers die with the driver (PR_SET_PDEATHSIG)
-and are killed if they outlive a cancelled job's grace period.
+and leaves no process behind: workers die with the zygote, the zygote with the
+driver (EOF on its socket, PR_SET_PDEATHSIG), and workers are killed if they
+outlive a cancelled job's grace period.
 
 Checkpoints (``checkpoint_interval``): the coordinator runs in the driver and
 reaches the workers' tasks through control messages on each worker's pipe
@@ -15,7 +17,7 @@ reaches the workers' tasks through control messages on each worker's pipe
 to ``checkpoint_dir`` and acknowledge through a proxy of the coordinator
 (``WorkerCoordinator``). Barriers cross TCP as events, in order with the
 buffers and without credit. On a failure (a task, or a worker process that
-died) the driver stops every worker and forks a new set restoring the latest
+died) the driver stops every worker and has the zygote fork a new set restoring the latest
 complete checkpoint, up to ``restart_attempts``. ``collect()`` records reach
 the driver ahead of each acknowledgement (``CollectShipper``), so the driver
 holds every record a checkpoint covers and keeps exactly those on a restore.
@@ -25,9 +27,9 @@ restarts, metrics, collect) and takes the workers from a launcher:
 ``ForkLauncher`` (the above: forked processes, pipes) or
 ``pyflowbuf.spark.cluster.SparkLauncher`` (Spark barrier tasks on executors,
 talking to the driver over ``pyflowbuf.cluster.control_channel``: authenticated TCP,
-no pickle). A launcher has ``check``, ``launch`` (one attempt's workers as
-``{channel: worker}``), ``exit_report``, ``lost``, ``stop``, ``end_attempt``
-and ``close``; ``run_worker`` (``pyflowbuf.cluster.worker``) is the worker's
+no pickle). Both derive from ``Launcher``, which declares the calls (``check``,
+``open``, ``launch``, ``exit_report``, ``lost``, ``stop``, ``end_attempt``,
+``finished``, ``close``); ``run_worker`` (``pyflowbuf.cluster.worker``) is the worker's
 part under either.
 """
 from __future__ import annotations
