@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the compiled core with AddressSanitizer and UndefinedBehaviorSanitizer
 # (PYFLOWBUF_SANITIZE=1, see setup.py) in a copy of the tree, so the normal
-# in-place build stays as it is, and runs the core, network and worker-kill
-# tests against it. Any sanitizer report fails the run.
+# in-place build stays as it is, and runs the core, network and worker tests
+# (the worker-kill and restart tests included) against it. Any sanitizer report fails the run.
 #
 #   bash ci/sanitize.sh                 # the default selection, a few minutes
 #   bash ci/sanitize.sh tests/test_netio.py -k pump    # or any pytest arguments
@@ -48,31 +48,21 @@ tar -C "$ROOT" -cf - --exclude='*.so' --exclude='pyflowbuf/_core/*.c' --exclude=
     > build.log 2>&1) || { tail -40 "$BUILD/build.log" >&2; exit 1; }
 
 if [ $# -eq 0 ]; then
-  # core, network, and the worker tests. Left out: the tests that restart
-  # workers (killed at a random record, or failing with an exception). A restart forks new workers
-  # from the driver while its threads run, and the ASan runtime of gcc 12
-  # does not lock its allocator around fork(): with every Python allocation
-  # in it (PYTHONMALLOC=malloc), a child forked while another thread held
-  # that lock hangs before it starts ("worker N did not start within 60 s":
-  # three times in two runs on a loaded machine; once more, in a worker that
-  # raised an exception, in a fresh-clone CI). glibc's malloc is fork-safe, so
-  # the normal build runs them (and tests/kill_runs.py, hundreds of seeds).
-  # PYFLOWBUF_SANITIZE_KILLS=1 adds them back (e.g. with a newer gcc).
+  # core, network, and the worker tests, the ones that kill or fail workers
+  # and restart them included. Those were left out while a restart forked its
+  # workers from the driver as its threads ran: gcc 12's ASan runtime does
+  # not lock its allocator around fork(), and with every Python allocation in
+  # it (PYTHONMALLOC=malloc) a child forked while another thread held that
+  # lock hung before it started. Every worker is forked by the job's zygote
+  # now, a process with one thread (pyflowbuf/cluster/zygote.py).
+  # PYFLOWBUF_WORKER_KILLS: the random kills each property test tries.
   set -- tests/test_memory.py tests/test_channel.py tests/test_serde.py tests/test_netio.py \
          tests/test_net_frames.py tests/test_net_credit.py tests/test_net_handshake.py tests/test_net_e2e.py \
-         tests/test_checkpoints_workers.py tests/test_cluster.py \
+         tests/test_checkpoints_workers.py tests/test_cluster.py tests/test_zygote.py \
+         "tests/test_checkpoints.py::test_exactly_once_when_a_worker_process_is_killed_at_a_random_record" \
+         "tests/test_unaligned.py::test_exactly_once_when_a_worker_is_killed_unaligned" \
          -k "not killed_by_a_signal"      # that one segfaults on purpose: ASan reports it instead
-  if [ "${PYFLOWBUF_SANITIZE_KILLS:-0}" != 1 ]; then
-    # the worker tests whose job restarts (a fork while the driver's threads run)
-    set -- "$@" --deselect "tests/test_checkpoints_workers.py::test_an_exception_in_a_worker_is_recovered_exactly_once" \
-           --deselect "tests/test_checkpoints_workers.py::test_a_killed_worker_process_is_recovered_exactly_once" \
-           --deselect "tests/test_checkpoints_workers.py::test_restart_attempts_with_workers_are_limited" \
-           --deselect "tests/test_checkpoints_workers.py::test_messages_and_failures_of_an_earlier_attempt_are_ignored"
-  else
-    set -- "$@" "tests/test_checkpoints.py::test_exactly_once_when_a_worker_process_is_killed_at_a_random_record" \
-           "tests/test_unaligned.py::test_exactly_once_when_a_worker_is_killed_unaligned"
-    export PYFLOWBUF_WORKER_KILLS=${PYFLOWBUF_WORKER_KILLS:-4}
-  fi
+  export PYFLOWBUF_WORKER_KILLS=${PYFLOWBUF_WORKER_KILLS:-4}
 fi
 
 log "running the tests under the sanitizers"

@@ -18,7 +18,8 @@ import time
 import pytest
 
 import pyflowbuf as fb
-from pipeline_helpers import read_parts  # noqa: E402
+from pipeline_helpers import HeldSequenceSource, read_parts  # noqa: E402
+from pyflowbuf.connectors.sources import SequenceSource
 from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.serde import RecordReader, RecordWriter
@@ -31,14 +32,34 @@ pytestmark = pytest.mark.timeout(60)
 N_KEYS = 7
 
 
-def counting_job(env, n, out_dir, fail=None, where="stage", rate=20_000):
+def _wait_for(cond, what, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class HeldFromOne(HeldSequenceSource):
+    """HeldSequenceSource over 1..n (``from_sequence(1, n + 1)``)."""
+
+    def __init__(self, n, hold_at, release):
+        SequenceSource.__init__(self, 1, n + 1, 1)
+        self.hold_at, self.release = hold_at, release
+
+
+def counting_job(env, n, out_dir, fail=None, where="stage", rate=20_000, hold=None):
     """records 1..n -> map -> keyed running count -> map -> collect and
     write_text; ``fail`` replaces the identity of the map ``where`` ("stage":
     before the count, "after": after it). With parallelism 2 over 2 workers
-    the rebalance and the keyed exchange cross TCP both ways."""
+    the rebalance and the keyed exchange cross TCP both ways. ``hold``:
+    ``(record, release file)``, the source holds there until the file exists
+    (HeldSequenceSource)."""
     same = lambda x: x      # noqa: E731
     fail = fail or same
-    s = env.from_sequence(1, n + 1, parallelism=1, rate_limit=rate)
+    if hold is None:
+        s = env.from_sequence(1, n + 1, parallelism=1, rate_limit=rate)
+    else:
+        s = env._source("sequence", lambda: HeldFromOne(n, *hold), "int64", rate, 1)
     s = s.rebalance().map(fail if where == "stage" else same, parallelism=2, name="stage", kind="int64")
     counts = (s.map(lambda x: (x % N_KEYS, x), kind="struct")
                .key_by(lambda kv: kv[0])
@@ -122,8 +143,14 @@ def test_an_exception_in_a_worker_is_recovered_exactly_once(tmp_path, where):
     fail = FailInWorker(tmp_path / "fired", at=500, chk=tmp_path / "chk")
     env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
                          restart_attempts=2, chaining=False)
-    h = counting_job(env, 10_000, tmp_path / "out", fail=fail, where=where, rate=15_000)
-    env.execute(timeout=50)
+    h = counting_job(env, 10_000, tmp_path / "out", fail=fail, where=where, rate=15_000,
+                     hold=(6000, str(tmp_path / "release")))
+    # the failure needs a completed checkpoint before it; the source holds
+    # (checkpoints go on) until one has, however slow the machine (ASan)
+    job = env.execute_async()
+    _wait_for(lambda: any(c["status"] == "completed" for c in env.checkpoints()) or job.done, "a checkpoint")
+    (tmp_path / "release").touch()
+    job.join(timeout=120)
     ex = env.last_execution
     assert os.path.exists(tmp_path / "fired"), (ex.restarts, env.checkpoints()[:3], h.result[:3])
     assert ex.restarts == 1 and "injected failure" in ex.restart_failures[0][2]
@@ -136,8 +163,14 @@ def test_a_killed_worker_process_is_recovered_exactly_once(tmp_path, where):
     kill = FailInWorker(tmp_path / "killed", at=500, chk=tmp_path / "chk", kill=True)
     env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=tmp_path / "chk",
                          restart_attempts=2, chaining=False)
-    h = counting_job(env, 10_000, tmp_path / "out", fail=kill, where=where, rate=15_000)
-    env.execute(timeout=50)
+    h = counting_job(env, 10_000, tmp_path / "out", fail=kill, where=where, rate=15_000,
+                     hold=(6000, str(tmp_path / "release")))
+    # the failure needs a completed checkpoint before it; the source holds
+    # (checkpoints go on) until one has, however slow the machine (ASan)
+    job = env.execute_async()
+    _wait_for(lambda: any(c["status"] == "completed" for c in env.checkpoints()) or job.done, "a checkpoint")
+    (tmp_path / "release").touch()
+    job.join(timeout=120)
     assert os.path.exists(tmp_path / "killed")
     ex = env.last_execution
     assert ex.restarts == 1
@@ -419,24 +452,36 @@ def test_a_source_that_cannot_rewind_is_refused_before_any_worker_starts(tmp_pat
 
 
 RESUME = textwrap.dedent("""
-    import glob, os, sys
+    import glob, os, sys, time
     import pyflowbuf as fb
+    from pyflowbuf.connectors.sources import SequenceSource
     chk, out, marker = sys.argv[1], sys.argv[2], sys.argv[3]
+    checkpointed = lambda: glob.glob(os.path.join(chk, "chk-*", "_metadata"))
+    class HeldUntilCheckpoint(SequenceSource):
+        # from_sequence(1, 6001)'s source; in the first run it holds at 3000
+        # (checkpoints go on) until one completed, however slow the machine
+        def next_batch(self, max_records):
+            if marker != "-" and self._ranges is None and not checkpointed():
+                if self.next_value >= 3000:
+                    time.sleep(0.01)
+                    return []
+                max_records = min(max_records, 3000 - self.next_value)
+            return super().next_batch(max_records)
+    driver = os.getpid()        # (a worker's parent is the job's zygote)
     calls = [0]
     def maybe_die(x):
         calls[0] += 1
         # once a checkpoint is complete (its metadata written), and only once
-        if (marker != "-" and calls[0] >= 1000 and calls[0] % 50 == 0
-                and glob.glob(os.path.join(chk, "chk-*", "_metadata"))):
+        if marker != "-" and calls[0] >= 1000 and calls[0] % 50 == 0 and checkpointed():
             try:
                 os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 return x
-            os.kill(os.getppid(), 9)     # the driver dies; its workers die with it
+            os.kill(driver, 9)     # the driver dies; its zygote and workers die with it
             os._exit(17)
         return x
     env = fb.Environment(workers=2, checkpoint_interval=0.05, checkpoint_dir=chk, chaining=False)
-    s = (env.from_sequence(1, 6001, rate_limit=20000).rebalance()
+    s = (env._source("sequence", lambda: HeldUntilCheckpoint(1, 6001), "int64", 20000, 1).rebalance()
             .map(maybe_die, parallelism=2, kind="int64")
             .map(lambda x: (x % 7, x), kind="struct")
             .key_by(lambda kv: kv[0])

@@ -3,11 +3,13 @@ in worker i % workers, and exchanges between workers go over the TCP layer
 (pyflowbuf.net) with credit-based flow control. This is what gives Python
 operators more than one core.
 
-The driver (the calling process) forks the workers, so the job graph and its
-functions need no pickling; it hands out the workers' addresses, relays
+The driver (the calling process) forks a zygote before the execution starts a
+thread, and the zygote forks the workers (``pyflowbuf.cluster.zygote``), so the
+job graph and its functions need no pickling; the driver hands out the workers' addresses, relays
 cancellation, gathers metrics, collected results and the first real failure,
-and leaves no process behind: workers die with the driver (PR_SET_PDEATHSIG)
-and are killed if they outlive a cancelled job's grace period.
+and leaves no process behind: workers die with the zygote, the zygote with the
+driver (EOF on its socket, PR_SET_PDEATHSIG), and workers are killed if they
+outlive a cancelled job's grace period.
 
 Checkpoints (``checkpoint_interval``): the coordinator runs in the driver and
 reaches the workers' tasks through control messages on each worker's pipe
@@ -15,7 +17,7 @@ reaches the workers' tasks through control messages on each worker's pipe
 to ``checkpoint_dir`` and acknowledge through a proxy of the coordinator
 (``WorkerCoordinator``). Barriers cross TCP as events, in order with the
 buffers and without credit. On a failure (a task, or a worker process that
-died) the driver stops every worker and forks a new set restoring the latest
+died) the driver stops every worker and has the zygote fork a new set restoring the latest
 complete checkpoint, up to ``restart_attempts``. ``collect()`` records reach
 the driver ahead of each acknowledgement (``CollectShipper``), so the driver
 holds every record a checkpoint covers and keeps exactly those on a restore.
@@ -25,9 +27,9 @@ restarts, metrics, collect) and takes the workers from a launcher:
 ``ForkLauncher`` (the above: forked processes, pipes) or
 ``pyflowbuf.spark.cluster.SparkLauncher`` (Spark barrier tasks on executors,
 talking to the driver over ``pyflowbuf.cluster.control_channel``: authenticated TCP,
-no pickle). A launcher has ``check``, ``launch`` (one attempt's workers as
-``{channel: worker}``), ``exit_report``, ``lost``, ``stop``, ``end_attempt``
-and ``close``; ``run_worker`` (``pyflowbuf.cluster.worker``) is the worker's
+no pickle). Both derive from ``Launcher``, which declares the calls (``check``,
+``open``, ``launch``, ``exit_report``, ``lost``, ``stop``, ``end_attempt``,
+``finished``, ``close``); ``run_worker`` (``pyflowbuf.cluster.worker``) is the worker's
 part under either.
 """
 from __future__ import annotations
@@ -58,6 +60,7 @@ from pyflowbuf.connectors import outputs as sink_outputs
 from pyflowbuf.runtime.deployment import check_output_pools
 from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution
 from pyflowbuf.runtime.metrics import MetricsRelay, close_listeners, make_listeners
+from pyflowbuf.cluster.zygote import Zygote, apply_output_decisions, output_decisions, set_process_name
 from pyflowbuf.cluster.worker import (DRIVER, EXCLUSIVE_BUFFERS, FLOATING_BUFFERS, RemoteContext, attempt_secret,
                                       placement, run_worker)
 
@@ -167,25 +170,9 @@ class OutputRelay(threading.Thread):
         self.join()
 
 
-def _print_to_pipe(fd, others):
-    """In a worker: ``sys.stdout`` becomes its pipe to the OutputRelay;
-    the pipe ends meant for the other workers are closed here."""
-    for other in others:
-        try:
-            os.close(other)
-        except OSError:
-            pass
+def _print_to_pipe(fd):
+    """In a worker: ``sys.stdout`` becomes its pipe to the OutputRelay."""
     sys.stdout = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace")
-
-
-def _die_with_parent():
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 def describe_exit(code) -> str:
@@ -202,15 +189,14 @@ def describe_exit(code) -> str:
 
 
 def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, output=None):
-    """A forked worker process: its part of the job, then exit."""
-    _die_with_parent()
+    """A worker process (forked by the zygote): its part of the job, then exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
     if crash_log is not None:
         # a fatal signal (SIGSEGV, SIGABRT, ...) leaves the threads' stacks
         # where the driver reads them when it reports the worker's death
         faulthandler.enable(file=crash_log, all_threads=True)
     if output is not None:
-        _print_to_pipe(*output)
+        _print_to_pipe(output)
     try:
         run_worker(env, me, workers, secret, conn, attempt)
     finally:
@@ -221,12 +207,72 @@ def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, outp
         os._exit(0)
 
 
-class ForkLauncher:
-    """Starts a job's workers as processes forked from the driver, each
-    talking to it on a ``multiprocessing`` pipe (the job needs no pickling:
-    the children inherit it). What the workers print reaches the caller's
-    ``sys.stdout`` (OutputRelay); a worker that dies is reported with its
-    exit status and faulthandler output."""
+def _forked_worker(env):
+    """What the zygote runs in each worker it forks: the request's values
+    (``ForkLauncher.launch``) applied to the zygote's copy of the job."""
+    def run(payload, fds):
+        conn_fd, out_fd, crash_fd = fds
+        set_process_name(f"pfb-worker-{payload['me']}")
+        apply_output_decisions(sink_outputs.graph_outputs(env.nodes), payload["outputs"])
+        # looked up now: the module's function as it was when the zygote was forked
+        _worker_main(env, payload["me"], payload["workers"], payload["secret"],
+                     mp.connection.Connection(conn_fd), payload["attempt"], crash_fd, out_fd)
+    return run
+
+
+class Launcher:
+    """Where a job's workers run, for ``ClusterExecution`` (the driver's part:
+    coordinator, fencing, restarts, metrics, collect). The execution calls, in
+    order: ``check`` (refusals, before anything starts), ``open`` (first in
+    ``start``, before the execution starts a thread), then per attempt
+    ``launch`` (its workers as ``{channel: worker index}``), ``lost``,
+    ``exit_report``, ``stop`` and ``end_attempt``; ``finished`` once no
+    attempt follows (the job ended, failed or was cancelled, or its start
+    failed), and ``close`` when the caller joins. ``ForkLauncher`` forks
+    processes (through a zygote); ``pyflowbuf.spark.cluster.SparkLauncher``
+    runs Spark barrier tasks."""
+
+    what = "workers"
+    workers: int
+    start_timeout: float = START_TIMEOUT_S
+
+    def check(self, execution) -> None:
+        """Refusals before anything starts."""
+
+    def open(self, execution) -> None:
+        """Before the execution starts any thread of its own."""
+
+    def launch(self, execution, attempt) -> dict:
+        raise NotImplementedError
+
+    def exit_report(self, w):
+        raise NotImplementedError
+
+    def stop(self, graceful: bool) -> None:
+        raise NotImplementedError
+
+    def lost(self):
+        """(text, traceback) once the attempt was lost in a way its channels do not show; else None."""
+        return None
+
+    def end_attempt(self) -> None:
+        """After stop(): forget the attempt (a restart follows)."""
+
+    def finished(self, graceful: bool) -> None:
+        """No attempt follows: what was kept for restarts can go."""
+
+    def close(self) -> None:
+        """After stop(), when the caller joins."""
+
+
+class ForkLauncher(Launcher):
+    """Starts a job's workers as processes forked by a zygote
+    (``pyflowbuf.cluster.zygote``), itself forked from the driver before the
+    execution starts a thread; each worker talks to the driver on a
+    ``multiprocessing`` pipe (the job needs no pickling: the zygote holds it).
+    What the workers print reaches the caller's ``sys.stdout``
+    (OutputRelay); a worker that dies is reported with its exit status (the
+    zygote reaps it) and its faulthandler output."""
 
     what = "worker processes"
 
@@ -236,38 +282,42 @@ class ForkLauncher:
         self.env = env
         self.workers = env.workers
         self.start_timeout = START_TIMEOUT_S
-        self._ctx = mp.get_context("fork")
-        self._procs: list = []
+        self.zygote = None
+        self.pids: list = []                 # the current attempt's workers, by index
         self._outputs: list = []             # an OutputRelay per set of workers started
-        self._crash_logs: list = []          # per worker: its faulthandler file (shared through fork)
+        self._crash_logs: list = []          # per worker: its faulthandler file (its descriptor goes with the fork)
 
-    def check(self, execution):
-        """Refusals before anything starts (none for forked workers)."""
+    def open(self, execution):
+        """The zygote, forked now: the job graph is complete and nothing of
+        this execution runs a thread yet."""
+        if self.zygote is None:
+            self.zygote = Zygote(_forked_worker(self.env))
 
     def launch(self, execution, attempt) -> dict:
-        """Fork one attempt's workers; returns ``{channel: worker index}``."""
+        """Have the zygote fork one attempt's workers; returns ``{channel: worker index}``."""
         conns = {}
-        pipes = []
+        reads = []
         try:
-            pipes = [os.pipe() for _ in range(self.workers)]
-            every_end = [fd for pair in pipes for fd in pair]
+            if self.zygote is None:
+                raise errors.FlowBufError("ForkLauncher.launch before open(): no zygote to fork the workers")
+            # what the driver decided since the zygote was forked goes with each request
+            outputs = output_decisions(sink_outputs.graph_outputs(self.env.nodes))
             for w in range(self.workers):
-                parent, child = self._ctx.Pipe()
-                out = pipes[w][1]
+                parent, child = mp.Pipe()
+                out_r, out_w = os.pipe()
+                reads.append(out_r)
                 crash_log = tempfile.TemporaryFile(prefix=f"pyflowbuf-worker-{w}-")
                 self._crash_logs.append(crash_log)
-                proc = self._ctx.Process(target=_worker_main,
-                                         args=(self.env, w, self.workers, execution.secret, child, attempt,
-                                               crash_log, (out, [fd for fd in every_end if fd != out])),
-                                         name=f"pyflowbuf-worker-{w}", daemon=True)
-                proc.start()
-                child.close()
-                self._procs.append(proc)
                 conns[parent] = w
-            for _, write_end in pipes:
-                os.close(write_end)     # each worker holds its own; EOF once it exits
-            relay = OutputRelay(r for r, _ in pipes)
-            pipes = []                  # the relay closes the read ends
+                try:
+                    payload = {"me": w, "workers": self.workers, "attempt": attempt,
+                               "secret": execution.secret, "outputs": outputs}
+                    self.pids.append(self.zygote.fork(payload, [child.fileno(), out_w, crash_log.fileno()]))
+                finally:
+                    child.close()
+                    os.close(out_w)     # the worker holds its own: EOF once it exits
+            relay = OutputRelay(reads)
+            reads = []                  # the relay closes the read ends
             relay.start()
             self._outputs.append(relay)
             return conns
@@ -275,20 +325,17 @@ class ForkLauncher:
             self.stop(graceful=False)
             for c in conns:
                 c.close()
-            for pair in pipes:
-                for fd in pair:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
+            for fd in reads:
+                os.close(fd)
             raise
 
     def exit_report(self, w):
         """Why worker ``w`` ended without saying goodbye: its exit status (a
         signal by name) and what faulthandler wrote of its threads' stacks."""
-        proc, crash_log = self._procs[w], self._crash_logs[w]
-        proc.join(EXIT_STATUS_WAIT_S)     # its pipe closed as it died: the status follows at once
-        text = f"worker {w} exited unexpectedly: {describe_exit(proc.exitcode)}"
+        crash_log = self._crash_logs[w]
+        # its pipe closed as it died: the status follows at once
+        code = self.zygote.wait(self.pids[w], EXIT_STATUS_WAIT_S) if w < len(self.pids) else None
+        text = f"worker {w} exited unexpectedly: {describe_exit(code)}"
         tb = ""
         try:
             crash_log.seek(0)
@@ -303,21 +350,25 @@ class ForkLauncher:
     def stop(self, graceful: bool):
         """Every worker of the attempt has ended when this returns (killed
         after the grace period if need be)."""
-        for p in self._procs:
-            p.join(CANCEL_GRACE_S if p.is_alive() and graceful else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-    def lost(self):
-        """(text, traceback) once the attempt was lost in a way its channels
-        do not show; a forked worker's death closes its pipe, so never."""
-        return None
+        zygote = self.zygote
+        if zygote is None:
+            return
+        for pid in self.pids:
+            running = zygote.wait(pid, 0) is None
+            if zygote.wait(pid, CANCEL_GRACE_S if running and graceful else 0.5) is None:
+                zygote.kill(pid)
+                zygote.wait(pid, 5)
 
     def end_attempt(self):
         """After stop(): forget the attempt's processes (a restart follows)."""
         self._close_crash_logs()
-        self._procs = []
+        self.pids = []
+
+    def finished(self, graceful: bool):
+        """No worker is forked again: the workers end (as ``stop``), then the zygote."""
+        self.stop(graceful)
+        if self.zygote is not None:
+            self.zygote.close()
 
     def _close_crash_logs(self):
         for f in self._crash_logs:
@@ -330,6 +381,8 @@ class ForkLauncher:
         for relay in relays:
             relay.close(5.0)
         self._close_crash_logs()
+        if self.zygote is not None:
+            self.zygote.close()
 
 
 def check_every_process(env, vertices, edges, workers) -> None:
@@ -444,11 +497,18 @@ class ClusterExecution(Execution):
         # The listeners live here, not in the workers: one Prometheus port,
         # one log, one live view for the whole job; a busy port is refused
         # before any worker is forked.
-        self.sampler = MetricsRelay(self.env.metrics_config.interval, make_listeners(self.env))
+        # First, before this execution starts a thread (the exporter's, the
+        # coordinator's, the relays', the monitor's): the launcher's zygote
+        self.launcher.open(self)
+        try:
+            self.sampler = MetricsRelay(self.env.metrics_config.interval, make_listeners(self.env))
+        except BaseException:
+            self.launcher.finished(graceful=False)
+            raise
         self.started = time.monotonic()
         try:
             restore_id = self._start_checkpointing() if self.checkpoint_config is not None else None
-            # before the fork: the workers' sinks inherit what it decided
+            # before the workers start: each fork request carries what it decided
             sink_outputs.prepare_outputs(self.env.nodes, restoring=restore_id is not None,
                                     checkpoint_dir=self.env.checkpoint_config.directory)
             self._start_workers(restore_id)
@@ -459,6 +519,7 @@ class ClusterExecution(Execution):
             if self.coordinator is not None:
                 self.coordinator.stop()
             self._release_directory()
+            self.launcher.finished(graceful=False)
             raise
         if self.coordinator is not None:
             self.coordinator.start()
@@ -528,6 +589,11 @@ class ClusterExecution(Execution):
                     self.coordinator.finish_job()     # sinks commit their final output
                 self._stop_checkpointing()
         finally:
+            try:
+                # no restart follows: the workers end, and what forked them
+                self.launcher.finished(graceful=not self.cancelled)
+            except Exception:  # noqa: BLE001 - _close stops what is left
+                log.exception("pyflowbuf: job %r: ending its workers failed", self.env.name)
             self.ended = time.monotonic()
             try:
                 self._release_directory()       # (done already, unless the end itself failed)

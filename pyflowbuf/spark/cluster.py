@@ -64,7 +64,7 @@ from pyflowbuf.cluster.control_channel import ControlListener, connect_control
 from pyflowbuf.net.protocol import new_secret
 from pyflowbuf.connectors import filesystems as fsx
 from pyflowbuf.cluster.locations import file_locations
-from pyflowbuf.cluster.driver import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution
+from pyflowbuf.cluster.driver import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution, Launcher
 from pyflowbuf.cluster.worker import run_worker
 
 log = logging.getLogger("pyflowbuf.spark")
@@ -638,7 +638,7 @@ def _run_barrier_task(spec, w, host, info):
         output.close()
 
 
-class SparkLauncher:
+class SparkLauncher(Launcher):
     """Starts a job's workers as Spark barrier tasks (see the module's
     docstring); ClusterExecution drives them as it drives forked ones."""
 
