@@ -6,6 +6,7 @@ that a test runs as its own process, killed and resumed; for window tests, rando
 records and an aggregate that keeps their times."""
 
 import collections
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -229,3 +230,36 @@ def wait_until_held(release, parallelism, job=None, timeout=120):
     """Until every subtask of a held sequence has reached its hold."""
     wait_for(lambda: all(os.path.exists(f"{release}.held-{i}") for i in range(parallelism)),
              "the source to reach its hold", timeout=timeout, job=job)
+
+
+# ---- no job process left behind
+
+def worker_processes_left(timeout: float = 10.0):
+    """This process's descendants that are a job's zygote or workers (by the
+    names they give themselves, ``pfb-*``; not, e.g., multiprocessing's forkserver),
+    from /proc, once they have had time to go: ``[(pid, name, state)]``.
+    Workers are the zygote's children, not multiprocessing's, so
+    ``multiprocessing.active_children()`` alone would never see them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        head, tail = f.read().rsplit(")", 1)
+                    state, parent = tail.split()[:2]
+                    stats[int(entry)] = (int(parent), head.split("(", 1)[1], state)
+                except (OSError, IndexError, ValueError):
+                    pass
+        found, todo = [], [os.getpid()]
+        while todo:
+            p = todo.pop()
+            for child, (parent, name, state) in stats.items():
+                if parent == p:
+                    todo.append(child)
+                    if name.startswith("pfb-"):
+                        found.append((child, name, state))
+        if (not found and not multiprocessing.active_children()) or time.monotonic() > deadline:
+            return found + [(p.pid, p.name, "multiprocessing") for p in multiprocessing.active_children()]
+        time.sleep(0.05)

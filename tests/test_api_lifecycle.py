@@ -17,7 +17,7 @@ import pytest
 import pyflowbuf as fb
 from pyflowbuf import errors
 from pyflowbuf.serializers import Serializer
-from pipeline_helpers import cancel_and_join
+from pipeline_helpers import cancel_and_join, worker_processes_left
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,10 +38,7 @@ def _no_new_threads(before: set, timeout: float = 5.0) -> bool:
 
 
 def _no_children(timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return multiprocessing.active_children() == []
+    return worker_processes_left(timeout) == []
 
 
 # --------------------------------------------------------------------------- output pools

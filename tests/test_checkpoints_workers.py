@@ -18,7 +18,7 @@ import time
 import pytest
 
 import pyflowbuf as fb
-from pipeline_helpers import HeldSequenceSource, read_parts  # noqa: E402
+from pipeline_helpers import HeldSequenceSource, read_parts, worker_processes_left  # noqa: E402
 from pyflowbuf.connectors.sources import SequenceSource
 from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf._core.channel import BufferQueue, InputGate
@@ -197,7 +197,7 @@ def test_restart_attempts_with_workers_are_limited(tmp_path):
     with pytest.raises(fb.errors.JobFailedError, match="always fails at 300"):
         env.execute(timeout=40)
     assert env.last_execution.restarts == 2
-    assert not multiprocessing.active_children()
+    assert worker_processes_left() == []
 
 
 def segfault_at(k):
@@ -220,7 +220,7 @@ def test_a_worker_killed_by_a_signal_is_reported_with_the_signal_and_its_stacks(
     msg = str(info.value)
     assert "killed by SIGSEGV (exit code -11)" in msg, msg
     assert "Segmentation fault" in msg and "in fn" in msg, msg      # faulthandler: the crashing frame
-    assert not multiprocessing.active_children()
+    assert worker_processes_left() == []
 
 
 def test_a_worker_that_dies_before_the_job_starts_is_reported_with_its_signal(tmp_path, monkeypatch):
@@ -234,7 +234,7 @@ def test_a_worker_that_dies_before_the_job_starts_is_reported_with_its_signal(tm
     with pytest.raises(fb.errors.FlowBufError,
                        match=r"worker 0 exited unexpectedly: killed by SIGKILL \(exit code -9\), before the job"):
         env.execute(timeout=40)
-    assert not multiprocessing.active_children()
+    assert worker_processes_left() == []
 
 
 def test_a_peer_lost_while_a_worker_starts_is_not_the_reason_of_the_failure(tmp_path, monkeypatch):
@@ -440,7 +440,7 @@ def test_cancel_of_a_checkpointed_job_with_workers_restarts_nothing(tmp_path):
     job.cancel()
     job.join(timeout=30)
     assert job.restarts == 0
-    assert not multiprocessing.active_children()
+    assert worker_processes_left() == []
 
 
 def test_a_source_that_cannot_rewind_is_refused_before_any_worker_starts(tmp_path):
@@ -448,7 +448,7 @@ def test_a_source_that_cannot_rewind_is_refused_before_any_worker_starts(tmp_pat
     env.from_iterable(iter(range(10))).map(lambda x: x, parallelism=2).collect()
     with pytest.raises(fb.errors.ConfigurationError, match="cannot rewind"):
         env.execute(timeout=20)
-    assert not multiprocessing.active_children()
+    assert worker_processes_left() == []
 
 
 RESUME = textwrap.dedent("""

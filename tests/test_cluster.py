@@ -10,38 +10,12 @@ import pytest
 
 import pyflowbuf as fb
 from pyflowbuf import errors
+from pipeline_helpers import worker_processes_left
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")]
 
 
-def _left_behind():
-    """This process's descendants that are a job's zygote or workers (by the
-    names they give themselves, ``pfb-*``; not, e.g., multiprocessing's forkserver),
-    from /proc, once they have had time to go: ``[(pid, name, state)]``."""
-    deadline = time.monotonic() + 10
-    while True:
-        stats = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        head, tail = f.read().rsplit(")", 1)
-                    state, parent = tail.split()[:2]
-                    stats[int(entry)] = (int(parent), head.split("(", 1)[1], state)
-                except (OSError, IndexError, ValueError):
-                    pass
-        found, todo = [], [os.getpid()]
-        while todo:
-            p = todo.pop()
-            for child, (parent, name, state) in stats.items():
-                if parent == p:
-                    todo.append(child)
-                    if name.startswith("pfb-"):
-                        found.append((child, name, state))
-        if (not found and not multiprocessing.active_children()) or time.monotonic() > deadline:
-            return found + [(p.pid, p.name, "multiprocessing") for p in multiprocessing.active_children()]
-        time.sleep(0.05)
 
 
 def test_collect_across_workers_is_exactly_once():
@@ -49,7 +23,7 @@ def test_collect_across_workers_is_exactly_once():
     out = env.from_sequence(0, 50_000, parallelism=1).map(lambda x: x * 2, name="double").collect(parallelism=1)
     env.execute(timeout=60)
     assert sorted(out.result) == [2 * i for i in range(50_000)]
-    assert _left_behind() == []
+    assert worker_processes_left() == []
 
 
 @pytest.mark.parametrize("credit_based", [True, False])
@@ -76,7 +50,7 @@ def test_iterator_sink_in_driver_preserves_order_from_one_producer():
     env = fb.Environment(workers=2)
     it = env.from_sequence(0, 30_000).map(lambda x: x + 1).to_iterator()
     assert list(env.execute_iter(it)) == list(range(1, 30_001))
-    assert _left_behind() == []
+    assert worker_processes_left() == []
 
 
 def test_rows_stream_across_workers():
@@ -109,7 +83,7 @@ def test_failure_in_worker_names_operator_and_traceback():
     assert time.monotonic() - t0 < 30
     text = str(info.value)
     assert "exploding-map" in text and "boom in a worker" in text and "Traceback" in text
-    assert _left_behind() == []
+    assert worker_processes_left() == []
 
 
 def test_pickle_streams_do_not_cross_processes_without_opt_in():
@@ -131,7 +105,7 @@ def test_inferred_pickle_is_refused_at_the_consumer():
     env.from_sequence(0, 100, parallelism=1).map(lambda x: (x, {x})).collect(parallelism=1)
     with pytest.raises(errors.JobFailedError, match="allow_pickle"):
         env.execute(timeout=60)
-    assert _left_behind() == []
+    assert worker_processes_left() == []
 
 
 def test_killed_worker_fails_the_job_in_bounded_time():
@@ -148,7 +122,7 @@ def test_killed_worker_fails_the_job_in_bounded_time():
     with pytest.raises(errors.JobFailedError):
         job.join(timeout=60)
     assert time.monotonic() - t0 < 30
-    assert _left_behind() == []
+    assert worker_processes_left() == []
 
 
 def test_cancel_stops_every_worker():
@@ -158,7 +132,7 @@ def test_cancel_stops_every_worker():
     time.sleep(0.5)
     job.cancel()
     job.join(timeout=30)
-    assert _left_behind() == []
+    assert worker_processes_left() == []
 
 
 def test_workers_must_be_positive():

@@ -27,7 +27,7 @@ from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf.errors import ConfigurationError, JobFailedError
 from pyflowbuf.exchange.sides import EdgeKind, InputSide, MultiInput
 
-from pipeline_helpers import assert_clean, run  # noqa: E402
+from pipeline_helpers import assert_clean, run, worker_processes_left  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -680,11 +680,8 @@ def test_record_reader_channel_finished_and_num_channels():
 # --------------------------------------------------------------------------- workers
 
 
-def _no_children():
-    deadline = time.monotonic() + 10
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return multiprocessing.active_children() == []
+def _no_children(timeout: float = 10.0) -> bool:
+    return worker_processes_left(timeout) == []
 
 
 @pytest.mark.skipif(not HAS_FORK, reason="needs fork")

@@ -15,6 +15,7 @@ import pytest
 
 import pyflowbuf as fb
 from pyflowbuf import errors
+from pipeline_helpers import worker_processes_left
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -139,7 +140,7 @@ def test_no_zygote_or_worker_outlives_the_job(tmp_path, end):
         else:
             job.join(timeout=60)
     assert _wait_gone(processes) == []
-    assert not multiprocessing.active_children()
+    assert worker_processes_left() == []
 
 
 def test_a_start_that_fails_leaves_no_zygote(tmp_path):
