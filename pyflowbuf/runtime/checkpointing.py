@@ -946,15 +946,19 @@ def restart_point(coordinator, started_from):
 
 
 class SnapshotWriter:
-    """Writes a job's snapshots in the background (two threads). Once shut
+    """Writes a job's snapshots in the background, off the tasks' threads and
+    several at a time (``threads``: writing is mostly waiting for the disk,
+    an fsync above all, and with two threads the subtasks of one checkpoint
+    queued behind each other's fsyncs; ``write_queue_ms`` in a checkpoint's
+    phases shows that wait). Threads start as work comes. Once shut
     down it takes no more work and says so (``submit`` returns False)
     instead of raising: a network sender thread may report what a barrier
     overtook after the job's tasks have stopped (a failure, a restart, the
     end of input while consumers still drain), and that word belongs to an
     attempt that is over."""
 
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pyflowbuf: snapshot writer")
+    def __init__(self, threads: int = 8):
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pyflowbuf: snapshot writer")
         self._lock = threading.Lock()
         self._closed = False
 
