@@ -42,21 +42,28 @@ def _task(job, name):
 # ---- batch sizes ----
 def test_batch_sizer_one_record_at_a_time_when_a_record_is_slow():
     s = BatchSizer(1024, target_ns=2_000_000)
+    s.size = 1024
     s.observe(1024, 1024 * 3_000_000)        # 3 ms a record
     assert s.size == 1
     s.observe(1, 3_000_000)
     assert s.size == 1                        # and stays there
 
 
-def test_batch_sizer_keeps_fast_chains_at_max_batch():
+def test_batch_sizer_starts_small_and_takes_fast_chains_to_max_batch():
     s = BatchSizer(1024, target_ns=2_000_000)
-    for _ in range(5):
-        s.observe(1024, 1024 * 1_000)         # 1 µs a record
+    assert s.size == 1      # a first batch at a slow operator holds no barrier for long
+    s.observe(1, 3_000_000)
+    assert s.size == 1
+    for _ in range(11):
+        s.observe(s.size, s.size * 1_000)     # 1 µs a record
+    assert s.size == 1024
+    s.observe(1024, 1024 * 1_000)
     assert s.size == 1024
 
 
 def test_batch_sizer_grows_back_when_records_get_faster():
     s = BatchSizer(1024, target_ns=2_000_000)
+    s.size = 1024
     s.observe(1024, 1024 * 100_000)           # 0.1 ms a record: 20 records fill the target
     assert s.size == 20
     for _ in range(10):
@@ -68,6 +75,7 @@ def test_batch_sizer_does_not_split_a_cost_per_call():
     """A function that costs the same per call whatever the batch (a round
     trip per batch) is not cut into batches of one: that only slows it."""
     s = BatchSizer(1024, target_ns=2_000_000)
+    s.size = 1024
     s.observe(1024, 10_000_000)               # 10 ms a call
     smaller = s.size
     assert smaller < 1024
@@ -99,7 +107,6 @@ def test_unaligned_barrier_overtakes_a_batch_in_progress(tmp_path):
             return x
         me = _task(job, "slow")
         if seen["id"] is None:
-            # (its first batch was read before a record's time was known)
             if seen["n"] >= START and me.input_processor.sizer.size == 1:
                 seen["id"] = job.coordinator.trigger()
             return x
