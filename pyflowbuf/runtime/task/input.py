@@ -62,7 +62,9 @@ class BatchSizer:
     per batch) would only get slower with smaller batches: when a smaller
     batch did not take less time per record than twice the larger one's,
     the larger size becomes the floor, and a barrier waits for one such
-    batch (what cannot be split).
+    batch (what cannot be split). Time blocked on an output buffer counts
+    too: under backpressure reads get smaller, which costs nothing there
+    (the task would wait anyway), and grow back once it clears.
     """
 
     __slots__ = ("size", "max", "target_ns", "floor", "_prev")
