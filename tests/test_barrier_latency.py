@@ -49,16 +49,23 @@ def test_batch_sizer_one_record_at_a_time_when_a_record_is_slow():
     assert s.size == 1                        # and stays there
 
 
-def test_batch_sizer_starts_small_and_takes_fast_chains_to_max_batch():
+def test_batch_sizer_keeps_fast_chains_at_max_batch():
     s = BatchSizer(1024, target_ns=2_000_000)
-    assert s.size == 1      # a first batch at a slow operator holds no barrier for long
-    s.observe(1, 3_000_000)
+    assert s.size == 1024
+    for _ in range(5):
+        s.observe(1024, 1024 * 1_000)         # 1 µs a record
+    assert s.size == 1024
+
+
+def test_batch_sizer_keeps_a_first_slow_call_batched():
+    """The first batch of a function at 50 ms a call whatever its size (the
+    debloat test's sink) shrinks the size once; the second shows the cost is
+    per call, and the size goes back: 8 records a call, not 1."""
+    s = BatchSizer(8, target_ns=2_000_000)
+    s.observe(8, 50_000_000)
     assert s.size == 1
-    for _ in range(11):
-        s.observe(s.size, s.size * 1_000)     # 1 µs a record
-    assert s.size == 1024
-    s.observe(1024, 1024 * 1_000)
-    assert s.size == 1024
+    s.observe(1, 50_000_000)
+    assert s.size == 8 and s.floor == 8
 
 
 def test_batch_sizer_grows_back_when_records_get_faster():

@@ -186,8 +186,8 @@ class SubtaskCheckpoints:
             prefix = side.reader.unread_prefix(ch)
             inputs[f"in/{key[0]}/{ch}"] = [prefix] if prefix is not None else []
             side.reader.start_recording(ch)
-        started = self.aligner.started_ns
-        aligned_ns = time.monotonic_ns() - started if self._switching else 0
+        started = self.aligner.started_ns if self.aligner is not None else 0
+        aligned_ns = time.monotonic_ns() - started if self._switching and started else 0
         self.checkpointing.snapshot_unaligned(n, inputs, "unaligned", started, aligned_ns)
         self._send_barrier(n, BARRIER_UNALIGNED, True)
 

@@ -55,8 +55,8 @@ class BatchSizer:
     batched function whose time grows with its batch) a batch of
     ``max_batch`` records would hold an unaligned barrier for seconds; read
     in batches of ``target_ns`` worth, it waits for one of them, or for one
-    record where a record takes longer. A fast chain reaches ``max_batch``
-    (it starts at one record and doubles while batches are quick).
+    record where a record takes longer. A fast chain keeps ``max_batch``
+    (a smaller size doubles again while batches are quick).
 
     A function whose cost is per call rather than per record (a round trip
     per batch) would only get slower with smaller batches: when a smaller
@@ -70,10 +70,11 @@ class BatchSizer:
     __slots__ = ("size", "max", "target_ns", "floor", "_prev")
 
     def __init__(self, max_batch: int, target_ns: int = 2_000_000):
-        # from one record up (doubling while batches are quick): a first
-        # batch of max_batch at a slow operator would hold the first barrier
-        self.size = 1
-        self.max = max_batch
+        # From max_batch down, not from one record up: starting small, a
+        # function whose cost is per call would never show it (no larger
+        # batch to compare with) and stay at one record a call. The price:
+        # a first batch at a slow operator is max_batch records.
+        self.size = self.max = max_batch
         self.target_ns = target_ns
         self.floor = 1
         self._prev = None       # (size, ns) of the batch before the last shrink
