@@ -68,6 +68,17 @@ def test_batch_sizer_keeps_a_first_slow_call_batched():
     assert s.size == 8 and s.floor == 8
 
 
+def test_batch_sizer_does_not_drift_down_on_a_call_just_over_the_target():
+    """A function at 2.06 ms a call whatever its batch (a sink sleeping 2 ms
+    a call) with a 2 ms target: each shrink is a small step, and no single
+    step shows the cost is per call; against the first slow size it does.
+    Before: it drifted down to one record a call."""
+    s = BatchSizer(1024, target_ns=2_000_000)
+    for _ in range(200):
+        s.observe(s.size, 2_060_000)
+    assert s.size == 1024 and s.floor == 1024
+
+
 def test_batch_sizer_grows_back_when_records_get_faster():
     s = BatchSizer(1024, target_ns=2_000_000)
     s.size = 1024

@@ -77,21 +77,24 @@ class BatchSizer:
         self.size = self.max = max_batch
         self.target_ns = target_ns
         self.floor = 1
-        self._prev = None       # (size, ns) of the batch before the last shrink
+        self._prev = None       # (size, ns) of the first batch found slow: what smaller ones compare with
 
     def observe(self, n: int, ns: int) -> None:
         """A batch of ``n`` records took ``ns`` to process."""
-        prev = self._prev
-        if prev is not None:
+        anchor = self._prev
+        if anchor is not None and n < anchor[0] and ns * anchor[0] > 2 * anchor[1] * n:
+            # per call, not per record: at a fraction of the size a record
+            # costs more than twice what it did; smaller batches do not help.
+            # (Against the first slow size, not the last: shrinking by small
+            # steps, each step alone never shows it.)
+            self.floor = self.size = anchor[0]
             self._prev = None
-            if n < prev[0] and ns * prev[0] > 2 * prev[1] * n:
-                # per call, not per record: smaller batches do not help
-                self.floor = self.size = prev[0]
-                return
+            return
         if ns > self.target_ns:
             size = max(self.floor, n * self.target_ns // ns)
             if size < self.size:
-                self._prev = (n, ns)
+                if anchor is None or n >= anchor[0]:
+                    self._prev = (n, ns)
                 self.size = size
         elif ns * 2 <= self.target_ns and self.size < self.max and n >= self.size:
             self.size = min(self.max, self.size * 2)
