@@ -75,6 +75,10 @@ _CHECKPOINT_GAUGES = (
     ("unaligned", "last_unaligned",
      "How the last completed checkpoint was taken: 0 aligned, 1 unaligned, 2 switched by the alignment timeout"),
 )
+# the phases of the last completed checkpoint (its entry's "phases": the
+# slowest subtask's figure of each, then the coordinator's), ms
+_PHASE_GAUGES = ("trigger_to_source_ms", "start_delay_ms", "alignment_ms", "inflight_wait_ms", "sync_ms",
+                 "write_queue_ms", "async_ms", "last_ack_ms", "metadata_ms", "commits_ms", "completion_ms")
 _LABELS = ("job", "task", "vertex")
 _TIME_KEYS = ("busy_ms_per_s", "idle_ms_per_s", "backpressured_ms_per_s")
 _NAN = float("nan")
@@ -142,6 +146,14 @@ class PrometheusExporter:
         }
         self._checkpoints = pc.Counter("pyflowbuf_checkpoints", "Checkpoints that ended, by status",
                                        ("job", "status"), registry=self.registry)
+        self._phase = pc.Gauge("pyflowbuf_checkpoint_last_phase_ms",
+                               "A phase of the last completed checkpoint, ms: the slowest subtask's "
+                               "(trigger_to_source, start_delay, alignment, inflight_wait, sync, write_queue, "
+                               "async), then the coordinator's (last_ack, metadata, commits, completion)",
+                               ("job", "phase"), registry=self.registry)
+        self._subtask_phase = pc.Gauge("pyflowbuf_checkpoint_subtask_phase_ms",
+                                       "A phase of one subtask in the last completed checkpoint, ms",
+                                       ("job", "task", "phase"), registry=self.registry)
         self._server = self._thread = None
         self.port = None
         if serve:
@@ -189,6 +201,14 @@ class PrometheusExporter:
             for key, gauge in self._checkpoint.items():
                 if values.get(key) is not None:
                     gauge.labels(self.job_name).set(float(values[key]))
+            phases = entry.get("phases") or {}
+            for key in _PHASE_GAUGES:
+                if phases.get(key) is not None:
+                    self._phase.labels(self.job_name, key[:-3]).set(float(phases[key]))
+            for task, sub in (entry.get("subtasks") or {}).items():
+                for key in _PHASE_GAUGES:
+                    if isinstance(sub.get(key), (int, float)):
+                        self._subtask_phase.labels(self.job_name, task, key[:-3]).set(float(sub[key]))
 
     def close(self) -> None:
         """Stop serving (the gauges keep their last values)."""

@@ -329,7 +329,7 @@ def test_a_snapshot_while_restored_inflight_data_is_still_read_is_declined():
     sc = SubtaskCheckpoints(None, "t", [], [SimpleNamespace(reader=reader, num_channels=1)], [out], lambda: False)
     sc.checkpointing = SimpleNamespace(
         key="v1-0", coordinator=SimpleNamespace(decline=lambda key, n, why: declined.append((key, n, why))),
-        snapshot_unaligned=lambda n, inputs, how: snapshots.append(n))
+        snapshot_unaligned=lambda n, inputs, how, *phases: snapshots.append(n))
     sc._snapshot_unaligned(5, [(0, 0)])
     assert declined and declined[0][:2] == ("v1-0", 5) and "replaying" in declined[0][2]
     assert sent == [(CANCEL_BARRIER, 5)] and snapshots == []

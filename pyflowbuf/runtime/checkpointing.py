@@ -105,6 +105,10 @@ class _Pending:
     # checkpoint (periodic, the job's own) | savepoint (the user's): in the history,
     # _metadata's properties and `pyflowbuf checkpoints list`
     kind: str = "checkpoint"
+    trigger_at_ns: int = 0        # wall clock (the subtasks' phases are wall-clock instants)
+    phases: dict = field(default_factory=dict)        # task key -> its phases (TaskCheckpointing.phases_of)
+    acked_at_ns: dict = field(default_factory=dict)   # task key -> when its acknowledgement came (wall clock)
+    completion: Any = None        # wall clock: completing began, metadata written, commits done
 
 
 class CheckpointCoordinator:
@@ -252,7 +256,8 @@ class CheckpointCoordinator:
                 return None
             n = self._next_id
             self._next_id += 1
-            p = self.pending[n] = _Pending(n, time.time(), time.monotonic_ns(), set(self.task_keys))
+            p = self.pending[n] = _Pending(n, time.time(), time.monotonic_ns(), set(self.task_keys),
+                                           trigger_at_ns=time.time_ns())
             p.storage = self.storage
             if savepoint is not None:
                 # a savepoint is aligned whatever the checkpoints are: its state
@@ -318,6 +323,9 @@ class CheckpointCoordinator:
             if p is None or task_key not in p.expected:
                 return          # aborted meanwhile: its directory is gone or going
             p.handles[task_key] = handle
+            p.acked_at_ns[task_key] = time.time_ns()
+            if summary is not None and "phases" in summary:
+                p.phases[task_key] = summary.pop("phases")
             p.summaries[task_key] = summary
             p.alignment_ms[task_key] = alignment_ms
             p.commits.extend(commits)
@@ -365,6 +373,7 @@ class CheckpointCoordinator:
         self._record(p, "aborted", (time.monotonic_ns() - p.trigger_ns) / 1e9, reason=reason)
 
     def _complete_now(self, p: _Pending) -> None:
+        started = time.time_ns()
         duration = (time.monotonic_ns() - p.trigger_ns) / 1e9
         properties = {"job": self.job_name, "kind": p.kind, "alignment_ms": p.alignment_ms,
                       "mode": self.config.mode, "alignment": p.alignment, "commits": p.commits,
@@ -378,6 +387,7 @@ class CheckpointCoordinator:
                 properties["references"] = refs
             meta = p.storage.complete(p.checkpoint_id, list(p.handles.values()), trigger_time=p.trigger_time,
                                       duration=duration, properties=properties)
+            written = time.time_ns()
         except Exception as exc:
             log.warning("pyflowbuf: completing checkpoint %d failed: %s", p.checkpoint_id, exc)
             self._record(p, "failed", duration, reason=str(exc))
@@ -391,6 +401,7 @@ class CheckpointCoordinator:
             self._remember_files(meta)
         with self._lock:
             self.completed += 1
+        p.completion = (started, written, time.time_ns())
         self._record(p, "completed", duration, state_bytes=meta.state_bytes, size=meta.size,
                      inflight_bytes=meta.inflight_bytes,
                      task_inflight_bytes={k: h.inflight_bytes for k, h in meta.tasks.items() if h.inflight_bytes},
@@ -456,10 +467,12 @@ class CheckpointCoordinator:
         run_commits(commits, self.outputs)
 
     def _record(self, p: _Pending, status, duration, outcome=None, **extra) -> None:
+        subtasks, phases = checkpoint_phases(p, p.completion)
         entry = {"id": p.checkpoint_id, "kind": p.kind, "status": status, "trigger_time": p.trigger_time,
                  "duration_s": round(duration, 6), "alignment": p.alignment,
                  "alignment_ms": dict(p.alignment_ms), "acknowledged": len(p.handles),
-                 "tasks": len(p.expected), "savepoint": p.savepoint, **extra}
+                 "tasks": len(p.expected), "savepoint": p.savepoint, "subtasks": subtasks,
+                 "phases": phases, **extra}
         if p.savepoint:
             entry["path"] = p.storage.url
         with self._lock:
@@ -474,6 +487,62 @@ class CheckpointCoordinator:
     def checkpoints(self) -> list[dict]:
         with self._lock:
             return [dict(e) for e in self.history]
+
+
+def _ms(ns) -> float:
+    return round(max(0, ns) / 1e6, 3)
+
+
+_PHASE_MAX = ("alignment_ms", "inflight_wait_ms", "sync_ms", "write_queue_ms", "async_ms", "write_ms")
+
+
+def checkpoint_phases(p: _Pending, completion=None) -> tuple[dict, dict]:
+    """The phases of checkpoint ``p``: per subtask (task key -> figures) and
+    for the whole checkpoint (the slowest subtask's figure of each phase,
+    then the coordinator's part). Where a subtask's figures are instants
+    (its barrier, its acknowledgement) they count from the trigger.
+    ``completion``: (the last acknowledgement handled, metadata written,
+    commits carried out), wall-clock ns; None for a checkpoint that did not
+    complete. A final state written for a subtask that had ended has no
+    phases: it is listed with ``finished``."""
+    t0 = p.trigger_at_ns
+    subtasks: dict = {}
+    for key in sorted(p.handles):
+        ph = p.phases.get(key)
+        acked = p.acked_at_ns.get(key, t0)
+        if ph is None:
+            subtasks[key] = {"finished": True, "ack_received_ms": _ms(acked - t0)}
+            continue
+        sub = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in ph.items()
+               if k not in ("barrier_at_ns", "ack_at_ns")}
+        # a source: trigger -> barrier injected (its mail latency); else trigger -> first barrier
+        sub["start_delay_ms"] = _ms(ph["barrier_at_ns"] - t0)
+        sub["ack_ms"] = _ms(ph["ack_at_ns"] - t0)
+        sub["ack_received_ms"] = _ms(acked - t0)
+        if completion is not None:
+            sub["ack_to_complete_ms"] = _ms(completion[2] - acked)
+        subtasks[key] = sub
+    measured = [s for s in subtasks.values() if "start_delay_ms" in s]
+    phases: dict = {}
+    if measured:
+        sources = [s["start_delay_ms"] for s in measured if s["source"]]
+        phases["trigger_to_source_ms"] = max(sources) if sources else None
+        phases["start_delay_ms"] = max(s["start_delay_ms"] for s in measured)
+        for k in _PHASE_MAX:
+            phases[k] = round(max(s[k] for s in measured), 3)
+        phases["bytes"] = sum(s["bytes"] for s in measured)
+        phases["inflight_bytes"] = sum(s["inflight_bytes"] for s in measured)
+        phases["unaligned_subtasks"] = sum(1 for s in measured if s["unaligned"])
+        phases["fsync"] = all(s["fsync"] for s in measured)
+    if p.acked_at_ns:
+        phases["last_ack_ms"] = _ms(max(p.acked_at_ns.values()) - t0)
+    if completion is not None:
+        started, written, done = completion
+        last = max(p.acked_at_ns.values(), default=started)
+        phases["metadata_ms"] = _ms(written - started)
+        phases["commits_ms"] = _ms(done - written)
+        phases["completion_ms"] = _ms(done - last)
+    return subtasks, phases
 
 
 # ---------------------------------------------------------------- sink commits
@@ -491,8 +560,9 @@ class _InflightCheckpoint:
     input channels' (until barrier n arrived on each) and, for outputs sent to
     other processes, what barrier n overtook in the network sender."""
 
-    def __init__(self, checkpoint_id, state, commits, alignment, inputs_open, outputs):
+    def __init__(self, checkpoint_id, state, commits, alignment, inputs_open, outputs, phases=None):
         self.checkpoint_id = checkpoint_id
+        self.phases = phases
         self.state = state
         self.commits = commits
         self.alignment = alignment
@@ -546,15 +616,27 @@ class TaskCheckpointing:
                     op.touched = set()
                     self.chains[i] = GroupChain(config.max_parallelism, start, end)
 
-    def snapshot_unaligned(self, checkpoint_id: int, inputs: dict, alignment: str) -> None:
+    def _phases(self, barrier_ns: int, alignment_ns: int, unaligned: bool):
+        """The phases of one checkpoint at this subtask (see ``phases_of``),
+        started: the snapshot is taken next. ``barrier_ns`` (monotonic): when
+        the first barrier came (a source: when its trigger mail ran)."""
+        return {"source": self.task.source is not None, "unaligned": unaligned,
+                "barrier_ns": barrier_ns or time.monotonic_ns(), "alignment_ns": alignment_ns}
+
+    def snapshot_unaligned(self, checkpoint_id: int, inputs: dict, alignment: str,
+                           barrier_ns: int = 0, alignment_ns: int = 0) -> None:
         """Snapshot now for a checkpoint whose in-flight data comes later:
         ``inputs`` maps each input channel still to deliver barrier n to what
-        the reader held of it (a record cut by the snapshot), in order."""
+        the reader held of it (a record cut by the snapshot), in order.
+        ``barrier_ns``, ``alignment_ns``: for its phases (``phases_of``)."""
+        phases = self._phases(barrier_ns, alignment_ns, alignment == "unaligned")
+        t0 = time.monotonic_ns()
         state, commits = self._snapshot_or_decline(checkpoint_id)
+        phases["sync_ns"] = time.monotonic_ns() - t0
         state["input_kinds"] = self.task.input_kind_names()
         state["output_kinds"] = [out.kind_name for out in self.task.outputs]
         p = _InflightCheckpoint(checkpoint_id, state, commits, alignment, self.task.input is not None,
-                                self.remote_outputs)
+                                self.remote_outputs, phases)
         for name, items in inputs.items():
             p.add(name, items)
         with self._lock:
@@ -574,6 +656,12 @@ class TaskCheckpointing:
                 return
             p.inputs_open = False
             p.alignment_ms = alignment_ns / 1e6
+            if p.phases is not None:
+                if p.phases["unaligned"]:
+                    # first barrier to last: the in-flight input was recorded meanwhile
+                    p.phases["inflight_wait_ns"] = alignment_ns
+                else:
+                    p.phases["alignment_ns"] = alignment_ns
         self._submit_if_ready(p)
 
     def output_overtaken(self, checkpoint_id: int, name: str, items) -> None:
@@ -600,8 +688,11 @@ class TaskCheckpointing:
             for n in [n for n in self._inflight if n < p.checkpoint_id]:
                 del self._inflight[n]
         inflight = {name: encode_inflight(items) for name, items in p.channels.items()}
+        if p.phases is not None:
+            p.phases["submit_ns"] = time.monotonic_ns()
         if not self.writer.submit(self._write, p.checkpoint_id, p.state, p.commits, p.alignment_ms,
-                                  inflight, "unaligned" if p.alignment == "unaligned" or inflight else "aligned"):
+                                  inflight, "unaligned" if p.alignment == "unaligned" or inflight else "aligned",
+                                  p.phases):
             self._too_late(p.checkpoint_id)
 
     def snapshot(self, checkpoint_id: int) -> tuple[dict, list]:
@@ -634,19 +725,24 @@ class TaskCheckpointing:
             state["source_identity"] = t.source.identity()
         return state, commits
 
-    def snapshot_and_write(self, checkpoint_id: int, alignment_ns: int = 0) -> None:
+    def snapshot_and_write(self, checkpoint_id: int, alignment_ns: int = 0, barrier_ns: int = 0) -> None:
         if self.remote_outputs and self.coordinator.config.switchable:
             # the timeout may still convert barrier n in a network sender: what
             # it overtakes there belongs to this snapshot, so wait for word
-            self.snapshot_unaligned(checkpoint_id, {}, "aligned")
+            self.snapshot_unaligned(checkpoint_id, {}, "aligned", barrier_ns, alignment_ns)
             with self._lock:
                 p = self._inflight.get(checkpoint_id)
                 if p is not None:
                     p.alignment_ms = alignment_ns / 1e6
             self.inputs_done(checkpoint_id, alignment_ns)
             return
+        phases = self._phases(barrier_ns, alignment_ns, False)
+        t0 = time.monotonic_ns()
         state, commits = self._snapshot_or_decline(checkpoint_id)
-        if not self.writer.submit(self._write, checkpoint_id, state, commits, alignment_ns / 1e6):
+        phases["submit_ns"] = t1 = time.monotonic_ns()
+        phases["sync_ns"] = t1 - t0
+        if not self.writer.submit(self._write, checkpoint_id, state, commits, alignment_ns / 1e6,
+                                  None, "aligned", phases):
             self._too_late(checkpoint_id)
 
     def _too_late(self, checkpoint_id: int) -> None:
@@ -671,17 +767,23 @@ class TaskCheckpointing:
         return stored_state(self.task, state, coordinator.config.max_parallelism,
                             coordinator.storage.allow_pickle)
 
-    def _write(self, checkpoint_id, state, commits, alignment_ms, inflight=None, alignment="aligned"):
+    def _write(self, checkpoint_id, state, commits, alignment_ms, inflight=None, alignment="aligned",
+               phases=None):
         storage = self.coordinator.storage_for(checkpoint_id)
         summary = None
+        t0 = time.monotonic_ns()
         try:
             state, summary = self.stored(state)
+            t1 = time.monotonic_ns()
             summary["inflight"] = bool(inflight)
             if inflight:
                 summary["inflight_items"] = sorted(inflight)
                 if self.edges is not None:
                     summary["edges"] = self.edges
             handle = storage.write_task_state(checkpoint_id, self.key, state, inflight, alignment=alignment)
+            if phases is not None:
+                summary["phases"] = phases_of(phases, t0, t1, time.monotonic_ns(), handle,
+                                              getattr(storage, "_fsync", False))
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator
             # a checkpoint aborted meanwhile (a failure, a restart) is no news
             level = logging.DEBUG if isinstance(exc, CheckpointStateError) else logging.WARNING
@@ -708,6 +810,40 @@ class TaskCheckpointing:
         state, summary = self.stored(state)
         summary["inflight"] = False
         self.coordinator.task_finished(self.key, state, commits, self.snapshotted, summary)
+
+
+# monotonic ns + this = wall-clock ns: the instants of a subtask's phases go
+# to the coordinator as wall-clock times, which a worker process on the same
+# host shares with the driver (monotonic clocks need not agree across hosts)
+_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
+
+
+def phases_of(ph: dict, write_ns: int, encoded_ns: int, written_ns: int, handle, fsync: bool) -> dict:
+    """What one subtask reports of one checkpoint, in the acknowledgement
+    (plain numbers: it crosses to the driver from a worker):
+    ``barrier_at_ns`` (wall clock) when its first barrier came (a source:
+    its trigger mail ran and it injected the barrier), ``ack_at_ns`` when
+    its write was done and it acknowledged; ``alignment_ms`` the first
+    barrier to the last, aligned (unaligned: 0, or how long it aligned before
+    the alignment timeout switched it), ``inflight_wait_ms`` (unaligned)
+    the first barrier to the last while in-flight input was recorded,
+    ``sync_ms`` the snapshot in the task's thread, ``write_queue_ms`` the
+    wait for a writer thread, ``async_ms`` the write (``encode_ms`` of it
+    encoding, ``write_ms`` writing and, ``fsync`` True, syncing),
+    ``bytes``/``state_bytes``/``inflight_bytes`` its file."""
+    submit = ph.get("submit_ns", write_ns)
+    return {"source": ph["source"], "unaligned": ph["unaligned"],
+            "barrier_at_ns": ph["barrier_ns"] + _EPOCH_OFFSET_NS,
+            "ack_at_ns": written_ns + _EPOCH_OFFSET_NS,
+            "alignment_ms": ph["alignment_ns"] / 1e6,
+            "inflight_wait_ms": ph.get("inflight_wait_ns", 0) / 1e6,
+            "sync_ms": ph.get("sync_ns", 0) / 1e6,
+            "write_queue_ms": max(0, write_ns - submit) / 1e6,
+            "async_ms": (written_ns - write_ns) / 1e6,
+            "encode_ms": (encoded_ns - write_ns) / 1e6,
+            "write_ms": (written_ns - encoded_ns) / 1e6,
+            "fsync": bool(fsync), "bytes": handle.size, "state_bytes": handle.state_bytes,
+            "inflight_bytes": handle.inflight_bytes}
 
 
 def task_key(vertex, index) -> str:
@@ -810,15 +946,19 @@ def restart_point(coordinator, started_from):
 
 
 class SnapshotWriter:
-    """Writes a job's snapshots in the background (two threads). Once shut
+    """Writes a job's snapshots in the background, off the tasks' threads and
+    several at a time (``threads``: writing is mostly waiting for the disk,
+    an fsync above all, and with two threads the subtasks of one checkpoint
+    queued behind each other's fsyncs; ``write_queue_ms`` in a checkpoint's
+    phases shows that wait). Threads start as work comes. Once shut
     down it takes no more work and says so (``submit`` returns False)
     instead of raising: a network sender thread may report what a barrier
     overtook after the job's tasks have stopped (a failure, a restart, the
     end of input while consumers still drain), and that word belongs to an
     attempt that is over."""
 
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pyflowbuf: snapshot writer")
+    def __init__(self, threads: int = 8):
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pyflowbuf: snapshot writer")
         self._lock = threading.Lock()
         self._closed = False
 

@@ -220,7 +220,8 @@ class JsonLinesLog:
         self.fh.flush()
 
     def checkpoint(self, entry):
-        """One line per checkpoint: ``{"ts", "job", "checkpoint": {...}}``."""
+        """One line per checkpoint: ``{"ts", "job", "checkpoint": {...}}``, the
+        entry of ``env.checkpoints()`` with its ``subtasks`` and ``phases``."""
         line = json.dumps({"ts": round(time.time(), 3), "job": self.job_name, "checkpoint": entry}, default=str)
         self.fh.write(line + "\n")
         self.fh.flush()

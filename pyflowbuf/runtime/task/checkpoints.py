@@ -5,6 +5,8 @@ that had ended ending again). Snapshots are taken and written by
 ``pyflowbuf.runtime.checkpointing.TaskCheckpointing`` (``checkpointing``)."""
 from __future__ import annotations
 
+import time
+
 from pyflowbuf import errors
 from pyflowbuf._core.events import BARRIER, BARRIER_STOP, BARRIER_UNALIGNED, CANCEL_BARRIER
 from pyflowbuf.checkpoint.alignment import (CAPTURE, INFLIGHT_DONE, SNAPSHOT, SNAPSHOT_UNALIGNED,
@@ -63,6 +65,8 @@ class SubtaskCheckpoints:
         self._ended: set = set()
         self._overtook = 0
         self._event_key = None
+        self._event_prefix = None   # what the reader held of the barrier's channel at the snapshot
+        self._switching = False     # in switch_to_unaligned: the alignment so far counts
 
     def _broadcast(self, kind, aux, flags=0, priority=False):
         for out in self.outputs:
@@ -110,8 +114,11 @@ class SubtaskCheckpoints:
                 # right at it, so the queue's head is where it was)
                 side = self.sides[input_index]
                 self._overtook = side.gate.channels[event[0]].overtaken(side.reader.event_mark)
-            self.carry_out(self.aligner.on_barrier(key, event[2], unaligned))
-            self._overtook = 0
+            try:
+                self.carry_out(self.aligner.on_barrier(key, event[2], unaligned))
+            finally:
+                self._overtook = 0
+                self._event_key = self._event_prefix = None
         else:
             self.carry_out(self.aligner.on_cancel(key, event[2]))
 
@@ -119,8 +126,9 @@ class SubtaskCheckpoints:
         for action, arg in actions:
             if action == SNAPSHOT:
                 n = arg
-                al_ns = self.aligner.alignment_ns.get(n, 0) if self.aligner is not None else 0
-                self.checkpointing.snapshot_and_write(n, al_ns)
+                al = self.aligner
+                al_ns = al.alignment_ns.get(n, 0) if al is not None else 0
+                self.checkpointing.snapshot_and_write(n, al_ns, al.started_ns if al is not None else 0)
                 self.last_checkpoint, self.last_alignment_ms = n, al_ns / 1e6
                 self._send_barrier(n, 0, False)
             elif action == SNAPSHOT_UNALIGNED:
@@ -133,6 +141,11 @@ class SubtaskCheckpoints:
                 k = self._overtook if key == self._event_key else 0
                 if k > 0:
                     items = items + side.gate.channels[ch].copy_front(k)
+                if key == self._event_key and self._event_prefix is not None:
+                    # the rest of the buffer the reader was in when the barrier
+                    # overtook it: before the barrier, after the snapshot
+                    items = [self._event_prefix] + items
+                    self._event_prefix = None
                 self.checkpointing.input_captured(n, f"in/{key[0]}/{ch}", items)
             elif action == INFLIGHT_DONE:
                 n = arg
@@ -161,12 +174,21 @@ class SubtaskCheckpoints:
             self._broadcast(CANCEL_BARRIER, n)
             return
         inputs = {}
+        event_key = self._event_key
+        if event_key is not None and event_key not in keys:
+            # the barrier's own channel: the reader may be in the middle of a
+            # buffer of it (an overtaking barrier is taken between batches),
+            # and what is left of that buffer came before the barrier
+            reader = self.sides[event_key[0]].reader
+            self._event_prefix = reader.unread_prefix(event_key[1]) if reader is not None else None
         for key in keys:
             side, ch = self.sides[key[0]], key[1]
             prefix = side.reader.unread_prefix(ch)
             inputs[f"in/{key[0]}/{ch}"] = [prefix] if prefix is not None else []
             side.reader.start_recording(ch)
-        self.checkpointing.snapshot_unaligned(n, inputs, "unaligned")
+        started = self.aligner.started_ns if self.aligner is not None else 0
+        aligned_ns = time.monotonic_ns() - started if self._switching and started else 0
+        self.checkpointing.snapshot_unaligned(n, inputs, "unaligned", started, aligned_ns)
         self._send_barrier(n, BARRIER_UNALIGNED, True)
 
     def _send_barrier(self, n, flags, priority) -> None:
@@ -219,11 +241,12 @@ class SubtaskCheckpoints:
         options = options or {}
         if options.get("stop"):
             self._stop_barriers.add(checkpoint_id)
+        now = time.monotonic_ns()       # the barrier is injected now (its phases start here)
         if self.checkpointing.coordinator.config.starts_unaligned and not options.get("aligned"):
-            self.checkpointing.snapshot_unaligned(checkpoint_id, {}, "unaligned")
+            self.checkpointing.snapshot_unaligned(checkpoint_id, {}, "unaligned", now)
             self._send_barrier(checkpoint_id, BARRIER_UNALIGNED, True)
         else:
-            self.checkpointing.snapshot_and_write(checkpoint_id)
+            self.checkpointing.snapshot_and_write(checkpoint_id, 0, now)
             self._send_barrier(checkpoint_id, 0, False)
         self.last_checkpoint, self.last_alignment_ms = checkpoint_id, 0.0
 
@@ -238,7 +261,11 @@ class SubtaskCheckpoints:
         if self.checkpointing is None or self.ended() or self.job.cancelled:
             return
         if self.aligner is not None:
-            self.carry_out(self.aligner.switch(checkpoint_id))
+            self._switching = True
+            try:
+                self.carry_out(self.aligner.switch(checkpoint_id))
+            finally:
+                self._switching = False
         for out in self.outputs:
             out.convert_barrier(checkpoint_id)
 

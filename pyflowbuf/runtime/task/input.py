@@ -45,6 +45,61 @@ class OneInput:
         return self.side.finished
 
 
+class BatchSizer:
+    """How many records the input processor reads at a time, so that what it
+    reads takes about ``target_ns`` to process at most.
+
+    Between two reads the task looks at its mailbox and takes the priority
+    events first (an overtaking barrier, a cancel): a batch is where they
+    wait. With a chain that is slow per record (a sink at 3 ms a record, a
+    batched function whose time grows with its batch) a batch of
+    ``max_batch`` records would hold an unaligned barrier for seconds; read
+    in batches of ``target_ns`` worth, it waits for one of them, or for one
+    record where a record takes longer. A fast chain keeps ``max_batch``
+    (a smaller size doubles again while batches are quick).
+
+    A function whose cost is per call rather than per record (a round trip
+    per batch) would only get slower with smaller batches: when a smaller
+    batch did not take less time per record than twice the larger one's,
+    the larger size becomes the floor, and a barrier waits for one such
+    batch (what cannot be split). Time blocked on an output buffer counts
+    too: under backpressure reads get smaller, which costs nothing there
+    (the task would wait anyway), and grow back once it clears.
+    """
+
+    __slots__ = ("size", "max", "target_ns", "floor", "_prev")
+
+    def __init__(self, max_batch: int, target_ns: int = 2_000_000):
+        # From max_batch down, not from one record up: starting small, a
+        # function whose cost is per call would never show it (no larger
+        # batch to compare with) and stay at one record a call. The price:
+        # a first batch at a slow operator is max_batch records.
+        self.size = self.max = max_batch
+        self.target_ns = target_ns
+        self.floor = 1
+        self._prev = None       # (size, ns) of the first batch found slow: what smaller ones compare with
+
+    def observe(self, n: int, ns: int) -> None:
+        """A batch of ``n`` records took ``ns`` to process."""
+        anchor = self._prev
+        if anchor is not None and n < anchor[0] and ns * anchor[0] > 2 * anchor[1] * n:
+            # per call, not per record: at a fraction of the size a record
+            # costs more than twice what it did; smaller batches do not help.
+            # (Against the first slow size, not the last: shrinking by small
+            # steps, each step alone never shows it.)
+            self.floor = self.size = anchor[0]
+            self._prev = None
+            return
+        if ns > self.target_ns:
+            size = max(self.floor, n * self.target_ns // ns)
+            if size < self.size:
+                if anchor is None or n >= anchor[0]:
+                    self._prev = (n, ns)
+                self.size = size
+        elif ns * 2 <= self.target_ns and self.size < self.max and n >= self.size:
+            self.size = min(self.max, self.size * 2)
+
+
 class InputProcessor:
     """Reads a subtask's inputs and hands what comes to its parts: batches to
     the operator chain, barriers to the checkpoint side, watermarks to event
@@ -66,27 +121,41 @@ class InputProcessor:
         self.event_time = event_time
         self.outputs = outputs
         self.records_in = 0
+        self.sizer = BatchSizer(task.job.env.max_batch)
         mailbox.take_priority_events = self.take_priority_events
 
     def run(self) -> None:
         """Read until every input has ended (or the job is cancelled)."""
         job, inp, mailbox, checkpoints = self.job, self.input, self.mailbox, self.checkpoints
         mails, outputs, sides = mailbox.mails, self.outputs, self.sides
-        timeout, max_batch = job.env.network_config.buffer_timeout, job.env.max_batch
+        timeout, sizer = job.env.network_config.buffer_timeout, self.sizer
+        size = sizer.size
+        target = sizer.target_ns
+        clock = time.monotonic_ns
         flusher = OutputFlusher(outputs, timeout)
         per_record = timeout == 0
         idle_wait = max(timeout, 0.05)
         process = self.chain.process
         timestamped = self.chain.timestamped
+        # unaligned checkpoints: a barrier in a priority lane goes ahead of
+        # the rest of a buffer the reader is in the middle of (which it
+        # would otherwise finish first: at a slow operator, many batches)
+        priority = mailbox.notifier is not None
+        take_priority = self.take_priority_events
         while not job.cancelled:
             if mails:
                 mailbox.drain()
-            if mailbox.notifier is not None and mailbox.output_blocked():
-                mailbox.wait_for_output()
-                if mailbox.frozen:
-                    self._wait_frozen()
-                continue
-            index, batch = inp.read(max_batch, 0)
+            if priority:
+                if mailbox.output_blocked():
+                    mailbox.wait_for_output()
+                    if mailbox.frozen:
+                        self._wait_frozen()
+                    continue
+                if take_priority():
+                    if mailbox.frozen:
+                        self._wait_frozen()
+                    continue
+            index, batch = inp.read(size, 0)
             if checkpoints.aligner is not None:
                 checkpoints.check_channel_ends()
             if not batch:
@@ -99,7 +168,7 @@ class InputProcessor:
                 if inp.finished:
                     return
                 flusher.flush()     # about to idle: ship what is buffered first (Flink flushes too)
-                index, batch = inp.read(max_batch, idle_wait)
+                index, batch = inp.read(size, idle_wait)
                 if not batch:
                     continue
             self.records_in += len(batch)
@@ -110,8 +179,13 @@ class InputProcessor:
                     for out in outputs:
                         out.flush()
             else:
+                t0 = clock()
                 process(batch, ts, index)
-                flusher.flush_if_due(time.monotonic_ns())
+                t1 = clock()
+                flusher.flush_if_due(t1)
+                if t1 - t0 > target or size < sizer.max:
+                    sizer.observe(len(batch), t1 - t0)
+                    size = sizer.size
 
     def _wait_frozen(self) -> None:
         """The task sent a stop barrier: read no input (what comes after the
@@ -143,7 +217,9 @@ class InputProcessor:
         the task waits for an output buffer; whether there were any."""
         took = False
         for i, side in enumerate(self.sides):
-            if side.reader is None or side.has_event:
+            if side.reader is None or side.has_event or side.reader.replaying:
+                # (replaying restored in-flight data: a barrier waits until
+                # it is read, where the reader takes it in its order)
                 continue
             ev = side.reader.poll_priority()
             if ev is not None:
