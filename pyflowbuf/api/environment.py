@@ -217,7 +217,12 @@ class Environment(SourceDeclarations):
         ("checkpoint"; "savepoint" for one the user asked for, with
         ``savepoint: True`` and its ``path``), status (completed / aborted /
         expired / failed), trigger_time, duration_s, alignment_ms per task,
-        state_bytes, size.
+        state_bytes, size; ``subtasks``: per task its phases (start delay,
+        alignment, synchronous snapshot, asynchronous write and fsync, bytes,
+        in-flight bytes, whether it went unaligned, acknowledgement), and
+        ``phases``: the slowest subtask per phase and the coordinator's own
+        (trigger to source barrier, metadata, commits). docs/checkpoints.md,
+        "Where a checkpoint's time goes", shows how to read them.
 
         Returns a list of dicts (empty before the first checkpoint, or with
         checkpointing off).
