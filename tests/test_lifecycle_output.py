@@ -68,7 +68,10 @@ def test_closing_execute_iter_early_leaves_no_process_or_thread(workers, how):
     for x in gen:
         got.append(x)
         if len(got) == 500:
-            workers_pids = [c.pid for c in me.children() if c.pid not in children_before]
+            # (the workers are the zygote's children: this process's grandchildren)
+            spawned = [c for c in me.children(recursive=True) if c.pid not in children_before]
+            workers_pids = [c.pid for c in spawned if c.name().startswith("pfb-worker")]
+            direct_pids = [c.pid for c in me.children() if c.pid not in children_before]
             break
     if how == "close":
         gen.close()
@@ -76,14 +79,16 @@ def test_closing_execute_iter_early_leaves_no_process_or_thread(workers, how):
         del gen     # the generator dropped after a break: closed by the interpreter
     assert len(got) == 500
     # the workers are reaped (no zombie) and every pyflowbuf thread has ended
-    new_children = lambda: [c for c in me.children() if c.pid not in children_before]  # noqa: E731
+    new_children = lambda: [c for c in me.children(recursive=True) if c.pid not in children_before]  # noqa: E731
     wait_for(lambda: not new_children(), lambda: f"the workers to end: {[(c.pid, c.status()) for c in new_children()]}")
     wait_for(lambda: set(_pyflowbuf_threads()) <= threads_before, lambda: f"the threads to end: {_pyflowbuf_threads()}")
     assert env.last_execution.done
     assert len(workers_pids) == (workers or 0)
-    for pid in workers_pids:
+    for pid in direct_pids:             # the zygote, our child: reaped already, not even a zombie is left
         with pytest.raises(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)     # reaped already: not even a zombie is left
+            os.waitpid(pid, os.WNOHANG)
+    for pid in workers_pids:            # the zygote's children: gone, not zombies of an orphan
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
 
 
 # ---- print() under workers= ----
