@@ -59,7 +59,7 @@ def _pyflowbuf_threads():
 def test_closing_execute_iter_early_leaves_no_process_or_thread(workers, how):
     psutil = pytest.importorskip("psutil")
     me = psutil.Process()
-    children_before = {c.pid for c in me.children()}
+    children_before = {c.pid for c in me.children(recursive=True)}
     threads_before = set(_pyflowbuf_threads())
     env = fb.Environment(workers=workers, parallelism=2)
     sink = env.from_sequence(0, None).map(lambda x: x * 2, kind="int64").to_iterator()
