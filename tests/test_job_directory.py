@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import fsspec
 import pytest
@@ -513,3 +514,37 @@ def test_the_control_file_and_the_cli_summary_are_in_the_jobs_directory(tmp_path
             del sys.modules[name]
     assert code == 0, err
     assert "in checkpoints/summary" in err, err            # the summary says where the checkpoints went
+
+
+@pytest.mark.parametrize("workers", [None, 2])
+def test_cancel_then_start_the_job_again_at_once_waits_for_the_old_one_to_end(tmp_path, workers):
+    """cancel() does not wait for the job's end, and a notebook starts the job
+    again right after it: the new run waits for the cancelled job's lock
+    (same process, ending) instead of failing; nothing of the old run is left."""
+    ck = str(tmp_path / "ck")
+    for attempt in range(3):
+        env = fb.Environment(checkpoint_interval=0.05, checkpoint_dir=ck, name="again", workers=workers)
+        _endless(env)
+        job = env.execute_async(restore_from="latest")
+        wait_for(lambda: any(c["status"] == "completed" for c in env.checkpoints()), "a checkpoint")
+        job.cancel()            # no join: the next run starts while this one ends
+    cancel(job)
+    assert not os.path.exists(os.path.join(ck, LOCK_FILE))
+
+
+def test_a_running_job_of_this_process_keeps_its_lock_without_a_wait(tmp_path):
+    """Only a job that was cancelled or stopped is waited for: a running
+    one's directory is refused at once."""
+    ck = str(tmp_path / "ck")
+    first = fb.Environment(checkpoint_interval=0.05, checkpoint_dir=ck, name="first")
+    _endless(first)
+    job = first.execute_async()
+    try:
+        second = fb.Environment(checkpoint_interval=0.05, checkpoint_dir=ck, name="first")
+        _endless(second)
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointDirectoryInUseError):
+            second.execute_async()
+        assert time.monotonic() - t0 < 30      # (a wait for an ending job would be up to 60 s)
+    finally:
+        cancel(job)

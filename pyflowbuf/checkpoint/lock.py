@@ -140,6 +140,8 @@ class DirectoryLock:
         self._fd = None
         self.held = False
         self.took_over: dict | None = None      # the stale lock it replaced, if any
+        self.ending = False                     # its job was cancelled or stopped: released soon
+        self._released = threading.Event()
 
     @property
     def url(self) -> str:
@@ -276,6 +278,12 @@ class DirectoryLock:
         with _HELD_LOCK:
             _HELD.pop(self.token, None)
         try:
+            self._release_file()
+        finally:
+            self._released.set()
+
+    def _release_file(self) -> None:
+        try:
             if self._fd is not None:
                 try:
                     # removed while still flock-ed: a waiting opener sees another file and retries
@@ -298,6 +306,21 @@ class DirectoryLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def wait_for_ending_holder(info: dict | None, timeout: float) -> bool:
+    """Whether the lock ``info`` describes belongs to a job of this process
+    that is ending (cancelled or stopped: ``cancel()`` does not wait for the
+    end) and was released within ``timeout`` seconds. A notebook's "cancel,
+    then start the job again" then waits for the old job's last write instead
+    of failing; a job of this process that still runs keeps its lock."""
+    if not info or info.get("pid") != os.getpid():
+        return False
+    with _HELD_LOCK:
+        lock = _HELD.get(info.get("token"))
+    if lock is None:
+        return True         # released meanwhile
+    return lock.ending and lock._released.wait(timeout)
 
 
 def _parse(data: bytes) -> dict | None:

@@ -684,6 +684,8 @@ class ClusterExecution(Execution):
             # the caller's cancel (or join's timeout), even during a recovery:
             # no restart; failures cancel with _user=False
             self._user_cancelled = True
+            if self._jobdir is not None:
+                self._jobdir.ending()
         if self.cancelled:
             return
         self.cancelled = True

@@ -541,6 +541,8 @@ class JobExecution(Execution):
         """Stop every task: blocked waits wake at once and raise inside the task."""
         if _user and self.failure is None:
             self._user_cancelled = True     # a cancel, not the fallout of a failure: no restart
+            if self._jobdir is not None:
+                self._jobdir.ending()
         self.cancelled = True
         for t in self.tasks:
             t.cancel()

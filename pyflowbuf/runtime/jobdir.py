@@ -24,7 +24,7 @@ from hashlib import blake2b
 
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.errors import CheckpointDirectoryInUseError, IncompatibleCheckpointError
-from pyflowbuf.checkpoint.lock import DirectoryLock
+from pyflowbuf.checkpoint.lock import DirectoryLock, wait_for_ending_holder
 from pyflowbuf.checkpoint.storage import CheckpointStorage
 from pyflowbuf.config import DEFAULT_CHECKPOINT_DIR
 from pyflowbuf.operators.basic import Operator
@@ -176,13 +176,27 @@ class JobDirectory:
         if self.lock is not None:
             self.lock.release()
 
+    def ending(self) -> None:
+        """The job was cancelled or stopped by its user: a new job of this
+        process may wait for this lock's release (``open_directory``)."""
+        if self.lock is not None:
+            self.lock.ending = True
+
 
 def open_directory(storage, job_name: str, fingerprint: dict) -> JobDirectory:
     """Take the job's checkpoint directory (``storage``'s) with its lock:
     ``CheckpointDirectoryInUseError`` while another job runs there."""
     lock = DirectoryLock(storage.fs, storage.root, job_name)
-    lock._acquire()
+    try:
+        lock._acquire()
+    except CheckpointDirectoryInUseError as exc:
+        if not wait_for_ending_holder(exc.holder, ENDING_JOB_WAIT_S):
+            raise
+        lock._acquire()
     return JobDirectory(lock, job_name, fingerprint)
+
+
+ENDING_JOB_WAIT_S = 60.0     # how long a new job waits for a cancelled job of this process to end
 
 
 def check_no_other_job(storage, job_name: str) -> None:
