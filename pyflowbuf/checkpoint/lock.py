@@ -80,14 +80,13 @@ def process_start_time(pid: int) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True         # someone else's process
-    except OSError:
+    except OSError:         # PermissionError: another user's process
         return True
     return True
 
@@ -114,7 +113,7 @@ def stale_reason(info: dict) -> str | None:
         with _HELD_LOCK:
             held = info.get("token") in _HELD
         return None if held else "no job of this process holds it"
-    if not _alive(pid):
+    if not process_alive(pid):
         return f"process {pid} has ended"
     started = info.get("process_started")
     now = process_start_time(pid)

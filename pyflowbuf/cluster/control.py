@@ -49,6 +49,7 @@ import weakref
 
 from pyflowbuf import errors
 from pyflowbuf.net import protocol as P
+from pyflowbuf.checkpoint.lock import process_alive
 from pyflowbuf.cluster.control_channel import _NO_BUFFERS, _check_nothing_staged
 from pyflowbuf.runtime.checkpointing import DEFAULT_CHECKPOINT_DIR
 
@@ -122,14 +123,6 @@ def control_file_path(checkpoint_dir) -> str:
 
 # ---------------------------------------------------------------- the control file
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True         # a process of another user
-    return True
 
 
 def read_control_file(path) -> dict:
@@ -159,7 +152,7 @@ def read_control_file(path) -> dict:
 def check_alive(info) -> None:
     """A control file written on this host by a process that is gone is
     stale: ControlError saying so (a file of another host is tried)."""
-    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int) and not _alive(info["pid"]):
+    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int) and not process_alive(info["pid"]):
         raise ControlError(
             f"{info['file']} is stale: the process that wrote it (pid {info['pid']}, job {info.get('job')!r}, "
             f"started {_when(info.get('started'))}) is gone, and no job is running there; remove the file")
@@ -325,7 +318,7 @@ class ControlEndpoint:
             running = any(e.token == info.get("token") and not e.closed and (e.job is None or not e.job.done)
                           for e in _open_endpoints())
         else:                                       # (a file of another host is replaced)
-            running = here and isinstance(info["pid"], int) and _alive(info["pid"])
+            running = here and isinstance(info["pid"], int) and process_alive(info["pid"])
         if running:
             raise errors.ConfigurationError(
                 f"{self.path}: job {info.get('job')!r} (pid {info['pid']}) is running with this checkpoint_dir and "
