@@ -307,18 +307,12 @@ def _code_hash_use(fn, code, seen, depth):
     prev = None
     for ins in dis.get_instructions(code):
         op, name = ins.opname, ins.argval
+        loaded = False
         if op in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(name, str):
-            target = g[name] if name in g else getattr(builtins, name, None)
-            if target is builtins.hash:
-                return f"hash() in {where}"
-            if callable(target) and _user_code(target):
-                got = _hash_use(target, seen, depth + 1)
-                if got:
-                    return got
-            prev = target
-            continue
-        if op in ("LOAD_DEREF", "LOAD_CLOSURE") and isinstance(name, str) and name in cells:
-            target = cells[name]
+            target, loaded = (g[name] if name in g else getattr(builtins, name, None)), True
+        elif op in ("LOAD_DEREF", "LOAD_CLOSURE") and isinstance(name, str) and name in cells:
+            target, loaded = cells[name], True
+        if loaded:      # a name's value: the builtin hash itself, or user code that may call it
             if target is builtins.hash:
                 return f"hash() in {where}"
             if callable(target) and _user_code(target):
