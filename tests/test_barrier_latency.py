@@ -11,7 +11,7 @@ import warnings
 import pyflowbuf as fb
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import CheckpointStorage
-from pyflowbuf.runtime.checkpointing import CheckpointCoordinator, CheckpointSettings
+from pyflowbuf.checkpointing.coordinator import CheckpointCoordinator, CheckpointSettings
 from pyflowbuf.runtime.task.input import BatchSizer
 
 

@@ -360,7 +360,7 @@ def test_a_finished_task_does_not_rewrite_a_checkpoint_it_snapshotted(tmp_path):
     """The task's own write for n may still be on its way when it finishes:
     the coordinator must not write its final state into n as well (two
     writers of one file: the metadata check then fails the checkpoint)."""
-    from pyflowbuf.runtime.checkpointing import CheckpointCoordinator, CheckpointSettings
+    from pyflowbuf.checkpointing.coordinator import CheckpointCoordinator, CheckpointSettings
 
     storage = CheckpointStorage(str(tmp_path))
     coord = CheckpointCoordinator(CheckpointSettings(interval=1, directory=str(tmp_path)), storage)

@@ -291,7 +291,7 @@ class _Execution:
 
 
 def _coordinator(tmp_path, storage_cls=CheckpointStorage):
-    from pyflowbuf.runtime import checkpointing as ckpt
+    from pyflowbuf.checkpointing import coordinator as ckpt
 
     env = fb.Environment(checkpoint_interval=60, checkpoint_dir=tmp_path / "chk")
     config = ckpt.CheckpointSettings.from_env(env)
@@ -401,7 +401,7 @@ def test_a_barrier_leaving_a_network_sender_after_the_job_stopped_is_declined_no
     network thread; now the checkpoint is declined and nothing is written."""
     from types import SimpleNamespace
 
-    from pyflowbuf.runtime import checkpointing as ckpt
+    from pyflowbuf.checkpointing import coordinator as ckpt
 
     declined = []
     coordinator = SimpleNamespace(decline=lambda key, n, reason: declined.append((key, n, reason)),
@@ -606,7 +606,7 @@ def test_a_restore_in_which_a_branch_had_finished_reads_its_ends(tmp_path):
     instead of ending without reading it: the producer's worker waited for
     its output to be consumed until the drain timeout (the execute timeout
     here), or failed with "the consumer closed the connection"."""
-    from pyflowbuf.runtime import checkpointing as ckpt
+    from pyflowbuf.checkpointing import coordinator as ckpt
 
     chk = tmp_path / "chk"
 

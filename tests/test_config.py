@@ -15,7 +15,7 @@ from hypothesis import given, strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf import config, errors
-from pyflowbuf.runtime.checkpointing import CheckpointSettings
+from pyflowbuf.checkpointing.coordinator import CheckpointSettings
 from pyflowbuf.exchange.debloat import DebloatSettings
 
 _CLASSES = {group: cls for group, (cls, _) in config.GROUPS.items()}

@@ -28,10 +28,10 @@ from pyflowbuf.checkpoint import CheckpointStorage, CorruptCheckpointError, Save
 from pyflowbuf.checkpoint import dumps, loads, shared
 from pyflowbuf.checkpoint.columns import decode_map, decode_rows, encode_map
 from pyflowbuf.checkpoint import keygroups as kg
-from pyflowbuf.runtime.checkpointing import (CheckpointSettings, CheckpointCoordinator, TaskCheckpointing,
+from pyflowbuf.checkpointing.coordinator import (CheckpointSettings, CheckpointCoordinator, TaskCheckpointing,
                                              latest_checkpoint, restore_plan, task_key)
 from pyflowbuf.operators.basic import KeyedReduce
-from pyflowbuf.runtime.restore import RestorePlan
+from pyflowbuf.checkpointing.restore import RestorePlan
 from pipeline_helpers import cancel_and_join
 
 

@@ -19,7 +19,7 @@ import pyflowbuf as fb
 from pyflowbuf.checkpoint import IncompatibleCheckpointError
 from pyflowbuf.checkpoint.storage import SavepointStorage
 from pyflowbuf.errors import ConfigurationError, JobFailedError
-from pyflowbuf.runtime import key_kinds
+from pyflowbuf.checkpointing import key_kinds
 from pyflowbuf.checkpoint import KeyKindError
 from pipeline_helpers import wait_for
 
@@ -266,7 +266,7 @@ def test_a_restart_from_the_executions_own_checkpoint_is_not_checked():
     functions: a kind first met after its restore is a new key, not a
     changed function. The checkpoint it started from is checked, also when a
     restart restores it again (nothing newer was taken)."""
-    from pyflowbuf.runtime.restore import checks_key_kinds
+    from pyflowbuf.checkpointing.restore import checks_key_kinds
     execution = types.SimpleNamespace()
     start = types.SimpleNamespace(checkpoint_id=4, path="/sp")
     own = types.SimpleNamespace(checkpoint_id=9, path="/ck/chk-9")
@@ -276,7 +276,7 @@ def test_a_restart_from_the_executions_own_checkpoint_is_not_checked():
     worker = types.SimpleNamespace()
     assert not checks_key_kinds(worker, own, first=False)   # its driver said: a restart's own checkpoint
     fresh = types.SimpleNamespace()
-    from pyflowbuf.runtime.restore import started_fresh
+    from pyflowbuf.checkpointing.restore import started_fresh
     started_fresh(fresh)
     assert not checks_key_kinds(fresh, own)
 

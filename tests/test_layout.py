@@ -99,6 +99,8 @@ LAYERS = [
     ("time", ["pyflowbuf.time"]),
     ("windows", ["pyflowbuf.windows"]),
     ("connectors", ["pyflowbuf.connectors"]),
+    ("jobgraph", ["pyflowbuf.jobgraph"]),         # the job description the runtime receives
+    ("checkpointing", ["pyflowbuf.checkpointing"]),  # coordinator, a subtask's side, restore, rescaling
     ("runtime", ["pyflowbuf.runtime"]),           # the job graph, the task, the coordinator, one job here
     ("cluster", ["pyflowbuf.cluster"]),
     ("api", ["pyflowbuf.api"]),
@@ -184,7 +186,7 @@ def test_the_rewrite_moves_imports_mentions_and_paths_once():
             'monkeypatch.setattr("pyflowbuf.runtime.timers.schedule", f)\n'  # layout_moves: keep
             "see pyflowbuf/runtime/sinks.py and runtime/task/input.py, pyflowbuf.runtime.jobs\n")  # layout_moves: keep
     out = layout_moves.rewrite_text(text)
-    assert out == ("from pyflowbuf.runtime import checkpointing as ckpt  # why\n"
+    assert out == ("from pyflowbuf.checkpointing import coordinator as ckpt  # why\n"
                    "from pyflowbuf.connectors import outputs as sink_outputs\n"
                    "from pyflowbuf.exchange import debloat\n"
                    "    from pyflowbuf.time.watermarks import NO_WATERMARK\n"

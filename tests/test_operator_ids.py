@@ -297,7 +297,7 @@ def test_the_main_jobs_declare_a_uid_for_each_stateful_operator(tmp_path):
     import pyarrow.parquet as pq
 
     from pyflowbuf import demo
-    from pyflowbuf.runtime.restore import check_operator_ids
+    from pyflowbuf.checkpointing.restore import check_operator_ids
     from pyflowbuf.spark import cluster_demo       # (imports no pyspark until it runs)
 
     src = tmp_path / "lines.parquet"
@@ -337,7 +337,8 @@ def legacy_writer(monkeypatch):
     """Checkpoints written as releases before ids were derived from the graph
     wrote them: ids of name and rank ("map#0"), no ``id_scheme``. Returns the
     function that ends it (the restore then runs as this release does)."""
-    from pyflowbuf.runtime import checkpointing, graph, restore
+    from pyflowbuf.checkpointing import coordinator as checkpointing, restore
+    from pyflowbuf.jobgraph import graph
 
     assign, properties = graph.assign_uids, restore.metadata_properties
 

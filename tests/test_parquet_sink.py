@@ -241,7 +241,7 @@ def test_a_restored_subtask_keeps_the_schema_of_its_committed_files(tmp_path):
 
 
 def test_a_part_of_empty_batches_still_commits_a_file(tmp_path):
-    from pyflowbuf.runtime.checkpointing import run_commits
+    from pyflowbuf.checkpointing.coordinator import run_commits
 
     sink = ParquetFileSink("out", tmp_path, transactional=True)
     sink.open(0, 1)

@@ -282,7 +282,7 @@ def test_keyed_state_split_by_group_and_merged_per_range_is_the_state_of_the_ran
         proc.timers.processing.register(k, 100.0 + i)
     win.timers.advance(1.0)
     from pyflowbuf.checkpoint import dumps, loads
-    from pyflowbuf.runtime.restore import keyed_restore, keyed_value
+    from pyflowbuf.checkpointing.restore import keyed_restore, keyed_value
 
     for op in (win, proc):
         snap = op.snapshot_state()

@@ -28,7 +28,7 @@ from pyflowbuf import errors
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf._core.serde import RecordReader, RecordWriter, ts_fill, ts_repeat, ts_select
-from pyflowbuf.runtime.graph import has_timestamps
+from pyflowbuf.jobgraph.graph import has_timestamps
 from pyflowbuf.windows import TimeWindow
 
 

@@ -44,9 +44,9 @@ from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.exchange.sides import kind_code
-from pyflowbuf.runtime import checkpointing
-from pyflowbuf.runtime.inflight_rescale import split_by_key_group
-from pyflowbuf.runtime.task.checkpoints import SubtaskCheckpoints
+from pyflowbuf.checkpointing import coordinator as checkpointing
+from pyflowbuf.checkpointing.inflight_rescale import split_by_key_group
+from pyflowbuf.checkpointing.subtask import SubtaskCheckpoints
 from pipeline_helpers import cancel_and_join
 from reference_model import ref_stable_hash
 from test_rescale import KEYS, WINDOW, committed, expected, per_second_counts
@@ -384,7 +384,7 @@ def test_an_edge_whose_records_gained_timestamps_is_not_replayed_in_place(monkey
     checkpoint stored that edge's bytes without them. Replayed in place they
     would be read as frames with an 8-byte time: the edge counts as changed
     (then refused where it is not keyed), never as the same edge."""
-    from pyflowbuf.runtime import inflight_rescale as ir
+    from pyflowbuf.checkpointing import inflight_rescale as ir
 
     monkeypatch.setattr(ir, "_identity", lambda v: v)
     d = {"partitioner": "forward", "tag": "late", "out_index": 0, "timestamped": False,

@@ -55,6 +55,14 @@ MOVES = {
     "pyflowbuf.runtime.worker": "pyflowbuf.cluster.worker",
     "pyflowbuf.runtime.control": "pyflowbuf.cluster.control",
     "pyflowbuf.net.control": "pyflowbuf.cluster.control_channel",
+    # issue 28: the job description one package low, checkpointing in one package
+    "pyflowbuf.runtime.graph": "pyflowbuf.jobgraph.graph",
+    "pyflowbuf.runtime.checkpointing": "pyflowbuf.checkpointing.coordinator",
+    "pyflowbuf.runtime.restore": "pyflowbuf.checkpointing.restore",
+    "pyflowbuf.runtime.inflight_rescale": "pyflowbuf.checkpointing.inflight_rescale",
+    "pyflowbuf.runtime.task.checkpoints": "pyflowbuf.checkpointing.subtask",
+    "pyflowbuf.runtime.jobdir": "pyflowbuf.checkpointing.jobdir",
+    "pyflowbuf.runtime.key_kinds": "pyflowbuf.checkpointing.key_kinds",
 }
 # Modules that branches cut before the moves add to the old flat folder: moved
 # (git mv) by ``rewrite`` once a merge brings them, like the ones above.

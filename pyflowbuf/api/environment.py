@@ -24,12 +24,12 @@ from pyflowbuf.api.sources import SourceDeclarations
 from pyflowbuf.config import UNSET, CheckpointConfig, DebloatConfig, MetricsConfig, NetworkConfig, RestartConfig
 from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError
 from pyflowbuf.cluster.driver import ClusterExecution
-from pyflowbuf.runtime.graph import Node, plan
+from pyflowbuf.jobgraph.graph import Node, plan
 from pyflowbuf.cluster import control as _control
 from pyflowbuf.runtime import overrides as _overrides
 from pyflowbuf.runtime.job import JobExecution
 from pyflowbuf.checkpoint.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
-from pyflowbuf.runtime.restore import check_operator_ids
+from pyflowbuf.checkpointing.restore import check_operator_ids
 
 
 @_config.flat_settings

@@ -10,7 +10,7 @@ from pyflowbuf._validation import _callable, _output_path, _positive_int
 from pyflowbuf.connectors import PrintSink
 from pyflowbuf.errors import ConfigurationError
 from pyflowbuf.connectors import sinks as sink_ops
-from pyflowbuf.runtime.graph import Node, set_uid
+from pyflowbuf.jobgraph.graph import Node, set_uid
 from pyflowbuf.connectors.outputs import FileOutput, check_mode
 
 

@@ -15,7 +15,7 @@ from pyflowbuf.api.sinks import SinkDeclarations
 from pyflowbuf.api.windowed import AllWindowedStream, WindowedStream, _no_key
 from pyflowbuf.errors import ConfigurationError, RecordTypeError, UnitWarning
 from pyflowbuf.operators import basic as ops
-from pyflowbuf.runtime.graph import Input, Node, carried_timestamps, set_uid
+from pyflowbuf.jobgraph.graph import Input, Node, carried_timestamps, set_uid
 from pyflowbuf.time.timers import (KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator,
                                       ProcessOperator, plain_process_function_parts, process_function_parts,
                                       takes_context)

@@ -13,8 +13,8 @@ from pyflowbuf import errors
 from pyflowbuf._validation import _callable, _check_arity, _check_kind, _kind_identity
 from pyflowbuf.api.side_outputs import LATE, LATE_TAG, OutputTag, declare_side_outputs
 from pyflowbuf.time.timers import takes_context
-from pyflowbuf.runtime.graph import carried_timestamps as _carried
-from pyflowbuf.runtime.graph import has_timestamps
+from pyflowbuf.jobgraph.graph import carried_timestamps as _carried
+from pyflowbuf.jobgraph.graph import has_timestamps
 from pyflowbuf.time.watermarks import check_seconds
 from pyflowbuf.windows.aggregates import AggregateFunction, Sum, _identity
 from pyflowbuf.windows.arrow import ArrowWindowOperator, check_arrow_spec

@@ -24,7 +24,7 @@ from pyflowbuf.api import Environment
 from pyflowbuf.cli.checkpoints import CliError
 from pyflowbuf.errors import FlowBufError
 from pyflowbuf.runtime import overrides
-from pyflowbuf.runtime.checkpointing import DEFAULT_CHECKPOINT_DIR
+from pyflowbuf.checkpointing.coordinator import DEFAULT_CHECKPOINT_DIR
 from pyflowbuf.cluster.control import local_path
 
 _CHK_DIR = re.compile(r"^chk-(0|[1-9][0-9]*)$")

@@ -51,7 +51,7 @@ from pyflowbuf import errors
 from pyflowbuf.net import protocol as P
 from pyflowbuf.checkpoint.lock import process_alive
 from pyflowbuf.cluster.control_channel import _NO_BUFFERS, _check_nothing_staged
-from pyflowbuf.runtime.checkpointing import DEFAULT_CHECKPOINT_DIR
+from pyflowbuf.checkpointing.coordinator import DEFAULT_CHECKPOINT_DIR
 
 CONTROL_FILE = "_control.json"
 FORMAT = 1

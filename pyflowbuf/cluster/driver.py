@@ -51,11 +51,11 @@ from pyflowbuf import errors
 from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint.storage import TaskStateHandle
 from pyflowbuf.net import new_secret
-from pyflowbuf.runtime import checkpointing as ckpt
+from pyflowbuf.checkpointing import coordinator as ckpt
 from pyflowbuf.connectors import filesystems as fsx
-from pyflowbuf.runtime import jobdir
+from pyflowbuf.checkpointing import jobdir
 from pyflowbuf.cluster.locations import check_shared_locations
-from pyflowbuf.runtime import restore as restore_mod
+from pyflowbuf.checkpointing import restore as restore_mod
 from pyflowbuf.connectors import outputs as sink_outputs
 from pyflowbuf.runtime.deployment import check_output_pools
 from pyflowbuf.runtime.job import CANCEL_GRACE_S, Execution, JobExecution
@@ -488,7 +488,7 @@ class ClusterExecution(Execution):
         self.restart_failures: list = []   # (task, operator, error text) of each failure recovered
         self._user_cancelled = False
         self._task_keys = ckpt.graph_task_keys(vertices)
-        self._jobdir = None            # the driver's hold on checkpoint_dir (runtime/jobdir.py)
+        self._jobdir = None            # the driver's hold on checkpoint_dir (checkpointing/jobdir.py)
         self._started_from = None      # the checkpoint or savepoint this run started from
         self.launcher.check(self)
 
@@ -711,7 +711,7 @@ class ClusterExecution(Execution):
             if v.head.source is not None:
                 ckpt.check_rewindable(config, v.head.name, v.head.source())
         storage = CheckpointStorage(config.directory, retained=config.retained, allow_pickle=config.allow_pickle)
-        # held here, by the driver, for every worker (runtime/jobdir.py)
+        # held here, by the driver, for every worker (checkpointing/jobdir.py)
         fingerprint = jobdir.job_fingerprint(self.env.nodes, self.env.max_parallelism)
         self._jobdir = jobdir.open_directory(storage, self.env.name, fingerprint)
         self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)

@@ -12,11 +12,11 @@ import traceback
 from pyflowbuf import errors
 from pyflowbuf._validation import check_timeout
 from pyflowbuf.checkpoint import CheckpointStorage
-from pyflowbuf.runtime import checkpointing as ckpt
+from pyflowbuf.checkpointing import coordinator as ckpt
 from pyflowbuf.exchange import debloat
 from pyflowbuf.connectors import outputs as sink_outputs
-from pyflowbuf.runtime import jobdir
-from pyflowbuf.runtime import restore as restore_mod
+from pyflowbuf.checkpointing import jobdir
+from pyflowbuf.checkpointing import restore as restore_mod
 from pyflowbuf.runtime.deployment import Deployment, check_output_pools, output_pool_size, segments_needed
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
 from pyflowbuf.runtime.task import Subtask
@@ -211,7 +211,7 @@ class JobExecution(Execution):
         self.restart_failures: list = []   # (task, operator, exception text) of each failure recovered
         self.network_pools: list = []  # the pool of every attempt, to check that all came back
         self._snapshot_writer = None
-        self._jobdir = None            # the driver's hold on checkpoint_dir (runtime/jobdir.py)
+        self._jobdir = None            # the driver's hold on checkpoint_dir (checkpointing/jobdir.py)
         self._started_from = None      # the checkpoint or savepoint this run started from
 
     # ---- building ----
@@ -403,7 +403,7 @@ class JobExecution(Execution):
         if meta is not None:
             storage = ckpt.storage_of(coordinator.storage, meta)
             if restore_mod.is_current(meta):
-                # by operator id, at any parallelism (pyflowbuf.runtime.restore)
+                # by operator id, at any parallelism (pyflowbuf.checkpointing.restore)
                 plan = restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,
                                                getattr(self, "allow_non_restored_state", False),
                                                restore_mod.checks_key_kinds(

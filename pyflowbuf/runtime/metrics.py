@@ -86,18 +86,6 @@ def close_listeners(listeners) -> None:
                 pass
 
 
-def publish_checkpoint(listeners, entry: dict) -> None:
-    """A checkpoint ended (completed, aborted, expired, failed): listeners that
-    keep checkpoint figures get its history entry."""
-    for listener in listeners:
-        hook = getattr(listener, "checkpoint", None)
-        if hook is not None:
-            try:
-                hook(entry)
-            except Exception:  # an exporter must never break the job
-                pass
-
-
 def _publish(listeners, snap) -> None:
     for listener in listeners:
         try:

@@ -22,7 +22,7 @@ from pyflowbuf.exchange.sides import MultiInput
 from pyflowbuf.runtime.pull import PullPolicy
 from pyflowbuf.connectors.sources import payload_nbytes
 from pyflowbuf.runtime.task.chain import OperatorChain
-from pyflowbuf.runtime.task.checkpoints import SubtaskCheckpoints
+from pyflowbuf.checkpointing.subtask import SubtaskCheckpoints
 from pyflowbuf.runtime.task.event_time import EventTime
 from pyflowbuf.runtime.task.input import InputProcessor
 from pyflowbuf.runtime.task.mailbox import ControlMail, Mailbox, OutputFlusher

@@ -2,7 +2,7 @@
 what it decides), barriers out, triggers at sources, the mails of the
 coordinator, and the start after a restore (in-flight data replayed, a task
 that had ended ending again). Snapshots are taken and written by
-``pyflowbuf.runtime.checkpointing.TaskCheckpointing`` (``checkpointing``)."""
+``pyflowbuf.checkpointing.coordinator.TaskCheckpointing`` (``checkpointing``)."""
 from __future__ import annotations
 
 import time
@@ -12,7 +12,7 @@ from pyflowbuf._core.events import BARRIER, BARRIER_STOP, BARRIER_UNALIGNED, CAN
 from pyflowbuf.checkpoint.alignment import (CAPTURE, INFLIGHT_DONE, SNAPSHOT, SNAPSHOT_UNALIGNED,
                                          BarrierAligner)
 from pyflowbuf.checkpoint.errors import CheckpointStateError
-from pyflowbuf.runtime.restore import summary_of
+from pyflowbuf.checkpointing.restore import summary_of
 from pyflowbuf.serializers import get_serializer
 
 
@@ -22,7 +22,7 @@ def _no_op(key):
 
 def _parse_channel(name):
     """'in/<input>/<channel>', 'out/<output>/<subpartition>', or 'key/<input>'
-    (records redistributed by key group: ``pyflowbuf.runtime.inflight_rescale``)."""
+    (records redistributed by key group: ``pyflowbuf.checkpointing.inflight_rescale``)."""
     where, *rest = name.split("/")
     if where == "key":
         return where, int(rest[0]), -1

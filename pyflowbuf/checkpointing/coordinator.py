@@ -37,12 +37,23 @@ from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpoin
 from pyflowbuf.checkpoint.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_inflight, encode_inflight  # noqa: F401
 from pyflowbuf.checkpoint.keygroups import (DEFAULT_MAX_PARALLELISM, INCREMENTAL_MAX_AGE, GroupChain,
                                          key_group_range)
-from pyflowbuf.runtime.inflight_rescale import edge_descriptions
-from pyflowbuf.runtime.restore import metadata_properties, stored_state
-from pyflowbuf.runtime.metrics import publish_checkpoint
+from pyflowbuf.checkpointing.inflight_rescale import edge_descriptions
+from pyflowbuf.checkpointing.restore import metadata_properties, stored_state
 from pyflowbuf.connectors import outputs as outputs_mod
 
 log = logging.getLogger("pyflowbuf.checkpoint")
+
+
+def publish_checkpoint(listeners, entry: dict) -> None:
+    """A checkpoint ended (completed, aborted, expired, failed): listeners that
+    keep checkpoint figures get its history entry."""
+    for listener in listeners:
+        hook = getattr(listener, "checkpoint", None)
+        if hook is not None:
+            try:
+                hook(entry)
+            except Exception:  # an exporter must never break the job
+                pass
 
 
 @dataclass
@@ -762,7 +773,7 @@ class TaskCheckpointing:
 
     def stored(self, state):
         """``state`` in the stored layout (per operator id, keyed state per
-        key group: ``pyflowbuf.runtime.restore``) and its summary."""
+        key group: ``pyflowbuf.checkpointing.restore``) and its summary."""
         coordinator = self.coordinator
         return stored_state(self.task, state, coordinator.config.max_parallelism,
                             coordinator.storage.allow_pickle)

@@ -25,7 +25,7 @@ restore maps that state to the operators of the job being started:
 * ``max_parallelism`` cannot change (keys would move between groups);
 * in-flight data of an unaligned checkpoint goes back into the channels it
   was captured in where its edge is unchanged, is redistributed by key group
-  where a changed edge is keyed (``pyflowbuf.runtime.inflight_rescale``),
+  where a changed edge is keyed (``pyflowbuf.checkpointing.inflight_rescale``),
   and is refused on a changed edge that is not keyed, or from a checkpoint
   written before edges were recorded into any other job graph or
   parallelism: take a savepoint, which is always aligned.
@@ -41,7 +41,7 @@ The stored layout (format 2) of a subtask's STATE value::
      "derived_ids": {"KeyedReduce-3f2a9c1b04de": {"scheme": "topology-1", ...}, ...}}
 
 A keyed operator's entry also holds ``"key_kinds"``: the kinds of every key
-in its state (``pyflowbuf.runtime.key_kinds``), repeated per operator in
+in its state (``pyflowbuf.checkpointing.key_kinds``), repeated per operator in
 ``_metadata`` and checked against the first keys a restored operator
 computes; ``"key_migrated"`` where the job declared ``Stream.migrate_keys``
 (its keys are the new ones). A file sink's entry holds its ``"directory"``,
@@ -88,9 +88,9 @@ from pyflowbuf.checkpoint.container import dumps, loads
 from pyflowbuf.checkpoint.storage import CorruptCheckpointError, IncompatibleCheckpointError
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.connectors import outputs as sink_outputs
-from pyflowbuf.runtime.graph import ID_SCHEME, LEGACY_SCHEME, assign_uids, is_stateful, operator_type
-from pyflowbuf.runtime.inflight_rescale import InflightPlan
-from pyflowbuf.runtime import key_kinds
+from pyflowbuf.jobgraph.graph import ID_SCHEME, LEGACY_SCHEME, assign_uids, is_stateful, operator_type
+from pyflowbuf.checkpointing.inflight_rescale import InflightPlan
+from pyflowbuf.checkpointing import key_kinds
 from pyflowbuf.checkpoint.inflight import decode_inflight
 
 log = logging.getLogger("pyflowbuf.checkpoint")
@@ -604,7 +604,7 @@ class RestorePlan:
                     f"operator {uid!r}: parallelism {v.parallelism} is above max_parallelism={self.max_parallelism}")
         # in-flight data: back into the very channels it was captured in where
         # the edge is unchanged, by key group on a changed keyed edge, refused
-        # elsewhere (pyflowbuf.runtime.inflight_rescale)
+        # elsewhere (pyflowbuf.checkpointing.inflight_rescale)
         plan = self._inflight_plan(vertices)
         if plan is not None:
             running = [v for v in vertices if not v.is_iterator]
@@ -706,7 +706,7 @@ class RestorePlan:
             self._rescaled_inflight(inflight, task, restore, None)
         return restore
 
-    # ---- key kinds (pyflowbuf.runtime.key_kinds) ----
+    # ---- key kinds (pyflowbuf.checkpointing.key_kinds) ----
     def _migrations(self, v, uids) -> dict:
         """uid -> the key migration (``Stream.migrate_keys``) to apply to its
         stored state: declared on the operator, and the state is of a job
