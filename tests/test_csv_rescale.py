@@ -15,7 +15,6 @@ import csv
 import io
 import json
 import os
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -26,6 +25,8 @@ from pyflowbuf.checkpoint import IncompatibleCheckpointError
 from pyflowbuf.connectors import csv_split
 from pyflowbuf.connectors.csv import csv_source
 from pyflowbuf.errors import ConfigurationError
+
+from pipeline_helpers import wait_for
 
 pytest.importorskip("pyarrow")
 
@@ -294,6 +295,12 @@ def write_job_input(d, n):
                 fh.write(f"{i},{i % 11},{'p' * (i % 37)}\n")
 
 
+def wait_for_output(out, job):
+    """Until the running job has committed some rows (a checkpoint completed
+    after records reached the sink): a stop then lands inside the files."""
+    wait_for(lambda: os.path.isdir(out) and read_parquet_dir(out), "the job's first committed rows", job=job)
+
+
 def read_parquet_dir(path):
     import pyarrow.parquet as pq
 
@@ -316,9 +323,9 @@ def test_a_csv_job_stopped_at_two_resumes_at_another_parallelism_exactly_once(tm
     d, out, ck, sp = (str(tmp_path / x) for x in ("in", "out", "ck", "sp"))
     write_job_input(d, n)
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=ck)
-    csv_job(env, d, out, 2, rate=4000)
+    csv_job(env, d, out, 2, rate=1000)
     job = env.execute_async()
-    time.sleep(0.6)
+    wait_for_output(out, job)
     assert job.stop(savepoint=sp) == sp
     first = read_parquet_dir(out)
     assert 0 < len(first) < n            # stopped half way: the savepoint holds positions inside the files
@@ -339,11 +346,14 @@ def test_a_csv_job_rescaled_twice_through_savepoints(tmp_path):
     sp = None
     for k, p in enumerate((2, 3)):
         env = fb.Environment(parallelism=p, checkpoint_interval=0.1, checkpoint_dir=ck)
-        csv_job(env, d, out, p, rate=3000)
+        csv_job(env, d, out, p, rate=800)
         job = env.execute_async(restore_from=sp) if sp else env.execute_async()
-        time.sleep(0.5)
+        wait_for_output(out, job)
+        if k:      # rows beyond what the first run committed
+            wait_for(lambda: len(read_parquet_dir(out)) > committed, "rows of the second run", job=job)
         sp = job.stop(savepoint=str(tmp_path / f"sp{k}"))
-        assert len(read_parquet_dir(out)) < n
+        committed = len(read_parquet_dir(out))
+        assert committed < n
     env = fb.Environment(parallelism=1, checkpoint_interval=0.1, checkpoint_dir=ck)
     csv_job(env, d, out, 1, rate=None)
     env.execute(60, restore_from=sp)
@@ -358,9 +368,9 @@ def test_workers_resume_a_csv_job_at_another_parallelism(tmp_path):
     d, out, ck, sp = (str(tmp_path / x) for x in ("in", "out", "ck", "sp"))
     write_job_input(d, n)
     env = fb.Environment(parallelism=2, workers=2, checkpoint_interval=0.1, checkpoint_dir=ck)
-    csv_job(env, d, out, 2, rate=3000)
+    csv_job(env, d, out, 2, rate=1000)
     job = env.execute_async()
-    time.sleep(1.0)
+    wait_for_output(out, job)
     job.stop(savepoint=sp)
     assert 0 < len(read_parquet_dir(out)) < n
     env2 = fb.Environment(parallelism=3, workers=2, checkpoint_interval=0.1, checkpoint_dir=ck)
@@ -375,9 +385,9 @@ def test_a_changed_file_refuses_a_rescaled_restore(tmp_path):
     d, out, ck, sp = (str(tmp_path / x) for x in ("in", "out", "ck", "sp"))
     write_job_input(d, n)
     env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=ck)
-    csv_job(env, d, out, 2, rate=3000)
+    csv_job(env, d, out, 2, rate=1000)
     job = env.execute_async()
-    time.sleep(0.4)
+    wait_for_output(out, job)
     job.stop(savepoint=sp)
     with open(os.path.join(d, "part1.csv"), "a") as fh:
         fh.write("99999,1,x\n")
