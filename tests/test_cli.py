@@ -553,6 +553,38 @@ def test_savepoint_on_stop_stops_with_a_savepoint_and_resumes_from_it_exactly_on
     assert committed_lines(tmp_path / "out") == expected_lines(n)
 
 
+def test_savepoint_on_stop_with_drain_ends_event_time_in_the_final_savepoint(tmp_path):
+    """``run --savepoint-on-stop PATH --drain``: Ctrl-C reaches
+    job.stop(savepoint=PATH, drain=True); the job ends with its savepoint and
+    everything read so far committed once."""
+    n = 4000
+    (tmp_path / "job.py").write_text(watching_job_source("ck", "out"))
+    feed(tmp_path / "in", range(n))
+    proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--savepoint-on-stop", "sp",
+                             "--drain"],
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_checkpoint(proc, tmp_path / "ck")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "draining event time first" in err and "Traceback" not in err
+    assert os.path.exists(tmp_path / "sp" / "_metadata")
+    lines = committed_lines(tmp_path / "out")
+    assert len(lines) == len(set(lines)) and set(lines) <= set(expected_lines(n))
+
+
+def test_drain_without_a_savepoint_on_stop_is_a_usage_error(tmp_path, monkeypatch, clean_imports):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.py").write_text(job_source("ck", "out", n=100))
+    code, out, err = cli("run", "job.py", "--drain")
+    assert code != 0 and "--drain" in err and "--savepoint-on-stop" in err
+    assert not os.path.exists(tmp_path / "out")          # refused before the job started
+
+
 def test_parallelism_is_the_default_of_operators_without_their_own(tmp_path, monkeypatch, clean_imports):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "job.py").write_text(job_source("ck", "out", n=600, parallelism=1, sink_parallelism=1, rate=1000,

@@ -1,7 +1,7 @@
 """The ``pyflowbuf`` command line (also ``python -m pyflowbuf``).
 
     pyflowbuf run job.py [--restore latest|ID|PATH] [--parallelism N] [--workers N] [--control-port P]
-                         [--savepoint-on-stop PATH] [--json]
+                         [--savepoint-on-stop PATH [--drain]] [--json]
     pyflowbuf checkpoints list DIR [--verify] [--json]
     pyflowbuf checkpoints show PATH [ID] [--json]
     pyflowbuf checkpoints verify PATH [ID] [--json]
@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--savepoint-on-stop", metavar="PATH",
                      help="on Ctrl-C or SIGTERM, stop the job with a final savepoint at PATH (a directory or an "
                           "fsspec URL) instead of cancelling it; resume with --restore PATH")
+    run.add_argument("--drain", action="store_true",
+                     help="with --savepoint-on-stop: end event time before the savepoint, so every window fires "
+                          "and timers run (for a job that will not resume; as `pyflowbuf stop --drain`)")
     run.add_argument("--control-port", type=_port, metavar="PORT",
                      help="open the job's control endpoint on this port (0: a free one) for `pyflowbuf savepoint` "
                           "and `pyflowbuf stop`, as Environment(control_port=PORT)")
@@ -197,7 +200,10 @@ def _run(args) -> int:
         if args.savepoint_on_stop is not None and not env.checkpoint_config.enabled:
             raise CliError(f"--savepoint-on-stop needs checkpointing, and the Environment of {args.job} has "
                            "checkpoint_interval=None")
-        outcome = runner.run(env, args.job, restore, report=_say, savepoint_on_stop=args.savepoint_on_stop)
+        if args.drain and args.savepoint_on_stop is None:
+            raise CliError("--drain ends event time before a final savepoint: it needs --savepoint-on-stop PATH")
+        outcome = runner.run(env, args.job, restore, report=_say, savepoint_on_stop=args.savepoint_on_stop,
+                             drain=args.drain)
     except JobFailedError as e:
         outcome = {"job": env.name, "spec": args.job, "status": "failed", "error": str(e),
                    "checkpoints": env.checkpoints()}

@@ -202,22 +202,23 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
-def run(env: Environment, spec: str, restore, *, report, savepoint_on_stop=None) -> dict:
+def run(env: Environment, spec: str, restore, *, report, savepoint_on_stop=None, drain=False) -> dict:
     """Run the job to its end; Ctrl-C or SIGTERM cancels it (``status``
     cancelled, ``signal`` SIGINT or SIGTERM), or, with ``savepoint_on_stop``,
     stops it with a final savepoint there (``status`` stopped, ``savepoint``
-    its path; a savepoint that fails cancels the job). Returns the summary."""
+    its path; a savepoint that fails cancels the job; ``drain``: event time
+    ends first, as ``job.stop(drain=True)``). Returns the summary."""
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        return _run(env, spec, restore, report, savepoint_on_stop)
+        return _run(env, spec, restore, report, savepoint_on_stop, drain)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _run(env, spec, restore, report, savepoint_on_stop=None) -> dict:
+def _run(env, spec, restore, report, savepoint_on_stop=None, drain=False) -> dict:
     t0 = time.monotonic()
     job = None
     outcome = {"job": env.name, "spec": spec, "parallelism": env.parallelism, "workers": env.workers,
@@ -246,9 +247,9 @@ def _run(env, spec, restore, report, savepoint_on_stop=None) -> dict:
         outcome["signal"] = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
         running = job if job is not None else env.last_execution
         if savepoint_on_stop is not None and running is not None and not running.done:
-            report(f"stopping with a savepoint in {savepoint_on_stop}")
+            report(f"stopping with a savepoint in {savepoint_on_stop}" + (" (draining event time first)" if drain else ""))
             try:
-                outcome["savepoint"] = running.stop(savepoint=savepoint_on_stop, timeout=120)
+                outcome["savepoint"] = running.stop(savepoint=savepoint_on_stop, drain=drain, timeout=120)
                 outcome["status"] = "stopped"
                 return outcome
             except Exception as exc:    # noqa: BLE001 - reported; the job is cancelled below
