@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflowbuf as fb
-from pipeline_helpers import read_parts, resume_job, running_counts  # noqa: E402
+from pipeline_helpers import (held_sequence, read_parts, resume_job, running_counts, wait_for,  # noqa: E402
+                              wait_until_held)
 from pyflowbuf import errors
 from pyflowbuf.checkpoint import CheckpointStorage
 
@@ -49,9 +50,10 @@ class FailOnce:
         return x
 
 
-def keyed_job(env, n, *, parallelism, partition, stages, fail=None, fail_stage=0, out_dir=None, rate=None):
+def keyed_job(env, n, *, parallelism, partition, stages, fail=None, fail_stage=0, out_dir=None, rate=None,
+              source=None):
     """source -> (stages of map, one may fail) -> key_by -> running count -> sinks."""
-    s = env.from_sequence(0, n, parallelism=1, rate_limit=rate)
+    s = source if source is not None else env.from_sequence(0, n, parallelism=1, rate_limit=rate)
     for i in range(stages):
         fn = fail if (fail is not None and i == fail_stage) else (lambda x: x)
         if partition == "rebalance":
@@ -85,8 +87,17 @@ def expected(n):
 
 def test_checkpoints_complete_during_a_job(tmp_path):
     env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=tmp_path / "chk", chaining=False)
-    h = keyed_job(env, 6000, parallelism=2, partition="rebalance", stages=1, rate=20_000)
-    env.execute(60)
+    release = str(tmp_path / "release")
+    source = held_sequence(env, 6000, parallelism=1, rate_limit=20_000, hold_at=3000, release=release)
+    h = keyed_job(env, 6000, parallelism=2, partition="rebalance", stages=1, source=source)
+    job = env.execute_async()
+    # the source holds half way until a checkpoint with state has completed: on a
+    # loaded machine the job cannot end before its first checkpoint
+    wait_until_held(release, 1, job=job)
+    wait_for(lambda: any(c["status"] == "completed" and c["state_bytes"] > 0 for c in env.checkpoints()),
+             "a completed checkpoint with state", job=job)
+    open(release, "w").close()
+    job.join(60)
     assert final_counts(h.result) == expected(6000)
     done = [c for c in env.checkpoints() if c["status"] == "completed"]
     assert done, env.checkpoints()

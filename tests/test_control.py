@@ -185,6 +185,8 @@ def test_a_wrong_secret_is_refused_and_the_job_runs_on(tmp_path, slow_job):
     wrong.write_text(os.urandom(32).hex())
     code, _, err = cli("savepoint", "--address", f"{host}:{port}", "--secret-file", wrong, tmp_path / "sp")
     assert code == 1 and "refused the secret" in err
+    # the endpoint counts the refusal after the client has read it: wait, don't race it
+    wait_for(lambda: job.control.refused >= 1, "the endpoint to count the refusal", job=job)
     assert job.control.refused == 1 and not job.done and not os.path.exists(tmp_path / "sp")
     # a copy of the control file is a secret file too; then PATH is the one positional
     code, out, err = cli("savepoint", "--address", f"{host}:{port}", "--secret-file",
