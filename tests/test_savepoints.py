@@ -151,8 +151,10 @@ def test_savepoints_show_in_the_history_and_survive_retention(tmp_path):
 
 
 def test_savepoint_errors(tmp_path):
+    # the jobs hold half way (their release never comes): running when asked, however slow the machine
+    never = str(tmp_path / "never-released")
     env = fb.Environment(parallelism=1)
-    counting(env, 100000, 1, 20000)
+    counting(env, 100000, 1, 20000, hold=(500, never))
     job = env.execute_async()
     try:
         with pytest.raises(ConfigurationError, match="needs checkpointing"):
@@ -163,7 +165,7 @@ def test_savepoint_errors(tmp_path):
     full.mkdir()
     (full / "x").write_text("x")
     env = fb.Environment(parallelism=1, checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / "ck"))
-    counting(env, 100000, 1, 20000)
+    counting(env, 100000, 1, 20000, hold=(500, never))
     job = env.execute_async()
     try:
         with pytest.raises(CheckpointStateError, match="not empty"):
