@@ -45,7 +45,7 @@ from typing import Any
 from pyflowbuf import errors
 from pyflowbuf.api import Stream
 from pyflowbuf.checkpoint import dumps, loads
-from pyflowbuf.operators.basic import Operator, Output
+from pyflowbuf.operators.contracts import Operator, Output
 from pyflowbuf.api.side_outputs import OutputTag
 from pyflowbuf.operators.side_outputs import LATE, SideOutputs
 from pyflowbuf.time.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner
@@ -83,7 +83,7 @@ class OperatorHarness:
 
     Example::
 
-        from pyflowbuf.time.timers import KeyedProcessOperator
+        from pyflowbuf.time.process import KeyedProcessOperator
         from pyflowbuf.testing import OperatorHarness
 
         def fn(key, record, state, ctx):

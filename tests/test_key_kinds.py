@@ -282,8 +282,8 @@ def test_a_restart_from_the_executions_own_checkpoint_is_not_checked():
 
 
 def test_two_input_keyed_operators_check_each_input():
-    from pyflowbuf.operators.basic import KeyedCoProcess
-    from pyflowbuf.time.timers import KeyedCoProcessOperator
+    from pyflowbuf.time.process import KeyedCoProcess
+    from pyflowbuf.time.process import KeyedCoProcessOperator
     op = KeyedCoProcess("co", lambda r: r[0], lambda r: r[1], lambda k, r, s: [], lambda k, r, s: [])
     originals = op.key_fns
     key_kinds.arm(op, ["number"], "checkpoint 1", "co")

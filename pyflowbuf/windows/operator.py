@@ -18,7 +18,7 @@ import time
 from array import array as _array
 
 from pyflowbuf._core.serde import ts_select
-from pyflowbuf.operators.basic import Operator
+from pyflowbuf.operators.contracts import Operator
 from pyflowbuf.operators.side_outputs import LATE, unknown_tag
 from pyflowbuf.time.timers import TimerOperator, TimerQueue, timer_service_snapshot
 from pyflowbuf.time.watermarks import NO_WATERMARK, to_seconds

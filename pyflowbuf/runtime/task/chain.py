@@ -14,7 +14,7 @@ from __future__ import annotations
 from array import array as _array
 
 from pyflowbuf import errors
-from pyflowbuf.operators.basic import Output
+from pyflowbuf.operators.contracts import Output
 from pyflowbuf.time.processing_time import schedule
 from pyflowbuf.operators.side_outputs import SideOutputs
 from pyflowbuf.time.watermarks import to_seconds
