@@ -9,14 +9,22 @@ attributes and never probes for them. It also holds the one check of an
 operator's output against its stream's kind (``_checked``) and the rule
 for what a process function may return (``_extend``).
 
-``Output`` is implemented by the task's chain (``runtime.task.chain``) and
-by ``pyflowbuf.testing.OperatorHarness``.
+``Operator`` is an abstract base: ``process_batch`` is the one method every
+operator must define (an operator with two inputs defines it to refuse a
+batch without its input index). ``Output`` is a ``typing.Protocol``: the
+task's chain (``runtime.task.chain.ChainOutput``) and
+``pyflowbuf.testing.OperatorHarness`` derive from it, and any object with
+its five methods is one (``isinstance(x, Output)``).
+
+The contracts of what a job reads and writes at its ends (``SourceOperator``,
+``SinkOperator``) are in ``pyflowbuf/connectors/contracts.py``.
 """
 from __future__ import annotations
 
+import abc
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -36,7 +44,8 @@ _NOT_RECORDS = (str, bytes, bytearray, memoryview, tuple, dict)
 _GENERATOR = types.GeneratorType
 
 
-class Output:
+@runtime_checkable
+class Output(Protocol):
     """What an operator is given instead of its task (``op.chain_output``, set
     before ``open``): where it sends what it makes outside of a batch, and
     how it gets called back in its task's thread. The task's chain gives each
@@ -80,7 +89,7 @@ class Output:
         raise NotImplementedError
 
 
-class Operator:
+class Operator(abc.ABC):
     """One step of a chain. ``name`` shows in metrics and errors.
 
     out_kind
@@ -120,16 +129,51 @@ class Operator:
     # ``metrics() -> dict``: counters of its own (late records of windows),
     # summed over a chain; None: it has none.
     metrics: Any = None
+    # Operators of event time (``TimerOperator``) say so: at end of input a
+    # harness first gives them the +inf watermark, as a task's inputs do.
+    event_time = False
+    # ``timers``: its ``TimerService`` (an operator that keeps timers); and
+    # ``fire_processing(now) -> records``: the processing-time timers due at
+    # ``now``. None: it keeps no timers.
+    timers: Any = None
+    fire_processing: Any = None
+    # ``clock() -> seconds``: the wall clock of an operator that reads it
+    # (processing-time windows), replaced by an OperatorHarness's clock;
+    # None: it reads none.
+    clock: Any = None
+    # The key functions of a keyed operator: ``key_fn`` (one input) or
+    # ``key_fns`` (one per input); a restore checks the kinds of the first
+    # keys they compute. None: it is not keyed that way.
+    key_fn: Any = None
+    key_fns: Any = None
+    # A sink that writes part files names the directory of its pending
+    # commits (what a restore that drops its state reports); None otherwise.
+    commit_directory: Any = None
+    # Its node in the job graph and the uid its state is stored under: given
+    # by ``place`` when its task is deployed; None for an operator run by hand
+    # (an OperatorHarness), whose state is stored under its name.
+    node_id: Any = None
+    uid: Any = None
 
     def __init__(self, name: str):
         self.name = name
+
+    def place(self, node_id, uid, out_kind, timestamped: bool) -> None:
+        """What its task gives it from the job graph before ``open`` (the one
+        setup step after construction): its node, the uid of its state, its
+        output stream's kind and whether that stream carries timestamps."""
+        self.node_id = node_id
+        self.uid = uid
+        self.out_kind = out_kind
+        self.timestamped = timestamped
 
     def open(self, subtask: int, parallelism: int) -> None:
         self.subtask = subtask
         self.parallelism = parallelism
 
+    @abc.abstractmethod
     def process_batch(self, batch: list) -> list:
-        raise NotImplementedError
+        """The records it emits for ``batch`` (a list of records)."""
 
     def process_input(self, batch: list, input_index: int) -> list:
         """A batch read from input ``input_index`` of a task with several

@@ -84,7 +84,7 @@ class WindowContext:
 
             behind = ctx.watermark - window.end      # how late a "late" firing is
         """
-        timers = getattr(self._op, "timers", None)
+        timers = self._op.timers
         return NO_WATERMARK if timers is None else timers.watermark
 
     def current_processing_time(self) -> float:
