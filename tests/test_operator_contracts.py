@@ -233,3 +233,20 @@ def test_the_probe_scan_sees_a_probe():
     assert _PROBE.search('w = getattr(self.source, "wakeup", None)')
     assert _PROBE.search("if hasattr(op, 'clock'):")
     assert not _PROBE.search('close = getattr(self._it, "close", None)')
+
+
+# ------------------------------------------------ operators/README.md's table
+
+def test_the_readme_says_where_each_operator_lives():
+    """Each row of "Where each API method's operator lives" names a module
+    that defines that class, and every public operator class has a row."""
+    with open(os.path.join(ROOT, "pyflowbuf", "operators", "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    table = text.split("## Where each API method's operator lives", 1)[1]
+    rows = re.findall(r"^\| (.+?) \| `([\w/]+)\.py` \| `(\w+)` \|$", table, re.M)
+    assert len(rows) >= 25
+    for method, module, cls in rows:
+        mod = importlib.import_module("pyflowbuf." + module.replace("/", "."))
+        assert getattr(mod, cls).__module__ == mod.__name__, (method, module, cls)
+    public = {c.__name__ for c in OPERATORS if not c.__name__.startswith("_")}
+    assert public == {cls for _, _, cls in rows}

@@ -149,11 +149,11 @@ class Deployment:
             codec_error = None
             if job.checkpoint_config is not None:
                 codec_error = functools.partial(key_codec_error, allow_pickle=env.allow_pickle)
-            # a side output's edge: the task routes that node's side records here
             side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, conf.max_record_size,
                               timestamped=e.timestamped, max_parallelism=env.max_parallelism,
-                              consumer=down.head.name, tag=e.tag,
-                              source_node=None if e.tag is None else e.source_node.id,
+                              consumer=down.head.name,
+                              # a side output's edge: the task routes that node's side records here
+                              tag=e.tag, source_node=None if e.tag is None else e.source_node.id,
                               remote=[id(q) in self.exported for q in mine], key_codec_error=codec_error)
             outputs.setdefault((up.id, i), []).append(side)
         for j in range(down.parallelism):
