@@ -3,10 +3,12 @@ streams a context that registers timers (``process``, ``key_by(...).process``,
 ``connect(...).process``, ``KeyedProcessFunction``).
 
 Those without a context (``KeyedProcess``, ``CoProcess``,
-``KeyedCoProcess``) keep a per-key (or per-subtask) dict; those with one
-(``KeyedProcessOperator``, ``KeyedCoProcessOperator``, ``ProcessOperator``)
-also keep timers (``pyflowbuf.time.timers``), which is why the whole family
-lives here, one layer above ``pyflowbuf/operators/``. Also here: the checks
+``KeyedCoProcess``) keep a per-key (or per-subtask) dict; the keyed ones
+with a context (``KeyedProcessOperator``, ``KeyedCoProcessOperator``) also
+keep timers (``pyflowbuf.time.timers``), which is why the whole family
+lives here, one layer above ``pyflowbuf/operators/``; the unkeyed
+``ProcessOperator`` gives its function a context for side outputs and the
+record's time. Also here: the checks
 of a process function object's methods where it is declared (ours or
 PyFlink's signatures) and the ``RuntimeContext`` PyFlink's
 ``open(runtime_context)`` gets.
