@@ -23,7 +23,7 @@ from pyflowbuf.windows import (AggregateFunction, ContinuousEventTimeTrigger, Co
                                EventTimeTrigger, ProcessingTimeTrigger, PurgingTrigger, RecordRange, Session,
                                SessionProcessingTime, Sliding, SlidingProcessingTime, Sum, TimeWindow, Tumbling,
                                TumblingProcessingTime, WindowContext)
-from pyflowbuf.time.timers import KeyedProcessFunction
+from pyflowbuf.time.process import KeyedProcessFunction
 
 __all__ = [
     "__version__", "errors", "stable_hash", "stable_key",

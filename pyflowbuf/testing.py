@@ -45,7 +45,7 @@ from typing import Any
 from pyflowbuf import errors
 from pyflowbuf.api import Stream
 from pyflowbuf.checkpoint import dumps, loads
-from pyflowbuf.operators.basic import Operator, Output
+from pyflowbuf.operators.contracts import Operator, Output
 from pyflowbuf.api.side_outputs import OutputTag
 from pyflowbuf.operators.side_outputs import LATE, SideOutputs
 from pyflowbuf.time.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner
@@ -83,7 +83,7 @@ class OperatorHarness:
 
     Example::
 
-        from pyflowbuf.time.timers import KeyedProcessOperator
+        from pyflowbuf.time.process import KeyedProcessOperator
         from pyflowbuf.testing import OperatorHarness
 
         def fn(key, record, state, ctx):
@@ -133,7 +133,7 @@ class OperatorHarness:
         op.chain_output = _HarnessOutput(self)
         # operators that read the wall clock (processing-time windows) read
         # the harness's processing time instead
-        if hasattr(op, "clock"):
+        if op.clock is not None:
             op.clock = self._clock
         op.open(subtask, parallelism)
         self._run_mail()
@@ -209,7 +209,7 @@ class OperatorHarness:
             raise errors.ConfigurationError(
                 f"OperatorHarness: processing time goes forward only ({now} < {self.processing_time})")
         self.processing_time = now
-        fire = getattr(self.operator, "fire_processing", None)
+        fire = self.operator.fire_processing
         out = self._emit(fire(now), self._fired()) if fire is not None else []
         self._run_mail()
         return out
@@ -226,7 +226,7 @@ class OperatorHarness:
         """
         self._check_open("finish")
         out: list = []
-        if getattr(self.operator, "event_time", False):
+        if self.operator.event_time:
             out = self.process_watermark(END_OF_TIME)
         out = out + self._emit(self.operator.finish(), self._fired())
         self._run_mail()
@@ -268,7 +268,7 @@ class OperatorHarness:
 
             assert h.timers["event"] == [(10.0, [("a", 0.0, 10.0)])]
         """
-        timers = getattr(self.operator, "timers", None)
+        timers = self.operator.timers
         return None if timers is None else timers.snapshot()
 
     @property

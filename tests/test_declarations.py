@@ -8,7 +8,7 @@ import pytest
 
 import pyflowbuf as fb
 from pyflowbuf import errors
-from pyflowbuf.time.timers import KeyedProcessFunction
+from pyflowbuf.time.process import KeyedProcessFunction
 from pyflowbuf.windows import Count, Sum, Tumbling
 
 from test_windows import norm, random_stream, reference, run_job

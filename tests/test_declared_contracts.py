@@ -194,9 +194,14 @@ _PROBE = re.compile(r"\b(?:getattr|hasattr)\((?!side\b)[^,()]+,\s*[\"'](%s)[\"']
 
 
 def test_the_optional_parts_of_an_operator_are_declared_with_their_defaults():
-    from pyflowbuf.operators.basic import Map, Operator
+    from pyflowbuf.operators.basic import Map
+    from pyflowbuf.operators.contracts import Operator
 
-    op = Operator("x")
+    class Nothing(Operator):
+        def process_batch(self, batch):
+            return batch
+
+    op = Nothing("x")
     assert (op.timestamped, op.passes_records, op.on_watermark, op.metrics) == (False, False, None, None)
     m = Map("m", lambda x: x)
     assert m.on_watermark is None and m.metrics is None

@@ -30,7 +30,7 @@ from pyflowbuf.checkpoint.columns import decode_map, decode_rows, encode_map
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.checkpointing.coordinator import (CheckpointSettings, CheckpointCoordinator, TaskCheckpointing,
                                              latest_checkpoint, restore_plan, task_key)
-from pyflowbuf.operators.basic import KeyedReduce
+from pyflowbuf.operators.keyed import KeyedReduce
 from pyflowbuf.checkpointing.restore import RestorePlan
 from pipeline_helpers import cancel_and_join
 

@@ -21,6 +21,7 @@ from pyflowbuf.checkpoint.storage import SavepointStorage
 from pyflowbuf.errors import ConfigurationError, JobFailedError
 from pyflowbuf.checkpointing import key_kinds
 from pyflowbuf.checkpoint import KeyKindError
+from pyflowbuf.operators.contracts import Operator
 from pipeline_helpers import wait_for
 
 N = 3000
@@ -164,11 +165,16 @@ def test_kinds_tell_equal_keys_apart_from_unequal_ones():
     assert not key_kinds.compatible(k(("1", "a")), {"tuple(number, str)"})
 
 
-class _Op:
-    name = "op"
+class _Op(Operator):
+    """A keyed operator as key_kinds.arm sees one: the operator contract
+    declares key_fn and key_fns."""
 
     def __init__(self):
+        super().__init__("op")
         self.key_fn = lambda x: x
+
+    def process_batch(self, batch):
+        return batch
 
 
 def test_the_check_lets_none_through_and_then_steps_aside():
@@ -282,8 +288,8 @@ def test_a_restart_from_the_executions_own_checkpoint_is_not_checked():
 
 
 def test_two_input_keyed_operators_check_each_input():
-    from pyflowbuf.operators.basic import KeyedCoProcess
-    from pyflowbuf.time.timers import KeyedCoProcessOperator
+    from pyflowbuf.time.process import KeyedCoProcess
+    from pyflowbuf.time.process import KeyedCoProcessOperator
     op = KeyedCoProcess("co", lambda r: r[0], lambda r: r[1], lambda k, r, s: [], lambda k, r, s: [])
     originals = op.key_fns
     key_kinds.arm(op, ["number"], "checkpoint 1", "co")

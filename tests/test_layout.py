@@ -200,6 +200,30 @@ def test_the_rewrite_moves_imports_mentions_and_paths_once():
     assert layout_moves.rewrite_text("x = 'pyflowbuf.runtime.sinks'  # layout_moves: keep\n").count("runtime") == 1
 
 
+def test_names_moved_between_modules_are_carried_and_not_left_behind():
+    # issue 28 item 5: classes left a module that stays (operators/basic.py,
+    # time/timers.py); the new module defines each, the old one no longer does
+    # (it may import one it uses)
+    for old, new in layout_moves.NAMES.items():
+        (old_mod, name), (new_mod, new_name) = old.rsplit(".", 1), new.rsplit(".", 1)
+        assert getattr(importlib.import_module(new_mod), new_name).__module__ == new_mod, new
+        left = vars(importlib.import_module(old_mod)).get(name)
+        assert left is None or left.__module__ == new_mod, f"{old} is still defined there"
+    text = ("from pyflowbuf.operators.basic import Map, KeyedReduce, Operator as Op  # why\n"  # layout_moves: keep
+            "from pyflowbuf.runtime.operators import Output\n"  # layout_moves: keep
+            "x = pyflowbuf.time.timers.KeyedProcessOperator\n")  # layout_moves: keep
+    out = layout_moves.rewrite_text(text)
+    assert out == ("from pyflowbuf.operators.basic import Map  # why\n"
+                   "from pyflowbuf.operators.keyed import KeyedReduce\n"
+                   "from pyflowbuf.operators.contracts import Operator as Op\n"
+                   "from pyflowbuf.operators.contracts import Output\n"
+                   "x = pyflowbuf.time.process.KeyedProcessOperator\n")
+    assert layout_moves.rewrite_text(out) == out and layout_moves.old_mentions(out, "x.py") == []
+    left = layout_moves.old_mentions("from pyflowbuf.time.timers import (TimerQueue,\n"  # layout_moves: keep
+                                     "    KeyedProcessFunction)\n", "x.py")
+    assert left == [(1, "from pyflowbuf.time.timers import KeyedProcessFunction")]  # layout_moves: keep
+
+
 # ---------------------------------------------------------------- the tool itself
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pyflowbuf import errors
 from pyflowbuf._core.events import EVT_WATERMARK
 from pyflowbuf.time import watermarks as wmk
-from pyflowbuf.operators.basic import Operator
+from pyflowbuf.operators.contracts import Operator
 from pyflowbuf.runtime.task.chain import OperatorChain
 from pyflowbuf.runtime.task.event_time import EventTime
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf import errors
-from pyflowbuf.time.timers import KeyedProcessOperator
+from pyflowbuf.time.process import KeyedProcessOperator
 from pyflowbuf.testing import OperatorHarness
 from pyflowbuf.windows import IntervalJoinOperator, WindowOperator
 

@@ -257,7 +257,7 @@ def test_pyflink_style_keyed_process_function(p):
 
 
 def test_runtime_context_get_state_says_ours():
-    from pyflowbuf.time.timers import RuntimeContext
+    from pyflowbuf.time.process import RuntimeContext
     with pytest.raises(errors.ConfigurationError, match="state dict|state, a dict"):
         RuntimeContext("p", 0, 1).get_state("count")
 

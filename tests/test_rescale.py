@@ -265,7 +265,7 @@ def test_keyed_state_split_by_group_and_merged_per_range_is_the_state_of_the_ran
     operator (every entry with its key group): restored whole it is the
     snapshot; restored for a subtask's range it holds exactly that range's
     keys, their windows and their timers."""
-    from pyflowbuf.time.timers import KeyedProcessOperator
+    from pyflowbuf.time.process import KeyedProcessOperator
     from pyflowbuf.windows.operator import WindowOperator, WindowSpec
 
     if p > maxp:

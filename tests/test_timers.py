@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf import errors
-from pyflowbuf.time.timers import (KeyedProcessFunction, KeyedProcessOperator, ProcessingTimeService,
-                                      TimerQueue, takes_context)
+from pyflowbuf.time.process import KeyedProcessFunction, KeyedProcessOperator, takes_context
+from pyflowbuf.time.timers import ProcessingTimeService, TimerQueue
 
 
 # ---- the queue, against a model ----

@@ -324,22 +324,23 @@ def test_comap_of_keyed_and_unkeyed_streams_is_allowed():
 
 def test_two_input_operators_snapshot_and_restore_plain_state():
     from pyflowbuf.operators import basic as ops
+    from pyflowbuf.time import process
 
-    keyed = ops.KeyedCoProcess("j", lambda r: r[0], lambda r: r[0], order_fn, payment_fn)
+    keyed = process.KeyedCoProcess("j", lambda r: r[0], lambda r: r[0], order_fn, payment_fn)
     keyed.open(0, 1)
     assert keyed.process_input([(1, 10), (2, 20)], 0) == []
     assert keyed.process_input([(1, 11)], 1) == [(1, 10, 11)]
     snap = keyed.snapshot_state()
     assert snap == {1: {"amount": 10, "paid": 11}, 2: {"amount": 20}}
     snap[2]["amount"] = 99                   # a snapshot is a copy
-    fresh = ops.KeyedCoProcess("j", lambda r: r[0], lambda r: r[0], order_fn, payment_fn)
+    fresh = process.KeyedCoProcess("j", lambda r: r[0], lambda r: r[0], order_fn, payment_fn)
     fresh.restore_state(keyed.snapshot_state())
     assert fresh.process_input([(2, 21)], 1) == [(2, 20, 21)]
 
-    plain = ops.CoProcess("c", lambda x, st: st.setdefault("a", []).append(x), lambda x, st: [len(st["a"])])
+    plain = process.CoProcess("c", lambda x, st: st.setdefault("a", []).append(x), lambda x, st: [len(st["a"])])
     plain.process_input([1, 2, 3], 0)
     assert plain.process_input([9], 1) == [3]
-    other = ops.CoProcess("c", plain.fns[0], plain.fns[1])
+    other = process.CoProcess("c", plain.fns[0], plain.fns[1])
     other.restore_state(plain.snapshot_state())
     assert other.process_input([9], 1) == [3]
     assert ops.CoMap("m", abs, str).snapshot_state() is None

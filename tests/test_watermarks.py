@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf import errors
-from pyflowbuf.operators.basic import Output
+from pyflowbuf.operators.contracts import Output
 from pyflowbuf.time import watermarks as wmk
 from pyflowbuf.time.watermarks import END_OF_TIME, NO_WATERMARK, TimestampsAssigner, WatermarkValve
 

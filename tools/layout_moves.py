@@ -1,4 +1,5 @@
-"""The module moves of issue 19 item 1 (layers as folders), and the rewrite
+"""The module moves of issue 19 item 1 (layers as folders) and issue 28, the
+names moved between modules (issue 28 item 5), and the rewrite
 that carries imports and mentions over to the new paths.
 
     python tools/layout_moves.py rewrite [PATHS...]   # rewrite in place (idempotent)
@@ -15,7 +16,10 @@ They rewrite and look for:
   such as monkeypatch targets, and followed by an attribute);
 * ``from pyflowbuf.runtime import watermarks [as x]`` (one line, no
   parentheses), split by new package where needed;
-* file paths (``pyflowbuf/runtime/watermarks.py``, ``runtime/watermarks.py``).
+* file paths (``pyflowbuf/runtime/watermarks.py``, ``runtime/watermarks.py``);
+* names moved out of a module that stays (``NAMES``): in one-line
+  ``from`` imports and dotted mentions (``check`` also reports them in a
+  parenthesized import, to carry by hand).
 
 A line that carries the mark ``layout_moves: keep`` is left as it is.
 
@@ -71,6 +75,22 @@ ARRIVING = {
 }
 MOVES.update(ARRIVING)
 
+# Issue 28 item 5, operators filed by what they do: classes and functions
+# that left a module which stays, as old dotted name -> new dotted name.
+# ``rewrite`` carries ``from old_module import name`` (one line) and dotted
+# mentions over; ``check`` reports what is left (a parenthesized import too).
+_OPS, _PROCESS = "pyflowbuf.operators", "pyflowbuf.time.process"
+NAMES = {
+    **{f"{_OPS}.basic.{n}": f"{_OPS}.contracts.{n}" for n in ("Output", "Operator", "_is_dataframe")},
+    **{f"{_OPS}.basic.{n}": f"{_OPS}.keyed.{n}" for n in ("_Keyed", "_PerKeyState", "KeyedReduce")},
+    **{f"{_OPS}.basic.{n}": f"{_PROCESS}.{n}" for n in (
+        "_KeyDictState", "KeyedProcess", "_process_per_key", "_copy_key_dicts", "CoProcess", "KeyedCoProcess")},
+    **{f"pyflowbuf.time.timers.{n}": f"{_PROCESS}.{n}" for n in (
+        "_stamp", "Context", "ProcessContext", "ProcessOperator", "RuntimeContext", "_binds",
+        "process_function_parts", "plain_process_function_parts", "KeyedProcessFunction", "takes_context",
+        "KeyedProcessOperator", "KeyedCoProcessOperator")},
+}
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOTS = ("pyflowbuf", "tests", "benchmarks", "docs", "examples", "tools", "README.md")
 SUFFIXES = (".py", ".md", ".pyi", ".pxd")
@@ -91,7 +111,8 @@ def _file_re(old: str):
     return re.compile(r"(?<![\w./])(pyflowbuf/)?" + re.escape(_path(old)) + r"(?!\w)")
 
 
-_DOTTED = [(_dotted_re(o), n) for o, n in MOVES.items()]
+_MOVED = {**MOVES, **NAMES}
+_DOTTED = [(_dotted_re(o), n) for o, n in _MOVED.items()]
 _FILES = [(_file_re(o), _path(n)) for o, n in MOVES.items()]
 _FROM = re.compile(r"^(?P<indent>[ \t]*)from (?P<pkg>pyflowbuf(?:\.\w+)*) import (?P<names>[\w ,]+?)"
                    r"(?P<tail>[ \t]*(?:#.*)?)$", re.M)
@@ -105,7 +126,7 @@ def _split_from(m: re.Match) -> str:
         if not part:
             continue
         name, _, alias = (x.strip() for x in part.partition(" as "))
-        new = MOVES.get(f"{pkg}.{name}")
+        new = _MOVED.get(f"{pkg}.{name}")
         if new is None:
             groups.setdefault(pkg, []).append(part)
             continue
@@ -131,7 +152,8 @@ def _rewrite_line(line: str) -> str:
         line = rx.sub(new, line)
     for rx, new in _FILES:
         line = rx.sub(lambda m, new=new: (m[1] or "") + new, line)
-    return line
+    # again: a name (NAMES) imported from a module the dotted paths just moved
+    return _FROM.sub(_split_from, line)
 
 
 def rewrite_text(text: str) -> str:
@@ -142,8 +164,8 @@ def old_mentions(text: str, path: str = "") -> list:
     """``(line, old)`` of every old path still named in ``text``."""
     found = []
     lines = text.split("\n")
-    for old in MOVES:
-        for rx in (_dotted_re(old), _file_re(old)):
+    for old in _MOVED:
+        for rx in (_dotted_re(old), _file_re(old)) if old in MOVES else (_dotted_re(old),):
             for m in rx.finditer(text):
                 found.append((text.count("\n", 0, m.start()) + 1, m.group(0)))
     if path.endswith(".py"):
@@ -154,7 +176,7 @@ def old_mentions(text: str, path: str = "") -> list:
         for node in ast.walk(tree) if tree else ():
             if isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 for a in node.names:
-                    if f"{node.module}.{a.name}" in MOVES:
+                    if f"{node.module}.{a.name}" in _MOVED:
                         found.append((node.lineno, f"from {node.module} import {a.name}"))
     return sorted({(n, what) for n, what in found if KEEP not in lines[n - 1]})
 
@@ -194,7 +216,7 @@ def main(argv) -> int:
         return 2
     cmd, paths = argv[0], argv[1:]
     if cmd == "table":
-        for old, new in MOVES.items():
+        for old, new in _MOVED.items():
             print(f"{old} -> {new}")
         return 0
     bad = 0

@@ -16,9 +16,10 @@ from pyflowbuf.api.windowed import AllWindowedStream, WindowedStream, _no_key
 from pyflowbuf.errors import ConfigurationError, RecordTypeError, UnitWarning
 from pyflowbuf.operators import basic as ops
 from pyflowbuf.jobgraph.graph import Input, Node, carried_timestamps, set_uid
-from pyflowbuf.time.timers import (KeyedCoProcessOperator, KeyedProcessFunction, KeyedProcessOperator,
-                                      ProcessOperator, plain_process_function_parts, process_function_parts,
-                                      takes_context)
+from pyflowbuf.operators.keyed import KeyedReduce
+from pyflowbuf.time.process import (CoProcess, KeyedCoProcess, KeyedCoProcessOperator, KeyedProcess,
+                                    KeyedProcessFunction, KeyedProcessOperator, ProcessOperator,
+                                    plain_process_function_parts, process_function_parts, takes_context)
 from pyflowbuf.time.watermarks import UNITS, TimestampsAssigner, check_seconds, in_unit
 from pyflowbuf.serializers import get_serializer, short_repr
 from pyflowbuf.windows.assigners import CountWindow
@@ -595,7 +596,7 @@ class KeyedStream(Stream):
         _callable(fn, "reduce")
         kind = _check_kind(kind, f"reduce {name!r}")
         key_fn = self._key_fn
-        node = self._then(name, lambda: ops.KeyedReduce(name, key_fn, fn), parallelism, kind)
+        node = self._then(name, lambda: KeyedReduce(name, key_fn, fn), parallelism, kind)
         return Stream(self.env, node)
 
     def process(self, fn: Callable, *, on_timer: Callable | None = None, on_end: Callable | None = None,
@@ -604,7 +605,7 @@ class KeyedStream(Stream):
         """``fn(key, record, state_dict) -> iterable of outputs (or None)``.
 
         A ``fn`` that takes a fourth argument gets a context
-        (``pyflowbuf.time.timers.Context``): ``ctx.timestamp`` (the
+        (``pyflowbuf.time.process.Context``): ``ctx.timestamp`` (the
         record's event time), ``ctx.watermark``,
         ``ctx.register_event_time_timer(t)``,
         ``ctx.register_processing_time_timer(t)``. On a stream with
@@ -663,7 +664,7 @@ class KeyedStream(Stream):
                 f"process {name!r} declares side outputs, but its function takes no ctx to emit to them: "
                 "fn(key, record, state, ctx), then ctx.output(tag, value)")
         if not (with_ctx or on_timer or on_end):
-            node = self._then(name, lambda: ops.KeyedProcess(name, key_fn, fn), parallelism, kind)
+            node = self._then(name, lambda: KeyedProcess(name, key_fn, fn), parallelism, kind)
             node.side_tags = tags
             return Stream(self.env, node)
         ts_fn = _timestamp_fn(self.node)
@@ -917,9 +918,9 @@ class ConnectedStreams:
             raise ConfigurationError(f"process {name!r}: timers are per key: key_by both connected streams")
         if first_keyed:
             k1, k2 = self.first._key_fn, self.second._key_fn
-            make = lambda: ops.KeyedCoProcess(name, k1, k2, fn1, fn2)  # noqa: E731
+            make = lambda: KeyedCoProcess(name, k1, k2, fn1, fn2)  # noqa: E731
         else:
-            make = lambda: ops.CoProcess(name, fn1, fn2)  # noqa: E731
+            make = lambda: CoProcess(name, fn1, fn2)  # noqa: E731
         return self._node(name, make, parallelism, kind)
 
     def map(self, fn1: Callable, fn2: Callable, *, parallelism: int | None = None,

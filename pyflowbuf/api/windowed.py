@@ -12,7 +12,7 @@ from typing import Any, Callable
 from pyflowbuf import errors
 from pyflowbuf._validation import _callable, _check_arity, _check_kind, _kind_identity
 from pyflowbuf.api.side_outputs import LATE, LATE_TAG, OutputTag, declare_side_outputs
-from pyflowbuf.time.timers import takes_context
+from pyflowbuf.time.process import takes_context
 from pyflowbuf.jobgraph.graph import carried_timestamps as _carried
 from pyflowbuf.jobgraph.graph import has_timestamps
 from pyflowbuf.time.watermarks import check_seconds

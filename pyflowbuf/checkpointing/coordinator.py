@@ -610,7 +610,7 @@ class TaskCheckpointing:
         self._inflight: dict[int, _InflightCheckpoint] = {}
         # outputs read by another process: (output index, subpartition) names
         self.remote_outputs = [f"out/{o}/{s}" for o, out in enumerate(task.outputs)
-                               for s, remote in enumerate(getattr(out, "remote", ())) if remote]
+                               for s, remote in enumerate(out.remote) if remote]
         for o, out in enumerate(task.outputs):
             out.overtaken_listener = lambda n, sub, items, o=o: self.output_overtaken(n, f"out/{o}/{sub}", items)
         # the edges of its inputs and outputs, recorded with in-flight data: a
@@ -1041,7 +1041,7 @@ def check_sources(meta, states, sources) -> None:
 def check_rewindable(config: CheckpointSettings, name, source) -> None:
     """Exactly-once recovery replays the sources from their recorded positions."""
     if config.mode == "exactly_once" and not source.rewindable:
-        why = getattr(source, "not_rewindable_because", None)     # a source that explains itself
+        why = source.not_rewindable_because     # a source that explains itself
         if why is not None:
             raise errors.ConfigurationError(why)
         raise errors.ConfigurationError(

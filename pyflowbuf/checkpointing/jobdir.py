@@ -27,7 +27,7 @@ from pyflowbuf.checkpoint.errors import CheckpointDirectoryInUseError, Incompati
 from pyflowbuf.checkpoint.lock import DirectoryLock, wait_for_ending_holder
 from pyflowbuf.checkpoint.storage import CheckpointStorage
 from pyflowbuf.config import DEFAULT_CHECKPOINT_DIR
-from pyflowbuf.operators.basic import Operator
+from pyflowbuf.operators.contracts import Operator
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 

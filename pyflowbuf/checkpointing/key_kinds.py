@@ -184,7 +184,7 @@ def arm(op, recorded, where: str, uid: str) -> None:
             ins[n] = (wrap(ins[n][0], undo),) + tuple(ins[n][1:])
             op.inputs = tuple(ins)
         return
-    fns = getattr(op, "key_fns", None)
+    fns = op.key_fns
     if isinstance(fns, tuple):
         for n in range(len(fns)):
             def undo(fn, n=n):
@@ -195,7 +195,7 @@ def arm(op, recorded, where: str, uid: str) -> None:
             f[n] = wrap(f[n], undo)
             op.key_fns = tuple(f)
         return
-    if getattr(op, "key_fn", None) is not None:
+    if op.key_fn is not None:
         def undo(fn):
             op.key_fn = fn
         op.key_fn = wrap(op.key_fn, undo)

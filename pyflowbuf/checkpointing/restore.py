@@ -116,7 +116,7 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
     migrated = {n.operator_uid for n in v.nodes if getattr(n, "key_migration", None) is not None}
     increments = state.get("increments") or [None] * len(task.operators)
     for op, raw, inc in zip(task.operators, state["operators"], increments):
-        uid = getattr(op, "uid", None) or op.name
+        uid = op.uid or op.name
         e = {"uid": uid, "name": op.name, "type": type(op).__name__}
         info = {"name": op.name, "type": e["type"], "stateful": raw is not None, "keyed": False, "bytes": 0}
         if raw is not None and op.keyed_state:
@@ -138,7 +138,7 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
             blob = None if raw is None else dumps(raw, allow_pickle=allow_pickle)
             e["state"] = blob
             info["bytes"] = 0 if blob is None else len(blob)
-        directory = getattr(op, "commit_directory", None)
+        directory = op.commit_directory
         if directory is not None:
             # a restore that drops this sink's state names the directory of its pending commits
             e["directory"] = info["directory"] = directory
@@ -694,7 +694,7 @@ class RestorePlan:
                 if len(positions) == v.parallelism:
                     restore["source"] = positions[i]
                 else:
-                    rescale = getattr(task.source, "rescale_positions", None)
+                    rescale = task.source.rescale_positions
                     if rescale is None:
                         raise errors.ConfigurationError(
                             f"source {v.head.name!r} (uid {src_uid!r}) cannot hand its positions from parallelism "

@@ -5,7 +5,7 @@ import sys
 from typing import Any
 
 
-from pyflowbuf.operators.basic import Operator
+from pyflowbuf.operators.contracts import Operator
 
 # ---------------------------------------------------------------- print
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf.operators.basic import Operator, _is_dataframe
+from pyflowbuf.operators.contracts import Operator, _is_dataframe
 from pyflowbuf.connectors.outputs import FileOutput
 from pyflowbuf.serializers import short_repr
 

@@ -19,8 +19,24 @@ from pyflowbuf.connectors import filesystems as fsx
 
 
 class Source:
+    """The base of every source the runtime runs (``SourceOperator`` in
+    ``pyflowbuf/connectors/contracts.py`` is the contract): its optional
+    parts are declared here with the value that means "not used"."""
+
     name = "source"
     default_kind = "pickle"
+    # what it reads, for error messages ("read_csv 'orders'"); None: its class name
+    what: str | None = None
+    # ``wakeup()``: make a waiting ``next_batch`` return now (a mail or a
+    # cancel came); None: ``next_batch`` never waits long
+    wakeup: Callable[[], None] | None = None
+    # a source that cannot rewind may say why, and what to use instead
+    # (the error an exactly-once job gets); None: the general message
+    not_rewindable_because: str | None = None
+    # ``rescale_positions(positions, parallelism) -> positions``: the
+    # positions of ``parallelism`` subtasks from those a checkpoint recorded
+    # at another parallelism; None: its positions cannot be redistributed
+    rescale_positions: Callable[[list, int], list] | None = None
 
     def open(self, subtask: int, parallelism: int) -> None:
         self.subtask = subtask
@@ -374,7 +390,7 @@ def file_fingerprint(path) -> list:
 
 
 def incompatible(source, why):
-    name = getattr(source, "what", None) or type(source).__name__
+    name = source.what or type(source).__name__
     return IncompatibleCheckpointError(f"cannot restore {name}: {why}", source=name)
 
 

@@ -70,21 +70,35 @@ class EdgeKind:
 
 class OutputSide:
     """One ResultPartition of a subtask: a LocalBufferPool, one BufferQueue per
-    subpartition, and the partitioner deciding where each record goes."""
+    subpartition, and the partitioner deciding where each record goes.
 
-    # key_by: route by key group (pyflowbuf.checkpoint.keygroups); 0 routes by
-    # hash modulo the subpartitions (an exchange outside a job's graph)
-    max_parallelism = 0
-    # a side output's partition: the tag's name and the id of the node that
-    # emits to it (None: the chain's main output)
-    tag = None
-    source_node = None
-    # key_by: whether the keys of the first batch were checked (check_keys),
-    # and, where the job checkpoints them, why its codec cannot store a key
+    Built complete by the deployment; what is known only later has one
+    declared step each: ``produced_by`` (the task names the operator whose
+    records it writes) and ``overtaken_listener`` (the subtask's
+    checkpointing, for unaligned checkpoints).
+
+    max_parallelism
+        key_by: route by key group (pyflowbuf.checkpoint.keygroups); 0 routes
+        by hash modulo the subpartitions (an exchange outside a job's graph).
+    consumer
+        The operator a key_by feeds, to blame a bad key on it.
+    tag, source_node
+        A side output's partition: the tag's name and the id of the node that
+        emits to it (None: the chain's main output).
+    remote
+        Unaligned checkpoints: whether another process reads each
+        subpartition (None: none does).
+    key_codec_error
+        key_by in a job that checkpoints keyed state: ``key_codec_error(key)``
+        says why the checkpoint codec cannot store a key (None: it can).
+    """
+
+    # key_by: whether the keys of the first batch were checked (check_keys)
     keys_checked = False
-    key_codec_error = None
 
-    def __init__(self, pool, queues, partitioner, key_fn, kind: EdgeKind, max_record_size, timestamped=False):
+    def __init__(self, pool, queues, partitioner, key_fn, kind: EdgeKind, max_record_size, timestamped=False, *,
+                 max_parallelism: int = 0, consumer: str | None = None, tag: str | None = None,
+                 source_node=None, remote: list | None = None, key_codec_error=None):
         self.pool = pool
         self.timestamped = timestamped
         self.queues = queues
@@ -92,23 +106,34 @@ class OutputSide:
         self.key_fn = key_fn
         self.kind = kind
         self.max_record_size = max_record_size
+        self.max_parallelism = max_parallelism
+        self.consumer = consumer
+        self.tag = tag
+        self.source_node = source_node
+        self.key_codec_error = key_codec_error
         self.writer = None
         self._rr = 0
         self.records_out = 0
         # the operator (or source) whose records this side writes, for error
-        # messages; the task may set it, the job failure names it either way
+        # messages (``produced_by``); the job failure names it either way
         self.producer = None
-        self.consumer = None        # the operator a key_by feeds, to blame a bad key on it
-        # unaligned checkpoints: which subpartitions another process reads (set
-        # by the job), where each aligned barrier went into each queue (so the
-        # alignment timeout can send an overtaking copy that stops there), and
-        # who hears what a network sender's overtaking barrier passed
-        self.remote = [False] * len(queues)
+        # unaligned checkpoints: which subpartitions another process reads,
+        # where each aligned barrier went into each queue (so the alignment
+        # timeout can send an overtaking copy that stops there), and who hears
+        # what a network sender's overtaking barrier passed
+        self.remote = [False] * len(queues) if remote is None else list(remote)
+        if len(self.remote) != len(queues):
+            raise ValueError(f"remote names {len(self.remote)} subpartitions, the side has {len(queues)}")
         self.barrier_marks: dict = {}
         self.overtaken_listener = None
         me = weakref.ref(self)     # no cycle through the queues: they outlive nothing
         for sub, q in enumerate(queues):
             q.overtaken_sink = functools.partial(_overtaken, me, sub)
+
+    def produced_by(self, name: str) -> None:
+        """The operator (or source) whose records this side writes: its task
+        says, once it knows which operator of its chain feeds the side."""
+        self.producer = name
 
     def _open_writer(self, first):
         kind = self.kind.resolve_from(first)

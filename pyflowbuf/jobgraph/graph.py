@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf.operators.basic import Operator
+from pyflowbuf.operators.contracts import Operator
 
 PARTITIONERS = ("forward", "rebalance", "hash", "broadcast")
 

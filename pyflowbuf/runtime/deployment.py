@@ -146,15 +146,15 @@ class Deployment:
             if job._gate_output:
                 waker = notifiers.setdefault((up.id, i), Notifier())
             pools[i] = pool = net.create_pool(lo, hi, waker)
-            side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, conf.max_record_size,
-                              timestamped=e.timestamped)
-            side.max_parallelism = env.max_parallelism
-            side.consumer = down.head.name
+            codec_error = None
             if job.checkpoint_config is not None:
-                side.key_codec_error = functools.partial(key_codec_error, allow_pickle=env.allow_pickle)
-            if e.tag is not None:       # the task routes that node's side records here
-                side.tag, side.source_node = e.tag, e.source_node.id
-            side.remote = [id(q) in self.exported for q in mine]
+                codec_error = functools.partial(key_codec_error, allow_pickle=env.allow_pickle)
+            side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, conf.max_record_size,
+                              timestamped=e.timestamped, max_parallelism=env.max_parallelism,
+                              consumer=down.head.name,
+                              # a side output's edge: the task routes that node's side records here
+                              tag=e.tag, source_node=None if e.tag is None else e.source_node.id,
+                              remote=[id(q) in self.exported for q in mine], key_codec_error=codec_error)
             outputs.setdefault((up.id, i), []).append(side)
         for j in range(down.parallelism):
             if not here(down, j):
@@ -191,10 +191,7 @@ class Deployment:
                 head = v.head
                 ops = [n.make_operator() for n in v.nodes if n.make_operator is not None]
                 for n, op in zip([n for n in v.nodes if n.make_operator is not None], ops):
-                    op.node_id = n.id
-                    op.uid = n.operator_uid
-                    op.out_kind = n.kind
-                    op.timestamped = n.timestamped
+                    op.place(n.id, n.operator_uid, n.kind, n.timestamped)
                 source = head.source() if head.source is not None else None
                 limiter = rate_limiter(head.rate_limit)
                 if limiter is not None:

@@ -34,7 +34,7 @@ import numpy as np
 
 from pyflowbuf import errors
 from pyflowbuf._core.serde import ts_apply, ts_max
-from pyflowbuf.operators.basic import Operator
+from pyflowbuf.operators.contracts import Operator
 from pyflowbuf.serializers import short_repr
 
 NO_WATERMARK = -math.inf

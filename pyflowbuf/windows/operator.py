@@ -18,7 +18,7 @@ import time
 from array import array as _array
 
 from pyflowbuf._core.serde import ts_select
-from pyflowbuf.operators.basic import Operator
+from pyflowbuf.operators.contracts import Operator
 from pyflowbuf.operators.side_outputs import LATE, unknown_tag
 from pyflowbuf.time.timers import TimerOperator, TimerQueue, timer_service_snapshot
 from pyflowbuf.time.watermarks import NO_WATERMARK, to_seconds
@@ -84,7 +84,7 @@ class WindowContext:
 
             behind = ctx.watermark - window.end      # how late a "late" firing is
         """
-        timers = getattr(self._op, "timers", None)
+        timers = self._op.timers
         return NO_WATERMARK if timers is None else timers.watermark
 
     def current_processing_time(self) -> float:

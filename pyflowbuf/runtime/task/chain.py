@@ -14,7 +14,7 @@ from __future__ import annotations
 from array import array as _array
 
 from pyflowbuf import errors
-from pyflowbuf.operators.basic import Output
+from pyflowbuf.operators.contracts import Output
 from pyflowbuf.time.processing_time import schedule
 from pyflowbuf.operators.side_outputs import SideOutputs
 from pyflowbuf.time.watermarks import to_seconds
@@ -185,7 +185,7 @@ def _route_side_outputs(vertex, operators, outputs) -> list:
     nodes = {n.id: n for n in getattr(vertex, "nodes", ())}
     routes: list = []
     for op in operators:
-        node = nodes.get(getattr(op, "node_id", None))
+        node = nodes.get(op.node_id)
         tags = getattr(node, "side_tags", None)
         if not tags:
             continue
@@ -199,7 +199,7 @@ def _route_side_outputs(vertex, operators, outputs) -> list:
                 timed = times[name] = [] if any(o.timestamped for o in outs) else None
                 routes.append((buf, timed, outs, op.name))
                 for o in outs:
-                    o.producer = f"{op.name} (side output {name!r})"
+                    o.produced_by(f"{op.name} (side output {name!r})")
         op.side = SideOutputs(op.name, table, {n: t for n, t in times.items() if t is not None})
     return routes
 

@@ -80,14 +80,14 @@ class Subtask(threading.Thread):
         self.state = "CREATED"
         # decided once: does this chain carry timestamps?
         timestamped = (any(op.timestamped for op in operators)
-                       or any(getattr(side, "timestamped", False) for side in sides))
+                       or any(side.timestamped for side in sides))
         # Every output carries barriers, watermarks and the end of input; the
         # chain's records go to the main ones, side records (ctx.output) to
         # the outputs of their operator's tags.
         self.chain = chain = OperatorChain(vertex, operators, outputs, timestamped,
                                            by_input=isinstance(input_side, MultiInput))
         self._check_records(vertex, operators, outputs, source)
-        self.mailbox = Mailbox(input_side, outputs, getattr(source, "wakeup", None))
+        self.mailbox = Mailbox(input_side, outputs, None if source is None else source.wakeup)
         self.checkpoints = SubtaskCheckpoints(job, self.name, operators, sides, outputs,
                                               lambda: bool(self.finished_ns), self.mailbox)
         self.event_time = EventTime(job, chain, sides, outputs)
@@ -105,7 +105,7 @@ class Subtask(threading.Thread):
         if producer is not None and main_outputs:
             producer.check_output = False
         for out in main_outputs:
-            out.producer = producer.name if producer is not None else vertex.head.name
+            out.produced_by(producer.name if producer is not None else vertex.head.name)
         # Source records handed to a chained operator are never serialized:
         # check them here, against the source's kind, as a writer would.
         self._source_misfit = None if source is None or not operators else _SourceCheck(vertex.head)
@@ -116,7 +116,7 @@ class Subtask(threading.Thread):
             # would be paid twice (the writer's errors name the source)
             self._source_misfit = None
             for out in main_outputs:
-                out.producer = vertex.head.name
+                out.produced_by(vertex.head.name)
 
     # ---- what the job and the rest of the runtime see ----
     @property
@@ -316,7 +316,7 @@ class Subtask(threading.Thread):
             self.input.cancel()
         if self.rate_limiter is not None:
             self.rate_limiter.cancel()
-        wakeup = getattr(self.source, "wakeup", None)
+        wakeup = None if self.source is None else self.source.wakeup
         if wakeup is not None:
             wakeup()
 
