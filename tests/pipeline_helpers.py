@@ -126,13 +126,17 @@ def read_parts(directory):
 # dies (exit code 17, no cleanup) at record ``kill_at`` (0: never).
 # Arguments: chk out kill_at restore(latest|none) mode n retained
 RESUME_SCRIPT = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
     import pyflowbuf as fb
     chk, out, kill_at, restore, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    n, retained = int(sys.argv[6]), int(sys.argv[7])
+    n, retained, need = int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
     def maybe_die(x):
-        if kill_at and x == kill_at:
-            os._exit(17)            # the process dies, no cleanup
+        # dies at kill_at or the first record after it once `need` checkpoints of this
+        # run completed; until then slowly, so that they can, however loaded the machine
+        if kill_at and x >= kill_at:
+            if sum(c["status"] == "completed" for c in env.checkpoints()) >= need:
+                os._exit(17)        # the process dies, no cleanup
+            time.sleep(0.005)
         return x
     env = fb.Environment(checkpoint_interval=0.02, checkpoint_dir=chk, chaining=False,
                          checkpoints_retained=retained)
@@ -149,14 +153,16 @@ RESUME_SCRIPT = textwrap.dedent("""
 
 
 def resume_job(tmp_path, chk, out, *, n, retained=2):
-    """``run(kill_at, restore="latest", mode="error")`` runs RESUME_SCRIPT in
-    a new process and returns the CompletedProcess."""
+    """``run(kill_at, restore="latest", mode="error", need=1)`` runs
+    RESUME_SCRIPT in a new process and returns the CompletedProcess; a run
+    with ``kill_at`` dies (exit 17) at that record or after it, once ``need``
+    of its checkpoints completed."""
     script = tmp_path / "job.py"
     script.write_text(RESUME_SCRIPT)
 
-    def run(kill_at, restore="latest", mode="error"):
+    def run(kill_at, restore="latest", mode="error", need=1):
         return subprocess.run([sys.executable, str(script), str(chk), str(out), str(kill_at), restore, mode,
-                               str(n), str(retained)], capture_output=True, text=True, timeout=180)
+                               str(n), str(retained), str(need)], capture_output=True, text=True, timeout=180)
     return run
 
 

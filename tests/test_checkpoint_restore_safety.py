@@ -116,7 +116,7 @@ def test_the_sinks_own_commits_still_run_on_restore(tmp_path):
 def test_when_every_checkpoint_is_damaged_the_restore_refuses_instead_of_duplicating(tmp_path):
     chk, out = str(tmp_path / "chk"), str(tmp_path / "out")
     run = resume_job(tmp_path, chk, out, n=6000, retained=3)
-    first = run(3000)
+    first = run(3000, need=2)
     assert first.returncode == 17, first.stderr
     storage = CheckpointStorage(chk)
     complete = storage.list_complete()
