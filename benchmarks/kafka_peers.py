@@ -365,7 +365,8 @@ class LatencyProbe:
     def __init__(self, bootstrap: str, topic: str, *, isolation: str = "read_committed"):
         self.bootstrap, self.topic = bootstrap, topic
         self._conf = {"isolation.level": isolation, "enable.partition.eof": False}
-        self._samples = []              # (produce_ts_ns, latency_ns)
+        self._samples = []              # (produce_ts_ns, latency_ns), in arrival order
+        self._counted = {}              # since_ns -> (samples scanned, count)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
@@ -400,8 +401,15 @@ class LatencyProbe:
             consumer.close()
 
     def count_since(self, since_ns: int = 0) -> int:
+        """Records seen that were produced at or after ``since_ns``. Polled
+        while the job runs, so it scans only what arrived since the last
+        call for the same ``since_ns`` (the probe shares the cores with it)."""
         with self._lock:
-            return sum(1 for ts, _ in self._samples if ts >= since_ns)
+            scanned, count = self._counted.get(since_ns, (0, 0))
+            samples = self._samples
+            count += sum(1 for i in range(scanned, len(samples)) if samples[i][0] >= since_ns)
+            self._counted[since_ns] = (len(samples), count)
+            return count
 
     def wait_for(self, condition, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
