@@ -62,8 +62,8 @@ sink has no transactions). Micro-batch mode. The function is
 (state travels with the Arrow batch): ``transformWithStateInPandas``
 (``api=``, Spark 4.0+, RocksDB state, needs ``protobuf``) asks the JVM for
 each key's state over a socket and ran the same 50,000 records over 100 keys
-at 0.61x its rate (3,450 vs 5,620 records/s, one run each, loaded machine). Master ``local[2]`` by default:
-one JVM with two task slots on this two-core machine, Spark's cheapest way to
+at 0.61x its rate (3,450 vs 5,620 records/s, one run each, loaded machine).
+Master ``local[2]`` by default: one JVM with two task slots on this two-core machine, Spark's cheapest way to
 use both cores here (``local-cluster[2,1,1024]`` adds two executor JVMs and a
 cross-JVM shuffle on the same two cores: more realistic, slower; pass
 ``master=`` for it). ``spark.sql.shuffle.partitions`` = the task slots (2),
@@ -81,7 +81,7 @@ not Spark's default 200, which would cost 200 state store tasks per batch.
   one batch, Spark's best case for throughput.
 * latency at ``rate`` records/s (default half of ``spark_records_per_s``),
   default trigger (the next micro-batch as soon as the last one ended), on
-  fresh topics ``<in_topic>.latency`` / ``<out_topic>.latency``: records
+  fresh topics ``<in_topic>.latency-<tag>`` / ``<out_topic>.latency-<tag>``: records
   produced at a steady pace by ``paced_produce`` (``linger.ms=1``); the
   first ``warmup_s`` seconds of them are not counted; ``spark_e2e_p50_ms``,
   ``spark_e2e_p99_ms`` over the rest (``LatencyProbe``). A record not seen
@@ -98,7 +98,7 @@ Real-time mode (``trigger(realTime=...)``, Spark 4.1+) is not run: Spark
 ``dropDuplicates``, ``groupBy().agg()`` and the JVM ``transformWithState``;
 a Python stateful function (``applyInPandasWithState``,
 ``transformWithStateInPandas``) is not among them, so the same job cannot
-run in it (``notes`` in the result says so).
+run in it (``spark_real_time_mode`` in the result says so).
 """
 from __future__ import annotations
 
