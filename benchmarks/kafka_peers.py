@@ -63,9 +63,9 @@ sink has no transactions). Micro-batch mode. The function is
 (``api=``, Spark 4.0+, RocksDB state, needs ``protobuf``) asks the JVM for
 each key's state over a socket and ran the same 50,000 records over 100 keys
 at 0.61x its rate (3,450 vs 5,620 records/s, one run each, loaded machine).
-Master ``local[2]`` by default: one JVM with two task slots on this two-core machine, Spark's cheapest way to
-use both cores here (``local-cluster[2,1,1024]`` adds two executor JVMs and a
-cross-JVM shuffle on the same two cores: more realistic, slower; pass
+Master ``local[2]`` by default: one JVM with two task slots on this two-core
+machine, Spark's cheapest way to use both cores here
+(``local-cluster[2,1,1024]`` adds two executor JVMs and a cross-JVM shuffle on the same two cores: more realistic, slower; pass
 ``master=`` for it). ``spark.sql.shuffle.partitions`` = the task slots (2),
 not Spark's default 200, which would cost 200 state store tasks per batch.
 
