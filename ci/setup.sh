@@ -43,5 +43,6 @@ log "installing pyflowbuf with its test, Spark and benchmark extras (compiles th
 if [ "${PYFLOWBUF_SKIP_KAFKA:-0}" != 1 ]; then
   log "fetching the local Kafka broker's jars from Maven Central (once, into a cache)"
   "$VENV/bin/python" -m pyflowbuf.connectors.kafka_broker install
+  "$VENV/bin/python" -m pyflowbuf.spark.kafka_jars install || log "Spark's Kafka connector not fetched: its tests and benchmark peer skip"
 fi
 log "ready: $("$VENV/bin/python" -c 'import pyflowbuf; print("pyflowbuf", pyflowbuf.__version__)')"

@@ -148,6 +148,11 @@ class KafkaBrokerError(FlowBufError, RuntimeError):
     not be fetched or started: no jars, no Java, or it did not come up."""
 
 
+class KafkaJarsError(FlowBufError, RuntimeError):
+    """Spark's Kafka connector (``pyflowbuf.spark.kafka_jars``) is not in its
+    cache, or Maven could not fetch it for the installed PySpark."""
+
+
 class UnitWarning(UserWarning):
     """A time value that only makes sense in another unit than the one it is
     read in: timestamps that look like milliseconds since 1970 where seconds
