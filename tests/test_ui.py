@@ -260,3 +260,25 @@ def test_the_page_ships_as_package_data():
         assert '"ui/static/*"' in f.read()
     with open(os.path.join(root, "MANIFEST.in")) as f:
         assert "pyflowbuf/ui/static" in f.read()
+
+
+@needs_fork
+@pytest.mark.filterwarnings("ignore::pyflowbuf.errors.WorkerSideEffectWarning")   # the sink keeps nothing
+def test_workers_name_each_subtasks_worker_and_host():
+    env = fb.Environment(parallelism=4, workers=2, metrics_interval=0.1, ui_port=0, name="ui-workers")
+    env.from_sequence(0, None, rate_limit=4000).rebalance().sink(lambda b: None, batched=True, name="sink")
+    job = env.execute_async()
+    try:
+        def all_reported():
+            rows = get(job.ui_url, "api/subtasks")
+            return all(r["reported"] and r["worker"] is not None for r in rows) and rows
+        rows = wait_for(all_reported, "every subtask's sample from its worker", job=job)
+        assert len(rows) == 8 and get(job.ui_url, "api/job")["workers"] == 2
+        metrics = env.metrics()
+        for r in rows:
+            assert r["worker"] == r["subtask"] % 2              # cluster.worker.placement
+            assert r["host"] == socket.gethostname()           # forked here
+            assert r["task"] in metrics
+    finally:
+        cancel_and_join(job)
+        job.ui.close()

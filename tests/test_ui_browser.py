@@ -37,7 +37,7 @@ class Browser:
     def __init__(self):
         self._pw = sync_playwright().start()
         self.browser = self._pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        self.page = self.browser.new_page(viewport={"width": 1400, "height": 800})
+        self.page = self.browser.new_page(viewport={"width": 1800, "height": 800})
         self.errors = []
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
@@ -47,7 +47,7 @@ class Browser:
 
     def shot(self, name):
         os.makedirs(SHOTS, exist_ok=True)
-        self.page.screenshot(path=os.path.join(SHOTS, name + ".png"), full_page=True)
+        self.page.locator("body").screenshot(path=os.path.join(SHOTS, name + ".png"))
 
     def close(self):
         try:
@@ -74,29 +74,37 @@ def browser_after():
 
 
 def slow_sink(batch):
-    time.sleep(0.003 * len(batch))      # ~330 records/s per subtask: far below what the source offers
+    time.sleep(0.0005 * len(batch))      # ~2000 records/s per subtask: far below what the source offers
 
 
 def test_a_slow_sink_turns_red_its_upstream_black_and_top_n_names_it(browser_after):
-    env = fb.Environment(parallelism=2, metrics_interval=0.5, ui_port=0, name="slow-sink")
+    # three chains, as the docs' picture: the backpressure travels up two exchanges
+    # small buffers and batches, as in the seed experiment: a wait for a buffer ends well within a
+    # sample (the time of a wait is counted when it ends)
+    env = fb.Environment(parallelism=2, metrics_interval=0.5, ui_port=0, name="slow-sink", debloat=True,
+                         max_batch=64, segment_size=4096)
     (env.from_sequence(0, None).map(lambda x: x * 2, name="double")
-        .rebalance().sink(slow_sink, batched=True, name="slow sink"))
+        .rebalance().map(lambda x: x + 1, name="parse")
+        .key_by(lambda x: x % 16).sink(slow_sink, batched=True, name="slow sink"))
     job = env.execute_async()
     try:
         b = browser_after()
         b.open(job.ui_url, "graph")
         # within a few seconds of the first samples (a loaded machine may take longer to start)
-        b.page.wait_for_selector('.node[data-id="1"][data-shade="red"]', timeout=WAIT_MS)
+        b.page.wait_for_selector('.node[data-id="2"][data-shade="red"]', timeout=WAIT_MS)
+        b.page.wait_for_selector('.node[data-id="1"][data-shade="black"]', timeout=WAIT_MS)
         b.page.wait_for_selector('.node[data-id="0"][data-shade="black"]', timeout=WAIT_MS)
-        assert b.page.get_attribute('.node[data-id="0"]', "data-level") == "HIGH"
-        assert "REBALANCE" in b.page.text_content("#graph")
+        assert b.page.get_attribute('.node[data-id="1"]', "data-level") == "HIGH"
+        labels = b.page.text_content("#graph")
+        assert "REBALANCE" in labels and "HASH" in labels
+        b.page.wait_for_function("() => document.querySelector('#graph').textContent.includes('in flight')",
+                                 timeout=WAIT_MS)
         b.shot("graph")
 
         b.open(job.ui_url, "top")
-        sink_first = ('.top-busy tr.top-row:first-child[data-task^="slow sink"], '
-                      '.top-busy tr.top-row:nth-child(2)[data-task^="slow sink"]')
-        b.page.wait_for_selector(sink_first, timeout=WAIT_MS)
-        b.page.wait_for_selector('.top-bp tr.top-row:first-child[data-task^="sequence -> double"]', timeout=WAIT_MS)
+        b.page.wait_for_selector('.top-busy tr.top-row[data-task^="slow sink"]', timeout=WAIT_MS)
+        b.page.wait_for_selector('.top-bp tr.top-row:first-child[data-task^="parse"], '
+                                 '.top-bp tr.top-row:first-child[data-task^="sequence -> double"]', timeout=WAIT_MS)
         b.shot("top-n")
 
         b.page.click('.top-busy tr.top-row[data-task^="slow sink"]')

@@ -108,7 +108,10 @@ class JobView:
         out = {}
         for task, w in workers_of().items():
             addr = addresses.get(w)
-            out[task] = (w, addr[0] if addr else None)
+            host = addr[0] if addr else None
+            if host in ("127.0.0.1", "::1", "localhost"):
+                host = self.host            # a worker forked here: this host's name
+            out[task] = (w, host)
         return out
 
     def name_of_key(self, key: str) -> str:

@@ -96,7 +96,7 @@
     return { col: col, row: row, cols: cols.length, rows: Math.max.apply(null, order.map(function (id) { return row[id]; }).concat([0])) + 1 };
   }
 
-  const NW = 240, NH = 74, GX = 120, GY = 34;
+  const NW = 240, NH = 74, GX = 150, GY = 40;
   function renderGraph(g) {
     const L = layout(g.nodes, g.edges);
     const W = L.cols * (NW + GX) + 20, H = L.rows * (NH + GY) + 20;
@@ -110,10 +110,12 @@
       const x1 = a.x + NW, y1 = a.y + NH / 2, x2 = b.x, y2 = b.y + NH / 2, mx = (x1 + x2) / 2;
       s += '<path class="edge" data-source="' + e.source + '" data-target="' + e.target + '" d="M' + x1 + "," + y1 + " C" + mx + "," + y1 + " " + mx + "," + y2 + " " + (x2 - 2) + "," + y2 + '" fill="none" stroke="#7a8396" stroke-width="1.5" marker-end="url(#arrow)"/>';
       let label = e.partitioner.toUpperCase() + (e.side_output ? " [" + e.side_output + "]" : "");
-      const ly = (y1 + y2) / 2 - 4;
+      const ly = (y1 + y2) / 2 - 5;
       s += '<text class="edge-label" x="' + mx + '" y="' + ly + '" text-anchor="middle">' + esc(label) + "</text>";
       if (e.inflight_bytes != null) {
-        s += '<text class="edge-label" x="' + mx + '" y="' + (ly + 13) + '" text-anchor="middle">' + esc(bytes(e.inflight_bytes) + " in flight · buffer " + bytes(e.buffer_size)) + "</text>";
+        // with debloating on: what the gate holds, and the buffer size it announced
+        s += '<text class="edge-label" x="' + mx + '" y="' + (ly + 18) + '" text-anchor="middle">' + esc(bytes(e.inflight_bytes) + " in flight") + "</text>";
+        s += '<text class="edge-label" x="' + mx + '" y="' + (ly + 31) + '" text-anchor="middle">' + esc("buffer " + bytes(e.buffer_size)) + "</text>";
       }
     });
     g.nodes.forEach(function (n) {
@@ -175,7 +177,7 @@
     vertices.forEach(function (v) { pick += '<option value="' + v.id + '"' + (String(v.id) === vid ? " selected" : "") + ">" + esc(v.name) + " (" + v.parallelism + ")</option>"; });
     pick += "</select></div>";
     const shown = vid === "" ? rows : rows.filter(function (r) { return String(r.vertex_id) === vid; });
-    main.innerHTML = pick + subtaskTable(shown, true);
+    main.innerHTML = pick + '<div class="table-wrap">' + subtaskTable(shown, true) + "</div>";
   }
 
   function topTable(title, rows, key, cls) {
