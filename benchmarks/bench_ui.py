@@ -14,6 +14,12 @@ ui_cpu_overhead_ratio
 ui_poll_ms
     median time one poll (the three requests) took, answered by the job's
     process while it ran.
+ui_poll_cpu_ms_800
+    CPU time (of this thread) to build one poll's answers (job, graph,
+    subtasks) for 50 operator chains at parallelism 16 (800 subtasks, their
+    metrics made up), median of repetitions: at one poll a second, this
+    over 1000 ms is the share of one core a page costs the job's process at
+    the size the issue names, whatever the machine's load.
 
 Run: ``python benchmarks/run.py ui [--quick] [--json]``.
 """
@@ -85,6 +91,55 @@ def run_job(n: int, served: bool, polls: list) -> dict:
     return {"rate": n / took, "cpu_rate": n / cpu}
 
 
+class _WideJob:
+    """A job handle as the view reads one: 50 chains at parallelism 16, every
+    subtask reporting (made-up figures; building the answer is what is timed)."""
+
+    done = False
+    ran = True
+    coordinator = None
+
+    def __init__(self):
+        self.env = fb.Environment(parallelism=16, name="wide")
+        s = self.env.from_sequence(0, 10)
+        for i in range(49):
+            s = s.map(lambda x: x, name=f"op{i}").rebalance()
+        s.sink(lambda b: None, batched=True, name="sink")
+        self._m = {}
+        for v in self.env.plan()[0]:
+            for i in range(v.parallelism):
+                self._m[f"{v.name} ({i + 1}/{v.parallelism})"] = {
+                    "state": "RUNNING", "level": "HIGH", "busy_ms_per_s": 100.0, "idle_ms_per_s": 0.0,
+                    "backpressured_ms_per_s": 900.0, "records_in": 10 ** 6, "records_out": 10 ** 6,
+                    "records_in_per_s": 1e5, "records_out_per_s": 1e5, "bytes_in": 8e6, "bytes_out": 8e6,
+                    "in_pool_usage": 0.5, "out_pool_usage": 0.9, "vertex": v.name, "subtask": i,
+                    "debloat": [{"gate": 0, "buffer_size": 4096, "inflight_bytes": 8192}],
+                    "debloat_buffer_size": 4096, "debloat_inflight_bytes": 8192}
+
+    def metrics(self):
+        return dict(self._m)
+
+    def checkpoints(self):
+        return []
+
+
+def poll_cpu_ms_800(repeats: int) -> float:
+    from pyflowbuf import ui
+    job = _WideJob()            # the view holds its job weakly
+    server = ui.UiServer(job)
+    try:
+        took = []
+        for _ in range(repeats):
+            server._cache.clear()
+            t = time.thread_time()
+            for path in ("/api/job", "/api/graph", "/api/subtasks"):
+                server.answer(path, {})
+            took.append((time.thread_time() - t) * 1000)
+        return statistics.median(took)
+    finally:
+        server.close()
+
+
 def main(quick: bool = False) -> dict:
     p = params(quick)
     rep = common.Report("ui", quick, params={**p, "parallelism": 2, "metrics_interval_s": 1.0, "poll_s": 1.0})
@@ -106,6 +161,9 @@ def main(quick: bool = False) -> dict:
             note=f"paired ratios: {[round(x, 3) for x in s.ratios('served', 'plain', 'cpu_rate')]}")
     rep.add("ui_poll_ms", statistics.median(polls) if polls else float("nan"), "ms",
             note=f"{len(polls)} polls of /api/job, /api/graph, /api/subtasks")
+    rep.section("what one poll costs at 800 subtasks (50 chains x parallelism 16)")
+    cpu = poll_cpu_ms_800(20 if quick else 60)
+    rep.add("ui_poll_cpu_ms_800", cpu, "ms", note=f"{cpu / 10:.2f} % of one core at one poll a second")
     return rep.as_dict()
 
 

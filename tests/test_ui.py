@@ -2,6 +2,7 @@
 env.checkpoints() field by field, the refusals (4xx, the job runs on), the
 ways to open it, and the page itself in a real headless Chromium."""
 import json
+import math
 import os
 import shutil
 import socket
@@ -282,3 +283,37 @@ def test_workers_name_each_subtasks_worker_and_host():
     finally:
         cancel_and_join(job)
         job.ui.close()
+
+
+def test_infinite_and_nan_figures_are_null_in_the_json():
+    # JSON has no infinities: a browser's JSON.parse refuses "Infinity"
+    from pyflowbuf import ui
+    env = fb.Environment(name="ui-inf")
+    env.from_sequence(0, 10).sink(lambda b: None, batched=True)
+
+    class Job:
+        done, ran, coordinator = False, True, None
+
+        def __init__(self):
+            self.env = env
+
+        def metrics(self):
+            return {"sequence -> sink (1/1)": {"state": "RUNNING", "debloat_time_to_consume_s": math.inf,
+                                                "busy_ms_per_s": math.nan, "records_in": 5,
+                                                "watermark": math.inf}}
+
+        def checkpoints(self):
+            return [{"id": 1, "status": "completed", "duration_s": math.inf, "phases": {"sync_ms": math.nan},
+                     "subtasks": {"v0-0": {"ack_ms": math.inf}}}]
+
+    job = Job()
+    server = ui.serve(job)
+    try:
+        rows = get(server.url, "api/subtasks")
+        assert rows[0]["debloat_time_to_consume_s"] is None and rows[0]["busy_ms_per_s"] is None
+        assert rows[0]["records_in"] == 5 and rows[0]["watermark"] is None and rows[0]["watermark_end"]
+        assert get(server.url, "api/checkpoints")[0]["duration_s"] is None
+        assert get(server.url, "api/checkpoints/1")["timeline"][0]["ack_ms"] is None
+        assert get(server.url, "api/watermarks")[0]["watermark_end"]
+    finally:
+        server.close()

@@ -175,9 +175,11 @@ def subtasks(view: JobView, metrics: dict | None = None, vertex_id: int | None =
             row = {"task": name, "vertex": v.name, "vertex_id": v.id, "subtask": i, "key": task_key(v.id, i),
                    "reported": m is not None}
             if m is not None:
+                # (inline, not _num: 800 subtasks x 23 fields each poll) inf - inf and nan - nan are nan
                 for k in SUBTASK_FIELDS:
                     if k in m:
-                        row[k] = _num(m[k])
+                        x = m[k]
+                        row[k] = None if x.__class__ is float and x - x != 0 else x
                 wm = m.get("watermark")
                 row["watermark"] = _num(wm)
                 row["watermark_end"] = wm == math.inf
