@@ -14,6 +14,7 @@ from pipeline_helpers import cancel_and_join, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 try:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 except ImportError:             # the test extra has it
     sync_playwright = None
@@ -99,6 +100,10 @@ def test_a_slow_sink_turns_red_its_upstream_black_and_top_n_names_it(browser_aft
         assert "REBALANCE" in labels and "HASH" in labels
         b.page.wait_for_function("() => document.querySelector('#graph').textContent.includes('in flight')",
                                  timeout=WAIT_MS)
+        try:    # for the picture only: the source past its first long wait for a buffer
+            b.page.wait_for_selector('.node[data-id="0"][data-shade="black"]:not([data-out="0"])', timeout=20_000)
+        except PlaywrightTimeout:
+            pass
         b.shot("graph")
 
         b.open(job.ui_url, "top")

@@ -121,7 +121,7 @@
     g.nodes.forEach(function (n) {
       const p = pos[n.id], kind = shadeName(n);
       const fill = kind === "ended" ? "#9aa3b5" : shade(n.max_busy_ms_per_s, n.max_backpressured_ms_per_s);
-      s += '<g class="node" data-id="' + n.id + '" data-shade="' + kind + '" data-level="' + esc(n.level || "") + '" transform="translate(' + p.x + "," + p.y + ')">';
+      s += '<g class="node" data-id="' + n.id + '" data-shade="' + kind + '" data-level="' + esc(n.level || "") + '" data-out="' + Math.round(n.records_out_per_s) + '" transform="translate(' + p.x + "," + p.y + ')">';
       s += "<title>" + esc(n.operators.join(" → ")) + "</title>";
       s += '<rect width="' + NW + '" height="' + NH + '" rx="6" fill="' + fill + '" stroke="#1d2330" stroke-width="1"/>';
       const name = n.name.length > 34 ? n.name.slice(0, 33) + "…" : n.name;
