@@ -33,6 +33,16 @@ if [ "${PYFLOWBUF_SKIP_JDK:-0}" != 1 ]; then
   log "java $(java_major) found"
 fi
 
+# headless Chromium for the web view's browser tests (tests/test_ui_browser.py)
+if [ "${PYFLOWBUF_SKIP_CHROMIUM:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1; then
+  log "no chromium found; installing it from the system packages (the web view's browser tests)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+    || log "chromium could not be installed: the browser tests will be skipped"
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating virtual environment $VENV"
   "$PY" -m venv "$VENV"

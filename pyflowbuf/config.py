@@ -365,6 +365,11 @@ class MetricsConfig(_Config):
     prometheus_port : serve Prometheus gauges on 127.0.0.1 at this port (0:
         a free one, which ``job.prometheus_port`` gives).
     live_view : a live table in the terminal.
+    ui_port : serve the web view of the job (graph, backpressure, checkpoints,
+        watermarks; pyflowbuf.ui) at this port (0: a free one, ``job.ui_url``
+        gives the URL). None (default): no view.
+    ui_host : the address the web view binds: 127.0.0.1 by default; any other
+        exposes it to the network and puts an access token in its URL.
 
     Example::
 
@@ -375,6 +380,8 @@ class MetricsConfig(_Config):
     log: str | os.PathLike | None = None
     prometheus_port: int | None = None
     live_view: bool = False
+    ui_port: int | None = None
+    ui_host: str = "127.0.0.1"
 
     _SECONDS = {"interval": 1000}
 
@@ -386,6 +393,12 @@ class MetricsConfig(_Config):
                 f"{self._name('prometheus_port')} must be an int in 0..65535 (0: a free port), got {port!r}")
         if self.log is not None and not isinstance(self.log, (str, os.PathLike)):
             raise ConfigurationError(f"{self._name('log')} must be a path, got {self.log!r}")
+        port = self.ui_port
+        if port is not None and (not _int(port) or not 0 <= port <= 65535):
+            raise ConfigurationError(
+                f"{self._name('ui_port')} must be an int in 0..65535 (0: a free port), got {port!r}")
+        if not isinstance(self.ui_host, str) or not self.ui_host:
+            raise ConfigurationError(f"{self._name('ui_host')} must be a host name or address, got {self.ui_host!r}")
         self._warn_milliseconds()
 
 
@@ -408,6 +421,7 @@ FLAT = {
     "bind_host": ("network", "bind_host"),
     "metrics_interval": ("metrics", "interval"), "metrics_log": ("metrics", "log"),
     "prometheus_port": ("metrics", "prometheus_port"), "live_view": ("metrics", "live_view"),
+    "ui_port": ("metrics", "ui_port"), "ui_host": ("metrics", "ui_host"),
     "checkpoint_interval": ("checkpoint", "interval"), "checkpoint_dir": ("checkpoint", "directory"),
     "checkpoint_timeout": ("checkpoint", "timeout"), "checkpoints_retained": ("checkpoint", "retained"),
     "checkpointing_mode": ("checkpoint", "mode"), "checkpoint_alignment": ("checkpoint", "alignment"),

@@ -34,6 +34,8 @@ _VALUES = {
     ("metrics", "log"): st.none() | st.just("metrics.jsonl"),
     ("metrics", "prometheus_port"): st.none() | st.integers(0, 65535),
     ("metrics", "live_view"): st.booleans(),
+    ("metrics", "ui_port"): st.none() | st.integers(0, 65535),
+    ("metrics", "ui_host"): st.sampled_from(["127.0.0.1", "0.0.0.0", "::1", "localhost"]),
     ("checkpoint", "interval"): st.none() | st.floats(0.01, 100),
     ("checkpoint", "directory"): st.none() | st.sampled_from(["checkpoints", "memory://chk"]),
     ("checkpoint", "timeout"): st.floats(0.1, 1000),
@@ -175,6 +177,8 @@ def test_objects_are_frozen_compare_by_value_and_pickle():
     (lambda: fb.DebloatConfig(min_buffer_size=0), "min_buffer_size"),
     (lambda: fb.MetricsConfig(interval=0), "metrics_interval"),
     (lambda: fb.MetricsConfig(prometheus_port=70000), "prometheus_port"),
+    (lambda: fb.MetricsConfig(ui_port=-1), "ui_port"),
+    (lambda: fb.MetricsConfig(ui_host=""), "ui_host"),
     (lambda: fb.MetricsConfig(log=5), "metrics_log"),
 ])
 def test_each_object_checks_itself_naming_both_spellings(make, word):

@@ -101,6 +101,7 @@ LAYERS = [
     ("connectors", ["pyflowbuf.connectors"]),
     ("jobgraph", ["pyflowbuf.jobgraph"]),         # the job description the runtime receives
     ("checkpointing", ["pyflowbuf.checkpointing"]),  # coordinator, a subtask's side, restore, rescaling
+    ("ui", ["pyflowbuf.ui"]),                     # the web view: reads a job handle's public snapshots
     ("runtime", ["pyflowbuf.runtime"]),           # the job graph, the task, the coordinator, one job here
     ("cluster", ["pyflowbuf.cluster"]),
     ("api", ["pyflowbuf.api"]),

@@ -26,6 +26,7 @@ from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError
 from pyflowbuf.cluster.driver import ClusterExecution
 from pyflowbuf.jobgraph.graph import Node, plan
 from pyflowbuf.cluster import control as _control
+from pyflowbuf import ui as _ui
 from pyflowbuf.runtime import overrides as _overrides
 from pyflowbuf.runtime.job import JobExecution
 from pyflowbuf.checkpoint.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
@@ -72,7 +73,7 @@ class Environment(SourceDeclarations):
         holds them as ``checkpoint_config``, ``restart_config``, ...
     segment_size, num_segments, buffer_timeout, output_buffers, max_record_size,
     credit_based, bind_host, metrics_interval, metrics_log, prometheus_port,
-    live_view, checkpoint_interval, checkpoint_dir, checkpoint_timeout,
+    live_view, ui_port, ui_host, checkpoint_interval, checkpoint_dir, checkpoint_timeout,
     checkpoints_retained, checkpointing_mode, checkpoint_alignment,
     alignment_timeout, incremental_checkpoints, restart_attempts, debloat_target, debloat_period,
     debloat_samples, debloat_threshold, min_buffer_size : the same settings
@@ -111,7 +112,8 @@ class Environment(SourceDeclarations):
                  output_buffers: tuple | None = UNSET, max_record_size: int = UNSET, credit_based: bool = UNSET,
                  bind_host: str = UNSET, metrics_interval: float = UNSET,
                  metrics_log: str | os.PathLike | None = UNSET, prometheus_port: int | None = UNSET,
-                 live_view: bool = UNSET, checkpoint_interval: float | None = UNSET,
+                 live_view: bool = UNSET, ui_port: int | None = UNSET, ui_host: str = UNSET,
+                 checkpoint_interval: float | None = UNSET,
                  checkpoint_dir: str | os.PathLike | None = UNSET, checkpoint_timeout: float = UNSET,
                  checkpoints_retained: int = UNSET, checkpointing_mode: str = UNSET,
                  checkpoint_alignment: str = UNSET, alignment_timeout: float | None = UNSET,
@@ -419,7 +421,8 @@ class Environment(SourceDeclarations):
 
     def _start(self, job):
         try:
-            with _control.endpoint_for(self, job):     # control_port: bound before the job starts
+            # control_port and ui_port: bound before the job starts
+            with _control.endpoint_for(self, job), _ui.served_for(self, job):
                 job.start()
         except BaseException:
             if not job.ran:

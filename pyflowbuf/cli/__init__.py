@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--control-port", type=_port, metavar="PORT",
                      help="open the job's control endpoint on this port (0: a free one) for `pyflowbuf savepoint` "
                           "and `pyflowbuf stop`, as Environment(control_port=PORT)")
+    run.add_argument("--ui", action="store_true",
+                     help="serve the job's web view (graph, backpressure, checkpoints, watermarks); its URL is printed")
+    run.add_argument("--ui-port", type=_port, default=0, metavar="PORT", help="the web view's port (default: a free one)")
+    run.add_argument("--ui-host", default="127.0.0.1", metavar="HOST",
+                     help="the address the web view binds (another than 127.0.0.1 puts an access token in the URL)")
     run.add_argument("--json", action="store_true",
                      help="end with one line of JSON: status, duration, restored checkpoint, checkpoint history")
     control.add_commands(sub, common, as_json)
@@ -197,6 +202,8 @@ def _run(args) -> int:
     try:
         if args.control_port is not None:
             env.control_port = args.control_port       # checked with every setting when the job starts
+        if args.ui:
+            env.ui_port, env.ui_host = args.ui_port, args.ui_host
         if args.savepoint_on_stop is not None and not env.checkpoint_config.enabled:
             raise CliError(f"--savepoint-on-stop needs checkpointing, and the Environment of {args.job} has "
                            "checkpoint_interval=None")

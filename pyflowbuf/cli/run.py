@@ -229,6 +229,8 @@ def _run(env, spec, restore, report, savepoint_on_stop=None, drain=False) -> dic
         job = env.execute_async(restore_from=restore)
         report(f"job {env.name!r} started (parallelism {env.parallelism}"
                + (f", {env.workers} worker processes" if env.workers else "") + ")" + _restored(job))
+        if job.ui_url is not None:
+            report(f"web view: {job.ui_url}")
         if job.control is not None:
             host, port = job.control.address
             report(f"control endpoint on {host}:{port}: `pyflowbuf savepoint {outcome['checkpoint_dir']}` takes a "

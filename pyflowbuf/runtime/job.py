@@ -20,6 +20,7 @@ from pyflowbuf.checkpointing import restore as restore_mod
 from pyflowbuf.runtime.deployment import Deployment, check_output_pools, output_pool_size, segments_needed
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
 from pyflowbuf.runtime.task import Subtask
+from pyflowbuf import ui as _ui
 
 # How long a cancelled job waits for its threads: tasks blocked in C wake at
 # once; only a user function that never returns can hold a thread longer.
@@ -159,6 +160,22 @@ class Execution:
 
     def checkpoints(self) -> list:
         return [] if self.coordinator is None else self.coordinator.checkpoints()
+
+    ui = None           # the web view (pyflowbuf.ui.UiServer) when one is served
+
+    def serve_ui(self, port: int = 0, host: str = _ui.LOOPBACK) -> str:
+        """Serve the web view of this job (graph, backpressure, checkpoints,
+        watermarks: docs/monitoring.md) and return its URL, also logged and
+        kept in ``ui_url``. ``host`` other than 127.0.0.1 puts an access
+        token in the URL. It serves until the handle is gone (``ui.close()``
+        stops it sooner), showing the final state once the job ended."""
+        if self.ui is None:
+            self.ui = _ui.serve(self, port, host)
+        return self.ui.url
+
+    @property
+    def ui_url(self) -> str | None:
+        return None if self.ui is None else self.ui.url
 
     def metrics(self) -> dict:
         return {} if self.sampler is None else self.sampler.latest()

@@ -4,6 +4,7 @@ usage, and the backpressure level (OK <= 10 %, LOW <= 50 %, HIGH above)."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 
@@ -139,6 +140,11 @@ class MetricsSampler(threading.Thread):
             extra = getattr(t, "operator_metrics", None)     # event time: late records
             if extra is not None:
                 m.update(extra())
+            event_time = getattr(t, "event_time", None)
+            if event_time is not None and event_time.in_job():
+                # the last watermark the subtask sent downstream (None: none yet; inf: input ended)
+                wm = event_time.wm_out
+                m["watermark"] = None if wm == -math.inf else wm
             snap[t.task_name] = m
         self._older = (self._prev, self._prev_t)
         self._prev, self._prev_t = counters, now
@@ -246,6 +252,11 @@ class MetricsRelay:
             for w in sorted(self._parts):
                 out.update(self._parts[w])
             return out
+
+    def workers(self) -> dict:
+        """task name -> the worker whose sample holds it (the web view's column)."""
+        with self._lock:
+            return {task: w for w in sorted(self._parts) for task in self._parts[w]}
 
     def seconds_to_next(self) -> float:
         return max(0.0, self._next - time.monotonic())

@@ -1,0 +1,319 @@
+"""The web view (pyflowbuf.ui): its JSON against env.metrics() and
+env.checkpoints() field by field, the refusals (4xx, the job runs on), the
+ways to open it, and the page itself in a real headless Chromium."""
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+import pyflowbuf as fb
+from pyflowbuf import errors
+from pyflowbuf.ui import model
+
+from pipeline_helpers import cancel_and_join, wait_for
+
+needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="workers=N forks worker processes")
+SHOTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out", "ui-screenshots")
+
+
+def get(url, what=""):
+    with urllib.request.urlopen(url + what, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def status_of(url, method="GET"):
+    req = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def slow(x):
+    time.sleep(0.002)
+    return x
+
+
+def checkpointed_job(tmp_path, *, n=None, rate=4000, **kw):
+    env = fb.Environment(parallelism=2, metrics_interval=0.2, checkpoint_interval=0.3,
+                         checkpoint_dir=str(tmp_path / "chk"), name="ui-checkpoints", **kw)
+    (env.from_sequence(0, n, rate_limit=rate)
+        .key_by(lambda x: x % 7).map(lambda x: x, name="keyed")
+        .rebalance().sink(lambda b: None, batched=True, name="sink"))
+    return env
+
+
+# ---------------------------------------------------------------- the JSON, field by field
+
+def test_json_endpoints_match_metrics_and_checkpoints_field_by_field(tmp_path):
+    env = checkpointed_job(tmp_path, n=6000, ui_port=0)
+    job = env.execute_async()
+    try:
+        url = job.ui_url
+        assert url.startswith("http://127.0.0.1:") and job.ui.token is None
+        wait_for(lambda: sum(c["status"] == "completed" for c in env.checkpoints()) >= 2, "two checkpoints", job=job)
+        job.join(120)
+        time.sleep(0.3)                           # past the answer cache: the final state
+        metrics, history = env.metrics(), env.checkpoints()
+        info = get(url, "api/job")
+        assert info["state"] == "FINISHED" and info["ended"] and info["checkpointing"]
+        assert info["subtasks"] == len(metrics) == 6
+
+        rows = get(url, "api/subtasks")
+        assert [r["task"] for r in rows] == list(metrics)
+        for r in rows:
+            m = metrics[r["task"]]
+            assert r["vertex"] == m["vertex"] and r["subtask"] == m["subtask"]
+            compared = [k for k in model.SUBTASK_FIELDS if k in m]
+            assert {k: r[k] for k in compared} == {k: m[k] for k in compared}
+            assert r["worker"] is None and r["host"] == socket.gethostname()
+        assert [r["task"] for r in get(url, "api/subtasks?vertex=1")] == [t for t in metrics if t.startswith("keyed")]
+
+        graph = get(url, "api/graph")
+        vertices, edges = env.plan()
+        assert [n["name"] for n in graph["nodes"]] == [v.name for v in vertices]
+        assert [(e["source"], e["target"], e["partitioner"]) for e in graph["edges"]] == \
+            [(e.source.id, e.target.id, e.partitioner) for e in edges]
+        for node, v in zip(graph["nodes"], vertices):
+            mine = [metrics[model.task_name(v, i)] for i in range(v.parallelism)]
+            assert node["records_out_per_s"] == pytest.approx(sum(m["records_out_per_s"] for m in mine))
+            assert node["states"] == {"FINISHED": v.parallelism} and node["live_subtasks"] == 0
+
+        table = get(url, "api/checkpoints")
+        assert [c["id"] for c in table] == [c["id"] for c in history]
+        for row, c in zip(table, history):
+            for k in ("id", "status", "trigger_time", "duration_s", "state_bytes", "size", "inflight_bytes",
+                      "acknowledged", "tasks"):
+                assert row[k] == c.get(k), k
+            assert row["kind"] == ("savepoint" if c.get("savepoint") else c["alignment"])
+            assert row["phases"] == c["phases"]
+        done = [c for c in history if c["status"] == "completed"][-1]
+        detail = get(url, f"api/checkpoints/{done['id']}")
+        assert len(detail["timeline"]) == len(done["subtasks"]) == 6
+        acks = [r["ack_ms"] for r in detail["timeline"]]
+        assert acks == sorted(acks, reverse=True)            # slowest first
+        for r in detail["timeline"]:
+            p = done["subtasks"][r["key"]]
+            assert {k: r[k] for k in model.PHASE_FIELDS} == {k: p.get(k) for k in model.PHASE_FIELDS}
+            assert r["task"] in metrics
+
+        wms = get(url, "api/watermarks")
+        assert [w["name"] for w in wms] == [v.name for v in vertices]
+        assert not any(w["event_time"] for w in wms)          # no assign_timestamps: no watermarks
+    finally:
+        if not job.done:
+            cancel_and_join(job)
+        job.ui.close()
+
+
+def test_watermarks_are_in_the_metrics_and_the_view():
+    env = fb.Environment(parallelism=2, metrics_interval=0.1, ui_port=0, name="ui-wm")
+    now = time.time()
+    (env.from_sequence(0, None, rate_limit=2000)
+        .map(lambda i: now - 30 + i / 1000.0, kind="float64")
+        .assign_timestamps(lambda t: t, out_of_orderness=0.0)
+        .rebalance().sink(lambda b: None, batched=True))
+    job = env.execute_async()
+    try:
+        def rising():
+            wms = get(job.ui_url, "api/watermarks")
+            return all(w["watermark"] is not None for w in wms) and wms
+        wms = wait_for(rising, "a watermark in every operator chain", job=job)
+        metrics = env.metrics()
+        for w in wms:
+            assert w["event_time"]
+            assert 0 < w["lag_s"] < 3600                    # event time is behind the wall clock
+            assert min(w["subtasks"]) <= w["watermark"] <= max(w["subtasks"])
+        assert all(m["watermark"] is None or m["watermark"] > now - 60 for m in metrics.values())
+    finally:
+        cancel_and_join(job)
+        job.ui.close()
+
+
+# ---------------------------------------------------------------- refusals
+
+def test_bad_requests_unknown_paths_and_writes_get_4xx_and_the_job_runs_on():
+    env = fb.Environment(parallelism=2, metrics_interval=0.1, ui_port=0, name="ui-refusals")
+    env.from_sequence(0, None, rate_limit=5000).rebalance().sink(lambda b: None, batched=True)
+    job = env.execute_async()
+    try:
+        url = job.ui_url
+        wait_for(lambda: env.metrics(), "a first sample", job=job)
+        for path, code in [("nope", 404), ("api/nope", 404), ("api/checkpoints/abc", 400),
+                           ("api/checkpoints/99999", 404), ("api/subtasks?vertex=x", 400),
+                           ("api/subtasks?vertex=42", 400), ("api/checkpoints/" + "9" * 40, 400),
+                           ("static/../server.py", 404), ("%ff%fe", 404)]:
+            assert status_of(url + path) == code, path
+        for method in ("POST", "PUT", "DELETE"):
+            assert status_of(url + "api/job", method) == 405
+        # a request line that is not HTTP
+        with socket.create_connection(("127.0.0.1", job.ui.port), timeout=10) as s:
+            s.sendall(b"\x00\x01garbage\r\n\r\n")
+            answer = b""
+            while chunk := s.recv(4096):
+                answer += chunk
+            assert b"Error code: 400" in answer
+        # a page elsewhere that renamed itself to 127.0.0.1 sends its own Host
+        req = urllib.request.Request(url + "api/job", headers={"Host": "evil.example:80"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=10)
+        assert info.value.code == 403
+        before = sum(m["records_out"] for m in env.metrics().values())
+        wait_for(lambda: sum(m["records_out"] for m in env.metrics().values()) > before + 100,
+                 "records after the refusals", job=job)
+        assert not job.done and get(url, "api/job")["state"] == "RUNNING"
+    finally:
+        cancel_and_join(job)
+        job.ui.close()
+
+
+def test_another_host_takes_a_token_compared_in_constant_time():
+    env = fb.Environment(metrics_interval=0.1, name="ui-token")
+    env.from_sequence(0, None, rate_limit=2000).sink(lambda b: None, batched=True)
+    job = env.execute_async()
+    try:
+        url = job.serve_ui(0, host="0.0.0.0")
+        token = job.ui.token
+        assert token and len(token) >= 32 and url.endswith("/?token=" + token) and job.ui_url == url
+        base = f"http://127.0.0.1:{job.ui.port}/"
+        assert get(base, f"api/job?token={token}")["state"] == "RUNNING"
+        assert status_of(base + f"?token={token}") == 200
+        for bad in ("", "?token=", "?token=" + token[:-1], "?token=" + token + "x", "?token=%ff"):
+            assert status_of(base + "api/job" + bad) == 403, bad
+            assert status_of(base + bad) == 403, bad
+        assert status_of(base + "static/app.js") == 200          # public code, no figures
+        assert not job.done
+    finally:
+        cancel_and_join(job)
+        job.ui.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 70000, "80", 1.5, True])
+def test_bad_ui_port_is_refused_by_the_environment(bad):
+    with pytest.raises(errors.ConfigurationError, match="ui_port"):
+        fb.Environment(ui_port=bad)
+
+
+def test_a_busy_ui_port_fails_before_the_job_starts():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        calls = []
+        env = fb.Environment(ui_port=s.getsockname()[1])
+        env.from_sequence(0, 100).sink(calls.append)
+        with pytest.raises(errors.PortUnavailableError, match="ui_port"):
+            env.execute(timeout=30)
+        assert calls == [] and env.last_execution is None
+
+
+def test_the_view_shows_the_final_state_while_the_handle_lives_and_goes_with_it():
+    import gc
+    env = fb.Environment(ui_port=0, name="ui-final")
+    env.from_sequence(0, 1000).sink(lambda b: None, batched=True)
+    job = env.execute(timeout=60)
+    port = job.ui.port
+    info = get(job.ui_url, "api/job")
+    assert info["ended"] and info["state"] == "FINISHED"
+    del job, env, info
+    gc.collect()
+
+    def closed():
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return False
+        except OSError:
+            return True
+    wait_for(closed, "the port closed once the handle was gone", timeout=30)
+
+
+def test_pyflowbuf_run_ui_prints_the_url(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import pyflowbuf as fb
+        env = fb.Environment(name="cli-ui")
+        env.from_sequence(0, 1000).sink(lambda b: None, batched=True)
+    """))
+    out = subprocess.run([sys.executable, "-m", "pyflowbuf", "run", str(script), "--ui"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert "web view: http://127.0.0.1:" in out.stderr
+
+
+def test_the_page_ships_as_package_data():
+    from importlib import resources
+    for name in ("index.html", "app.js", "app.css"):
+        assert resources.files("pyflowbuf.ui").joinpath("static", name).read_bytes()
+    html = resources.files("pyflowbuf.ui").joinpath("static", "index.html").read_text()
+    assert "http://" not in html and "https://" not in html          # no CDN: works offline
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        assert '"ui/static/*"' in f.read()
+    with open(os.path.join(root, "MANIFEST.in")) as f:
+        assert "pyflowbuf/ui/static" in f.read()
+
+
+@needs_fork
+@pytest.mark.filterwarnings("ignore::pyflowbuf.errors.WorkerSideEffectWarning")   # the sink keeps nothing
+def test_workers_name_each_subtasks_worker_and_host():
+    env = fb.Environment(parallelism=4, workers=2, metrics_interval=0.1, ui_port=0, name="ui-workers")
+    env.from_sequence(0, None, rate_limit=4000).rebalance().sink(lambda b: None, batched=True, name="sink")
+    job = env.execute_async()
+    try:
+        def all_reported():
+            rows = get(job.ui_url, "api/subtasks")
+            return all(r["reported"] and r["worker"] is not None for r in rows) and rows
+        rows = wait_for(all_reported, "every subtask's sample from its worker", job=job)
+        assert len(rows) == 8 and get(job.ui_url, "api/job")["workers"] == 2
+        metrics = env.metrics()
+        for r in rows:
+            assert r["worker"] == r["subtask"] % 2              # cluster.worker.placement
+            assert r["host"] == socket.gethostname()           # forked here
+            assert r["task"] in metrics
+    finally:
+        cancel_and_join(job)
+        job.ui.close()
+
+
+def test_infinite_and_nan_figures_are_null_in_the_json():
+    # JSON has no infinities: a browser's JSON.parse refuses "Infinity"
+    from pyflowbuf import ui
+    env = fb.Environment(name="ui-inf")
+    env.from_sequence(0, 10).sink(lambda b: None, batched=True)
+
+    class Job:
+        done, ran, coordinator = False, True, None
+
+        def __init__(self):
+            self.env = env
+
+        def metrics(self):
+            return {"sequence -> sink (1/1)": {"state": "RUNNING", "debloat_time_to_consume_s": math.inf,
+                                                "busy_ms_per_s": math.nan, "records_in": 5,
+                                                "watermark": math.inf}}
+
+        def checkpoints(self):
+            return [{"id": 1, "status": "completed", "duration_s": math.inf, "phases": {"sync_ms": math.nan},
+                     "subtasks": {"v0-0": {"ack_ms": math.inf}}}]
+
+    job = Job()
+    server = ui.serve(job)
+    try:
+        rows = get(server.url, "api/subtasks")
+        assert rows[0]["debloat_time_to_consume_s"] is None and rows[0]["busy_ms_per_s"] is None
+        assert rows[0]["records_in"] == 5 and rows[0]["watermark"] is None and rows[0]["watermark_end"]
+        assert get(server.url, "api/checkpoints")[0]["duration_s"] is None
+        assert get(server.url, "api/checkpoints/1")["timeline"][0]["ack_ms"] is None
+        assert get(server.url, "api/watermarks")[0]["watermark_end"]
+    finally:
+        server.close()
