@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from pyflowbuf._core.serde import RecordReader, RecordWriter
 from pyflowbuf._core.channel import BARRIER, END_OF_PARTITION, USER_EVENT
 from pyflowbuf._core.serde import DEFAULT_ZERO_COPY_MIN
 
+from pipeline_helpers import wait_for
 from reference_model import RefRecordStream, fixed_buffer_counts, parse_records, ref_stable_hash
 from strategies import (
     boundary_sizes, float64s, int64s, payload, record_streams, segment_sizes, segments_needed, small_segment_sizes,
@@ -275,6 +277,35 @@ def test_view_outlives_reader_and_writer():
     assert view.tobytes() == b"z" * 200
     del view
     p.assert_no_leaks()
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_in_progress_is_visible_to_a_sampler(threads):
+    """A writer parked on a dry pool says since when (``wait_since_ns``):
+    a metrics sample taken during a wait longer than its period counts the
+    wait as backpressure, not as work; the wait is added once when it ends."""
+    from pyflowbuf.exchange.sides import OutputSide
+
+    nbp = NetworkBufferPool(1, 256)
+    pool = nbp.create_pool(0, 1)
+    q = BufferQueue(nbp)
+    w = RecordWriter(pool, [q])
+    r = RecordReader(q, zero_copy_min=0)
+    w.write(b"a" * 250)
+    w.flush()
+    view = r.read()                  # held: the one segment stays taken
+    assert w.wait_since_ns == 0 and w.backpressure_ns == 0
+    t = threads.start(lambda: w.write(b"b" * 10))
+    wait_for(lambda: w.wait_since_ns != 0, "the writer to park")
+    first = OutputSide.backpressure_ns.fget(types.SimpleNamespace(writer=w))
+    wait_for(lambda: OutputSide.backpressure_ns.fget(types.SimpleNamespace(writer=w)) > first,
+             "the wait in progress to grow")
+    assert w.backpressure_ns == 0 and t.is_alive()       # nothing added until it ends
+    del view
+    threads.join(10)
+    assert w.wait_since_ns == 0 and w.backpressure_ns > 0
+    w.end_input()
+    assert [as_bytes(x) for x in r] == [b"b" * 10]
 
 
 @pytest.mark.timeout(60)

@@ -16,7 +16,11 @@ cdef class RecordWriter:
     it on the buffer timeout and before it idles) and before events. When the
     pool is dry the writer parks (GIL released) until the consumer recycles a
     buffer: that is the backpressure; the time is counted in
-    ``backpressure_ns``.
+    ``backpressure_ns`` when the wait ends, and ``wait_since_ns`` says when
+    the wait in progress began (0: none), so that a sample taken during a
+    wait longer than its period counts it as backpressure, not as work.
+    Both change only while the GIL is held: a reader holding it sees them
+    consistent.
 
     ``timestamped=True``: every record travels with its event time (a float64
     of seconds framed ahead of the payload, inside the length): the batch
@@ -72,13 +76,16 @@ cdef class RecordWriter:
         rc = fb_pool_request(self.p, &seg)
         if rc == FB_E_UNAVAILABLE:
             t0 = fb_monotonic_ns()
+            self.wait_since_ns = t0
             pool._waiters += 1
             try:
                 with nogil:
                     rc = pool.request_wait(&seg, self.request_timeout_ns)
             finally:
                 pool.leave_wait()
-            self.backpressure_ns += fb_monotonic_ns() - t0
+                # together, with the GIL held: never counted twice or not at all
+                self.wait_since_ns = 0
+                self.backpressure_ns += fb_monotonic_ns() - t0
             if rc == FB_E_CANCELLED and pool._destroy_pending:
                 raise _errors.PoolDestroyedError("the writer's LocalBufferPool was destroyed while it waited")
         if rc != FB_OK:

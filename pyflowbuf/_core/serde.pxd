@@ -63,6 +63,7 @@ cdef class RecordWriter:
     cdef readonly uint64_t bytes_out
     cdef readonly uint64_t buffers_out
     cdef readonly int64_t backpressure_ns
+    cdef readonly int64_t wait_since_ns   # when the wait for a buffer in progress began; 0: none
     cdef readonly bint ended
     cdef readonly object broken    # why the writer cannot go on, or None
     cdef bint _is_broken

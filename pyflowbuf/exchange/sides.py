@@ -295,7 +295,14 @@ class OutputSide:
 
     @property
     def backpressure_ns(self):
-        return 0 if self.writer is None else self.writer.backpressure_ns
+        """Time spent waiting for an output buffer, the wait in progress
+        included (a source blocked for seconds is backpressured all along,
+        not busy until its wait ends)."""
+        w = self.writer
+        if w is None:
+            return 0
+        since = w.wait_since_ns
+        return w.backpressure_ns + (time.monotonic_ns() - since if since else 0)
 
     @property
     def records(self):
