@@ -140,6 +140,7 @@ class Environment(SourceDeclarations):
             setattr(self, setting, value)
         self._check_settings()
         self.nodes: list[Node] = []
+        self._side_streams: dict = {}   # the reader node's id -> its Stream (side_output(), late())
         self.last_execution = None
         self._claim_lock = threading.Lock()
         self._claimed_by = None        # the job that ran (or runs) this graph

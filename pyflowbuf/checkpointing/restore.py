@@ -113,7 +113,7 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
     start, end = kg.key_group_range(max_parallelism, v.parallelism, i)
     entries, summary_ops, referenced = [], {}, set()
     # operators that declared a key migration: their state now holds the new keys
-    migrated = {n.operator_uid for n in v.nodes if getattr(n, "key_migration", None) is not None}
+    migrated = {n.operator_uid for n in v.nodes if n.key_migration is not None}
     increments = state.get("increments") or [None] * len(task.operators)
     for op, raw, inc in zip(task.operators, state["operators"], increments):
         uid = getattr(op, "uid", None) or op.name
@@ -713,7 +713,7 @@ class RestorePlan:
         that had not migrated it yet."""
         out = {}
         for n, uid in zip([n for n in v.nodes if n.make_operator is not None], uids):
-            fn = getattr(n, "key_migration", None)
+            fn = n.key_migration
             old = self.operators.get(uid)
             if fn is not None and old is not None and old.get("keyed") and not old.get("key_migrated"):
                 out[uid] = fn
@@ -1014,7 +1014,7 @@ def commit_outputs(nodes, meta) -> list:
     ops = meta.properties.get("operators") or {}
     out = []
     for n in nodes:
-        fo = getattr(n, "file_output", None)
+        fo = n.file_output
         if fo is None:
             continue
         old = ops.get(n.operator_uid)

@@ -32,7 +32,7 @@ def file_locations(env):
     for node in env.nodes:
         if node.file_output is not None:
             yield f"sink {node.name!r}", node.file_output.path
-        for p in getattr(node, "input_paths", None) or ():
+        for p in node.input_paths or ():
             yield f"source {node.name!r}", p
 
 
