@@ -59,7 +59,7 @@ class Stream(SinkDeclarations):
         return (WindowResult if window_result else Stream)(self.env, node)
 
     def _then(self, name, make_operator, parallelism, kind, *, sink=False) -> Node:
-        p = _parallelism(self.env, parallelism)
+        p = _parallelism(self.env.parallelism, parallelism)
         return self.env._add(name=name, parallelism=p, make_operator=make_operator,
                              inputs=[self._input_to(p)], kind=kind, is_sink=sink)
 
@@ -232,7 +232,7 @@ class Stream(SinkDeclarations):
             return _key_by_column(self, key_fn)
         if not callable(key_fn):
             raise TypeError("key_by takes a function record -> key")
-        note_key_function(self.env, key_fn, f"key_by after {self.node.name!r}")
+        note_key_function(self.env._salted_key_functions, key_fn, f"key_by after {self.node.name!r}")
         ks = KeyedStream(self.env, self.node, key_fn)
         ks._partitioner = "hash"
         return ks
@@ -496,7 +496,7 @@ class Stream(SinkDeclarations):
         for s in others:
             _same_env(self.env, s, "union")
         kind = _common_kind(streams, f"union {name!r}")
-        p = _parallelism(self.env, parallelism)
+        p = _parallelism(self.env.parallelism, parallelism)
         node = self.env._add(name=name, parallelism=p, make_operator=lambda: ops.Union(name),
                              inputs=[s._input_to(p) for s in streams], kind=kind)
         return Stream(self.env, node)
@@ -840,7 +840,7 @@ class ConnectedStreams:
         return isinstance(self.first, KeyedStream) and isinstance(self.second, KeyedStream)
 
     def _node(self, name, make_operator, parallelism, kind) -> Stream:
-        p = _parallelism(self.env, parallelism)
+        p = _parallelism(self.env.parallelism, parallelism)
         node = self.env._add(name=name, parallelism=p, make_operator=make_operator,
                              inputs=[self.first._input_to(p), self.second._input_to(p)], kind=kind)
         return Stream(self.env, node)

@@ -979,7 +979,7 @@ def _holds_task(s: dict, v) -> bool:
             and s.get("source_uid") == (v.head.operator_uid if v.head.source is not None else None))
 
 
-def check_operator_ids(env) -> None:
+def check_operator_ids(spec) -> None:
     """Before a job starts: every operator's id (duplicates refused), every
     parallelism within ``max_parallelism``; with checkpointing on, an
     ``OperatorIdWarning`` for each stateful operator whose id is derived
@@ -987,13 +987,13 @@ def check_operator_ids(env) -> None:
     state is then refused), pointing at the line of the user's code that
     declared it."""
     try:
-        assign_uids(env.nodes)
+        assign_uids(spec.nodes)
     except ValueError as exc:
         raise errors.ConfigurationError(str(exc)) from None
-    kg.check_max_parallelism(env.max_parallelism, [(n.name, n.parallelism) for n in env.nodes])
-    if env.checkpoint_interval is None:
+    kg.check_max_parallelism(spec.max_parallelism, [(n.name, n.parallelism) for n in spec.nodes])
+    if spec.checkpoint_config.interval is None:
         return
-    for n in env.nodes:
+    for n in spec.nodes:
         if n.uid is not None or n.make_operator is None or n.is_sink or not is_stateful(n):
             continue
         message = (f"stateful operator {n.name!r} has no uid: its state is stored under an id derived from its "

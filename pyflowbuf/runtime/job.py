@@ -50,7 +50,7 @@ class Execution:
             raise
         if not finished:
             self._stop_now()
-            raise TimeoutError(f"job {self.env.name!r} did not finish within {timeout} s (cancelled)")
+            raise TimeoutError(f"job {self.spec.name!r} did not finish within {timeout} s (cancelled)")
         if self.control is not None:
             self.control.close()
         self._close()
@@ -96,12 +96,12 @@ class Execution:
         written self-contained to ``path`` (a new or empty directory; any
         fsspec URL; default ``<checkpoint_dir>/savepoints/savepoint-<time>``),
         never removed by retention, and can be moved or copied. Restore it
-        with ``env.execute(restore_from=path)``, at another parallelism too.
+        with ``execute(restore_from=path)``, at another parallelism too.
         Raises ``CheckpointStateError`` when it could not complete.
 
         Example::
 
-            job = env.execute_async()
+            job = environment.execute_async()
             path = job.savepoint("/backups/wordcount-v1")
         """
         coordinator = self._savepoint_coordinator("savepoint()")
@@ -136,7 +136,7 @@ class Execution:
 
         Example::
 
-            job = env.execute_async()
+            job = environment.execute_async()
             ...
             path = job.stop(savepoint="/backups/before-upgrade")
             # or, to end it for good with every window fired:
@@ -179,14 +179,14 @@ class Execution:
 
 
 class JobExecution(Execution):
-    """One process's share of a job. Without ``placement`` every subtask runs
+    """One process's share of the job ``spec`` (a ``JobSpec``). Without ``placement`` every subtask runs
     here (threads); with it, only the subtasks placed on worker ``me`` do, and
     exchanges with subtasks elsewhere go through ``remote`` (a
     ``pyflowbuf.cluster.driver.RemoteContext``)."""
 
-    def __init__(self, env, placement=None, me=0, remote=None):
-        self.env = env
-        self.vertices, self.edges = env.plan()
+    def __init__(self, spec, placement=None, me=0, remote=None):
+        self.spec = spec                # the JobSpec: the job's graph and settings (jobgraph/spec.py)
+        self.vertices, self.edges = spec.plan()
         self.placement = placement or (lambda vertex, subtask: 0)
         self.me = me
         self.remote = remote
@@ -200,10 +200,10 @@ class JobExecution(Execution):
         self.iterator_input = None
         self.sampler = None
         self._exported = set()         # ids of queues a remote consumer drains
-        check_output_pools(env, self.edges, [(self._here, self._remote_buffers())])
+        check_output_pools(spec, self.edges, [(self._here, self._remote_buffers())])
         # checkpoints: on when the Environment asks; a worker process is given
         # its config and a proxy of the driver's coordinator (cluster/driver.py)
-        self.checkpoint_config = ckpt.CheckpointSettings.from_env(env) if remote is None else None
+        self.checkpoint_config = ckpt.CheckpointSettings.from_env(spec) if remote is None else None
         self.coordinator = None
         self.restore_from = None       # set by Environment.execute(restore_from=...)
         self.restored_from = None      # the checkpoint id the job (or its last attempt) started from
@@ -216,7 +216,7 @@ class JobExecution(Execution):
 
     # ---- building ----
     def _output_pool_size(self, nsub: int):
-        return output_pool_size(self.env, nsub)
+        return output_pool_size(self.spec, nsub)
 
     def _here(self, vertex, subtask):
         return self.placement(vertex, subtask) == self.me
@@ -226,7 +226,7 @@ class JobExecution(Execution):
         return None if r is None else (r.exclusive_buffers, r.floating_buffers)
 
     def _segments_needed(self):
-        return segments_needed(self.env, self.edges, self._here, self._remote_buffers())
+        return segments_needed(self.spec, self.edges, self._here, self._remote_buffers())
 
     def _build(self):
         """This attempt's memory, exchanges and subtasks (``Deployment``)."""
@@ -240,7 +240,7 @@ class JobExecution(Execution):
     def _gate_output(self) -> bool:
         """Whether tasks wait for output buffers between batches (unaligned
         checkpoints: see Mailbox.wait_for_output in runtime/task/mailbox.py)."""
-        c = self.env.checkpoint_config
+        c = self.spec.checkpoint_config
         return c.enabled and c.alignment == "unaligned"
 
     def _remote_failed(self, exc):
@@ -261,16 +261,16 @@ class JobExecution(Execution):
         # The metrics listeners first: a busy prometheus_port is refused
         # before any memory is taken or any task runs. In a worker process
         # the driver serves them (one port, one log, one view for the job).
-        listeners = make_listeners(self.env) if self.remote is None else []
+        listeners = make_listeners(self.spec) if self.remote is None else []
         try:
             self._build()
             if self.checkpoint_config is not None:
                 self._start_checkpointing(listeners)
             if self.remote is None:
                 # a worker process is forked after the driver did this
-                sink_outputs.prepare_outputs(self.env.nodes, restoring=self.restored_from is not None,
-                                        checkpoint_dir=self.env.checkpoint_config.directory)
-            self.sampler = MetricsSampler(self, self.env.metrics_config.interval, listeners)
+                sink_outputs.prepare_outputs(self.spec.nodes, restoring=self.restored_from is not None,
+                                        checkpoint_dir=self.spec.checkpoint_config.directory)
+            self.sampler = MetricsSampler(self, self.spec.metrics_config.interval, listeners)
         except BaseException:
             close_listeners(listeners)
             self._stop_checkpointing()
@@ -375,20 +375,20 @@ class JobExecution(Execution):
             storage = CheckpointStorage(config.directory, retained=config.retained,
                                         allow_pickle=config.allow_pickle)
             # the job's hold on its directory first: nothing of another job's is read or written
-            fingerprint = jobdir.job_fingerprint(self.env.nodes, self.env.max_parallelism)
-            self._jobdir = jobdir.open_directory(storage, self.env.name, fingerprint)
-            self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)
+            fingerprint = jobdir.job_fingerprint(self.spec.nodes, self.spec.max_parallelism)
+            self._jobdir = jobdir.open_directory(storage, self.spec.name, fingerprint)
+            self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.spec.name)
             self.coordinator.fingerprint = fingerprint
             self.coordinator.listeners = listeners
-            self.coordinator.outputs = sink_outputs.graph_outputs(self.env.nodes)
+            self.coordinator.outputs = sink_outputs.graph_outputs(self.spec.nodes)
         # else: a worker process, given a proxy of the driver's coordinator
         self._snapshot_writer = ckpt.new_writer()
         # a worker is told the id of a checkpoint the driver has already checked
         meta = ckpt.restore_plan(self.coordinator.storage, self.restore_from, verify=self.remote is None)
         if self.remote is None:
-            jobdir.check_restore_point(self.coordinator.storage, self.restore_from, meta, self.env,
+            jobdir.check_restore_point(self.coordinator.storage, self.restore_from, meta, self.spec,
                                        self.coordinator.fingerprint)
-            jobdir.check_no_other_job(self.coordinator.storage, self.env.name)
+            jobdir.check_no_other_job(self.coordinator.storage, self.spec.name)
         self._started_from = meta
         if meta is None:
             restore_mod.started_fresh(self)
@@ -404,7 +404,7 @@ class JobExecution(Execution):
             storage = ckpt.storage_of(coordinator.storage, meta)
             if restore_mod.is_current(meta):
                 # by operator id, at any parallelism (pyflowbuf.checkpointing.restore)
-                plan = restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,
+                plan = restore_mod.RestorePlan(storage, meta, self.spec.max_parallelism,
                                                getattr(self, "allow_non_restored_state", False),
                                                restore_mod.checks_key_kinds(
                                                    self, meta, getattr(self, "check_key_kinds", True)))
@@ -434,9 +434,9 @@ class JobExecution(Execution):
                 # What that checkpoint covered is committed (its notification
                 # may have been lost). With workers the driver does it, once:
                 # two processes renaming the same files would race.
-                commits = restore_mod.restored_commits(meta, self.env.nodes,
+                commits = restore_mod.restored_commits(meta, self.spec.nodes,
                                                          getattr(self, "allow_non_restored_state", False))
-                ckpt.run_commits(commits, restore_mod.commit_outputs(self.env.nodes, meta))
+                ckpt.run_commits(commits, restore_mod.commit_outputs(self.spec.nodes, meta))
             self.restored_from = meta.checkpoint_id
         for t in self.tasks:
             t.checkpointing = ckpt.TaskCheckpointing(t, coordinator, self._snapshot_writer)
@@ -561,7 +561,7 @@ class JobExecution(Execution):
         if self.failure is not None:
             task, op, exc, tb = self.failure
             raise errors.JobFailedError(
-                f"job {self.env.name!r} failed: operator {op!r} in task {task!r} raised "
+                f"job {self.spec.name!r} failed: operator {op!r} in task {task!r} raised "
                 f"{type(exc).__name__}: {exc}\n\nOriginal traceback:\n{tb}") from exc
 
     def iterate(self, sink_node):
@@ -571,7 +571,7 @@ class JobExecution(Execution):
         try:
             while True:
                 try:
-                    batch = inp.read(self.env.max_batch, 0.1)
+                    batch = inp.read(self.spec.max_batch, 0.1)
                 except errors.CancelledError:
                     if self.failure is None and not self.cancelled:
                         raise
