@@ -30,7 +30,9 @@ talking to the driver over ``pyflowbuf.cluster.control_channel``: authenticated 
 no pickle). Both derive from ``Launcher``, which declares the calls (``check``,
 ``open``, ``launch``, ``exit_report``, ``lost``, ``stop``, ``end_attempt``,
 ``finished``, ``close``); ``run_worker`` (``pyflowbuf.cluster.worker``) is the worker's
-part under either.
+part under either. What the driver shares with a job run in one process (the
+coordinator's start, the restore point, restored commits, the restart
+decision) is ``pyflowbuf.runtime.execution.Execution``.
 """
 from __future__ import annotations
 
@@ -48,12 +50,10 @@ import logging
 import warnings
 
 from pyflowbuf import errors
-from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint.storage import TaskStateHandle
 from pyflowbuf.net import new_secret
 from pyflowbuf.checkpointing import coordinator as ckpt
 from pyflowbuf.connectors import filesystems as fsx
-from pyflowbuf.checkpointing import jobdir
 from pyflowbuf.cluster.locations import check_shared_locations
 from pyflowbuf.checkpointing import restore as restore_mod
 from pyflowbuf.connectors import outputs as sink_outputs
@@ -481,15 +481,9 @@ class ClusterExecution(Execution):
         self.vertices = vertices
         # checkpoints: the coordinator lives here, for every worker's tasks
         self.checkpoint_config = ckpt.CheckpointSettings.from_env(spec)
-        self.coordinator = None
-        self.restore_from = None       # set by Environment.execute(restore_from=...)
-        self.restored_from = None      # the checkpoint id the job (or its last attempt) started from
-        self.restarts = 0
         self.restart_failures: list = []   # (task, operator, error text) of each failure recovered
-        self._user_cancelled = False
         self._task_keys = ckpt.graph_task_keys(vertices)
-        self._jobdir = None            # the driver's hold on checkpoint_dir (checkpointing/jobdir.py)
-        self._started_from = None      # the checkpoint or savepoint this run started from
+        # (the coordinator, the restore point, restarts: runtime/execution.py)
         self.launcher.check(self)
 
     # ---- lifecycle ----
@@ -509,8 +503,7 @@ class ClusterExecution(Execution):
         try:
             restore_id = self._start_checkpointing() if self.checkpoint_config is not None else None
             # before the workers start: each fork request carries what it decided
-            sink_outputs.prepare_outputs(self.spec.nodes, restoring=restore_id is not None,
-                                    checkpoint_dir=self.spec.checkpoint_config.directory)
+            self._prepare_outputs(restoring=restore_id is not None)
             self._start_workers(restore_id)
             # from execute() to every worker running (forked, or Spark tasks scheduled and reporting)
             self.startup_s = time.monotonic() - self.started
@@ -710,19 +703,8 @@ class ClusterExecution(Execution):
         for v in self.vertices:
             if v.head.source is not None:
                 ckpt.check_rewindable(config, v.head.name, v.head.source())
-        storage = CheckpointStorage(config.directory, retained=config.retained, allow_pickle=config.allow_pickle)
-        # held here, by the driver, for every worker (checkpointing/jobdir.py)
-        fingerprint = jobdir.job_fingerprint(self.spec.nodes, self.spec.max_parallelism)
-        self._jobdir = jobdir.open_directory(storage, self.spec.name, fingerprint)
-        self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.spec.name)
-        self.coordinator.fingerprint = fingerprint
-        self.coordinator.listeners = self.sampler.listeners
-        self.coordinator.outputs = sink_outputs.graph_outputs(self.spec.nodes)
-        meta = ckpt.restore_plan(storage, self.restore_from)
-        jobdir.check_restore_point(storage, self.restore_from, meta, self.spec, fingerprint)
-        jobdir.check_no_other_job(storage, self.spec.name)
-        self._started_from = meta
-        return self._restore_point(meta)
+        # the directory is held here, by the driver, for every worker (checkpointing/jobdir.py)
+        return self._restore_point(self._open_checkpointing(self.sampler.listeners))
 
     def _restore_point(self, meta):
         if meta is None:
@@ -734,38 +716,25 @@ class ClusterExecution(Execution):
         self.check_key_kinds = restore_mod.checks_key_kinds(self, meta)
         if restore_mod.is_current(meta):
             # by operator id; each worker reads its own subtasks' state
-            plan = restore_mod.RestorePlan(storage, meta, self.spec.max_parallelism,
-                                           getattr(self, "allow_non_restored_state", False))
-            plan.check(self.vertices)
-            plan.check_sources(self.vertices)
+            self._restore_plan(storage, meta)
         else:
             ckpt.check_graph(meta, self._task_keys, storage.url)
             # the sources' identities, here before any worker starts
             sources = {ckpt.task_key(v, i): (v.head.name, v.head.source())
                        for v in self.vertices if v.head.source is not None for i in range(v.parallelism)}
             ckpt.check_sources(meta, ckpt.read_states(storage, meta, set(sources)), sources)
-        # what that checkpoint covered is committed (its notification may have been lost)
-        commits = restore_mod.restored_commits(meta, self.spec.nodes,
-                                                 getattr(self, "allow_non_restored_state", False))
-        ckpt.run_commits(commits, restore_mod.commit_outputs(self.spec.nodes, meta))
+        self._commit_restored(meta)
         self.restored_from = meta.checkpoint_id
         return ckpt.restore_location(self.coordinator.storage, meta)
-
-    def _stop_checkpointing(self):
-        self.coordinator.stop()
-        self.coordinator.abort_all("the job ended")
-        self._release_directory()
 
     def _release_directory(self):
         if self._jobdir is not None:
             self._jobdir.release()
 
-    def _should_restart(self) -> bool:
-        config = self.checkpoint_config
-        return (self.failure is not None and self.coordinator is not None and self.local is None
-                and self.restarts < config.restart_attempts and not self._user_cancelled
-                # a failure a restart would meet again (a worker's text names its type)
-                and not str(self.failure[2]).startswith(NOT_RESTARTED))
+    def _restartable(self, failure) -> bool:
+        # not a job with an iterator (records handed out would be handed out
+        # again), nor a failure a restart would meet again (a worker's text names its type)
+        return self.local is None and not str(failure[2]).startswith(NOT_RESTARTED)
 
     def _restart(self) -> bool:
         """After a failure every worker of the attempt has ended (or is killed
@@ -773,13 +742,9 @@ class ClusterExecution(Execution):
         took its segments with it; the new ones start with a fresh pool.
         False when the job was cancelled meanwhile (nothing restarted)."""
         task, op, text, _ = self.failure
-        self.restarts += 1
-        self.restart_failures.append((task, op, text))
         log.info("pyflowbuf: job %r: %s in task %s failed (%s); restarting (%d of %d)", self.spec.name, op,
-                 task, text, self.restarts, self.checkpoint_config.restart_attempts)
-        coordinator = self.coordinator
-        coordinator.attach(None, self._task_keys)       # nothing to trigger until the new workers run
-        coordinator.abort_all(f"task {task!r} failed; restarting")
+                 task, text, self.restarts + 1, self.checkpoint_config.restart_attempts)
+        self._begin_restart(self._task_keys)       # nothing to trigger until the new workers run
         self._kill()
         with self._send_lock:
             for c in self._conns:
@@ -787,7 +752,7 @@ class ClusterExecution(Execution):
             self._conns = {}
         self.launcher.end_attempt()
         self._finished_workers = set()
-        meta = ckpt.restart_point(coordinator, self._started_from)
+        meta = self._restart_point()
         restore_id = self._restore_point(meta)
         with self._lock:
             if self._user_cancelled:

@@ -18,6 +18,7 @@ from pyflowbuf import errors
 from pyflowbuf.checkpoint import CheckpointStorage, SavepointStorage
 from pyflowbuf.net import ConnectionManager, NetworkServer
 from pyflowbuf.checkpointing import coordinator as ckpt
+from pyflowbuf.checkpointing.gateway import CoordinatorGateway
 from pyflowbuf.runtime.job import CANCEL_GRACE_S, JobExecution
 from pyflowbuf.connectors.sinks import CollectSink
 from pyflowbuf.serializers import get_serializer
@@ -198,7 +199,7 @@ class CollectShipper:
                 self.send(("collected", inc))
 
 
-class WorkerCoordinator:
+class WorkerCoordinator(CoordinatorGateway):
     """The checkpoint coordinator as a worker's tasks see it: its config and
     storage (each task writes its own state file to the shared
     ``checkpoint_dir``), and acknowledgements, declines and final states
