@@ -38,9 +38,9 @@ def _output_path(path, name):
     return os.fspath(path)
 
 
-def _parallelism(env, parallelism) -> int:
+def _parallelism(default: int, parallelism) -> int:
     if parallelism is None:
-        return env.parallelism
+        return default
     _positive_int("parallelism", parallelism)
     return parallelism
 
@@ -364,36 +364,35 @@ def _user_code(fn) -> bool:
                 or "site-packages" in path)
 
 
-def note_key_function(env, fn, what: str) -> None:
-    """At declaration: remember a key function that calls ``hash()``; the
-    job's settings decide at ``execute`` whether it can be right
-    (``check_key_hashes``)."""
+def note_key_function(found: list, fn, what: str) -> None:
+    """At declaration: remember in ``found`` (the job's list) a key function
+    that calls ``hash()``; the job's settings decide at ``execute`` whether
+    it can be right (``check_key_hashes``)."""
     use = salted_hash_use(fn)
     if use is not None:
-        env.__dict__.setdefault("_salted_key_functions", []).append((what, use))
+        found.append((what, use))
 
 
 def _fixed_seed(value) -> bool:
     return isinstance(value, str) and value.strip().isdigit()
 
 
-def check_key_hashes(env) -> None:
+def check_key_hashes(found: list, *, checkpoints: bool, cluster=None) -> None:
     """Before a job runs: refuse a key function that calls ``hash()`` where
     keys must agree across processes or runs, unless PYTHONHASHSEED is
     fixed (in this process's environment, and for a SparkCluster in
     ``spark.executorEnv.PYTHONHASHSEED`` too). In one process, and in
     worker processes forked from it (they share its hash salt), without
-    checkpoints, a str's hash is the same everywhere the job runs: allowed."""
-    found = env.__dict__.get("_salted_key_functions")
+    checkpoints, a str's hash is the same everywhere the job runs: allowed.
+    ``found``: what ``note_key_function`` noted."""
     if not found:
         return
     why, fix = [], []
     seed = os.environ.get("PYTHONHASHSEED")
-    if env.checkpoint_config.enabled and not _fixed_seed(seed):
+    if checkpoints and not _fixed_seed(seed):
         why.append("checkpoints are on, and a restore (a resume, a `pyflowbuf run --restore`) runs in a new "
                    "process whose str/bytes hashes differ, so each key's state would be under another key")
         fix.append("set PYTHONHASHSEED to a fixed number in the environment of every run")
-    cluster = getattr(env, "cluster", None)
     if cluster is not None:
         conf = getattr(cluster, "_conf", None)
         executor_seed = conf("spark.executorEnv.PYTHONHASHSEED") if callable(conf) else None

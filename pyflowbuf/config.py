@@ -3,13 +3,13 @@ concern, each a frozen dataclass that checks itself when it is made.
 
     import pyflowbuf as fb
 
-    env = fb.Environment(
+    environment = fb.Environment(
         parallelism=2,
         checkpoint=fb.CheckpointConfig(interval=1.0, directory="checkpoints"),
         restart=fb.RestartConfig(attempts=3),
         network=fb.NetworkConfig(buffer_timeout=0.01),
     )
-    env.checkpoint_config.interval      # 1.0; env.checkpoint_interval reads the same field
+    environment.checkpoint_config.interval    # 1.0; environment.checkpoint_interval reads the same field
 
 Each setting has one home (a field of one object) and, for the jobs written
 before these objects, a flat keyword of ``Environment`` (``FLAT``:
@@ -155,7 +155,7 @@ class CheckpointConfig(_Config):
         as it is; one job at a time holds it (a lock), and a restore refuses
         another job's checkpoints there. None (default): a directory of the
         job's own, ``checkpoints/<job name>`` (``job_directory_name``); the
-        Environment reports it (``env.checkpoint_dir``) once checkpoints are on.
+        Environment reports it (``Environment.checkpoint_dir``) once checkpoints are on.
     timeout : seconds after which a checkpoint that has not completed expires.
     retained : complete checkpoints kept (older ones are removed).
     mode : ``"exactly_once"`` (barriers aligned) or ``"at_least_once"``
@@ -516,7 +516,7 @@ def check_together(network: NetworkConfig, debloat: DebloatConfig) -> None:
 
 
 class FlatSetting:
-    """An Environment attribute under its flat name (``env.checkpoint_interval``),
+    """An Environment attribute under its flat name (``Environment.checkpoint_interval``),
     read from and written to the field of the config object that holds it.
     Writing replaces the object by a copy (checked as a new object is)."""
 
@@ -534,21 +534,21 @@ class FlatSetting:
             warnings.warn(f"Environment.{self.name} is deprecated and will be removed in the next release: use "
                           f"{self.deprecated_as}", DeprecationWarning, stacklevel=3)
 
-    def __get__(self, env, owner=None):
-        if env is None:
+    def __get__(self, owner_obj, owner=None):
+        if owner_obj is None:
             return self
         self._warn()
-        return getattr(getattr(env, self.attr), self.field)
+        return getattr(getattr(owner_obj, self.attr), self.field)
 
-    def __set__(self, env, value):
+    def __set__(self, owner_obj, value):
         self._warn()
-        if self.attr == "debloat_config" and isinstance(value, DebloatConfig):   # env.debloat = DebloatConfig()
-            setattr(env, self.attr, value)
+        if self.attr == "debloat_config" and isinstance(value, DebloatConfig):   # Environment.debloat = DebloatConfig()
+            setattr(owner_obj, self.attr, value)
         else:
             # the object as given, not as read back: a default checkpoint
             # directory stays "the job's own" (it follows a later job name)
-            held = vars(env).get("_given_" + self.attr) or getattr(env, self.attr)
-            setattr(env, self.attr, held.replace(**{self.field: value}))
+            held = vars(owner_obj).get("_given_" + self.attr) or getattr(owner_obj, self.attr)
+            setattr(owner_obj, self.attr, held.replace(**{self.field: value}))
 
 
 def flat_settings(cls):

@@ -132,7 +132,7 @@ class ArrowSerializer(Serializer):
         True (default): a record read from inside a segment is decoded in
         place, and the segment stays pinned while the batch (or any array
         taken from it) lives. A consumer that *keeps* many small batches
-        (``list(env.execute_iter(...))``, a buffering operator) would pin
+        (``list(Environment.execute_iter(...))``, a buffering operator) would pin
         its producer's whole pool and stall it: give such streams
         ``kind=ArrowSerializer(zero_copy=False)``, which copies those records
         (records larger than a segment are reassembled by the reader anyway

@@ -105,7 +105,7 @@ class OperatorHarness:
         tags = getattr(node, "side_tags", None)
         if tags:
             # a window's late records are kept as in a job: when late() was taken
-            taken = getattr(node, "side_streams", {})
+            taken = node.side_readers
             self._side = {name: (tag, [] if name != LATE or name in taken else None) for name, tag in tags.items()}
             op.side = SideOutputs(op.name, self._side)
         elif side_outputs:

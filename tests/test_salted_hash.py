@@ -172,14 +172,12 @@ def test_a_spark_cluster_needs_one_fixed_seed_everywhere(monkeypatch, driver, ex
         monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     else:
         monkeypatch.setenv("PYTHONHASHSEED", driver)
-    env = types.SimpleNamespace(checkpoint_config=types.SimpleNamespace(enabled=False),
-                                cluster=_FakeCluster(executors))
-    env._salted_key_functions = [("key_by after 'pair'", "hash() in <lambda>")]
+    found = [("key_by after 'pair'", "hash() in <lambda>")]
     if refused:
         with pytest.raises(SaltedHashError, match="spark.executorEnv.PYTHONHASHSEED"):
-            check_key_hashes(env)
+            check_key_hashes(found, checkpoints=False, cluster=_FakeCluster(executors))
     else:
-        check_key_hashes(env)
+        check_key_hashes(found, checkpoints=False, cluster=_FakeCluster(executors))
 
 
 # ---- the wrong result the check prevents: a resume in a new process ----

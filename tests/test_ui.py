@@ -295,7 +295,7 @@ def test_infinite_and_nan_figures_are_null_in_the_json():
         done, ran, coordinator = False, True, None
 
         def __init__(self):
-            self.env = env
+            self.spec = env.job_spec()
 
         def metrics(self):
             return {"sequence -> sink (1/1)": {"state": "RUNNING", "debloat_time_to_consume_s": math.inf,

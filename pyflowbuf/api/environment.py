@@ -25,6 +25,7 @@ from pyflowbuf.config import UNSET, CheckpointConfig, DebloatConfig, MetricsConf
 from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError
 from pyflowbuf.cluster.driver import ClusterExecution
 from pyflowbuf.jobgraph.graph import Node, plan
+from pyflowbuf.jobgraph.spec import JobSpec
 from pyflowbuf.cluster import control as _control
 from pyflowbuf import ui as _ui
 from pyflowbuf.runtime import overrides as _overrides
@@ -142,6 +143,8 @@ class Environment(SourceDeclarations):
             setattr(self, setting, value)
         self._check_settings()
         self.nodes: list[Node] = []
+        self._side_streams: dict = {}   # the reader node's id -> its Stream (side_output(), late())
+        self._salted_key_functions: list = []     # (what, use) of key functions calling hash()
         self.last_execution = None
         self._claim_lock = threading.Lock()
         self._claimed_by = None        # the job that ran (or runs) this graph
@@ -168,7 +171,7 @@ class Environment(SourceDeclarations):
                 raise ConfigurationError(
                     "give the number of workers to the cluster (SparkCluster(spark, workers=N)), not also "
                     "Environment(workers=...)")
-        _control.check_settings(self)
+        _control.check_settings(self.control_port, self.checkpoint_config)
 
     @property
     def checkpoint_config(self) -> CheckpointConfig:
@@ -386,8 +389,9 @@ class Environment(SourceDeclarations):
             raise ConfigurationError("restore_from needs checkpointing: set checkpoint_interval (and checkpoint_dir)")
         self._check_settings()
         check_graph(self.nodes)
-        check_operator_ids(self)
-        check_key_hashes(self)
+        check_operator_ids(self.job_spec())
+        check_key_hashes(self._salted_key_functions, checkpoints=self.checkpoint_config.enabled,
+                         cluster=self.cluster)
         for node in self.nodes:
             self._check_node_kind(node)
         with self._claim_lock:
@@ -422,7 +426,7 @@ class Environment(SourceDeclarations):
     def _start(self, job):
         try:
             # control_port and ui_port: bound before the job starts
-            with _control.endpoint_for(self, job), _ui.served_for(self, job):
+            with _control.endpoint_for(job.spec, job), _ui.served_for(job.spec, job):
                 job.start()
         except BaseException:
             if not job.ran:
@@ -430,12 +434,34 @@ class Environment(SourceDeclarations):
             raise
         self.last_execution = job
 
+    def job_spec(self) -> JobSpec:
+        """The job as the runtime receives it (``pyflowbuf.jobgraph.spec``):
+        this graph and these settings, resolved. ``execute()`` runs one;
+        building it starts nothing and claims nothing.
+
+        Example::
+
+            spec = env.job_spec()
+            spec.name, spec.parallelism, len(spec.nodes)
+            spec.checkpoint_config.directory     # the job's own, when none was given
+        """
+        given = self._given_checkpoint_config
+        return JobSpec(
+            name=self.name, nodes=self.nodes, parallelism=self.parallelism,
+            max_parallelism=self.max_parallelism, chaining=self.chaining, max_batch=self.max_batch,
+            allow_pickle=self.allow_pickle, workers=self.workers, control_port=self.control_port,
+            network_config=self.network_config, checkpoint_config=self.checkpoint_config,
+            restart_config=self.restart_config, debloat_config=self.debloat_config,
+            metrics_config=self.metrics_config,
+            default_checkpoint_dir=given.enabled and given.directory is None)
+
     def _execution(self):
+        spec = self.job_spec()
         if self.cluster is not None:
-            return self.cluster.execution(self)
+            return self.cluster.execution(spec)
         if self.workers:
-            return ClusterExecution(self)
-        return JobExecution(self)
+            return ClusterExecution(spec)
+        return JobExecution(spec)
 
     def metrics(self) -> dict:
         """The latest per-task metrics of the running job; once it has ended

@@ -43,7 +43,7 @@ class JoinedStreams:
             orders.join(payments).where(lambda o: o["id"])
         """
         _callable(key_fn, "where")
-        note_key_function(self.first.env, key_fn, f"join where() on {self.first.node.name!r}")
+        note_key_function(self.first.env._salted_key_functions, key_fn, f"join where() on {self.first.node.name!r}")
         self.key_a = key_fn
         return self
 
@@ -60,7 +60,7 @@ class JoinedStreams:
         _callable(key_fn, "equal_to")
         if self.key_a is None:
             raise errors.ConfigurationError("join: call where(key_a) before equal_to(key_b)")
-        note_key_function(self.second.env, key_fn, f"join equal_to() on {self.second.node.name!r}")
+        note_key_function(self.second.env._salted_key_functions, key_fn, f"join equal_to() on {self.second.node.name!r}")
         self.key_b = key_fn
         return self
 
@@ -165,7 +165,7 @@ class IntervalJoin:
 def _two_input(a, b, name, make, parallelism, kind):
     kind = _check_kind(kind, f"{name!r}")
     env = a.env
-    p = _parallelism(env, parallelism)
+    p = _parallelism(env.parallelism, parallelism)
     node = env._add(name=name, parallelism=p, make_operator=make,
                     inputs=[a._input_to(p), b._input_to(p)], kind=kind)
     node.event_time = True

@@ -117,17 +117,17 @@ def declared_tag(node, tag, what: str):
     """The tag of ``node``'s side outputs that ``side_output(tag)`` names."""
     if not isinstance(tag, OutputTag):
         raise TypeError(f"{what} takes an OutputTag (fb.OutputTag(name, kind=...)), got {tag!r}")
-    tags = getattr(node, "side_tags", None)
+    tags = node.side_tags
     if tags is None:
         raise ConfigurationError(
             f"{what}: {node.name!r} cannot emit side outputs: only process functions can "
             "(Stream.process, KeyedStream.process, a window's process, a keyed connect(...).process), "
             f"declared with side_outputs=[{tag!r}]; a window's late records are result.late()")
-    window = getattr(node, "window_late", False)
+    window = node.window_late
     if window and tag.name == LATE:
         raise ConfigurationError(f"{what}: the late records of the window {node.name!r} are result.late()")
     known = tags.get(tag.name)
-    if known is None and getattr(node, "open_tags", False):
+    if known is None and node.open_tags:
         # PyFlink's habit: ctx.output(tag, ...) with no declaration; asking
         # for the tag's stream declares it (before the job runs, so the
         # operator's ctx.output finds its route)

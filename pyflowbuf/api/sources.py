@@ -135,7 +135,7 @@ class SourceDeclarations:
             factory, kind = connectors.monitor.text_source(
                 path, encoding=encoding, monitor=monitor, monitor_timeout=monitor_timeout,
                 what=f"read_text {name!r}")
-            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism), path)
+            return self._source(name, factory, kind, rate_limit, _parallelism(self.parallelism, parallelism), path)
         _not_monitored("read_text", monitor_timeout, parallelism)
         if not fsx.exists(path):
             raise FileNotFoundError(path)
@@ -183,14 +183,14 @@ class SourceDeclarations:
             factory, kind = connectors.monitor.parquet_source(
                 path, columns=columns, schema=schema, batch_size=batch_size, as_=as_, monitor=monitor,
                 monitor_timeout=monitor_timeout, what=f"read_parquet {name!r}")
-            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism), path)
+            return self._source(name, factory, kind, rate_limit, _parallelism(self.parallelism, parallelism), path)
         _not_monitored("read_parquet", monitor_timeout)
         if schema is not None:
             raise ConfigurationError("read_parquet: schema= is for monitor= (the files to come); a bounded "
                                      "read takes the files' own schema")
         factory, kind = connectors.parquet_source(path, columns=columns, batch_size=batch_size, as_=as_,
                                                   what=f"read_parquet {name!r}")
-        return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism), path)
+        return self._source(name, factory, kind, rate_limit, _parallelism(self.parallelism, parallelism), path)
 
     def read_csv(self, path, *, columns: list | None = None, column_types=None, column_names: list | None = None,
                  header: bool = True, delimiter: str = ",", quote_char: str = '"', batch_size: int = 65536,
@@ -231,14 +231,14 @@ class SourceDeclarations:
                 path, columns=columns, column_types=column_types, column_names=column_names, header=header,
                 delimiter=delimiter, quote_char=quote_char, batch_size=batch_size, block_size=block_size,
                 as_=as_, monitor=monitor, monitor_timeout=monitor_timeout, what=f"read_csv {name!r}")
-            return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism), path)
+            return self._source(name, factory, kind, rate_limit, _parallelism(self.parallelism, parallelism), path)
         _not_monitored("read_csv", monitor_timeout)
 
         factory, kind = connectors.csv_source(
             path, columns=columns, column_types=column_types, column_names=column_names, header=header,
             delimiter=delimiter, quote_char=quote_char, batch_size=batch_size, block_size=block_size,
             as_=as_, what=f"read_csv {name!r}")
-        return self._source(name, factory, kind, rate_limit, _parallelism(self, parallelism), path)
+        return self._source(name, factory, kind, rate_limit, _parallelism(self.parallelism, parallelism), path)
 
     def socket_text(self, host: str, port: int, delimiter: str = "\n", *, encoding: str = "utf-8",
                     max_retries: int | None = 5, retry_delay: float = 0.5, max_retry_delay: float = 10.0,
@@ -270,7 +270,7 @@ class SourceDeclarations:
         """
         retry_delay, max_retry_delay = st.check_arguments(host, port, delimiter, encoding, max_retries,
                                                           retry_delay, max_retry_delay, allow_remote)
-        st.check_checkpointing(self, name)
+        st.check_checkpointing(self.checkpoint_config, name)
         return self._source(name, lambda: st.SocketTextSource(
             host, port, delimiter, encoding=encoding, max_retries=max_retries, retry_delay=retry_delay,
             max_retry_delay=max_retry_delay, name=name), "str", rate_limit)

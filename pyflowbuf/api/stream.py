@@ -60,7 +60,7 @@ class Stream(SinkDeclarations):
         return (WindowResult if window_result else Stream)(self.env, node)
 
     def _then(self, name, make_operator, parallelism, kind, *, sink=False) -> Node:
-        p = _parallelism(self.env, parallelism)
+        p = _parallelism(self.env.parallelism, parallelism)
         return self.env._add(name=name, parallelism=p, make_operator=make_operator,
                              inputs=[self._input_to(p)], kind=kind, is_sink=sink)
 
@@ -152,7 +152,7 @@ class Stream(SinkDeclarations):
             raise ConfigurationError(
                 f"set_parallelism on the source {node.name!r}: a source's subtasks are fixed where it is "
                 "declared: pass parallelism= to it (e.g. env.from_sequence(0, 100, parallelism=4))")
-        if getattr(node, "single_subtask", False) and parallelism != 1:
+        if node.single_subtask and parallelism != 1:
             raise ConfigurationError(
                 f"set_parallelism({parallelism}) on {node.name!r}: this operator runs in one subtask (a "
                 "window_all, or the vectorized window's combining step); key_by(...).window(...) spreads "
@@ -233,7 +233,7 @@ class Stream(SinkDeclarations):
             return _key_by_column(self, key_fn)
         if not callable(key_fn):
             raise TypeError("key_by takes a function record -> key")
-        note_key_function(self.env, key_fn, f"key_by after {self.node.name!r}")
+        note_key_function(self.env._salted_key_functions, key_fn, f"key_by after {self.node.name!r}")
         ks = KeyedStream(self.env, self.node, key_fn)
         ks._partitioner = "hash"
         return ks
@@ -326,7 +326,7 @@ class Stream(SinkDeclarations):
         """
         _callable(fn, "filter")
         node = self._then(name, lambda: ops.Filter(name, fn), parallelism, self.node.kind)
-        node.timestamps = getattr(self.node, "timestamps", None)    # the records stay as they were
+        node.timestamps = self.node.timestamps    # the records stay as they were
         return Stream(self.env, node)
 
     def flat_map(self, fn: Callable, *, parallelism: int | None = None, name: str = "flat_map",
@@ -497,7 +497,7 @@ class Stream(SinkDeclarations):
         for s in others:
             _same_env(self.env, s, "union")
         kind = _common_kind(streams, f"union {name!r}")
-        p = _parallelism(self.env, parallelism)
+        p = _parallelism(self.env.parallelism, parallelism)
         node = self.env._add(name=name, parallelism=p, make_operator=lambda: ops.Union(name),
                              inputs=[s._input_to(p) for s in streams], kind=kind)
         return Stream(self.env, node)
@@ -841,7 +841,7 @@ class ConnectedStreams:
         return isinstance(self.first, KeyedStream) and isinstance(self.second, KeyedStream)
 
     def _node(self, name, make_operator, parallelism, kind) -> Stream:
-        p = _parallelism(self.env, parallelism)
+        p = _parallelism(self.env.parallelism, parallelism)
         node = self.env._add(name=name, parallelism=p, make_operator=make_operator,
                              inputs=[self.first._input_to(p), self.second._input_to(p)], kind=kind)
         return Stream(self.env, node)
@@ -967,13 +967,17 @@ def _side_stream(stream, tag, name, kind) -> Stream:
     """The stream of ``tag``'s records of ``stream``'s node: a node reading
     that side output (one per tag, made on first request)."""
     up = stream.node
-    made = up.__dict__.setdefault("side_streams", {})
-    side = made.get(tag.name)
-    if side is None:
+    node = up.side_readers.get(tag.name)
+    if node is None:
         kind = _check_kind(kind, f"side_output {name!r}")
-        node = stream.env._add(name=name, parallelism=up.parallelism, make_operator=lambda: ops.Forward(name),
-                               inputs=[Input(up, "forward", None, tag=tag.name)], kind=kind)
-        side = made[tag.name] = Stream(stream.env, node)
+        node = up.side_readers[tag.name] = stream.env._add(
+            name=name, parallelism=up.parallelism, make_operator=lambda: ops.Forward(name),
+            inputs=[Input(up, "forward", None, tag=tag.name)], kind=kind)
+    # the same Stream each time (the node holds no API object: the runtime receives it)
+    made = stream.env._side_streams
+    side = made.get(node.id)
+    if side is None:
+        side = made[node.id] = Stream(stream.env, node)
     return side
 
 
@@ -988,7 +992,7 @@ def _same_env(env, stream, what):
 def _timestamp_fn(node):
     """The function a process operator reads record times with where none
     travel with the records (None: no times, or times that travel)."""
-    ts = getattr(node, "timestamps", None)
+    ts = node.timestamps
     return None if ts is carried_timestamps else ts
 
 

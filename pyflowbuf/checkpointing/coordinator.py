@@ -85,14 +85,15 @@ class CheckpointSettings:
         return self.alignment == "unaligned" and bool(self.alignment_timeout)
 
     @classmethod
-    def from_env(cls, env) -> "CheckpointSettings | None":
-        c = env.checkpoint_config
+    def from_env(cls, spec) -> "CheckpointSettings | None":
+        """From the job's ``JobSpec`` (any object with its settings)."""
+        c = spec.checkpoint_config
         if not c.enabled:
             return None
         return cls(interval=c.interval, directory=os.fspath(c.directory or DEFAULT_CHECKPOINT_DIR),
-                   timeout=c.timeout, retained=c.retained, restart_attempts=env.restart_config.attempts,
-                   mode=c.mode, allow_pickle=env.allow_pickle, alignment=c.alignment,
-                   alignment_timeout=c.alignment_timeout, max_parallelism=env.max_parallelism,
+                   timeout=c.timeout, retained=c.retained, restart_attempts=spec.restart_config.attempts,
+                   mode=c.mode, allow_pickle=spec.allow_pickle, alignment=c.alignment,
+                   alignment_timeout=c.alignment_timeout, max_parallelism=spec.max_parallelism,
                    incremental=c.incremental)
 
 

@@ -142,23 +142,22 @@ def legacy_checkpoints(directory: str, job_name: str) -> str | None:
 
 # ---------------------------------------------------------------- a run
 
-def check_restore_point(storage, restore_from, meta, env, fingerprint: dict) -> None:
+def check_restore_point(storage, restore_from, meta, spec, fingerprint: dict) -> None:
     """Before a job starts: the checkpoint ``restore_plan`` chose is this
     job's (``check_identity``), and a ``"latest"`` that found none in the
     job's own default directory does not start from scratch over
     checkpoints an earlier release left in ``checkpoints/`` itself."""
     if meta is not None:
         implicit = meta.path == storage.fs.unstrip_protocol(storage.checkpoint_path(meta.checkpoint_id))
-        check_identity(meta, storage, implicit, env.name, fingerprint)
+        check_identity(meta, storage, implicit, spec.name, fingerprint)
         return
-    given = getattr(env, "_given_checkpoint_config", None)
-    if restore_from != "latest" or given is None or given.directory is not None:
+    if restore_from != "latest" or not spec.default_checkpoint_dir:
         return
-    old = legacy_checkpoints(env.checkpoint_config.directory, env.name)
+    old = legacy_checkpoints(spec.checkpoint_config.directory, spec.name)
     if old is not None:
         raise errors.ConfigurationError(
-            f"restore_from='latest': job {env.name!r} has no checkpoint in its directory "
-            f"{env.checkpoint_config.directory}, but {old} is one of its checkpoints from before each job had a "
+            f"restore_from='latest': job {spec.name!r} has no checkpoint in its directory "
+            f"{spec.checkpoint_config.directory}, but {old} is one of its checkpoints from before each job had a "
             f"directory of its own. Go on with that directory: checkpoint_dir={DEFAULT_CHECKPOINT_DIR!r} (used as "
             "it is); or start from scratch on purpose with restore_from=None")
 

@@ -113,7 +113,7 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
     start, end = kg.key_group_range(max_parallelism, v.parallelism, i)
     entries, summary_ops, referenced = [], {}, set()
     # operators that declared a key migration: their state now holds the new keys
-    migrated = {n.operator_uid for n in v.nodes if getattr(n, "key_migration", None) is not None}
+    migrated = {n.operator_uid for n in v.nodes if n.key_migration is not None}
     increments = state.get("increments") or [None] * len(task.operators)
     for op, raw, inc in zip(task.operators, state["operators"], increments):
         uid = op.uid or op.name
@@ -713,7 +713,7 @@ class RestorePlan:
         that had not migrated it yet."""
         out = {}
         for n, uid in zip([n for n in v.nodes if n.make_operator is not None], uids):
-            fn = getattr(n, "key_migration", None)
+            fn = n.key_migration
             old = self.operators.get(uid)
             if fn is not None and old is not None and old.get("keyed") and not old.get("key_migrated"):
                 out[uid] = fn
@@ -979,7 +979,7 @@ def _holds_task(s: dict, v) -> bool:
             and s.get("source_uid") == (v.head.operator_uid if v.head.source is not None else None))
 
 
-def check_operator_ids(env) -> None:
+def check_operator_ids(spec) -> None:
     """Before a job starts: every operator's id (duplicates refused), every
     parallelism within ``max_parallelism``; with checkpointing on, an
     ``OperatorIdWarning`` for each stateful operator whose id is derived
@@ -987,13 +987,13 @@ def check_operator_ids(env) -> None:
     state is then refused), pointing at the line of the user's code that
     declared it."""
     try:
-        assign_uids(env.nodes)
+        assign_uids(spec.nodes)
     except ValueError as exc:
         raise errors.ConfigurationError(str(exc)) from None
-    kg.check_max_parallelism(env.max_parallelism, [(n.name, n.parallelism) for n in env.nodes])
-    if env.checkpoint_interval is None:
+    kg.check_max_parallelism(spec.max_parallelism, [(n.name, n.parallelism) for n in spec.nodes])
+    if spec.checkpoint_config.interval is None:
         return
-    for n in env.nodes:
+    for n in spec.nodes:
         if n.uid is not None or n.make_operator is None or n.is_sink or not is_stateful(n):
             continue
         message = (f"stateful operator {n.name!r} has no uid: its state is stored under an id derived from its "
@@ -1014,7 +1014,7 @@ def commit_outputs(nodes, meta) -> list:
     ops = meta.properties.get("operators") or {}
     out = []
     for n in nodes:
-        fo = getattr(n, "file_output", None)
+        fo = n.file_output
         if fo is None:
             continue
         old = ops.get(n.operator_uid)

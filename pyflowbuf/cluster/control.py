@@ -26,9 +26,9 @@ host) or from a refused connection that no job is behind it, and says so.
 
 Example::
 
-    env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir="ck", control_port=0)
+    environment = fb.Environment(checkpoint_interval=1.0, checkpoint_dir="ck", control_port=0)
     ...
-    job = env.execute_async()
+    job = environment.execute_async()
     info = read_control_file("ck")
     answer = request(control_address(info), control_secret(info), {"op": "savepoint", "path": "/backups/sp1"})
     answer["path"]           # '/backups/sp1'
@@ -90,22 +90,21 @@ class ControlError(errors.FlowBufError):
 
 # ---------------------------------------------------------------- settings
 
-def check_settings(env) -> None:
+def check_settings(port, checkpoint_config) -> None:
     """``control_port``: None (no endpoint) or a port in 0..65535, on a job
     with checkpoints (what it controls are savepoints) in a local
     ``checkpoint_dir`` (the control file holds a secret: it is written with
     mode 0600, which only a local file system keeps)."""
-    port = env.control_port
     if port is None:
         return
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise errors.ConfigurationError(
             f"control_port must be None (no control endpoint) or an int in 0..65535 (0: a free port), got {port!r}")
-    if not env.checkpoint_config.enabled:
+    if not checkpoint_config.enabled:
         raise errors.ConfigurationError(
             "control_port opens the endpoint `pyflowbuf savepoint` and `pyflowbuf stop` reach, and savepoints need "
             "checkpointing: set checkpoint_interval (and checkpoint_dir)")
-    control_file_path(env.checkpoint_config.directory)
+    control_file_path(checkpoint_config.directory)
 
 
 def control_file_path(checkpoint_dir) -> str:
@@ -245,7 +244,7 @@ def recv_message(sock, deadline=None) -> dict:
 # ---------------------------------------------------------------- the job's end
 
 class ControlEndpoint:
-    """A job's control endpoint. ``open(env)`` binds the port and writes the
+    """A job's control endpoint. ``open(spec)`` (the job's ``JobSpec``) binds the port and writes the
     control file (before the job starts, so a busy port or a directory that
     cannot be written is refused before anything runs); ``serve(job)``
     answers requests once the job runs; ``close()`` (idempotent) removes the
@@ -256,10 +255,10 @@ class ControlEndpoint:
     ``checkpoint_timeout``, and a stranger that never finishes the handshake
     is dropped after ``handshake_timeout``."""
 
-    def __init__(self, env, *, handshake_timeout: float = P.DEFAULT_HANDSHAKE_TIMEOUT):
-        check_settings(env)
-        self.path = control_file_path(env.checkpoint_config.directory)
-        self.host = env.network_config.bind_host
+    def __init__(self, spec, *, handshake_timeout: float = P.DEFAULT_HANDSHAKE_TIMEOUT):
+        check_settings(spec.control_port, spec.checkpoint_config)
+        self.path = control_file_path(spec.checkpoint_config.directory)
+        self.host = spec.network_config.bind_host
         self.handshake_timeout = handshake_timeout
         self.secret = P.new_secret()
         self.token = uuid.uuid4().hex
@@ -278,17 +277,17 @@ class ControlEndpoint:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.bind((self.host, env.control_port))
+            sock.bind((self.host, spec.control_port))
             sock.listen(16)
         except OSError as exc:
             sock.close()
             raise errors.PortUnavailableError(
-                exc.errno, f"control_port={env.control_port}: cannot listen on {self.host}:{env.control_port}: "
+                exc.errno, f"control_port={spec.control_port}: cannot listen on {self.host}:{spec.control_port}: "
                 f"{exc.strerror or exc}; choose another port, or 0 for a free one") from exc
         self._sock = sock
         self.address = sock.getsockname()[:2]
         try:
-            self._write_file(env)
+            self._write_file(spec.name)
         except OSError as exc:
             sock.close()
             raise errors.ConfigurationError(
@@ -297,9 +296,9 @@ class ControlEndpoint:
             _OPEN.add(self)
 
     @classmethod
-    def open(cls, env) -> "ControlEndpoint | None":
-        """The endpoint ``env.control_port`` asks for, bound; None without one."""
-        return None if env.control_port is None else cls(env)
+    def open(cls, spec) -> "ControlEndpoint | None":
+        """The endpoint ``spec.control_port`` asks for, bound; None without one."""
+        return None if spec.control_port is None else cls(spec)
 
     @property
     def port(self) -> int:
@@ -325,10 +324,10 @@ class ControlEndpoint:
                 "its control endpoint; two jobs must not share a checkpoint_dir (if that process is no pyflowbuf "
                 "job, remove the file)")
 
-    def _write_file(self, env) -> None:
+    def _write_file(self, job_name) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         _write_private(self.path, {
-            "format": FORMAT, "job": env.name, "pid": self.pid, "host": socket.gethostname(),
+            "format": FORMAT, "job": job_name, "pid": self.pid, "host": socket.gethostname(),
             "address": self.address[0], "port": self.port, "secret": self.secret.hex(), "token": self.token,
             "started": time.time(), "checkpoint_dir": os.path.dirname(self.path)})
 
@@ -463,7 +462,7 @@ class ControlEndpoint:
         except Exception as exc:  # noqa: BLE001 - every failure is the client's answer; the job runs on
             return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
         done = local_path(done)         # absolute: the client's working directory is not the job's
-        return {"ok": True, "op": op, "path": done, "checkpoint_id": cid, "job": job.env.name}
+        return {"ok": True, "op": op, "path": done, "checkpoint_id": cid, "job": job.spec.name}
 
 
 def _savepoint_id(job, path):
@@ -482,12 +481,12 @@ def local_path(path: str) -> str:
 
 
 @contextlib.contextmanager
-def endpoint_for(env, job):
-    """Around ``job.start()``: the endpoint ``env.control_port`` asks for
+def endpoint_for(spec, job):
+    """Around ``job.start()``: the endpoint ``spec.control_port`` asks for
     (nothing without one) is bound and its file written before the job
     starts, served once it runs (``job.control``), and closed if it does not
     start. The job closes it when it ends (``Execution.join``/``stop``)."""
-    endpoint = ControlEndpoint.open(env)
+    endpoint = ControlEndpoint.open(spec)
     if endpoint is None:
         yield
         return

@@ -30,7 +30,9 @@ talking to the driver over ``pyflowbuf.cluster.control_channel``: authenticated 
 no pickle). Both derive from ``Launcher``, which declares the calls (``check``,
 ``open``, ``launch``, ``exit_report``, ``lost``, ``stop``, ``end_attempt``,
 ``finished``, ``close``); ``run_worker`` (``pyflowbuf.cluster.worker``) is the worker's
-part under either.
+part under either. What the driver shares with a job run in one process (the
+coordinator's start, the restore point, restored commits, the restart
+decision) is ``pyflowbuf.runtime.execution.Execution``.
 """
 from __future__ import annotations
 
@@ -48,12 +50,10 @@ import logging
 import warnings
 
 from pyflowbuf import errors
-from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint.storage import TaskStateHandle
 from pyflowbuf.net import new_secret
 from pyflowbuf.checkpointing import coordinator as ckpt
 from pyflowbuf.connectors import filesystems as fsx
-from pyflowbuf.checkpointing import jobdir
 from pyflowbuf.cluster.locations import check_shared_locations
 from pyflowbuf.checkpointing import restore as restore_mod
 from pyflowbuf.connectors import outputs as sink_outputs
@@ -188,7 +188,7 @@ def describe_exit(code) -> str:
     return f"exit code {code}"
 
 
-def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, output=None):
+def _worker_main(spec, me, workers, secret, conn, attempt=0, crash_log=None, output=None):
     """A worker process (forked by the zygote): its part of the job, then exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
     if crash_log is not None:
@@ -198,7 +198,7 @@ def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, outp
     if output is not None:
         _print_to_pipe(output)
     try:
-        run_worker(env, me, workers, secret, conn, attempt)
+        run_worker(spec, me, workers, secret, conn, attempt)
     finally:
         try:
             sys.stdout.flush()      # os._exit skips it: what was printed must reach the relay
@@ -207,15 +207,15 @@ def _worker_main(env, me, workers, secret, conn, attempt=0, crash_log=None, outp
         os._exit(0)
 
 
-def _forked_worker(env):
+def _forked_worker(spec):
     """What the zygote runs in each worker it forks: the request's values
     (``ForkLauncher.launch``) applied to the zygote's copy of the job."""
     def run(payload, fds):
         conn_fd, out_fd, crash_fd = fds
         set_process_name(f"pfb-worker-{payload['me']}")
-        apply_output_decisions(sink_outputs.graph_outputs(env.nodes), payload["outputs"])
+        apply_output_decisions(sink_outputs.graph_outputs(spec.nodes), payload["outputs"])
         # looked up now: the module's function as it was when the zygote was forked
-        _worker_main(env, payload["me"], payload["workers"], payload["secret"],
+        _worker_main(spec, payload["me"], payload["workers"], payload["secret"],
                      mp.connection.Connection(conn_fd), payload["attempt"], crash_fd, out_fd)
     return run
 
@@ -276,11 +276,11 @@ class ForkLauncher(Launcher):
 
     what = "worker processes"
 
-    def __init__(self, env):
+    def __init__(self, spec):
         if "fork" not in mp.get_all_start_methods():
             raise RuntimeError("workers= needs the 'fork' start method (Linux, macOS)")
-        self.env = env
-        self.workers = env.workers
+        self.spec = spec
+        self.workers = spec.workers
         self.start_timeout = START_TIMEOUT_S
         self.zygote = None
         self.pids: list = []                 # the current attempt's workers, by index
@@ -291,7 +291,7 @@ class ForkLauncher(Launcher):
         """The zygote, forked now: the job graph is complete and nothing of
         this execution runs a thread yet."""
         if self.zygote is None:
-            self.zygote = Zygote(_forked_worker(self.env))
+            self.zygote = Zygote(_forked_worker(self.spec))
 
     def launch(self, execution, attempt) -> dict:
         """Have the zygote fork one attempt's workers; returns ``{channel: worker index}``."""
@@ -301,7 +301,7 @@ class ForkLauncher(Launcher):
             if self.zygote is None:
                 raise errors.FlowBufError("ForkLauncher.launch before open(): no zygote to fork the workers")
             # what the driver decided since the zygote was forked goes with each request
-            outputs = output_decisions(sink_outputs.graph_outputs(self.env.nodes))
+            outputs = output_decisions(sink_outputs.graph_outputs(self.spec.nodes))
             for w in range(self.workers):
                 parent, child = mp.Pipe()
                 out_r, out_w = os.pipe()
@@ -385,7 +385,7 @@ class ForkLauncher(Launcher):
             self.zygote.close()
 
 
-def check_every_process(env, vertices, edges, workers) -> None:
+def check_every_process(spec, vertices, edges, workers) -> None:
     """Every process checks its own pools too, but by then the others are
     running: refuse a deadlocking setting here, before any worker starts."""
     place = placement(workers)
@@ -393,15 +393,15 @@ def check_every_process(env, vertices, edges, workers) -> None:
                  for w in range(workers)]
     if any(v.is_iterator for v in vertices):
         processes.append((lambda v, i: place(v, i) == DRIVER, (EXCLUSIVE_BUFFERS, FLOATING_BUFFERS)))
-    check_output_pools(env, edges, processes)
-    directory = env.checkpoint_config.directory
-    if env.checkpoint_config.enabled and directory is not None and fsx.is_process_local(directory):
+    check_output_pools(spec, edges, processes)
+    directory = spec.checkpoint_config.directory
+    if spec.checkpoint_config.enabled and directory is not None and fsx.is_process_local(directory):
         # each worker would write its task states into its own memory, where
         # neither the driver's coordinator nor a restarted worker finds them
         raise errors.ConfigurationError(
             f"checkpoint_dir {os.fspath(directory)!r} is in one process's memory, and this job's tasks run in "
             f"{workers} other processes: use a directory every process reaches (a local path, file://, s3://, ...)")
-    check_shared_locations(env, workers)
+    check_shared_locations(spec, workers)
 
 
 class CollectedRecords:
@@ -445,12 +445,12 @@ class CollectedRecords:
 class ClusterExecution(Execution):
     """Same surface as JobExecution (start/join/cancel/iterate/metrics/summary/done)."""
 
-    def __init__(self, env, launcher=None):
+    def __init__(self, spec, launcher=None):
         # how the workers start: forked here (workers=N), or elsewhere (a
         # pyflowbuf.spark.SparkCluster's barrier tasks); the driver's part
         # (coordinator, fencing, restarts, metrics, collect) is the same
-        self.launcher = launcher if launcher is not None else ForkLauncher(env)
-        self.env = env
+        self.launcher = launcher if launcher is not None else ForkLauncher(spec)
+        self.spec = spec
         self.workers = self.launcher.workers
         self.secret = new_secret()
         self.cancelled = False
@@ -475,21 +475,15 @@ class ClusterExecution(Execution):
         self.sampler = None              # a MetricsRelay once started
         self.started = self.ended = None
         self.startup_s = None
-        vertices, edges = env.plan()
-        check_every_process(env, vertices, edges, self.workers)
-        self._worker_sinks = sorted({n.name for n in env.nodes if n.user_sink})
+        vertices, edges = spec.plan()
+        check_every_process(spec, vertices, edges, self.workers)
+        self._worker_sinks = sorted({n.name for n in spec.nodes if n.user_sink})
         self.vertices = vertices
         # checkpoints: the coordinator lives here, for every worker's tasks
-        self.checkpoint_config = ckpt.CheckpointSettings.from_env(env)
-        self.coordinator = None
-        self.restore_from = None       # set by Environment.execute(restore_from=...)
-        self.restored_from = None      # the checkpoint id the job (or its last attempt) started from
-        self.restarts = 0
+        self.checkpoint_config = ckpt.CheckpointSettings.from_env(spec)
         self.restart_failures: list = []   # (task, operator, error text) of each failure recovered
-        self._user_cancelled = False
         self._task_keys = ckpt.graph_task_keys(vertices)
-        self._jobdir = None            # the driver's hold on checkpoint_dir (checkpointing/jobdir.py)
-        self._started_from = None      # the checkpoint or savepoint this run started from
+        # (the coordinator, the restore point, restarts: runtime/execution.py)
         self.launcher.check(self)
 
     # ---- lifecycle ----
@@ -501,7 +495,7 @@ class ClusterExecution(Execution):
         # coordinator's, the relays', the monitor's): the launcher's zygote
         self.launcher.open(self)
         try:
-            self.sampler = MetricsRelay(self.env.metrics_config.interval, make_listeners(self.env))
+            self.sampler = MetricsRelay(self.spec.metrics_config.interval, make_listeners(self.spec))
         except BaseException:
             self.launcher.finished(graceful=False)
             raise
@@ -509,8 +503,7 @@ class ClusterExecution(Execution):
         try:
             restore_id = self._start_checkpointing() if self.checkpoint_config is not None else None
             # before the workers start: each fork request carries what it decided
-            sink_outputs.prepare_outputs(self.env.nodes, restoring=restore_id is not None,
-                                    checkpoint_dir=self.env.checkpoint_config.directory)
+            self._prepare_outputs(restoring=restore_id is not None)
             self._start_workers(restore_id)
             # from execute() to every worker running (forked, or Spark tasks scheduled and reporting)
             self.startup_s = time.monotonic() - self.started
@@ -545,9 +538,9 @@ class ClusterExecution(Execution):
                     raise errors.JobFailedError(f"worker {w} failed to start: {msg[3]}\n{msg[4]}")
                 addresses[w] = tuple(msg[1])
             self.addresses = addresses      # what each worker's exchange server announced
-            if any(v.is_iterator for v in self.env.plan()[0]):
-                self.local = JobExecution(self.env, placement(self.workers), DRIVER,
-                                          RemoteContext(attempt_secret(self.secret, attempt), self.env))
+            if any(v.is_iterator for v in self.spec.plan()[0]):
+                self.local = JobExecution(self.spec, placement(self.workers), DRIVER,
+                                          RemoteContext(attempt_secret(self.secret, attempt), self.spec))
                 self.local.remote.addresses = addresses
             self.ran = True
             with self._send_lock:
@@ -593,7 +586,7 @@ class ClusterExecution(Execution):
                 # no restart follows: the workers end, and what forked them
                 self.launcher.finished(graceful=not self.cancelled)
             except Exception:  # noqa: BLE001 - _close stops what is left
-                log.exception("pyflowbuf: job %r: ending its workers failed", self.env.name)
+                log.exception("pyflowbuf: job %r: ending its workers failed", self.spec.name)
             self.ended = time.monotonic()
             try:
                 self._release_directory()       # (done already, unless the end itself failed)
@@ -710,19 +703,8 @@ class ClusterExecution(Execution):
         for v in self.vertices:
             if v.head.source is not None:
                 ckpt.check_rewindable(config, v.head.name, v.head.source())
-        storage = CheckpointStorage(config.directory, retained=config.retained, allow_pickle=config.allow_pickle)
-        # held here, by the driver, for every worker (checkpointing/jobdir.py)
-        fingerprint = jobdir.job_fingerprint(self.env.nodes, self.env.max_parallelism)
-        self._jobdir = jobdir.open_directory(storage, self.env.name, fingerprint)
-        self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)
-        self.coordinator.fingerprint = fingerprint
-        self.coordinator.listeners = self.sampler.listeners
-        self.coordinator.outputs = sink_outputs.graph_outputs(self.env.nodes)
-        meta = ckpt.restore_plan(storage, self.restore_from)
-        jobdir.check_restore_point(storage, self.restore_from, meta, self.env, fingerprint)
-        jobdir.check_no_other_job(storage, self.env.name)
-        self._started_from = meta
-        return self._restore_point(meta)
+        # the directory is held here, by the driver, for every worker (checkpointing/jobdir.py)
+        return self._restore_point(self._open_checkpointing(self.sampler.listeners))
 
     def _restore_point(self, meta):
         if meta is None:
@@ -734,38 +716,25 @@ class ClusterExecution(Execution):
         self.check_key_kinds = restore_mod.checks_key_kinds(self, meta)
         if restore_mod.is_current(meta):
             # by operator id; each worker reads its own subtasks' state
-            plan = restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,
-                                           getattr(self, "allow_non_restored_state", False))
-            plan.check(self.vertices)
-            plan.check_sources(self.vertices)
+            self._restore_plan(storage, meta)
         else:
             ckpt.check_graph(meta, self._task_keys, storage.url)
             # the sources' identities, here before any worker starts
             sources = {ckpt.task_key(v, i): (v.head.name, v.head.source())
                        for v in self.vertices if v.head.source is not None for i in range(v.parallelism)}
             ckpt.check_sources(meta, ckpt.read_states(storage, meta, set(sources)), sources)
-        # what that checkpoint covered is committed (its notification may have been lost)
-        commits = restore_mod.restored_commits(meta, self.env.nodes,
-                                                 getattr(self, "allow_non_restored_state", False))
-        ckpt.run_commits(commits, restore_mod.commit_outputs(self.env.nodes, meta))
+        self._commit_restored(meta)
         self.restored_from = meta.checkpoint_id
         return ckpt.restore_location(self.coordinator.storage, meta)
-
-    def _stop_checkpointing(self):
-        self.coordinator.stop()
-        self.coordinator.abort_all("the job ended")
-        self._release_directory()
 
     def _release_directory(self):
         if self._jobdir is not None:
             self._jobdir.release()
 
-    def _should_restart(self) -> bool:
-        config = self.checkpoint_config
-        return (self.failure is not None and self.coordinator is not None and self.local is None
-                and self.restarts < config.restart_attempts and not self._user_cancelled
-                # a failure a restart would meet again (a worker's text names its type)
-                and not str(self.failure[2]).startswith(NOT_RESTARTED))
+    def _restartable(self, failure) -> bool:
+        # not a job with an iterator (records handed out would be handed out
+        # again), nor a failure a restart would meet again (a worker's text names its type)
+        return self.local is None and not str(failure[2]).startswith(NOT_RESTARTED)
 
     def _restart(self) -> bool:
         """After a failure every worker of the attempt has ended (or is killed
@@ -773,13 +742,9 @@ class ClusterExecution(Execution):
         took its segments with it; the new ones start with a fresh pool.
         False when the job was cancelled meanwhile (nothing restarted)."""
         task, op, text, _ = self.failure
-        self.restarts += 1
-        self.restart_failures.append((task, op, text))
-        log.info("pyflowbuf: job %r: %s in task %s failed (%s); restarting (%d of %d)", self.env.name, op,
-                 task, text, self.restarts, self.checkpoint_config.restart_attempts)
-        coordinator = self.coordinator
-        coordinator.attach(None, self._task_keys)       # nothing to trigger until the new workers run
-        coordinator.abort_all(f"task {task!r} failed; restarting")
+        log.info("pyflowbuf: job %r: %s in task %s failed (%s); restarting (%d of %d)", self.spec.name, op,
+                 task, text, self.restarts + 1, self.checkpoint_config.restart_attempts)
+        self._begin_restart(self._task_keys)       # nothing to trigger until the new workers run
         self._kill()
         with self._send_lock:
             for c in self._conns:
@@ -787,7 +752,7 @@ class ClusterExecution(Execution):
             self._conns = {}
         self.launcher.end_attempt()
         self._finished_workers = set()
-        meta = ckpt.restart_point(coordinator, self._started_from)
+        meta = self._restart_point()
         restore_id = self._restore_point(meta)
         with self._lock:
             if self._user_cancelled:
@@ -825,7 +790,7 @@ class ClusterExecution(Execution):
         monitor = getattr(self, "_monitor", None)
         if monitor is not None and self._done.is_set() and monitor is not threading.current_thread():
             monitor.join(CANCEL_GRACE_S)    # it has set _done: only its last lines are left
-        self._collected.hand_over(self.env.nodes)
+        self._collected.hand_over(self.spec.nodes)
         if self.local is not None:
             self.local.remote.close()
 
@@ -833,7 +798,7 @@ class ClusterExecution(Execution):
         if self._worker_sinks:
             names = ", ".join(repr(n) for n in self._worker_sinks)
             warnings.warn(
-                f"job {self.env.name!r}: sink(fn) {names} ran in worker processes (workers="
+                f"job {self.spec.name!r}: sink(fn) {names} ran in worker processes (workers="
                 f"{self.workers}), on the workers' copies of the caller's objects: what the function did "
                 "to them (appending to a list, counting) is not seen in this process. Bring records "
                 "back with collect() or to_iterator(), or write them where both can reach.",
@@ -843,7 +808,7 @@ class ClusterExecution(Execution):
         if self.failure is not None:
             task, op, text, tb = self.failure
             raise errors.JobFailedError(
-                f"job {self.env.name!r} failed: operator {op!r} in task {task!r} raised {text}"
+                f"job {self.spec.name!r} failed: operator {op!r} in task {task!r} raised {text}"
                 f"\n\nOriginal traceback (in the worker process):\n{tb}")
 
     def iterate(self, sink_node):

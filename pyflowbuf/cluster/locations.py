@@ -12,9 +12,9 @@ Example::
 
     from pyflowbuf.cluster.locations import check_shared_locations, file_locations
 
-    for what, where in file_locations(env):
+    for what, where in file_locations(spec):
         print(what, where)                  # "sink 'write_text'", "/data/out"
-    check_shared_locations(env, workers=2, where="2 worker processes (workers=2)")
+    check_shared_locations(spec, workers=2)     # spec: the JobSpec (Environment.job_spec())
 """
 from __future__ import annotations
 
@@ -24,26 +24,26 @@ from pyflowbuf import errors
 from pyflowbuf.connectors import filesystems as fsx
 
 
-def file_locations(env):
+def file_locations(spec):
     """(what, location) of every file location the job's tasks reach: the
     checkpoint directory, the file sinks' directories, the file sources' paths."""
-    if env.checkpoint_config.directory is not None:
-        yield "checkpoint_dir", os.fspath(env.checkpoint_config.directory)
-    for node in env.nodes:
+    if spec.checkpoint_config.directory is not None:
+        yield "checkpoint_dir", os.fspath(spec.checkpoint_config.directory)
+    for node in spec.nodes:
         if node.file_output is not None:
             yield f"sink {node.name!r}", node.file_output.path
-        for p in getattr(node, "input_paths", None) or ():
+        for p in node.input_paths or ():
             yield f"source {node.name!r}", p
 
 
-def check_shared_locations(env, workers: int) -> None:
+def check_shared_locations(spec, workers: int) -> None:
     """Refuse a file sink or source at a ``memory://`` location when the
     job's tasks run in ``workers`` processes other than this one: a sink's
     parts would stay in a worker's memory (the driver, which commits them,
     would find nothing), and a source would read the copy of the driver's
     memory the worker started with. (The checkpoint directory has its own
     check, with the checkpoint settings.)"""
-    for what, location in file_locations(env):
+    for what, location in file_locations(spec):
         if what == "checkpoint_dir" or not fsx.is_process_local(location):
             continue
         if what.startswith("sink"):

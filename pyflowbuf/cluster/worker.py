@@ -18,6 +18,7 @@ from pyflowbuf import errors
 from pyflowbuf.checkpoint import CheckpointStorage, SavepointStorage
 from pyflowbuf.net import ConnectionManager, NetworkServer
 from pyflowbuf.checkpointing import coordinator as ckpt
+from pyflowbuf.checkpointing.gateway import CoordinatorGateway
 from pyflowbuf.runtime.job import CANCEL_GRACE_S, JobExecution
 from pyflowbuf.connectors.sinks import CollectSink
 from pyflowbuf.serializers import get_serializer
@@ -42,17 +43,17 @@ class RemoteContext:
     (started only if something is exported) and a ConnectionManager for its
     remote input channels."""
 
-    def __init__(self, secret, env, exclusive_buffers=EXCLUSIVE_BUFFERS, floating_buffers=FLOATING_BUFFERS,
+    def __init__(self, secret, spec, exclusive_buffers=EXCLUSIVE_BUFFERS, floating_buffers=FLOATING_BUFFERS,
                  *, host=None, port_range=None):
         self.secret = secret
-        self.env = env
+        self.spec = spec
         self.exclusive_buffers = exclusive_buffers
         self.floating_buffers = floating_buffers
-        self.host = env.network_config.bind_host if host is None else host
+        self.host = spec.network_config.bind_host if host is None else host
         self.port_range = port_range
         # the handshake announces this as the largest buffer a consumer must take
-        self.server = NetworkServer(secret, host=self.host, max_buffer_size=env.network_config.segment_size)
-        self.manager = ConnectionManager(secret, credit_based=env.network_config.credit_based)
+        self.server = NetworkServer(secret, host=self.host, max_buffer_size=spec.network_config.segment_size)
+        self.manager = ConnectionManager(secret, credit_based=spec.network_config.credit_based)
         self.addresses: dict = {}
         self.exports: list = []
         self.collected = None        # the worker's CollectShipper (checkpoints need it before tasks run)
@@ -63,7 +64,7 @@ class RemoteContext:
         # a firewall lets only these ports through: take the first free one
         lo, hi = self.port_range
         for port in range(lo, hi + 1):
-            server = NetworkServer(self.secret, host=self.host, port=port, max_buffer_size=self.env.network_config.segment_size)
+            server = NetworkServer(self.secret, host=self.host, port=port, max_buffer_size=self.spec.network_config.segment_size)
             try:
                 address = server.start()
             except OSError:
@@ -76,7 +77,7 @@ class RemoteContext:
             f"no free port in port_range={self.port_range!r} on {self.host} for the exchange's server")
 
     def _check_kind(self, kind):
-        if not self.env.allow_pickle and get_serializer(kind).in_process_only:
+        if not self.spec.allow_pickle and get_serializer(kind).in_process_only:
             raise ValueError(
                 f"a stream of kind {kind!r} would cross processes, and decoding it (unpickling) runs "
                 "code the sender chose: give the operator a kind= that crosses processes (int64, "
@@ -86,7 +87,7 @@ class RemoteContext:
     def export(self, partition_id, subpartition, queue, kind, on_error):
         self._check_kind(kind)
         self.server.export(partition_id, subpartition, queue, kind=kind,
-                           allow_pickle=self.env.allow_pickle, on_release=on_error)
+                           allow_pickle=self.spec.allow_pickle, on_release=on_error)
         self.exports.append((partition_id, subpartition))
 
     def connect(self, network_pool, gate, specs, kind, on_error):
@@ -97,7 +98,7 @@ class RemoteContext:
         for (worker, pid, sub, queue), pool in zip(specs, excl):
             ch = self.manager.create_channel(
                 tuple(self.addresses[worker]), pid, sub, queue, pool, floating, kind=kind,
-                allow_pickle=self.env.allow_pickle, on_error=lambda _ch, exc: on_error(exc))
+                allow_pickle=self.spec.allow_pickle, on_error=lambda _ch, exc: on_error(exc))
             ch.attach_gate(gate)
             channels.append(ch)
         return channels
@@ -159,8 +160,8 @@ class CollectShipper:
     here they are placeholders (the driver has them), and the first increment
     (``start`` = that count) drops what the failed attempt collected after it."""
 
-    def __init__(self, env, send: _Sender):
-        self.parts = {n.id: n.collect_parts for n in env.nodes if n.collect_parts is not None}
+    def __init__(self, spec, send: _Sender):
+        self.parts = {n.id: n.collect_parts for n in spec.nodes if n.collect_parts is not None}
         self.send = send
         self.shipped: dict = {}      # (node id, subtask) -> records the driver has
 
@@ -198,7 +199,7 @@ class CollectShipper:
                 self.send(("collected", inc))
 
 
-class WorkerCoordinator:
+class WorkerCoordinator(CoordinatorGateway):
     """The checkpoint coordinator as a worker's tasks see it: its config and
     storage (each task writes its own state file to the shared
     ``checkpoint_dir``), and acknowledgements, declines and final states
@@ -241,7 +242,7 @@ class WorkerCoordinator:
         self._post(("finished", task_key, state, list(commits), snapshotted, summary), True)
 
 
-def run_worker(env, me, workers, secret, conn, attempt=0, *, host=None, port_range=None, info=None,
+def run_worker(spec, me, workers, secret, conn, attempt=0, *, host=None, port_range=None, info=None,
                join_control=False):
     """Worker ``me``'s part of a job, talking to the driver on ``conn`` (a
     pipe, or a ``pyflowbuf.cluster.control_channel.ControlChannel``): announce the
@@ -267,10 +268,10 @@ def run_worker(env, me, workers, secret, conn, attempt=0, *, host=None, port_ran
         return m
 
     try:
-        remote = RemoteContext(attempt_secret(secret, attempt), env, host=host, port_range=port_range)
-        remote.collected = shipper = CollectShipper(env, send)
-        job = JobExecution(env, placement(workers), me, remote)
-        config = ckpt.CheckpointSettings.from_env(env)
+        remote = RemoteContext(attempt_secret(secret, attempt), spec, host=host, port_range=port_range)
+        remote.collected = shipper = CollectShipper(spec, send)
+        job = JobExecution(spec, placement(workers), me, remote)
+        config = ckpt.CheckpointSettings.from_env(spec)
         if config is not None:
             storage = CheckpointStorage(config.directory, retained=config.retained,
                                         allow_pickle=config.allow_pickle)
@@ -305,7 +306,7 @@ def run_worker(env, me, workers, secret, conn, attempt=0, *, host=None, port_ran
                 job.cancel()   # the driver is gone
         listener = threading.Thread(target=listen, name="pyflowbuf: worker control", daemon=True)
         listener.start()
-        while not job._done.wait(env.metrics_config.interval):
+        while not job._done.wait(spec.metrics_config.interval):
             send(("metrics", metrics(job)))
         try:
             job.join()

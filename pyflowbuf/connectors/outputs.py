@@ -163,7 +163,7 @@ def _inside(inner: str, outer: str) -> bool:
 
 
 def graph_outputs(nodes) -> list:
-    return [n.file_output for n in nodes if getattr(n, "file_output", None) is not None]
+    return [n.file_output for n in nodes if n.file_output is not None]
 
 
 def prepare_outputs(nodes, *, restoring: bool, checkpoint_dir=None) -> None:

@@ -109,9 +109,9 @@ def check_arguments(host, port, delimiter, encoding, max_retries, retry_delay, m
     return retry_delay, max_retry_delay
 
 
-def check_checkpointing(env, name) -> None:
+def check_checkpointing(checkpoint_config, name) -> None:
     """The socket source cannot rewind: exactly-once checkpoints are refused."""
-    if env.checkpoint_config.enabled and env.checkpoint_config.mode != "at_least_once":
+    if checkpoint_config.enabled and checkpoint_config.mode != "at_least_once":
         raise errors.ConfigurationError(not_rewindable_message(name))
 
 

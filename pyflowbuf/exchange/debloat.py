@@ -66,10 +66,11 @@ class DebloatSettings:
         return 2.0 / (self.samples + 1)
 
     @classmethod
-    def from_env(cls, env) -> "DebloatSettings":
-        c = env.debloat_config
+    def from_env(cls, spec) -> "DebloatSettings":
+        """From the job's ``JobSpec`` (any object with its settings)."""
+        c = spec.debloat_config
         return cls(float(c.target), float(c.period), int(c.samples), float(c.threshold), int(c.min_buffer_size),
-                   int(env.network_config.segment_size))
+                   int(spec.network_config.segment_size))
 
 
 class BufferDebloater:
@@ -362,10 +363,10 @@ class DebloatTimer(threading.Thread):
 
 
 def start_timer(job):
-    """Start the job's DebloatTimer when its Environment turned debloating on."""
-    if not job.env.debloat_config.enabled:
+    """Start the job's DebloatTimer when its JobSpec has debloating on."""
+    if not job.spec.debloat_config.enabled:
         return None
-    timer = DebloatTimer(job, DebloatSettings.from_env(job.env))
+    timer = DebloatTimer(job, DebloatSettings.from_env(job.spec))
     timer.start()
     return timer
 

@@ -57,6 +57,21 @@ class Node:
     legacy_uid: str | None = None                    # set by assign_uids: name#rank, as derived before ID_SCHEME
     id_info: dict | None = None                      # set by assign_uids: how derived_uid was derived
     declared_at: tuple | None = None                 # (file, line) of the user's code that declared it
+    # facts the Stream methods (api/) give a node, read by the plan and the runtime
+    timestamps: Any = None                           # its records' timestamp function (assign_timestamps), or column
+    assigns_timestamps: bool = False                 # assign_timestamps: chained into a source it follows
+    drops_timestamps: bool = False                   # its output carries no timestamps (a count window)
+    event_time: bool = False                         # it reads watermarks (event-time windows, timers, joins)
+    window_late: bool = False                        # a window operator: its late records are a side output
+    single_subtask: bool = False                     # runs at parallelism 1 only (windowAll, a global combine)
+    open_tags: bool = False                          # may emit to side outputs it did not declare
+    input_paths: list | None = None                  # the files a file source reads
+    key_migration: Callable | None = None            # Stream.migrate_keys: old key -> new key, on restore
+    side_readers: dict = field(default_factory=dict, repr=False)   # side output name -> the node reading it
+    # what plan() and restores learn of its operator once (operator_type, is_stateful)
+    _operator_type: str | None = field(default=None, repr=False)
+    _state_kind: str | None = field(default=None, repr=False)
+    _stateful: bool | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.declared_at is None:
@@ -138,11 +153,10 @@ class JobEdge:
 def _own_timestamps(n: Node) -> bool | None:
     """Whether ``n`` decides its output's timestamps itself (True: it assigns
     them, False: there are none); None: as its inputs."""
-    ts = getattr(n, "timestamps", None)
-    if isinstance(n.kind, np.dtype) or isinstance(ts, str) or not n.inputs \
-            or getattr(n, "drops_timestamps", False):
+    ts = n.timestamps
+    if isinstance(n.kind, np.dtype) or isinstance(ts, str) or not n.inputs or n.drops_timestamps:
         return False    # (a side output's reader: as the operator emitting it)
-    if ts is not None and getattr(n, "assigns_timestamps", False):
+    if ts is not None and n.assigns_timestamps:
         return True
     return None     # (a filter's or a late() stream's timestamp function is its input's)
 
@@ -222,7 +236,7 @@ def operator_type(node: Node) -> str:
     checkpoint name it: its operator's class (``KeyedReduce``,
     ``CollectSink``), "source" or "iterator". Not its ``name``: a name is a
     label, renaming it keeps the operator's state."""
-    t = node.__dict__.get("_operator_type")
+    t = node._operator_type
     if t is None:
         if node.make_operator is not None:
             op = node.make_operator()
@@ -254,7 +268,7 @@ def is_stateful(node: Node) -> bool:
         return node.source is not None
     if node.is_sink:
         return True
-    s = node.__dict__.get("_stateful")
+    s = node._stateful
     if s is None:
         cls = type(node.make_operator())
         s = node._stateful = bool(cls.keyed_state or cls.snapshot_state is not Operator.snapshot_state)
@@ -319,7 +333,7 @@ def assign_uids(nodes: list) -> None:
         node.legacy_uid = legacy
         kind = operator_type(node)
         reads = ",".join(f"{i}:{inp.tag or ''}:{inp.node.derived_uid}" for i, inp in enumerate(node.inputs))
-        group = _digest(f"{node.__dict__.get('_state_kind', kind)}|{reads}")
+        group = _digest(f"{node._state_kind or kind}|{reads}")
         members = groups.setdefault(group, [])
         rank = len(members)
         members.append(node)
@@ -361,7 +375,7 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
         # An assigner right after a source runs in the source's task even
         # without chaining: timestamps are assigned at the source, as by a
         # Flink source given a WatermarkStrategy, not in a task of their own.
-        at_source = up is not None and up.source is not None and getattr(node, "assigns_timestamps", False)
+        at_source = up is not None and up.source is not None and node.assigns_timestamps
         chainable = (
             (chaining or at_source) and up is not None and node.inputs[0].partitioner == "forward"
             and node.inputs[0].tag is None and _main_readers(up) == 1

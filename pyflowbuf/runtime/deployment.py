@@ -16,9 +16,9 @@ from pyflowbuf.connectors.sources import rate_limiter
 from pyflowbuf.runtime.task import Subtask
 
 
-def output_pool_size(env, nsub: int) -> tuple:
+def output_pool_size(spec, nsub: int) -> tuple:
     """(min, max) segments of an output pool feeding ``nsub`` subpartitions."""
-    ob = env.network_config.output_buffers
+    ob = spec.network_config.output_buffers
     if ob is not None:
         return ob
     return nsub + 1, 2 * nsub + 8
@@ -28,7 +28,7 @@ def subpartitions(edge) -> int:
     return 1 if edge.pointwise else edge.target.parallelism
 
 
-def segments_needed(env, edges, here, remote_buffers=None) -> int:
+def segments_needed(spec, edges, here, remote_buffers=None) -> int:
     """Segments for every output pool of this process at its cap, plus the
     exclusive and floating buffers of its remote input channels
     (``remote_buffers``: (exclusive per channel, floating per gate)): memory
@@ -36,7 +36,7 @@ def segments_needed(env, edges, here, remote_buffers=None) -> int:
     total = 0
     for e in edges:
         up, down = e.source, e.target
-        total += sum(here(up, i) for i in range(up.parallelism)) * output_pool_size(env, subpartitions(e))[1]
+        total += sum(here(up, i) for i in range(up.parallelism)) * output_pool_size(spec, subpartitions(e))[1]
         if remote_buffers is not None:
             exclusive, floating = remote_buffers
             for j in range(down.parallelism):
@@ -47,7 +47,7 @@ def segments_needed(env, edges, here, remote_buffers=None) -> int:
     return total
 
 
-def check_output_pools(env, edges, processes) -> None:
+def check_output_pools(spec, edges, processes) -> None:
     """Refuse output pools that can deadlock, before anything starts.
 
     A RecordWriter holds one buffer per subpartition and asks for the next one
@@ -61,10 +61,10 @@ def check_output_pools(env, edges, processes) -> None:
     pool whose min is below its subpartitions can wait forever on segments
     that other blocked pools hold.
     ``processes``: (here(vertex, subtask), remote_buffers) per process."""
-    net = env.network_config
+    net = spec.network_config
     for e in edges:
         nsub = subpartitions(e)
-        lo, hi = output_pool_size(env, nsub)
+        lo, hi = output_pool_size(spec, nsub)
         where = (f"the output pool of {e.source.name!r} feeding {e.target.name!r} "
                  f"({e.partitioner}, {nsub} subpartition{'s' if nsub > 1 else ''} per producer)")
         if hi < nsub:
@@ -76,12 +76,12 @@ def check_output_pools(env, edges, processes) -> None:
     if net.num_segments is None:
         return      # sized for every pool at its max: the mins do not matter
     for here, remote_buffers in processes:
-        needed = segments_needed(env, edges, here, remote_buffers)
+        needed = segments_needed(spec, edges, here, remote_buffers)
         if net.num_segments >= needed:
             continue
         for e in edges:
             nsub = subpartitions(e)
-            lo, _ = output_pool_size(env, nsub)
+            lo, _ = output_pool_size(spec, nsub)
             if lo < nsub and any(here(e.source, i) for i in range(e.source.parallelism)):
                 raise errors.ConfigurationError(
                     f"output_buffers={net.output_buffers!r} guarantees the output pool of {e.source.name!r} "
@@ -99,7 +99,7 @@ class Deployment:
 
     def __init__(self, job):
         self.job = job
-        conf = job.env.network_config
+        conf = job.spec.network_config
         num_segments = conf.num_segments or max(job._segments_needed() + 16, 64)
         self.network_pool = NetworkBufferPool(num_segments, conf.segment_size)
         self.queues: list = []       # every BufferQueue, to give back what is left in them
@@ -115,8 +115,8 @@ class Deployment:
 
     def _exchange(self, k, e):
         """Edge ``k``'s channels, output sides and input sides in this process."""
-        job, env, net, here = self.job, self.job.env, self.network_pool, self.job._here
-        conf = env.network_config
+        job, spec, net, here = self.job, self.job.spec, self.network_pool, self.job._here
+        conf = spec.network_config
         notifiers, outputs, inputs = self.notifiers, self.outputs, self.inputs
         up, down = e.source, e.target
         kind = EdgeKind(e.kind)
@@ -148,9 +148,9 @@ class Deployment:
             pools[i] = pool = net.create_pool(lo, hi, waker)
             codec_error = None
             if job.checkpoint_config is not None:
-                codec_error = functools.partial(key_codec_error, allow_pickle=env.allow_pickle)
+                codec_error = functools.partial(key_codec_error, allow_pickle=spec.allow_pickle)
             side = OutputSide(pool, mine, e.partitioner, e.key_fn, kind, conf.max_record_size,
-                              timestamped=e.timestamped, max_parallelism=env.max_parallelism,
+                              timestamped=e.timestamped, max_parallelism=spec.max_parallelism,
                               consumer=down.head.name,
                               # a side output's edge: the task routes that node's side records here
                               tag=e.tag, source_node=None if e.tag is None else e.source_node.id,
@@ -176,7 +176,7 @@ class Deployment:
                     wire_kind, job._remote_failed)
             sides[e.input_index] = InputSide(
                 gate, kind, conf.max_record_size, [pools[i] for i in producers if i in pools],
-                remote_channels=remote_channels, allow_pickle=env.allow_pickle,
+                remote_channels=remote_channels, allow_pickle=spec.allow_pickle,
                 owned=down.is_iterator and not down.head.zero_copy, timestamped=e.timestamped)
 
     def _subtasks(self):

@@ -3,207 +3,29 @@ subtask threads, failure and cancel, checkpoints and restarts, metric sampling."
 from __future__ import annotations
 
 import gc
-import os
-import uuid
 import threading
 import time
 import traceback
 
 from pyflowbuf import errors
-from pyflowbuf._validation import check_timeout
-from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpointing import coordinator as ckpt
 from pyflowbuf.exchange import debloat
-from pyflowbuf.connectors import outputs as sink_outputs
-from pyflowbuf.checkpointing import jobdir
 from pyflowbuf.checkpointing import restore as restore_mod
+from pyflowbuf.runtime.execution import CANCEL_GRACE_S, Execution
 from pyflowbuf.runtime.deployment import Deployment, check_output_pools, output_pool_size, segments_needed
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
 from pyflowbuf.runtime.task import Subtask
-from pyflowbuf import ui as _ui
-
-# How long a cancelled job waits for its threads: tasks blocked in C wake at
-# once; only a user function that never returns can hold a thread longer.
-CANCEL_GRACE_S = 10.0
-
-
-
-
-class Execution:
-    """What a job run in this process (JobExecution) and one spread over worker
-    processes (ClusterExecution) share: waiting, and stopping on the way out.
-
-    ``ran`` turns True just before the first task (or worker) is let go: a
-    start that failed before it ran nothing and left nothing running."""
-
-    ran = False
-    control = None      # the control endpoint (Environment(control_port=...)); closed when the job ends
-
-    def join(self, timeout=None):
-        """Wait for the job; raise JobFailedError on failure, TimeoutError if it
-        did not finish (the job is then cancelled)."""
-        timeout = check_timeout(timeout)
-        try:
-            finished = self._done.wait(timeout)
-        except BaseException:
-            # KeyboardInterrupt, or anything else: never leave the job running behind it
-            self._stop_now()
-            raise
-        if not finished:
-            self._stop_now()
-            raise TimeoutError(f"job {self.env.name!r} did not finish within {timeout} s (cancelled)")
-        if self.control is not None:
-            self.control.close()
-        self._close()
-        self.raise_if_failed()
-        self._finished_ok()
-        return self
-
-    def _stop_now(self):
-        try:
-            self.cancel()
-            self._done.wait(CANCEL_GRACE_S)
-        finally:
-            self._close()
-
-    def _finished_ok(self):
-        """Called once the job finished without failure, in the joining thread."""
-
-    def run(self, timeout=None):
-        self.start()
-        return self.join(timeout)
-
-    stopped_with_savepoint = None       # the id of the savepoint job.stop() ended the job with
-
-    def _savepoint_coordinator(self, what):
-        coordinator = getattr(self, "coordinator", None)
-        if coordinator is None:
-            raise errors.ConfigurationError(
-                f"{what} needs checkpointing: set checkpoint_interval (and checkpoint_dir) on the Environment")
-        if not self.ran or self.done:
-            raise errors.FlowBufError(f"{what}: the job is not running")
-        return coordinator
-
-    def _savepoint_path(self, path):
-        if path is not None:
-            return os.fspath(path)
-        base = self.checkpoint_config.directory.rstrip("/")
-        return f"{base}/savepoints/savepoint-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-
-    def savepoint(self, path=None, *, timeout=None) -> str:
-        """Take a savepoint of the running job and return its directory.
-
-        A savepoint is an aligned checkpoint that belongs to the user: it is
-        written self-contained to ``path`` (a new or empty directory; any
-        fsspec URL; default ``<checkpoint_dir>/savepoints/savepoint-<time>``),
-        never removed by retention, and can be moved or copied. Restore it
-        with ``env.execute(restore_from=path)``, at another parallelism too.
-        Raises ``CheckpointStateError`` when it could not complete.
-
-        Example::
-
-            job = env.execute_async()
-            path = job.savepoint("/backups/wordcount-v1")
-        """
-        coordinator = self._savepoint_coordinator("savepoint()")
-        path = self._savepoint_path(path)
-        coordinator.savepoint(path, timeout=timeout)
-        return path
-
-    def stop(self, savepoint=None, *, drain=False, timeout=None) -> str:
-        """Stop the job with a final savepoint: the sources stop, the
-        savepoint is taken (aligned), the sinks commit what it covers, and the
-        job ends without processing anything after it. Returns the
-        savepoint's directory; ``execute(restore_from=that)`` resumes with
-        nothing lost or duplicated. If the savepoint fails the job runs on
-        and ``CheckpointStateError`` is raised.
-
-        Nothing runs after the savepoint: once a source has sent its barrier
-        it reads nothing and sends nothing more (no record, watermark or idle
-        marker), and every task that passed the barrier on stops there: no
-        timer fires, no window fires, nothing reaches a sink, and the cancel
-        that ends the job sends no end of input. A ``collect()`` holds exactly
-        what the savepoint covers; a window whose end the watermark had not
-        reached stays open in the savepoint and fires once, in the job
-        restored from it.
-
-        ``drain=True`` (Flink's ``stop --drain``): the sources end event time
-        (a watermark at +inf) just before the barrier, so every window and
-        event-time timer fires once, inside the savepoint. For a job ended for
-        good: a job restored from a drained savepoint starts at the end of
-        event time, and every record it reads is late. If a drained stop
-        fails, the job fails (restarting from its last checkpoint where
-        ``restart_attempts`` allows), since its event time has ended.
-
-        Example::
-
-            job = env.execute_async()
-            ...
-            path = job.stop(savepoint="/backups/before-upgrade")
-            # or, to end it for good with every window fired:
-            # path = job.stop(savepoint="/backups/final", drain=True)
-        """
-        coordinator = self._savepoint_coordinator("stop(savepoint=...)")
-        path = self._savepoint_path(savepoint)
-        coordinator.savepoint(path, stop=True, drain=bool(drain), timeout=timeout)
-        self._done.wait()
-        if self.control is not None:
-            self.control.close()
-        self._close()
-        return path
-
-    def stop_after_savepoint(self, checkpoint_id):
-        """Stop-with-savepoint: savepoint ``checkpoint_id`` completed and its
-        commits are done; the job ends without processing anything more."""
-        self.stopped_with_savepoint = checkpoint_id
-        threading.Thread(target=self.cancel, name="pyflowbuf: stop with savepoint", daemon=True).start()
-
-    def checkpoints(self) -> list:
-        return [] if self.coordinator is None else self.coordinator.checkpoints()
-
-    ui = None           # the web view (pyflowbuf.ui.UiServer) when one is served
-
-    def serve_ui(self, port: int = 0, host: str = _ui.LOOPBACK) -> str:
-        """Serve the web view of this job (graph, backpressure, checkpoints,
-        watermarks: docs/monitoring.md) and return its URL, also logged and
-        kept in ``ui_url``. ``host`` other than 127.0.0.1 puts an access
-        token in the URL. It serves until the handle is gone (``ui.close()``
-        stops it sooner), showing the final state once the job ended."""
-        if self.ui is None:
-            self.ui = _ui.serve(self, port, host)
-        return self.ui.url
-
-    @property
-    def ui_url(self) -> str | None:
-        return None if self.ui is None else self.ui.url
-
-    def metrics(self) -> dict:
-        return {} if self.sampler is None else self.sampler.latest()
-
-    @property
-    def done(self):
-        return self._done.is_set()
-
-    @property
-    def prometheus_port(self) -> int | None:
-        """The port the Prometheus exporter serves on (the free one it took
-        for ``prometheus_port=0``), None when the job has none."""
-        sampler = getattr(self, "sampler", None)
-        for listener in (sampler.listeners if sampler is not None else ()):
-            if type(listener).__name__ == "PrometheusExporter":
-                return listener.port
-        return None
 
 
 class JobExecution(Execution):
-    """One process's share of a job. Without ``placement`` every subtask runs
+    """One process's share of the job ``spec`` (a ``JobSpec``). Without ``placement`` every subtask runs
     here (threads); with it, only the subtasks placed on worker ``me`` do, and
     exchanges with subtasks elsewhere go through ``remote`` (a
     ``pyflowbuf.cluster.driver.RemoteContext``)."""
 
-    def __init__(self, env, placement=None, me=0, remote=None):
-        self.env = env
-        self.vertices, self.edges = env.plan()
+    def __init__(self, spec, placement=None, me=0, remote=None):
+        self.spec = spec                # the JobSpec: the job's graph and settings (jobgraph/spec.py)
+        self.vertices, self.edges = spec.plan()
         self.placement = placement or (lambda vertex, subtask: 0)
         self.me = me
         self.remote = remote
@@ -217,23 +39,17 @@ class JobExecution(Execution):
         self.iterator_input = None
         self.sampler = None
         self._exported = set()         # ids of queues a remote consumer drains
-        check_output_pools(env, self.edges, [(self._here, self._remote_buffers())])
+        check_output_pools(spec, self.edges, [(self._here, self._remote_buffers())])
         # checkpoints: on when the Environment asks; a worker process is given
         # its config and a proxy of the driver's coordinator (cluster/driver.py)
-        self.checkpoint_config = ckpt.CheckpointSettings.from_env(env) if remote is None else None
-        self.coordinator = None
-        self.restore_from = None       # set by Environment.execute(restore_from=...)
-        self.restored_from = None      # the checkpoint id the job (or its last attempt) started from
-        self.restarts = 0
+        self.checkpoint_config = ckpt.CheckpointSettings.from_env(spec) if remote is None else None
         self.restart_failures: list = []   # (task, operator, exception text) of each failure recovered
         self.network_pools: list = []  # the pool of every attempt, to check that all came back
-        self._snapshot_writer = None
-        self._jobdir = None            # the driver's hold on checkpoint_dir (checkpointing/jobdir.py)
-        self._started_from = None      # the checkpoint or savepoint this run started from
+        # (the coordinator, the restore point, restarts: runtime/execution.py)
 
     # ---- building ----
     def _output_pool_size(self, nsub: int):
-        return output_pool_size(self.env, nsub)
+        return output_pool_size(self.spec, nsub)
 
     def _here(self, vertex, subtask):
         return self.placement(vertex, subtask) == self.me
@@ -243,7 +59,7 @@ class JobExecution(Execution):
         return None if r is None else (r.exclusive_buffers, r.floating_buffers)
 
     def _segments_needed(self):
-        return segments_needed(self.env, self.edges, self._here, self._remote_buffers())
+        return segments_needed(self.spec, self.edges, self._here, self._remote_buffers())
 
     def _build(self):
         """This attempt's memory, exchanges and subtasks (``Deployment``)."""
@@ -257,7 +73,7 @@ class JobExecution(Execution):
     def _gate_output(self) -> bool:
         """Whether tasks wait for output buffers between batches (unaligned
         checkpoints: see Mailbox.wait_for_output in runtime/task/mailbox.py)."""
-        c = self.env.checkpoint_config
+        c = self.spec.checkpoint_config
         return c.enabled and c.alignment == "unaligned"
 
     def _remote_failed(self, exc):
@@ -278,16 +94,15 @@ class JobExecution(Execution):
         # The metrics listeners first: a busy prometheus_port is refused
         # before any memory is taken or any task runs. In a worker process
         # the driver serves them (one port, one log, one view for the job).
-        listeners = make_listeners(self.env) if self.remote is None else []
+        listeners = make_listeners(self.spec) if self.remote is None else []
         try:
             self._build()
             if self.checkpoint_config is not None:
                 self._start_checkpointing(listeners)
             if self.remote is None:
                 # a worker process is forked after the driver did this
-                sink_outputs.prepare_outputs(self.env.nodes, restoring=self.restored_from is not None,
-                                        checkpoint_dir=self.env.checkpoint_config.directory)
-            self.sampler = MetricsSampler(self, self.env.metrics_config.interval, listeners)
+                self._prepare_outputs(restoring=self.restored_from is not None)
+            self.sampler = MetricsSampler(self, self.spec.metrics_config.interval, listeners)
         except BaseException:
             close_listeners(listeners)
             self._stop_checkpointing()
@@ -389,26 +204,14 @@ class JobExecution(Execution):
             if t.source is not None:
                 ckpt.check_rewindable(config, t.vertex.head.name, t.source)
         if self.coordinator is None:
-            storage = CheckpointStorage(config.directory, retained=config.retained,
-                                        allow_pickle=config.allow_pickle)
-            # the job's hold on its directory first: nothing of another job's is read or written
-            fingerprint = jobdir.job_fingerprint(self.env.nodes, self.env.max_parallelism)
-            self._jobdir = jobdir.open_directory(storage, self.env.name, fingerprint)
-            self.coordinator = ckpt.CheckpointCoordinator(config, storage, self.env.name)
-            self.coordinator.fingerprint = fingerprint
-            self.coordinator.listeners = listeners
-            self.coordinator.outputs = sink_outputs.graph_outputs(self.env.nodes)
-        # else: a worker process, given a proxy of the driver's coordinator
+            meta = self._open_checkpointing(listeners)
+        else:
+            # a worker process, given a proxy of the driver's coordinator and
+            # the id of a checkpoint the driver has already checked
+            meta = self._started_from = ckpt.restore_plan(self.coordinator.storage, self.restore_from, verify=False)
+            if meta is None:
+                restore_mod.started_fresh(self)
         self._snapshot_writer = ckpt.new_writer()
-        # a worker is told the id of a checkpoint the driver has already checked
-        meta = ckpt.restore_plan(self.coordinator.storage, self.restore_from, verify=self.remote is None)
-        if self.remote is None:
-            jobdir.check_restore_point(self.coordinator.storage, self.restore_from, meta, self.env,
-                                       self.coordinator.fingerprint)
-            jobdir.check_no_other_job(self.coordinator.storage, self.env.name)
-        self._started_from = meta
-        if meta is None:
-            restore_mod.started_fresh(self)
         self._arm_checkpointing(meta)
 
     def _arm_checkpointing(self, meta):
@@ -421,14 +224,9 @@ class JobExecution(Execution):
             storage = ckpt.storage_of(coordinator.storage, meta)
             if restore_mod.is_current(meta):
                 # by operator id, at any parallelism (pyflowbuf.checkpointing.restore)
-                plan = restore_mod.RestorePlan(storage, meta, self.env.max_parallelism,
-                                               getattr(self, "allow_non_restored_state", False),
-                                               restore_mod.checks_key_kinds(
-                                                   self, meta, getattr(self, "check_key_kinds", True)))
-                if self.remote is None:
-                    plan.check(self.vertices)      # the driver checked it for a worker
-                    # (before any source hands out its positions: a changed input is named as such)
-                    plan.check_sources(self.vertices)
+                # (the driver checked it for a worker)
+                plan = self._restore_plan(storage, meta, restore_mod.checks_key_kinds(self, meta, self.check_key_kinds),
+                                          check=self.remote is None)
                 # Decoding keyed state makes millions of objects that all live
                 # on: the cyclic collector's passes over them would find nothing
                 # and cost ~15% of a restore (more at another parallelism).
@@ -448,12 +246,7 @@ class JobExecution(Execution):
             ckpt.check_sources(meta, states, {ckpt.task_key(t.vertex, t.index): (t.vertex.head.name, t.source)
                                               for t in self.tasks if t.source is not None})
             if self.remote is None:
-                # What that checkpoint covered is committed (its notification
-                # may have been lost). With workers the driver does it, once:
-                # two processes renaming the same files would race.
-                commits = restore_mod.restored_commits(meta, self.env.nodes,
-                                                         getattr(self, "allow_non_restored_state", False))
-                ckpt.run_commits(commits, restore_mod.commit_outputs(self.env.nodes, meta))
+                self._commit_restored(meta)     # (with workers the driver does it)
             self.restored_from = meta.checkpoint_id
         for t in self.tasks:
             t.checkpointing = ckpt.TaskCheckpointing(t, coordinator, self._snapshot_writer)
@@ -469,37 +262,20 @@ class JobExecution(Execution):
             # before any task runs: the collect sinks' restored counts
             self.remote.tasks_armed(self.tasks)
 
-    def _stop_checkpointing(self):
-        # A worker's coordinator is a proxy: the driver's runs the checkpoints.
-        if self.coordinator is not None and self.remote is None:
-            self.coordinator.stop()
-            self.coordinator.abort_all("the job ended")
-        if self._snapshot_writer is not None:
-            self._snapshot_writer.shutdown(wait=True)
-        if self._jobdir is not None:
-            self._jobdir.release()      # the last write to the directory is done
+    def _coordinates(self) -> bool:
+        # A worker's coordinator is a proxy: the driver's runs the checkpoints,
+        # and restarts the whole job (every worker)
+        return self.remote is None
 
-    def _should_restart(self) -> bool:
-        config = self.checkpoint_config
-        # in a worker process the driver restarts the whole job (every worker)
-        return (self.failure is not None and self.coordinator is not None and config is not None
-                and self.remote is None
-                and self.restarts < config.restart_attempts and not self._user_cancelled
-                # a failure a restart would meet again (a restored key of another kind)
-                and getattr(self.failure[2], "restartable", True))
+    def _restartable(self, failure) -> bool:
+        # a failure a restart would meet again (a restored key of another kind)
+        return getattr(failure[2], "restartable", True)
 
     def _restart(self):
         """After a task failed: every task has stopped; give back every
         segment, then build the job again and restore the latest complete
         checkpoint (sources rewind to its positions)."""
-        task, op, exc, _ = self.failure
-        self.restarts += 1
-        self.restart_failures.append((task, op, f"{type(exc).__name__}: {exc}"))
-        # as with workers: a completion under way finishes before the latest
-        # checkpoint is read, and nothing decided for the failed attempt
-        # reaches the rebuilt tasks
-        self.coordinator.attach(None, [t.checkpointing.key for t in self.tasks])
-        self.coordinator.abort_all(f"task {task!r} failed; restarting")
+        self._begin_restart([t.checkpointing.key for t in self.tasks])
         self._release_buffers()
         old = self.network_pool
         if old.available_segments != old.total_segments:
@@ -507,7 +283,7 @@ class JobExecution(Execution):
         if old.available_segments != old.total_segments:
             raise errors.FlowBufError(
                 f"{old.total_segments - old.available_segments} segment(s) were not returned by the failed attempt")
-        meta = ckpt.restart_point(self.coordinator, self._started_from)
+        meta = self._restart_point()
         with self._lock:
             self.failure = None
             self.cancelled = False
@@ -552,8 +328,6 @@ class JobExecution(Execution):
         if first:
             self.cancel()
 
-    _user_cancelled = False
-
     def cancel(self, _user=True):
         """Stop every task: blocked waits wake at once and raise inside the task."""
         if _user and self.failure is None:
@@ -578,7 +352,7 @@ class JobExecution(Execution):
         if self.failure is not None:
             task, op, exc, tb = self.failure
             raise errors.JobFailedError(
-                f"job {self.env.name!r} failed: operator {op!r} in task {task!r} raised "
+                f"job {self.spec.name!r} failed: operator {op!r} in task {task!r} raised "
                 f"{type(exc).__name__}: {exc}\n\nOriginal traceback:\n{tb}") from exc
 
     def iterate(self, sink_node):
@@ -588,7 +362,7 @@ class JobExecution(Execution):
         try:
             while True:
                 try:
-                    batch = inp.read(self.env.max_batch, 0.1)
+                    batch = inp.read(self.spec.max_batch, 0.1)
                 except errors.CancelledError:
                     if self.failure is None and not self.cancelled:
                         raise

@@ -57,20 +57,20 @@ _ZERO = {"idle_ns": 0, "backpressure_ns": 0, "records_in": 0, "records_out": 0,
          "bytes_in": 0, "bytes_out": 0, "buffers_out": 0, "in_pool_usage": 0.0, "out_pool_usage": 0.0}
 
 
-def make_listeners(env) -> list:
+def make_listeners(spec) -> list:
     """The listeners an Environment asks for, the Prometheus exporter first: it
     binds a port, the one thing here that can fail for reasons outside the job
     (PortUnavailableError), and must fail before anything else is opened."""
     listeners: list = []
-    m = env.metrics_config
+    m = spec.metrics_config
     try:
         if m.prometheus_port is not None or m.live_view:
             if m.prometheus_port is not None:
-                listeners.append(monitoring.PrometheusExporter(m.prometheus_port, env.name))
+                listeners.append(monitoring.PrometheusExporter(m.prometheus_port, spec.name))
             if m.live_view:
-                listeners.append(monitoring.LiveView(env.name))
+                listeners.append(monitoring.LiveView(spec.name))
         if m.log:
-            listeners.append(JsonLinesLog(m.log, env.name))
+            listeners.append(JsonLinesLog(m.log, spec.name))
     except BaseException:
         close_listeners(listeners)
         raise
@@ -117,7 +117,7 @@ class MetricsSampler(threading.Thread):
         self._older = None                # (counters, t) of the sample before the last
         self._latest: dict = {}
         self.history: list = []           # (t, snapshot) pairs, bounded
-        self.listeners: list = make_listeners(job.env) if listeners is None else listeners
+        self.listeners: list = make_listeners(job.spec) if listeners is None else listeners
         self._t0 = time.monotonic_ns()
         self._prev_t = self._t0
 
@@ -140,7 +140,7 @@ class MetricsSampler(threading.Thread):
             extra = getattr(t, "operator_metrics", None)     # event time: late records
             if extra is not None:
                 m.update(extra())
-            event_time = getattr(t, "event_time", None)
+            event_time = t.event_time
             if event_time is not None and event_time.in_job():
                 # the last watermark the subtask sent downstream (None: none yet; inf: input ended)
                 wm = event_time.wm_out
@@ -215,7 +215,7 @@ class JsonLinesLog:
 
     def checkpoint(self, entry):
         """One line per checkpoint: ``{"ts", "job", "checkpoint": {...}}``, the
-        entry of ``env.checkpoints()`` with its ``subtasks`` and ``phases``."""
+        entry of ``Environment.checkpoints()`` with its ``subtasks`` and ``phases``."""
         line = json.dumps({"ts": round(time.time(), 3), "job": self.job_name, "checkpoint": entry}, default=str)
         self.fh.write(line + "\n")
         self.fh.flush()

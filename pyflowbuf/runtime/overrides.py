@@ -6,7 +6,7 @@ over the ones its code passed.
 They must be in place when the Environment is built, not later: an operator's
 parallelism is fixed when the operator is declared (``map(..., parallelism=None)``
 reads the Environment's default then, and the forward/rebalance choice of its
-input follows from it), so changing ``env.parallelism`` after the streams are
+input follows from it), so changing ``Environment.parallelism`` after the streams are
 declared would change nothing, or only some of them."""
 from __future__ import annotations
 

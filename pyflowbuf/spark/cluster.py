@@ -92,7 +92,9 @@ class JobDescription:
     An Environment itself does not travel (it holds a lock and the state of
     a running job); this does, pickled with cloudpickle inside Spark's task
     closure. ``environment()`` rebuilds an Environment around the graph on
-    the executor, listening on the executor's address.
+    the executor, listening on the executor's address. (A ``SparkCluster``
+    ships the job's ``JobSpec`` instead, which the runtime runs as it is:
+    this class stays for callers that want an Environment back.)
 
     Example::
 
@@ -388,15 +390,16 @@ class SparkCluster:
     def __repr__(self):
         return f"SparkCluster(workers={self.workers}, master={self.sc.master!r})"
 
-    def execution(self, env) -> ClusterExecution:
-        """The job's execution (Environment calls this at execute())."""
-        return ClusterExecution(env, SparkLauncher(self, env))
+    def execution(self, job_spec) -> ClusterExecution:
+        """The execution of the job ``job_spec`` (a ``JobSpec``: Environment
+        calls this at execute())."""
+        return ClusterExecution(job_spec, SparkLauncher(self, job_spec))
 
     # ---- the checks before submission ----
     def _conf(self, key, default=None):
         return self.sc.getConf().get(key, default)
 
-    def check(self, env) -> None:
+    def check(self, job_spec) -> None:
         """Raise ConfigurationError naming the setting when the job cannot
         run as asked; nothing is submitted before this passed."""
         if self._conf("spark.dynamicAllocation.enabled", "false").lower() == "true":
@@ -412,7 +415,7 @@ class SparkCluster:
                         "SparkCluster(..., allow_unencrypted=True) if the records may cross the network "
                         "in the clear")
         master = self._conf("spark.master", self.sc.master)
-        for what, location in file_locations(env):
+        for what, location in file_locations(job_spec):
             if fsx.is_process_local(location):
                 raise errors.ConfigurationError(
                     f"{what}: {location!r} is in the driver's memory (memory://), and the Spark tasks run in "
@@ -503,8 +506,9 @@ class _TaskSpec:
     """What one attempt's barrier tasks carry (pickled into the closure)."""
 
     def __init__(self, description, driver, secret, attempt, port_range, start_timeout, allow_pickle,
-                 cwd=None):
-        self.description = description
+                 cwd=None, workers=None):
+        self.description = description      # the JobSpec, which each task runs its part of
+        self.workers = workers
         # With a local master the executors share the driver's host and files:
         # the job's relative paths (checkpoint_dir, file sinks and sources)
         # mean what they mean in the driver, as with workers=N. (A non-local
@@ -624,8 +628,8 @@ def _run_barrier_task(spec, w, host, info):
         conn = connect_control(spec.driver, secret, timeout=spec.start_timeout, allow_pickle=spec.allow_pickle)
         try:
             conn.send((spec.attempt, ("hello", w, info)))
-            env = spec.description.environment(bind_host=host)
-            run_worker(env, w, spec.description.workers, spec.secret, conn, spec.attempt, host=host,
+            job = spec.description.for_worker(bind_host=host)
+            run_worker(job, w, spec.workers, spec.secret, conn, spec.attempt, host=host,
                        port_range=spec.port_range, info=info, join_control=True)
         finally:
             conn.close()
@@ -644,13 +648,14 @@ class SparkLauncher(Launcher):
 
     what = "Spark barrier tasks"
 
-    def __init__(self, cluster: SparkCluster, env):
+    def __init__(self, cluster: SparkCluster, job_spec):
         self.cluster = cluster
-        self.env = env
+        self.job_spec = job_spec
         self.sc = cluster.sc
         self.workers = cluster.workers
         self.start_timeout = cluster.start_timeout
-        self.description = JobDescription(env, cluster.workers)
+        # the job travels as its JobSpec, pickled (cloudpickle) into the tasks' closure
+        self.description = job_spec
         self.job_id = uuid.uuid4().hex[:12]
         self.tasks: dict = {}           # worker -> {executor, host, pid} of the current attempt
         self.attempts: list = []        # per attempt: its job tag
@@ -664,13 +669,13 @@ class SparkLauncher(Launcher):
         self._relays: list = []         # (output channel, thread) of the current attempt's workers
 
     def check(self, execution):
-        self.cluster.check(self.env)
+        self.cluster.check(self.job_spec)
         # the job travels pickled in the tasks' closure: a function that cannot
         # be pickled is named here, with its operator, before anything is submitted
         dumps = _spark_dumps()
         exc = _pickle_error(self.description, dumps)
         if exc is not None:
-            raise unpicklable(self.env.nodes, dumps) or errors.ConfigurationError(
+            raise unpicklable(self.job_spec.nodes, dumps) or errors.ConfigurationError(
                 f"the job cannot be pickled for Spark's executors: {type(exc).__name__}: {exc}")
 
     # ---- one attempt ----
@@ -683,7 +688,7 @@ class SparkLauncher(Launcher):
         port_range = self.cluster.port_range
         ports = [0] if port_range is None else range(port_range[0], port_range[1] + 1)
         for port in ports:
-            listener = ControlListener(new_secret(), host=host, port=port, allow_pickle=self.env.allow_pickle)
+            listener = ControlListener(new_secret(), host=host, port=port, allow_pickle=self.job_spec.allow_pickle)
             try:
                 listener.start()
             except OSError:
@@ -707,8 +712,8 @@ class SparkLauncher(Launcher):
         secret = execution.secret
         self._listener.set_secret(control_secret(secret, attempt))
         spec = _TaskSpec(self.description, self._listener.address, secret, attempt, self.cluster.port_range,
-                         self.start_timeout, self.env.allow_pickle,
-                         cwd=os.getcwd() if _local_master(self.sc.master) else None)
+                         self.start_timeout, self.job_spec.allow_pickle,
+                         cwd=os.getcwd() if _local_master(self.sc.master) else None, workers=self.workers)
         tag = f"pyflowbuf-{self.job_id}-attempt-{attempt}"
         self._tag = tag
         self.attempts.append(tag)
@@ -793,7 +798,7 @@ class SparkLauncher(Launcher):
         try:
             sc.addJobTag(tag)
             sc.setInterruptOnCancel(True)
-            sc.setJobDescription(f"pyflowbuf job {self.env.name!r}, attempt {attempt}: "
+            sc.setJobDescription(f"pyflowbuf job {self.job_spec.name!r}, attempt {attempt}: "
                                  f"{self.workers} workers")
             self.submit(spec)
         except BaseException as exc:  # noqa: BLE001 - the driver reports it with the workers' failure

@@ -112,8 +112,8 @@ class _DataflowTask:
 class DataflowLauncher(SparkLauncher):
     """A SparkLauncher whose barrier tasks are the DataFrame's partitions."""
 
-    def __init__(self, cluster, env, df, key):
-        super().__init__(cluster, env)
+    def __init__(self, cluster, job_spec, df, key):
+        super().__init__(cluster, job_spec)
         self.df = df
         self.key = key
 
@@ -128,8 +128,8 @@ class _DataflowCluster(SparkCluster):
         self.df = df
         self.key = key
 
-    def execution(self, env):
-        return ClusterExecution(env, DataflowLauncher(self, env, self.df, self.key))
+    def execution(self, job_spec):
+        return ClusterExecution(job_spec, DataflowLauncher(self, job_spec, self.df, self.key))
 
 
 def run_dataflow(df, build: Callable[[Any], Any], schema, workers: int = 2, *, task_cpus: int = 1,

@@ -8,9 +8,9 @@ Open it with ``Environment(ui_port=0)``, ``job.serve_ui()`` or
 ``pyflowbuf run job.py --ui``; the URL goes to the ``pyflowbuf.ui`` logger
 (INFO) and to ``job.ui_url``::
 
-    env = fb.Environment(parallelism=4, ui_port=0)      # 0: a free port on 127.0.0.1
+    environment = fb.Environment(parallelism=4, ui_port=0)   # 0: a free port on 127.0.0.1
     ...
-    job = env.execute_async()
+    job = environment.execute_async()
     print(job.ui_url)                                   # http://127.0.0.1:<port>/
 """
 from __future__ import annotations
@@ -23,16 +23,16 @@ __all__ = ["UiServer", "serve", "served_for", "LOOPBACK"]
 
 
 @contextlib.contextmanager
-def served_for(env, job):
-    """Around ``job.start()``: the view ``env`` asks for (``ui_port``; none
+def served_for(spec, job):
+    """Around ``job.start()``: the view the job's ``spec`` asks for (``ui_port``; none
     without one) binds its port before the job starts, so a busy port fails
     a job that has not run; it serves once the job runs (``job.ui``), and
     closes if the job does not start."""
-    port = getattr(env.metrics_config, "ui_port", None)
+    port = spec.metrics_config.ui_port
     if port is None:
         yield
         return
-    server = UiServer(job, port, env.metrics_config.ui_host, plan=env.plan())
+    server = UiServer(job, port, spec.metrics_config.ui_host, plan=spec.plan())
     try:
         yield
     except BaseException:

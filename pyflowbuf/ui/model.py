@@ -119,19 +119,15 @@ class JobView:
 
 
 def _plan_of(job):
-    for attr in ("spec", "env"):
-        holder = getattr(job, attr, None)
-        if holder is not None and callable(getattr(holder, "plan", None)):
-            return holder.plan()
+    spec = getattr(job, "spec", None)       # the JobSpec every execution runs
+    if spec is not None:
+        return spec.plan()
     raise TypeError(f"{job!r} has no plan: pass plan=(vertices, edges) to pyflowbuf.ui.serve")
 
 
 def _job_name(job) -> str:
-    for attr in ("spec", "env"):
-        holder = getattr(job, attr, None)
-        if holder is not None and getattr(holder, "name", None):
-            return holder.name
-    return "job"
+    spec = getattr(job, "spec", None)
+    return spec.name if spec is not None and spec.name else "job"
 
 
 def job_info(view: JobView) -> dict:
@@ -232,7 +228,7 @@ def graph(view: JobView, metrics: dict | None = None) -> dict:
     edges = []
     for e in view.edges:
         inflight = size = None
-        gate = getattr(e, "input_index", 0) or 0
+        gate = e.input_index
         for i in range(e.target.parallelism):
             m = metrics.get(task_name(e.target, i))
             for g in (m or {}).get("debloat") or ():
@@ -240,7 +236,7 @@ def graph(view: JobView, metrics: dict | None = None) -> dict:
                     inflight = (inflight or 0) + g.get("inflight_bytes", 0)
                     size = g.get("buffer_size") if size is None else min(size, g.get("buffer_size"))
         edges.append({"source": e.source.id, "target": e.target.id, "partitioner": e.partitioner,
-                      "input": gate, "side_output": getattr(e, "tag", None),
+                      "input": gate, "side_output": e.tag,
                       "inflight_bytes": inflight, "buffer_size": size})
     return {"nodes": nodes, "edges": edges}
 

@@ -275,12 +275,12 @@ def _host_ok(header, port) -> bool:
 
 
 def serve(job, port: int = 0, host: str = LOOPBACK, *, plan=None) -> UiServer:
-    """Serve the web view of ``job`` (a job handle: ``env.execute_async()``)
+    """Serve the web view of ``job`` (a job handle: ``Environment.execute_async()``)
     and return the server; its ``url`` is logged (``pyflowbuf.ui``, INFO).
 
     Example::
 
-        job = env.execute_async()
+        job = environment.execute_async()
         server = pyflowbuf.ui.serve(job)      # or job.serve_ui()
         print(server.url)                     # http://127.0.0.1:<port>/
     """

@@ -1,7 +1,7 @@
 """Windows: assigners, triggers, aggregate functions, and the operators.
 
-    env = fb.Environment()
-    counts = (env.from_iterable(words)                        # (word, seconds)
+    environment = fb.Environment()
+    counts = (environment.from_iterable(words)                        # (word, seconds)
                 .assign_timestamps(lambda r: r[1], out_of_orderness=0.5)
                 .key_by(lambda r: r[0])
                 .window(fb.Tumbling(60.0))
@@ -13,7 +13,7 @@ It fires once the watermark reaches ``end``; with ``allowed_lateness(s)`` its
 state is kept until the watermark reaches ``end + s``, and each record that
 arrives in between fires it again with the updated result (Flink's
 EventTimeTrigger). A record whose every window is past that point is late:
-dropped and counted (``late_records_dropped`` in ``env.metrics()``), or sent to
+dropped and counted (``late_records_dropped`` in ``Environment.metrics()``), or sent to
 the stream ``result.late()`` returns.
 
 Windows over Arrow/pandas batch streams are computed a batch at a time with

@@ -109,7 +109,7 @@ class CountTrigger(Trigger):
     CountTrigger). It replaces the firing at the window's end: records of a
     window that never complete a count of ``n`` are not emitted, and are
     dropped when the window is cleaned up at its end (plus the allowed
-    lateness), counted in ``unfired_records_dropped`` (``env.metrics()``);
+    lateness), counted in ``unfired_records_dropped`` (``Environment.metrics()``);
     wrap it in ``PurgingTrigger`` to emit each group of ``n`` records once.
     Firings before the window's end are ``"early"``, after it ``"late"``.
 

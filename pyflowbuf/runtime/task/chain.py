@@ -186,7 +186,7 @@ def _route_side_outputs(vertex, operators, outputs) -> list:
     routes: list = []
     for op in operators:
         node = nodes.get(op.node_id)
-        tags = getattr(node, "side_tags", None)
+        tags = None if node is None else node.side_tags
         if not tags:
             continue
         table = {}

@@ -34,7 +34,7 @@ class EventTime:
         job = self.job
         flag = getattr(job, "_event_time", None)
         if flag is None:
-            flag = job._event_time = any(getattr(n, "event_time", False) for n in job.env.nodes)
+            flag = job._event_time = any(n.event_time for n in job.spec.nodes)
         return flag
 
     def on_event(self, event, input_index: int) -> None:

@@ -121,14 +121,14 @@ class InputProcessor:
         self.event_time = event_time
         self.outputs = outputs
         self.records_in = 0
-        self.sizer = BatchSizer(task.job.env.max_batch)
+        self.sizer = BatchSizer(task.job.spec.max_batch)
         mailbox.take_priority_events = self.take_priority_events
 
     def run(self) -> None:
         """Read until every input has ended (or the job is cancelled)."""
         job, inp, mailbox, checkpoints = self.job, self.input, self.mailbox, self.checkpoints
         mails, outputs, sides = mailbox.mails, self.outputs, self.sides
-        timeout, sizer = job.env.network_config.buffer_timeout, self.sizer
+        timeout, sizer = job.spec.network_config.buffer_timeout, self.sizer
         size = sizer.size
         target = sizer.target_ns
         clock = time.monotonic_ns

@@ -235,12 +235,12 @@ class Subtask(threading.Thread):
         src.open(self.index, self.vertex.parallelism)
         if self.restore is not None and self.restore.get("source") is not None:
             src.seek(self.restore["source"])
-        network = job.env.network_config
+        network = job.spec.network_config
         flusher = OutputFlusher(outputs, network.buffer_timeout)
         # buffer_timeout == 0: Flink's "flush after every record"
         flush_every_record = network.buffer_timeout == 0
         policy = self.pull_policy = PullPolicy(
-            1 if flush_every_record else job.env.max_batch, 4 * network.segment_size, limiter=limiter)
+            1 if flush_every_record else job.spec.max_batch, 4 * network.segment_size, limiter=limiter)
         count_bytes = limiter is not None and limiter.counts_bytes
         bytes_before = 0
         while not job.cancelled:
@@ -297,7 +297,7 @@ class Subtask(threading.Thread):
             # under backpressure pull what one buffer holds, so a trigger
             # waits for at most one buffer's worth of writing
             if policy.bytes_per_record:
-                size = int(self.job.env.network_config.segment_size // policy.bytes_per_record)
+                size = int(self.job.spec.network_config.segment_size // policy.bytes_per_record)
                 policy.size = max(1, min(policy.size, size))
             return True
         return False

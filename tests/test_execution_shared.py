@@ -1,0 +1,96 @@
+"""One copy of a job's coordination for every placement (issue 28, item 2,
+first step): ``runtime/execution.py`` holds the coordinator's start, the
+restore point and its checks, the restored commits, the sinks' outputs, the
+restart decision and the start of a restart; ``JobExecution`` (threads) and
+``ClusterExecution`` (forked workers, Spark barrier tasks) use it. The
+coordinator and the subtasks reach each other through declared gateways."""
+import os
+import re
+
+import pytest
+
+import pyflowbuf as fb
+from pyflowbuf.checkpoint import CheckpointStorage
+from pyflowbuf.checkpoint.errors import KeyKindError
+from pyflowbuf.checkpointing import coordinator as ckpt
+from pyflowbuf.checkpointing.gateway import CoordinatorGateway, SubtaskGateway
+from pyflowbuf.cluster.driver import ClusterExecution
+from pyflowbuf.cluster.worker import WorkerCoordinator
+from pyflowbuf.runtime.execution import Execution
+from pyflowbuf.runtime.job import JobExecution
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXECUTIONS = ["pyflowbuf/runtime/job.py", "pyflowbuf/cluster/driver.py"]
+
+# each of these calls is made in runtime/execution.py only, for every placement
+SHARED = ["RestorePlan(", "restored_commits(", "prepare_outputs(", "restart_point(", "open_directory(",
+          "CheckpointCoordinator(", "check_restore_point(", "check_no_other_job(", "restart_failures.append("]
+
+
+def _calls(path, call):
+    text = open(os.path.join(_ROOT, path), encoding="utf-8").read()
+    return len(re.findall(r"(?<![\w])" + re.escape(call), text))
+
+
+@pytest.mark.parametrize("call", SHARED)
+def test_the_executions_hold_no_copy_of_the_coordination(call):
+    copies = {p: n for p in EXECUTIONS if (n := _calls(p, call))}
+    assert not copies, f"{call} is written in {copies}: use the one in runtime/execution.py (Execution)"
+    assert _calls("pyflowbuf/runtime/execution.py", call) == 1
+
+
+@pytest.mark.parametrize("cls", [JobExecution, ClusterExecution])
+def test_both_executions_share_one_base_and_are_the_coordinators_gateway(cls):
+    assert issubclass(cls, Execution) and issubclass(cls, SubtaskGateway)
+    for name in ("trigger_sources", "notify_complete", "abort_checkpoint", "switch_to_unaligned",
+                 "stop_after_savepoint"):
+        assert getattr(cls, name) is not getattr(SubtaskGateway, name), f"{cls.__name__}.{name} is not its own"
+    # one restart decision: each says only what its placement adds
+    for name in ("_should_restart", "_open_checkpointing", "_restore_plan", "_commit_restored",
+                 "_stop_checkpointing", "_begin_restart"):
+        assert name not in vars(cls), f"{cls.__name__} has its own {name}"
+
+
+def test_both_coordinators_are_the_gateway_of_the_subtasks(tmp_path):
+    env = fb.Environment(checkpoint_interval=60, checkpoint_dir=tmp_path / "chk")
+    config = ckpt.CheckpointSettings.from_env(env.job_spec())
+    storage = CheckpointStorage(str(tmp_path / "chk"))
+    assert isinstance(ckpt.CheckpointCoordinator(config, storage), CoordinatorGateway)
+    assert isinstance(WorkerCoordinator(config, storage, send=None, collected=None), CoordinatorGateway)
+    assert CoordinatorGateway in WorkerCoordinator.__mro__       # declared, not imitated
+
+
+def test_the_restart_decision_is_one(tmp_path):
+    """Each placement's restart rule, through the one decision."""
+    env = fb.Environment(checkpoint_interval=60, checkpoint_dir=tmp_path / "chk", restart_attempts=1)
+    env.from_sequence(0, 3).collect()
+    job = JobExecution(env.job_spec())
+    job.coordinator = object()
+    job.failure = ("t", "op", ValueError("x"), "")
+    assert job._should_restart()
+    job.failure = ("t", "op", KeyKindError("x"), "")
+    assert not job._should_restart()                 # a restart would meet it again
+    job.failure = ("t", "op", ValueError("x"), "")
+    job.restarts = 1
+    assert not job._should_restart()                 # restart_attempts spent
+    job.restarts, job._user_cancelled = 0, True
+    assert not job._should_restart()                 # the user cancelled
+
+
+def test_a_cluster_restart_decision_keeps_its_rules(tmp_path):
+    env = fb.Environment(workers=2, checkpoint_interval=60, checkpoint_dir=tmp_path / "chk", restart_attempts=1)
+    env.from_sequence(0, 3).collect()
+    ex = ClusterExecution(env.job_spec())
+    ex.coordinator = object()
+    ex.failure = ("worker 0", "op", "ValueError: x", "")
+    assert ex._should_restart()
+    ex.failure = ("worker 0", "op", "KeyKindError: x", "")     # a worker's text names its type
+    assert not ex._should_restart()
+    ex.failure, ex.local = ("worker 0", "op", "ValueError: x", ""), object()
+    assert not ex._should_restart()                  # a job with an iterator
+
+
+def test_no_copy_of_the_restart_decision_is_left_by_name():
+    for p in EXECUTIONS:
+        text = open(os.path.join(_ROOT, p), encoding="utf-8").read()
+        assert not re.search(r"def _should_restart\b|def _stop_checkpointing\b", text), p
