@@ -51,7 +51,7 @@ from pyflowbuf import errors
 from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint.storage import TaskStateHandle
 from pyflowbuf.net import new_secret
-from pyflowbuf.checkpointing import coordinator as ckpt
+from pyflowbuf import checkpointing as ckpt
 from pyflowbuf.connectors import filesystems as fsx
 from pyflowbuf.checkpointing import jobdir
 from pyflowbuf.cluster.locations import check_shared_locations

@@ -12,7 +12,7 @@ import traceback
 from pyflowbuf import errors
 from pyflowbuf._validation import check_timeout
 from pyflowbuf.checkpoint import CheckpointStorage
-from pyflowbuf.checkpointing import coordinator as ckpt
+from pyflowbuf import checkpointing as ckpt
 from pyflowbuf.exchange import debloat
 from pyflowbuf.connectors import outputs as sink_outputs
 from pyflowbuf.checkpointing import jobdir
@@ -439,15 +439,15 @@ class JobExecution(Execution):
                 ckpt.run_commits(commits, restore_mod.commit_outputs(self.env.nodes, meta))
             self.restored_from = meta.checkpoint_id
         for t in self.tasks:
-            t.checkpointing = ckpt.TaskCheckpointing(t, coordinator, self._snapshot_writer)
-            state = states.get(t.checkpointing.key)
+            t.checkpoints.attach(coordinator, self._snapshot_writer)
+            state = states.get(t.checkpoints.key)
             if plan is None and state is not None and state.get("vertex") != t.vertex.name:
                 raise errors.ConfigurationError(
-                    f"checkpoint {meta.checkpoint_id}: task {t.checkpointing.key} was {state.get('vertex')!r}, "
+                    f"checkpoint {meta.checkpoint_id}: task {t.checkpoints.key} was {state.get('vertex')!r}, "
                     f"here it is {t.vertex.name!r}; the job graph changed")
             t.restore = state
         if self.remote is None:
-            coordinator.attach(self, [t.checkpointing.key for t in self.tasks])
+            coordinator.attach(self, [t.checkpoints.key for t in self.tasks])
         else:
             # before any task runs: the collect sinks' restored counts
             self.remote.tasks_armed(self.tasks)
@@ -481,7 +481,7 @@ class JobExecution(Execution):
         # as with workers: a completion under way finishes before the latest
         # checkpoint is read, and nothing decided for the failed attempt
         # reaches the rebuilt tasks
-        self.coordinator.attach(None, [t.checkpointing.key for t in self.tasks])
+        self.coordinator.attach(None, [t.checkpoints.key for t in self.tasks])
         self.coordinator.abort_all(f"task {task!r} failed; restarting")
         self._release_buffers()
         old = self.network_pool
