@@ -93,6 +93,7 @@ from pyflowbuf._core.serde import RecordReader
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.checkpoint.inflight import decode_inflight, encode_inflight
 from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
+from pyflowbuf.checkpointing import assignment
 from pyflowbuf.exchange.sides import kind_name
 from pyflowbuf.kinds import CoreSerializer
 from pyflowbuf.serializers import get_serializer
@@ -429,7 +430,7 @@ class InflightPlan:
         records of new subtask ``index`` of ``vertex``, per input."""
         out = {}
         head = vertex.head.operator_uid
-        start, end = kg.key_group_range(self.max_parallelism, vertex.parallelism, index)
+        start, end = assignment.key_groups(self.max_parallelism, vertex.parallelism, index)
         for eid in sorted(self.moved):
             if eid[0] != head:
                 continue

@@ -89,7 +89,7 @@ from pyflowbuf.checkpoint.storage import CorruptCheckpointError, IncompatibleChe
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.connectors import outputs as sink_outputs
 from pyflowbuf.jobgraph.graph import ID_SCHEME, LEGACY_SCHEME, assign_uids, is_stateful, operator_type
-from pyflowbuf.checkpointing import key_kinds
+from pyflowbuf.checkpointing import assignment, key_kinds
 from pyflowbuf.checkpointing.inflight import InflightPlan, decoded as decoded_inflight
 
 log = logging.getLogger("pyflowbuf.checkpoint")
@@ -120,7 +120,7 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
     chain order) in the stored layout, and its summary for ``_metadata``.
     Runs in the snapshot writer's thread, not the task's."""
     v, i = task.vertex, task.index
-    start, end = kg.key_group_range(max_parallelism, v.parallelism, i)
+    start, end = assignment.key_groups(max_parallelism, v.parallelism, i)
     entries, summary_ops, referenced = [], {}, set()
     # operators that declared a key migration: their state now holds the new keys
     migrated = {n.operator_uid for n in v.nodes if getattr(n, "key_migration", None) is not None}
@@ -700,17 +700,9 @@ class RestorePlan:
                 identity = next((s.get("source_identity") for s in states if "source_identity" in s), None)
                 if identity is not None:
                     restore["source_identity"] = identity
-                positions = [s.get("source") for s in states]
-                if len(positions) == v.parallelism:
-                    restore["source"] = positions[i]
-                else:
-                    rescale = getattr(task.source, "rescale_positions", None)
-                    if rescale is None:
-                        raise errors.ConfigurationError(
-                            f"source {v.head.name!r} (uid {src_uid!r}) cannot hand its positions from parallelism "
-                            f"{len(positions)} to {v.parallelism}: restore it at parallelism {len(positions)}")
-                    # (every subtask computes them all from the same positions, and takes its own)
-                    restore["source"] = rescale(positions, v.parallelism)[i]
+                restore["source"] = assignment.source_position(
+                    [s.get("source") for s in states], i, v.parallelism,
+                    getattr(task.source, "rescale_positions", None), v.head.name, src_uid)
                 restore["has_source"] = True
         if inflight is not None:
             self._rescaled_inflight(inflight, task, restore, None)
@@ -837,27 +829,20 @@ class RestorePlan:
             st = self._read(k)
             entries.append(next(e for e in st["operators"] if e["uid"] == uid))
         if any(e.get("keyed") for e in entries):
-            start, end = kg.key_group_range(self.max_parallelism, v.parallelism, i)
+            # by key group (pyflowbuf.checkpointing.assignment)
+            start, end = assignment.key_groups(self.max_parallelism, v.parallelism, i)
+            keyed = [(k, e) for (k, _), e in zip(olds, entries) if e.get("keyed")]
             values = []
-            for (k, _), e in zip(olds, entries):
-                if not e.get("keyed"):
-                    continue
-                s0, e0 = e["key_groups"]
-                if migration is not None:
-                    # migrated keys land in other key groups: every old subtask may hold some of ours
-                    values.append((self._migrated_value(op, k, e, migration), start <= s0 < end))
-                    continue
-                if e0 <= start or s0 >= end:
-                    continue
-                # counters of the old subtask go to one new subtask only: the one owning its first group
-                values.append((self._value(k, e), start <= s0 < end))
+            for j, owner in assignment.keyed_sources([e["key_groups"] for _, e in keyed], start, end,
+                                                     migrated=migration is not None):
+                k, e = keyed[j]
+                values.append((self._value(k, e) if migration is None else
+                               self._migrated_value(op, k, e, migration), owner))
             if migration is not None:
                 return _distinct_keys_restore(op, values, start, end, self.where, uid)
             return keyed_restore(op, values, start, end)
         states = [None if e.get("state") is None else loads(e["state"], allow_pickle=allow) for e in entries]
-        if len(states) == v.parallelism:
-            return states[i]
-        return op.rescale_state(states, i, v.parallelism)
+        return assignment.per_subtask_state(states, i, v.parallelism, op.rescale_state)
 
 
 def migrate_keyed_value(op, value, fn, max_parallelism, where) -> dict:
