@@ -21,13 +21,16 @@ import collections
 import hashlib
 import json
 import os
+import shutil
 import time
 
 import numpy as np
 import pytest
 
 import pyflowbuf as fb
+from pyflowbuf.checkpoint import SavepointStorage
 from pyflowbuf.runtime.task import subtask as subtask_mod
+from pipeline_helpers import held_sequence, wait_until_held
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 N = 3000
@@ -65,6 +68,20 @@ def keyed_job(env, p, n=N, delay=0.0, rate=None):
               .map(lambda r: ("r", r[0], r[2])).collect().uid("counts-out"))
     seconds = keyed.process(_per_second, on_timer=_fire).uid("seconds").collect().uid("seconds-out")
     return counts, seconds
+
+
+def stop_with_savepoint(tmp, dest):
+    """Run the job at parallelism 2 until its sources hold halfway, stop it
+    with a savepoint and copy that to ``dest``; the output up to it, sorted."""
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=os.path.join(tmp, "ck"))
+    release = os.path.join(tmp, "release")
+    env.from_sequence = lambda a, n, parallelism, rate_limit=None: held_sequence(
+        env, n, parallelism=parallelism, rate_limit=2000, hold_at=n // 2, release=release)
+    counts, seconds = keyed_job(env, 2)
+    job = env.execute_async()
+    wait_until_held(release, 2, job)
+    shutil.copytree(job.stop(savepoint=os.path.join(tmp, "sp")), dest)
+    return sorted(map(list, counts.result + seconds.result))
 
 
 def canonical(value):
@@ -147,3 +164,29 @@ def test_a_checkpoint_of_a288b41_restores_to_the_same_state_and_output(tmp_path,
         # it held in-flight items, and they came back
         assert any(k == "inflight" and v for start in starts.values() for k, v in start)
     assert digest(output) == want["output"]
+
+
+def shape(value):
+    """What a stored value is made of, without its data: dicts by key, lists
+    item by item (their lengths are the graph's), the rest by type."""
+    if isinstance(value, dict):
+        return {str(k): shape(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [shape(v) for v in value]
+    return type(value).__name__
+
+
+def test_a_savepoint_written_now_has_the_layout_a288b41_wrote(tmp_path):
+    """Writing did not change either: a savepoint of the same job taken now
+    holds, in its metadata and in every task file, the very fields (and
+    types) the one a288b41 wrote holds."""
+    now = str(tmp_path / "now")
+    stop_with_savepoint(str(tmp_path), now)
+    old, new = SavepointStorage(os.path.join(DATA, "savepoint-a288b41")), SavepointStorage(now)
+    m_old, m_new = old.latest(), new.latest()
+    assert sorted(m_new.tasks) == sorted(m_old.tasks)
+    # (commits and alignment figures are per task key, and layout's summaries per subtask: same keys)
+    assert shape(m_new.properties) == shape(m_old.properties)
+    for key in m_old.tasks:
+        assert shape(new.read_task_state(m_new.checkpoint_id, key, metadata=m_new).state) == \
+            shape(old.read_task_state(m_old.checkpoint_id, key, metadata=m_old).state), key

@@ -20,8 +20,7 @@ import pytest
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(here))
 
-from pipeline_helpers import cancel_and_join, held_sequence, wait_until_held  # noqa: E402
-from test_restore_a288b41 import N, all_output, digest, keyed_job, restore_and_run  # noqa: E402
+from test_restore_a288b41 import N, all_output, digest, keyed_job, restore_and_run, stop_with_savepoint  # noqa: E402
 from test_unaligned_rescale import run_cancel  # noqa: E402
 
 import pyflowbuf as fb  # noqa: E402
@@ -35,18 +34,7 @@ def keyed_edge_inflight(meta):
 
 
 def savepoint(tmp, dest):
-    env = fb.Environment(parallelism=2, checkpoint_interval=0.1, checkpoint_dir=os.path.join(tmp, "ck"))
-    release = os.path.join(tmp, "release")
-    orig = env.from_sequence
-    env.from_sequence = lambda a, n, parallelism, rate_limit=None: held_sequence(
-        env, n, parallelism=parallelism, rate_limit=2000, hold_at=n // 2, release=release)
-    counts, seconds = keyed_job(env, 2)
-    env.from_sequence = orig
-    job = env.execute_async()
-    wait_until_held(release, 2, job)
-    path = job.stop(savepoint=os.path.join(tmp, "sp"))
-    shutil.copytree(path, dest)
-    return sorted(map(list, counts.result + seconds.result))
+    return stop_with_savepoint(tmp, dest)
 
 
 def unaligned(tmp, dest):
