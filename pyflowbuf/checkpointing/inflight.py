@@ -10,8 +10,8 @@ and barrier *n*, then what the barrier overtook in its queue),
 sender's queue, for outputs read by another process) and, after a rescale
 only, ``key/<input>`` (records redistributed to it by key group).
 
-**Capture** (``InflightCapture``, driven by ``SubtaskCheckpoints`` in the
-subtask's thread): an unaligned snapshot starts recording every input channel
+**Capture** (``InflightCapture`` per checkpoint, ``Captures`` per subtask,
+driven by ``SubtaskCheckpoints`` in the subtask's thread): an unaligned snapshot starts recording every input channel
 whose barrier has not come yet, beginning with what the reader holds of it
 (``start_recording``); a channel's recording ends when its barrier comes
 (``recorded``: with what the barrier overtook in the queue). A network sender
@@ -81,6 +81,7 @@ buffers (about buffers x segment size per channel), so this is bounded too.
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 
@@ -157,6 +158,73 @@ class InflightCapture:
     def encoded(self) -> dict:
         """Its items as the storage writes them, per channel name."""
         return {name: encode_inflight(items) for name, items in self.channels.items()}
+
+
+class Captures:
+    """The checkpoints of one subtask whose write waits for in-flight data,
+    by id. The subtask's thread adds them and what its input channels
+    recorded; network sender threads report what barriers overtook in their
+    queues, so every step holds the lock. A step that may have completed a
+    capture returns it: the caller writes it once ``take_if_ready`` says so."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: dict[int, InflightCapture] = {}
+
+    def start(self, p: InflightCapture) -> None:
+        with self._lock:
+            self._pending[p.checkpoint_id] = p
+
+    def input(self, checkpoint_id: int, name: str, items) -> None:
+        """What input channel ``name`` recorded until its barrier came."""
+        with self._lock:
+            p = self._pending.get(checkpoint_id)
+            if p is not None:
+                p.add(name, items)
+
+    def inputs_done(self, checkpoint_id: int, alignment_ns: int):
+        """Every input channel delivered barrier n: the capture, or None."""
+        with self._lock:
+            p = self._pending.get(checkpoint_id)
+            if p is None:
+                return None
+            p.inputs_open = False
+            p.alignment_ms = alignment_ns / 1e6
+            if p.phases is not None:
+                if p.phases["unaligned"]:
+                    # first barrier to last: the in-flight input was recorded meanwhile
+                    p.phases["inflight_wait_ns"] = alignment_ns
+                else:
+                    p.phases["alignment_ns"] = alignment_ns
+            return p
+
+    def output(self, checkpoint_id: int, name: str, items):
+        """From a network sender thread: what barrier n overtook in
+        subpartition ``name`` (None: an aligned barrier passed, nothing
+        overtaken). The capture, or None when it waits for no such word."""
+        with self._lock:
+            p = self._pending.get(checkpoint_id)
+            if p is None or name not in p.waiting_outputs:
+                return None
+            p.waiting_outputs.discard(name)
+            p.add(name, items)
+            return p
+
+    def drop(self, checkpoint_id: int) -> None:
+        with self._lock:
+            self._pending.pop(checkpoint_id, None)
+
+    def take_if_ready(self, p: InflightCapture) -> bool:
+        """Whether capture ``p`` is complete and still wanted; if so it leaves,
+        with every older one (one checkpoint at a time: they can no longer
+        complete)."""
+        with self._lock:
+            if not p.ready or self._pending.get(p.checkpoint_id) is not p:
+                return False
+            del self._pending[p.checkpoint_id]
+            for n in [n for n in self._pending if n < p.checkpoint_id]:
+                del self._pending[n]
+            return True
 
 
 def start_recording(sides, keys) -> dict:

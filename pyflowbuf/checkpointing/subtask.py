@@ -8,7 +8,6 @@ replayed by ``pyflowbuf.checkpointing.inflight``."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from pyflowbuf import errors
@@ -74,8 +73,7 @@ class SubtaskCheckpoints:
         self._event_key = None
         self._event_prefix = None   # what the reader held of the barrier's channel at the snapshot
         self._switching = False     # in switch_to_unaligned: the alignment so far counts
-        self._lock = threading.Lock()   # _inflight: network sender threads report to it too
-        self._inflight: dict[int, inflight.InflightCapture] = {}
+        self._captures = inflight.Captures()    # checkpoints whose write waits for in-flight data
         self.remote_outputs: list = []
         self.edges = None
         # incremental checkpoints: operator index -> its GroupChain (keyed operators that record
@@ -179,7 +177,7 @@ class SubtaskCheckpoints:
                 if own:
                     self._event_prefix = None
                 items = inflight.recorded(self.sides[key[0]], key[1], self._overtook if own else 0, prefix)
-                self.input_captured(n, inflight.input_channel(*key), items)
+                self._captures.input(n, inflight.input_channel(*key), items)
             elif action == INFLIGHT_DONE:
                 n = arg
                 al_ns = self.aligner.alignment_ns.get(n, 0)
@@ -189,7 +187,7 @@ class SubtaskCheckpoints:
                 n = arg
                 self._stop_barriers.discard(n)
                 inflight.stop_recording(self.sides)
-                self.drop(n)
+                self._captures.drop(n)
                 self._broadcast(CANCEL_BARRIER, n)
 
     def _snapshot_overtaking(self, n, keys):
@@ -291,10 +289,6 @@ class SubtaskCheckpoints:
             # the timeout may still convert barrier n in a network sender: what
             # it overtakes there belongs to this snapshot, so wait for word
             self.snapshot_unaligned(checkpoint_id, {}, "aligned", barrier_ns, alignment_ns)
-            with self._lock:
-                p = self._inflight.get(checkpoint_id)
-                if p is not None:
-                    p.alignment_ms = alignment_ns / 1e6
             self.inputs_done(checkpoint_id, alignment_ns)
             return
         phases = start_phases(self.task.source is not None, barrier_ns, alignment_ns, False)
@@ -322,54 +316,24 @@ class SubtaskCheckpoints:
                                      self.remote_outputs, phases)
         for name, items in inputs.items():
             p.add(name, items)
-        with self._lock:
-            self._inflight[checkpoint_id] = p
+        self._captures.start(p)
         self._submit_if_ready(p)
-
-    def input_captured(self, checkpoint_id: int, name: str, items) -> None:
-        with self._lock:
-            p = self._inflight.get(checkpoint_id)
-            if p is not None:
-                p.add(name, items)
 
     def inputs_done(self, checkpoint_id: int, alignment_ns: int) -> None:
-        with self._lock:
-            p = self._inflight.get(checkpoint_id)
-            if p is None:
-                return
-            p.inputs_open = False
-            p.alignment_ms = alignment_ns / 1e6
-            if p.phases is not None:
-                if p.phases["unaligned"]:
-                    # first barrier to last: the in-flight input was recorded meanwhile
-                    p.phases["inflight_wait_ns"] = alignment_ns
-                else:
-                    p.phases["alignment_ns"] = alignment_ns
-        self._submit_if_ready(p)
+        p = self._captures.inputs_done(checkpoint_id, alignment_ns)
+        if p is not None:
+            self._submit_if_ready(p)
 
     def output_overtaken(self, checkpoint_id: int, name: str, items) -> None:
         """From a network sender thread: what barrier n overtook in subpartition
         ``name`` (None: an aligned barrier passed, nothing overtaken)."""
-        with self._lock:
-            p = self._inflight.get(checkpoint_id)
-            if p is None or name not in p.waiting_outputs:
-                return
-            p.waiting_outputs.discard(name)
-            p.add(name, items)
-        self._submit_if_ready(p)
-
-    def drop(self, checkpoint_id: int) -> None:
-        with self._lock:
-            self._inflight.pop(checkpoint_id, None)
+        p = self._captures.output(checkpoint_id, name, items)
+        if p is not None:
+            self._submit_if_ready(p)
 
     def _submit_if_ready(self, p) -> None:
-        with self._lock:
-            if not p.ready or self._inflight.get(p.checkpoint_id) is not p:
-                return
-            del self._inflight[p.checkpoint_id]
-            # older ones can no longer complete (one checkpoint at a time)
-            for n in [n for n in self._inflight if n < p.checkpoint_id]:
-                del self._inflight[n]
+        if not self._captures.take_if_ready(p):
+            return
         data = p.encoded()
         if p.phases is not None:
             p.phases["submit_ns"] = time.monotonic_ns()
