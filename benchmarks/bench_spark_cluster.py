@@ -310,7 +310,7 @@ def _ls(path):
 
 def _completed(ckdir) -> bool:
     from pyflowbuf.checkpoint import CheckpointStorage
-    from pyflowbuf.checkpointing.coordinator import latest_checkpoint
+    from pyflowbuf.checkpointing.restore_point import latest_checkpoint
 
     return latest_checkpoint(CheckpointStorage(ckdir), verify=False) is not None
 

@@ -11,7 +11,7 @@ import pytest
 
 import pyflowbuf as fb
 from pyflowbuf import errors, monitoring
-from pyflowbuf.checkpointing.coordinator import SnapshotWriter
+from pyflowbuf.checkpointing.snapshot import SnapshotWriter
 
 SUBTASK_KEYS = ("start_delay_ms", "alignment_ms", "inflight_wait_ms", "sync_ms", "write_queue_ms", "async_ms",
                 "encode_ms", "write_ms", "ack_ms", "ack_received_ms", "ack_to_complete_ms", "bytes",

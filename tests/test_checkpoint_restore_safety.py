@@ -142,7 +142,7 @@ def test_when_every_checkpoint_is_damaged_the_restore_refuses_instead_of_duplica
 
 
 def test_latest_checkpoint_tells_none_from_damaged(tmp_path):
-    from pyflowbuf.checkpointing.coordinator import latest_checkpoint
+    from pyflowbuf.checkpointing.restore_point import latest_checkpoint
 
     storage = CheckpointStorage(str(tmp_path))
     assert latest_checkpoint(storage) is None                     # no checkpoint at all
@@ -320,7 +320,7 @@ def test_file_sources_refuse_changed_files_and_settings(tmp_path):
 
 
 def test_old_checkpoints_without_identities_still_restore(tmp_path):
-    from pyflowbuf.checkpointing.coordinator import check_sources
+    from pyflowbuf.checkpointing.restore import check_sources
 
     class Meta:
         checkpoint_id = 3
@@ -334,7 +334,7 @@ def test_a_chk_directory_of_another_job_is_read_from_there_not_as_this_jobs(tmp_
     this job's own chk-N: a silent restore from the wrong checkpoint. A
     checkpoint directory given by path is read where it is (issue 21: a
     checkpoint or savepoint copied elsewhere restores)."""
-    from pyflowbuf.checkpointing.coordinator import restore_plan
+    from pyflowbuf.checkpointing.restore_point import restore_plan
 
     mine, other = CheckpointStorage(str(tmp_path / "mine")), CheckpointStorage(str(tmp_path / "other"))
     for storage, x in ((mine, 1), (other, 2)):

@@ -291,7 +291,7 @@ class _Execution:
 
 
 def _coordinator(tmp_path, storage_cls=CheckpointStorage):
-    from pyflowbuf.checkpointing import coordinator as ckpt
+    from pyflowbuf import checkpointing as ckpt
 
     env = fb.Environment(checkpoint_interval=60, checkpoint_dir=tmp_path / "chk")
     config = ckpt.CheckpointSettings.from_env(env)
@@ -401,16 +401,16 @@ def test_a_barrier_leaving_a_network_sender_after_the_job_stopped_is_declined_no
     network thread; now the checkpoint is declined and nothing is written."""
     from types import SimpleNamespace
 
-    from pyflowbuf.checkpointing import coordinator as ckpt
+    from pyflowbuf import checkpointing as ckpt
 
     declined = []
     coordinator = SimpleNamespace(decline=lambda key, n, reason: declined.append((key, n, reason)),
                                   config=SimpleNamespace(switchable=False))
     out = SimpleNamespace(remote=(True,), kind_name=None, overtaken_listener=None)
-    task = SimpleNamespace(vertex=SimpleNamespace(id=3, name="v"), index=0, outputs=[out], input=None,
-                           operators=[], source=None, input_kind_names=lambda: [])
+    task = SimpleNamespace(vertex=SimpleNamespace(id=3, name="v"), index=0, outputs=[out], operators=[], source=None)
     writer = ckpt.new_writer()
-    tc = ckpt.TaskCheckpointing(task, coordinator, writer)
+    tc = ckpt.SubtaskCheckpoints(task, [])
+    tc.attach(coordinator, writer)
     tc.snapshot_unaligned(5, {}, "unaligned")      # waits for out/0/0's word
     writer.shutdown(wait=True)
     errs = []
@@ -606,7 +606,7 @@ def test_a_restore_in_which_a_branch_had_finished_reads_its_ends(tmp_path):
     instead of ending without reading it: the producer's worker waited for
     its output to be consumed until the drain timeout (the execute timeout
     here), or failed with "the consumer closed the connection"."""
-    from pyflowbuf.checkpointing import coordinator as ckpt
+    from pyflowbuf import checkpointing as ckpt
 
     chk = tmp_path / "chk"
 

@@ -97,7 +97,7 @@ def test_key_group_arguments_out_of_range_are_refused():
 _SEGMENT_LITERAL = re.compile(r"\b32u?\s*\*\s*1024u?\b|\b32768\b")
 _ALLOWED = {
     ("csrc/fb_arena.h", "#define FB_DEFAULT_SEGMENT_SIZE"),            # the definition
-    ("pyflowbuf/checkpointing/inflight_rescale.py", "_ITEM_BYTES = "),      # a replay item's size, not a segment's
+    ("pyflowbuf/checkpointing/inflight.py", "_ITEM_BYTES = "),      # a replay item's size, not a segment's
     ("pyflowbuf/api/environment.py", "max_parallelism"),              # the key-group bound (1 << 15)
 }
 

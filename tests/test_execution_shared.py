@@ -12,7 +12,7 @@ import pytest
 import pyflowbuf as fb
 from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint.errors import KeyKindError
-from pyflowbuf.checkpointing import coordinator as ckpt
+from pyflowbuf import checkpointing as ckpt
 from pyflowbuf.checkpointing.gateway import CoordinatorGateway, SubtaskGateway
 from pyflowbuf.cluster.driver import ClusterExecution
 from pyflowbuf.cluster.worker import WorkerCoordinator

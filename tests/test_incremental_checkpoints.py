@@ -2,7 +2,7 @@
 checkpoint writes only the key groups that changed since the last complete
 one and refers to earlier checkpoints' files for the others.
 
-The Hypothesis test drives the real subtask side (``TaskCheckpointing`` with
+The Hypothesis test drives the real subtask side (``SubtaskCheckpoints`` with
 a ``KeyedReduce``), the real coordinator and storage through random updates,
 checkpoints (completed, aborted, completed with the notification lost),
 savepoints and retention, keeping a full copy of the state at every
@@ -28,8 +28,10 @@ from pyflowbuf.checkpoint import CheckpointStorage, CorruptCheckpointError, Save
 from pyflowbuf.checkpoint import dumps, loads, shared
 from pyflowbuf.checkpoint.columns import decode_map, decode_rows, encode_map
 from pyflowbuf.checkpoint import keygroups as kg
-from pyflowbuf.checkpointing.coordinator import (CheckpointSettings, CheckpointCoordinator, TaskCheckpointing,
-                                             latest_checkpoint, restore_plan, task_key)
+from pyflowbuf.checkpointing.coordinator import CheckpointSettings, CheckpointCoordinator
+from pyflowbuf.checkpointing.restore import task_key
+from pyflowbuf.checkpointing.restore_point import latest_checkpoint, restore_plan
+from pyflowbuf.checkpointing.subtask import SubtaskCheckpoints
 from pyflowbuf.operators.keyed import KeyedReduce
 from pyflowbuf.checkpointing.restore import RestorePlan
 from pipeline_helpers import cancel_and_join
@@ -90,7 +92,8 @@ class _Job:
             op = KeyedReduce("count", lambda r: r[0], _count)
             op.uid = "count"
             task = SimpleNamespace(vertex=vertex, index=i, operators=[op], outputs=[], source=None, input=None)
-            task.checkpointing = TaskCheckpointing(task, self.coordinator, self.writer)
+            task.checkpoints = SubtaskCheckpoints(task, [])
+            task.checkpoints.attach(self.coordinator, self.writer)
             self.tasks.append(task)
         self.coordinator.attach(self.execution, [task_key(vertex, i) for i in range(p)])
 
@@ -111,13 +114,13 @@ class _Job:
         n = self.coordinator.trigger(savepoint=savepoint)
         assert n is not None
         for t in self.tasks:
-            t.checkpointing.snapshot_and_write(n)
+            t.checkpoints.snapshot_and_write(n)
         if outcome == "abort":
             self.coordinator.abort(n, "test")
         self.writer.run()
         if n in self.execution.completed and outcome != "lost":
             for t in self.tasks:            # the mail each subtask gets
-                t.checkpointing.confirm(n)
+                t.checkpoints.confirm(n)
         return n
 
 

@@ -19,7 +19,7 @@ from pyflowbuf import errors  # noqa: E402
 from pyflowbuf.checkpoint import CheckpointStorage  # noqa: E402
 from pyflowbuf.net import protocol as P  # noqa: E402
 from pyflowbuf.cluster.control_channel import connect_control  # noqa: E402
-from pyflowbuf.checkpointing.coordinator import latest_checkpoint  # noqa: E402
+from pyflowbuf.checkpointing.restore_point import latest_checkpoint  # noqa: E402
 from pyflowbuf.spark import SparkCluster  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600)]

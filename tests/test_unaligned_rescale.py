@@ -44,8 +44,8 @@ from pyflowbuf.checkpoint import CheckpointStorage
 from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.exchange.sides import kind_code
-from pyflowbuf.checkpointing import coordinator as checkpointing
-from pyflowbuf.checkpointing.inflight_rescale import split_by_key_group
+from pyflowbuf.checkpointing import inflight
+from pyflowbuf.checkpointing.inflight import split_by_key_group
 from pyflowbuf.checkpointing.subtask import SubtaskCheckpoints
 from pipeline_helpers import cancel_and_join
 from reference_model import ref_stable_hash
@@ -204,7 +204,7 @@ def test_in_flight_data_on_a_non_keyed_edge_is_still_refused(tmp_path):
 def test_a_checkpoint_without_edges_restores_only_into_the_same_tasks(tmp_path, monkeypatch):
     """A checkpoint written before in-flight data named its edges: refused at
     another parallelism (pointing to a savepoint), restored at the same."""
-    monkeypatch.setattr(checkpointing, "edge_descriptions", lambda edges, vertex: None)
+    monkeypatch.setattr(inflight, "edge_descriptions", lambda edges, vertex: None)
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     conf = dict(checkpoint_interval=0.25, checkpoint_dir=ck, checkpoint_alignment="unaligned", segment_size=4096)
     env = fb.Environment(parallelism=2, **conf)
@@ -326,15 +326,15 @@ def test_a_snapshot_while_restored_inflight_data_is_still_read_is_declined():
     declined, sent, snapshots = [], [], []
     reader = SimpleNamespace(replaying=True, unread_prefix=lambda ch: None, start_recording=lambda ch: None)
     out = SimpleNamespace(broadcast_event=lambda kind, aux, flags=0, priority=False: sent.append((kind, aux)))
-    sc = SubtaskCheckpoints(None, "t", [], [SimpleNamespace(reader=reader, num_channels=1)], [out], lambda: False)
-    sc.checkpointing = SimpleNamespace(
-        key="v1-0", coordinator=SimpleNamespace(decline=lambda key, n, why: declined.append((key, n, why))),
-        snapshot_unaligned=lambda n, inputs, how, *phases: snapshots.append(n))
-    sc._snapshot_unaligned(5, [(0, 0)])
+    task = SimpleNamespace(vertex=SimpleNamespace(id=1), index=0, operators=[], outputs=[out], finished_ns=0)
+    sc = SubtaskCheckpoints(task, [SimpleNamespace(reader=reader, num_channels=1)])
+    sc.coordinator = SimpleNamespace(decline=lambda key, n, why: declined.append((key, n, why)))
+    sc.snapshot_unaligned = lambda n, inputs, how, *phases: snapshots.append(n)
+    sc._snapshot_overtaking(5, [(0, 0)])
     assert declined and declined[0][:2] == ("v1-0", 5) and "replaying" in declined[0][2]
     assert sent == [(CANCEL_BARRIER, 5)] and snapshots == []
     reader.replaying = False
-    sc._snapshot_unaligned(6, [(0, 0)])
+    sc._snapshot_overtaking(6, [(0, 0)])
     assert snapshots == [6] and sent[-1] == (BARRIER, 6)
 
 
@@ -384,7 +384,7 @@ def test_an_edge_whose_records_gained_timestamps_is_not_replayed_in_place(monkey
     checkpoint stored that edge's bytes without them. Replayed in place they
     would be read as frames with an 8-byte time: the edge counts as changed
     (then refused where it is not keyed), never as the same edge."""
-    from pyflowbuf.checkpointing import inflight_rescale as ir
+    from pyflowbuf.checkpointing import inflight as ir
 
     monkeypatch.setattr(ir, "_identity", lambda v: v)
     d = {"partitioner": "forward", "tag": "late", "out_index": 0, "timestamped": False,

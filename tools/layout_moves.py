@@ -63,10 +63,12 @@ MOVES = {
     "pyflowbuf.runtime.graph": "pyflowbuf.jobgraph.graph",
     "pyflowbuf.runtime.checkpointing": "pyflowbuf.checkpointing.coordinator",
     "pyflowbuf.runtime.restore": "pyflowbuf.checkpointing.restore",
-    "pyflowbuf.runtime.inflight_rescale": "pyflowbuf.checkpointing.inflight_rescale",
+    "pyflowbuf.runtime.inflight_rescale": "pyflowbuf.checkpointing.inflight",
     "pyflowbuf.runtime.task.checkpoints": "pyflowbuf.checkpointing.subtask",
     "pyflowbuf.runtime.jobdir": "pyflowbuf.checkpointing.jobdir",
     "pyflowbuf.runtime.key_kinds": "pyflowbuf.checkpointing.key_kinds",
+    # issue 28 item 3: in-flight data (capture, replay, rescale) in one module of checkpointing
+    "pyflowbuf.checkpointing.inflight_rescale": "pyflowbuf.checkpointing.inflight",
 }
 # Modules that branches cut before the moves add to the old flat folder: moved
 # (git mv) by ``rewrite`` once a merge brings them, like the ones above.

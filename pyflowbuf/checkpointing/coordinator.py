@@ -1,22 +1,24 @@
-"""Checkpoints (Flink's asynchronous barrier snapshots): the coordinator, which
-runs where the job was started, and each subtask's side of it.
+"""The checkpoint coordinator (Flink's asynchronous barrier snapshots), which
+runs where the job was started.
 
 The coordinator triggers checkpoint *n* at every source subtask (a mail in its
 mailbox). A source records its position, snapshots its chain's state and emits
 barrier *n* on all its outputs, in order with its records. Every other
-subtask aligns barrier *n* over its input channels (``alignment``), snapshots
-and forwards it. A snapshot is a copy of the state taken in the task's thread;
-a background thread writes it to durable storage and acknowledges it. When
-every subtask has acknowledged, the coordinator writes the checkpoint's
-metadata (only then is it complete), and tells the sinks to commit what the
-checkpoint covers. A subtask that finished (end of input) hands the
-coordinator its final state, which stands for it in every later checkpoint.
+subtask aligns barrier *n* over its input channels, snapshots and forwards it
+(a subtask's side: ``pyflowbuf.checkpointing.subtask``). A snapshot is a copy
+of the state taken in the task's thread; a background thread writes it to
+durable storage and acknowledges it. When every subtask has acknowledged, the
+coordinator writes the checkpoint's metadata (only then is it complete), and
+tells the sinks to commit what the checkpoint covers. A subtask that finished
+(end of input) hands the coordinator its final state, which stands for it in
+every later checkpoint.
 
 Recovery (``JobExecution``) restores every subtask from the latest complete
-checkpoint: sources seek to their recorded positions, operators restore their
-state, sinks commit what that checkpoint covered and drop everything written
-after it. Records in flight at the failure are re-read from the sources:
-exactly-once state and output.
+checkpoint (``pyflowbuf.checkpointing.restore_point``, ``restore``): sources
+seek to their recorded positions, operators restore their state, sinks commit
+what that checkpoint covered and drop everything written after it. Records in
+flight at the failure are re-read from the sources: exactly-once state and
+output.
 """
 from __future__ import annotations
 
@@ -24,21 +26,15 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsspec.implementations.local import LocalFileSystem
-
 from pyflowbuf import errors
 from pyflowbuf.config import DEFAULT_CHECKPOINT_DIR  # noqa: F401 - its old home
-from pyflowbuf.checkpoint.storage import (CheckpointStateError, CorruptCheckpointError, IncompatibleCheckpointError,
-                                          SavepointStorage, UnsupportedStateError)
-from pyflowbuf.checkpoint.inflight import _EVENT_TYPE, _ITEM_HEADER, decode_inflight, encode_inflight  # noqa: F401
-from pyflowbuf.checkpoint.keygroups import (DEFAULT_MAX_PARALLELISM, INCREMENTAL_MAX_AGE, GroupChain,
-                                         key_group_range)
-from pyflowbuf.checkpointing.inflight_rescale import edge_descriptions
-from pyflowbuf.checkpointing.restore import metadata_properties, stored_state
+from pyflowbuf.checkpoint.storage import CheckpointStateError, SavepointStorage
+from pyflowbuf.checkpoint.keygroups import DEFAULT_MAX_PARALLELISM, INCREMENTAL_MAX_AGE
+from pyflowbuf.checkpointing.phases import checkpoint_phases
+from pyflowbuf.checkpointing.restore import metadata_properties
 from pyflowbuf.connectors import outputs as outputs_mod
 
 log = logging.getLogger("pyflowbuf.checkpoint")
@@ -118,7 +114,7 @@ class _Pending:
     # _metadata's properties and `pyflowbuf checkpoints list`
     kind: str = "checkpoint"
     trigger_at_ns: int = 0        # wall clock (the subtasks' phases are wall-clock instants)
-    phases: dict = field(default_factory=dict)        # task key -> its phases (TaskCheckpointing.phases_of)
+    phases: dict = field(default_factory=dict)        # task key -> its phases (phases.phases_of)
     acked_at_ns: dict = field(default_factory=dict)   # task key -> when its acknowledgement came (wall clock)
     completion: Any = None        # wall clock: completing began, metadata written, commits done
 
@@ -501,542 +497,12 @@ class CheckpointCoordinator:
             return [dict(e) for e in self.history]
 
 
-def _ms(ns) -> float:
-    return round(max(0, ns) / 1e6, 3)
-
-
-_PHASE_MAX = ("alignment_ms", "inflight_wait_ms", "sync_ms", "write_queue_ms", "async_ms", "write_ms")
-
-
-def checkpoint_phases(p: _Pending, completion=None) -> tuple[dict, dict]:
-    """The phases of checkpoint ``p``: per subtask (task key -> figures) and
-    for the whole checkpoint (the slowest subtask's figure of each phase,
-    then the coordinator's part). Where a subtask's figures are instants
-    (its barrier, its acknowledgement) they count from the trigger.
-    ``completion``: (the last acknowledgement handled, metadata written,
-    commits carried out), wall-clock ns; None for a checkpoint that did not
-    complete. A final state written for a subtask that had ended has no
-    phases: it is listed with ``finished``."""
-    t0 = p.trigger_at_ns
-    subtasks: dict = {}
-    for key in sorted(p.handles):
-        ph = p.phases.get(key)
-        acked = p.acked_at_ns.get(key, t0)
-        if ph is None:
-            subtasks[key] = {"finished": True, "ack_received_ms": _ms(acked - t0)}
-            continue
-        sub = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in ph.items()
-               if k not in ("barrier_at_ns", "ack_at_ns")}
-        # a source: trigger -> barrier injected (its mail latency); else trigger -> first barrier
-        sub["start_delay_ms"] = _ms(ph["barrier_at_ns"] - t0)
-        sub["ack_ms"] = _ms(ph["ack_at_ns"] - t0)
-        sub["ack_received_ms"] = _ms(acked - t0)
-        if completion is not None:
-            sub["ack_to_complete_ms"] = _ms(completion[2] - acked)
-        subtasks[key] = sub
-    measured = [s for s in subtasks.values() if "start_delay_ms" in s]
-    phases: dict = {}
-    if measured:
-        sources = [s["start_delay_ms"] for s in measured if s["source"]]
-        phases["trigger_to_source_ms"] = max(sources) if sources else None
-        phases["start_delay_ms"] = max(s["start_delay_ms"] for s in measured)
-        for k in _PHASE_MAX:
-            phases[k] = round(max(s[k] for s in measured), 3)
-        phases["bytes"] = sum(s["bytes"] for s in measured)
-        phases["inflight_bytes"] = sum(s["inflight_bytes"] for s in measured)
-        phases["unaligned_subtasks"] = sum(1 for s in measured if s["unaligned"])
-        phases["fsync"] = all(s["fsync"] for s in measured)
-    if p.acked_at_ns:
-        phases["last_ack_ms"] = _ms(max(p.acked_at_ns.values()) - t0)
-    if completion is not None:
-        started, written, done = completion
-        last = max(p.acked_at_ns.values(), default=started)
-        phases["metadata_ms"] = _ms(written - started)
-        phases["commits_ms"] = _ms(done - written)
-        phases["completion_ms"] = _ms(done - last)
-    return subtasks, phases
-
-
 # ---------------------------------------------------------------- sink commits
 
 def run_commits(commits, outputs) -> None:
     """Carry out sink commit actions (``connectors/outputs.py``: checked against
     the job's part-file sinks, then each rename done where the files are)."""
     outputs_mod.run_commits(commits, outputs)
-
-
-# ---------------------------------------------------------------- a subtask's side
-
-class _InflightCheckpoint:
-    """One checkpoint of a subtask whose write waits for in-flight data: its
-    input channels' (until barrier n arrived on each) and, for outputs sent to
-    other processes, what barrier n overtook in the network sender."""
-
-    def __init__(self, checkpoint_id, state, commits, alignment, inputs_open, outputs, phases=None):
-        self.checkpoint_id = checkpoint_id
-        self.phases = phases
-        self.state = state
-        self.commits = commits
-        self.alignment = alignment
-        self.channels: dict[str, list] = {}
-        self.inputs_open = inputs_open
-        self.waiting_outputs = set(outputs)
-        self.alignment_ms = 0.0
-
-    def add(self, name, items):
-        if items:
-            self.channels.setdefault(name, []).extend(items)
-
-    @property
-    def ready(self):
-        return not self.inputs_open and not self.waiting_outputs
-
-
-class TaskCheckpointing:
-    """What a subtask does for checkpoints: snapshot its chain, write it in the
-    background, acknowledge; barrier alignment lives in ``aligner``.
-
-    A checkpoint that may hold in-flight data (unaligned, or aligned with an
-    alignment timeout and outputs read by another process) is written once
-    that data is complete: see ``_InflightCheckpoint``."""
-
-    def __init__(self, task, coordinator: CheckpointCoordinator, writer: "SnapshotWriter"):
-        self.task = task
-        self.coordinator = coordinator
-        self.writer = writer
-        self.key = task_key(task.vertex, task.index)
-        self.aligner = None
-        self.snapshotted = 0      # the last checkpoint id this task snapshotted
-        self._lock = threading.Lock()
-        self._inflight: dict[int, _InflightCheckpoint] = {}
-        # outputs read by another process: (output index, subpartition) names
-        self.remote_outputs = [f"out/{o}/{s}" for o, out in enumerate(task.outputs)
-                               for s, remote in enumerate(out.remote) if remote]
-        for o, out in enumerate(task.outputs):
-            out.overtaken_listener = lambda n, sub, items, o=o: self.output_overtaken(n, f"out/{o}/{sub}", items)
-        # the edges of its inputs and outputs, recorded with in-flight data: a
-        # restore into a changed job moves it by key group on keyed edges
-        self.edges = edge_descriptions(getattr(getattr(task, "job", None), "edges", None), task.vertex)
-        # incremental checkpoints: operator index -> its GroupChain (keyed operators that record
-        # the keys they change; the others are written whole every time)
-        self.chains: dict = {}
-        config = coordinator.config
-        if getattr(config, "incremental", False):
-            start, end = key_group_range(config.max_parallelism, task.vertex.parallelism, task.index)
-            for i, op in enumerate(task.operators):
-                if op.keyed_state and op.tracks_changes:
-                    op.touched = set()
-                    self.chains[i] = GroupChain(config.max_parallelism, start, end)
-
-    def _phases(self, barrier_ns: int, alignment_ns: int, unaligned: bool):
-        """The phases of one checkpoint at this subtask (see ``phases_of``),
-        started: the snapshot is taken next. ``barrier_ns`` (monotonic): when
-        the first barrier came (a source: when its trigger mail ran)."""
-        return {"source": self.task.source is not None, "unaligned": unaligned,
-                "barrier_ns": barrier_ns or time.monotonic_ns(), "alignment_ns": alignment_ns}
-
-    def snapshot_unaligned(self, checkpoint_id: int, inputs: dict, alignment: str,
-                           barrier_ns: int = 0, alignment_ns: int = 0) -> None:
-        """Snapshot now for a checkpoint whose in-flight data comes later:
-        ``inputs`` maps each input channel still to deliver barrier n to what
-        the reader held of it (a record cut by the snapshot), in order.
-        ``barrier_ns``, ``alignment_ns``: for its phases (``phases_of``)."""
-        phases = self._phases(barrier_ns, alignment_ns, alignment == "unaligned")
-        t0 = time.monotonic_ns()
-        state, commits = self._snapshot_or_decline(checkpoint_id)
-        phases["sync_ns"] = time.monotonic_ns() - t0
-        state["input_kinds"] = self.task.input_kind_names()
-        state["output_kinds"] = [out.kind_name for out in self.task.outputs]
-        p = _InflightCheckpoint(checkpoint_id, state, commits, alignment, self.task.input is not None,
-                                self.remote_outputs, phases)
-        for name, items in inputs.items():
-            p.add(name, items)
-        with self._lock:
-            self._inflight[checkpoint_id] = p
-        self._submit_if_ready(p)
-
-    def input_captured(self, checkpoint_id: int, name: str, items) -> None:
-        with self._lock:
-            p = self._inflight.get(checkpoint_id)
-            if p is not None:
-                p.add(name, items)
-
-    def inputs_done(self, checkpoint_id: int, alignment_ns: int) -> None:
-        with self._lock:
-            p = self._inflight.get(checkpoint_id)
-            if p is None:
-                return
-            p.inputs_open = False
-            p.alignment_ms = alignment_ns / 1e6
-            if p.phases is not None:
-                if p.phases["unaligned"]:
-                    # first barrier to last: the in-flight input was recorded meanwhile
-                    p.phases["inflight_wait_ns"] = alignment_ns
-                else:
-                    p.phases["alignment_ns"] = alignment_ns
-        self._submit_if_ready(p)
-
-    def output_overtaken(self, checkpoint_id: int, name: str, items) -> None:
-        """From a network sender thread: what barrier n overtook in subpartition
-        ``name`` (None: an aligned barrier passed, nothing overtaken)."""
-        with self._lock:
-            p = self._inflight.get(checkpoint_id)
-            if p is None or name not in p.waiting_outputs:
-                return
-            p.waiting_outputs.discard(name)
-            p.add(name, items)
-        self._submit_if_ready(p)
-
-    def drop(self, checkpoint_id: int) -> None:
-        with self._lock:
-            self._inflight.pop(checkpoint_id, None)
-
-    def _submit_if_ready(self, p: _InflightCheckpoint) -> None:
-        with self._lock:
-            if not p.ready or self._inflight.get(p.checkpoint_id) is not p:
-                return
-            del self._inflight[p.checkpoint_id]
-            # older ones can no longer complete (one checkpoint at a time)
-            for n in [n for n in self._inflight if n < p.checkpoint_id]:
-                del self._inflight[n]
-        inflight = {name: encode_inflight(items) for name, items in p.channels.items()}
-        if p.phases is not None:
-            p.phases["submit_ns"] = time.monotonic_ns()
-        if not self.writer.submit(self._write, p.checkpoint_id, p.state, p.commits, p.alignment_ms,
-                                  inflight, "unaligned" if p.alignment == "unaligned" or inflight else "aligned",
-                                  p.phases):
-            self._too_late(p.checkpoint_id)
-
-    def snapshot(self, checkpoint_id: int) -> tuple[dict, list]:
-        """Copy the chain's state now (in the task's thread): source position,
-        operator states, sink transactions to commit with this checkpoint."""
-        t = self.task
-        commits: list = []
-        states = []
-        # a savepoint (and the final state, id -1) is whole and leaves the changes
-        # recorded since the last checkpoint to the next one
-        chains = self.chains if checkpoint_id >= 0 and self.chains and not isinstance(
-            self.coordinator.storage_for(checkpoint_id), SavepointStorage) else None
-        increments = []
-        for i, op in enumerate(t.operators):
-            commits.extend(op.prepare_commit(checkpoint_id))
-            states.append(op.snapshot_state())
-            chain = None if chains is None else chains.get(i)
-            if chain is not None:
-                written, refs, track = chain.plan(checkpoint_id, op.touched)
-                op.touched = set() if track else None
-                increments.append((written, refs))
-            else:
-                increments.append(None)
-        state = {"vertex": t.vertex.name, "subtask": t.index, "finished": False,
-                 "source": None if t.source is None else t.source.position(),
-                 "operators": states}
-        if chains is not None:
-            state["increments"] = increments
-        if t.source is not None:
-            state["source_identity"] = t.source.identity()
-        return state, commits
-
-    def snapshot_and_write(self, checkpoint_id: int, alignment_ns: int = 0, barrier_ns: int = 0) -> None:
-        if self.remote_outputs and self.coordinator.config.switchable:
-            # the timeout may still convert barrier n in a network sender: what
-            # it overtakes there belongs to this snapshot, so wait for word
-            self.snapshot_unaligned(checkpoint_id, {}, "aligned", barrier_ns, alignment_ns)
-            with self._lock:
-                p = self._inflight.get(checkpoint_id)
-                if p is not None:
-                    p.alignment_ms = alignment_ns / 1e6
-            self.inputs_done(checkpoint_id, alignment_ns)
-            return
-        phases = self._phases(barrier_ns, alignment_ns, False)
-        t0 = time.monotonic_ns()
-        state, commits = self._snapshot_or_decline(checkpoint_id)
-        phases["submit_ns"] = t1 = time.monotonic_ns()
-        phases["sync_ns"] = t1 - t0
-        if not self.writer.submit(self._write, checkpoint_id, state, commits, alignment_ns / 1e6,
-                                  None, "aligned", phases):
-            self._too_late(checkpoint_id)
-
-    def _too_late(self, checkpoint_id: int) -> None:
-        """The job stopped its snapshot writer (its tasks ended) before this
-        checkpoint's data was complete: it cannot be written any more."""
-        log.debug("pyflowbuf: %s: checkpoint %d came after the job stopped writing snapshots",
-                  self.key, checkpoint_id)
-        self.coordinator.decline(self.key, checkpoint_id, "the job stopped before its snapshot was complete")
-
-    def _snapshot_or_decline(self, checkpoint_id: int):
-        self.snapshotted = max(self.snapshotted, checkpoint_id)
-        try:
-            return self.snapshot(checkpoint_id)
-        except Exception as exc:
-            self.coordinator.decline(self.key, checkpoint_id, f"snapshot failed: {exc!r}")
-            raise
-
-    def stored(self, state):
-        """``state`` in the stored layout (per operator id, keyed state per
-        key group: ``pyflowbuf.checkpointing.restore``) and its summary."""
-        coordinator = self.coordinator
-        return stored_state(self.task, state, coordinator.config.max_parallelism,
-                            coordinator.storage.allow_pickle)
-
-    def _write(self, checkpoint_id, state, commits, alignment_ms, inflight=None, alignment="aligned",
-               phases=None):
-        storage = self.coordinator.storage_for(checkpoint_id)
-        summary = None
-        t0 = time.monotonic_ns()
-        try:
-            state, summary = self.stored(state)
-            t1 = time.monotonic_ns()
-            summary["inflight"] = bool(inflight)
-            if inflight:
-                summary["inflight_items"] = sorted(inflight)
-                if self.edges is not None:
-                    summary["edges"] = self.edges
-            handle = storage.write_task_state(checkpoint_id, self.key, state, inflight, alignment=alignment)
-            if phases is not None:
-                summary["phases"] = phases_of(phases, t0, t1, time.monotonic_ns(), handle,
-                                              getattr(storage, "_fsync", False))
-        except Exception as exc:  # noqa: BLE001 - reported to the coordinator
-            # a checkpoint aborted meanwhile (a failure, a restart) is no news
-            level = logging.DEBUG if isinstance(exc, CheckpointStateError) else logging.WARNING
-            log.log(level, "pyflowbuf: %s could not write checkpoint %d: %s", self.key, checkpoint_id, exc)
-            self.coordinator.decline(self.key, checkpoint_id, repr(exc))
-            if isinstance(exc, UnsupportedStateError):
-                # no checkpoint of this job can ever complete: say so instead of
-                # running on unprotected (Flink fails a job whose state cannot be
-                # serialized, too)
-                self.task.job.task_failed(self.task, exc)
-            return
-        self.coordinator.acknowledge(self.key, checkpoint_id, handle, alignment_ms, commits, summary)
-
-    def confirm(self, checkpoint_id: int) -> None:
-        """Checkpoint ``checkpoint_id`` completed (a mail, in the task's thread):
-        later incremental checkpoints may refer to the key groups it wrote."""
-        for chain in self.chains.values():
-            chain.confirm(checkpoint_id)
-
-    def finished(self) -> None:
-        """End of input: the final state (no record will change it any more)."""
-        state, commits = self.snapshot(-1)
-        state["finished"] = True
-        state, summary = self.stored(state)
-        summary["inflight"] = False
-        self.coordinator.task_finished(self.key, state, commits, self.snapshotted, summary)
-
-
-# monotonic ns + this = wall-clock ns: the instants of a subtask's phases go
-# to the coordinator as wall-clock times, which a worker process on the same
-# host shares with the driver (monotonic clocks need not agree across hosts)
-_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
-
-
-def phases_of(ph: dict, write_ns: int, encoded_ns: int, written_ns: int, handle, fsync: bool) -> dict:
-    """What one subtask reports of one checkpoint, in the acknowledgement
-    (plain numbers: it crosses to the driver from a worker):
-    ``barrier_at_ns`` (wall clock) when its first barrier came (a source:
-    its trigger mail ran and it injected the barrier), ``ack_at_ns`` when
-    its write was done and it acknowledged; ``alignment_ms`` the first
-    barrier to the last, aligned (unaligned: 0, or how long it aligned before
-    the alignment timeout switched it), ``inflight_wait_ms`` (unaligned)
-    the first barrier to the last while in-flight input was recorded,
-    ``sync_ms`` the snapshot in the task's thread, ``write_queue_ms`` the
-    wait for a writer thread, ``async_ms`` the write (``encode_ms`` of it
-    encoding, ``write_ms`` writing and, ``fsync`` True, syncing),
-    ``bytes``/``state_bytes``/``inflight_bytes`` its file."""
-    submit = ph.get("submit_ns", write_ns)
-    return {"source": ph["source"], "unaligned": ph["unaligned"],
-            "barrier_at_ns": ph["barrier_ns"] + _EPOCH_OFFSET_NS,
-            "ack_at_ns": written_ns + _EPOCH_OFFSET_NS,
-            "alignment_ms": ph["alignment_ns"] / 1e6,
-            "inflight_wait_ms": ph.get("inflight_wait_ns", 0) / 1e6,
-            "sync_ms": ph.get("sync_ns", 0) / 1e6,
-            "write_queue_ms": max(0, write_ns - submit) / 1e6,
-            "async_ms": (written_ns - write_ns) / 1e6,
-            "encode_ms": (encoded_ns - write_ns) / 1e6,
-            "write_ms": (written_ns - encoded_ns) / 1e6,
-            "fsync": bool(fsync), "bytes": handle.size, "state_bytes": handle.state_bytes,
-            "inflight_bytes": handle.inflight_bytes}
-
-
-def task_key(vertex, index) -> str:
-    """A subtask's name in checkpoints: stable across attempts and processes,
-    for the same graph (vertex ids follow the order operators were declared)."""
-    return f"v{vertex.id}-{index}"
-
-
-def restore_id(restore_from) -> int | None:
-    """The checkpoint id ``restore_from`` names: an int, or a str of digits
-    (``restore_from="15"``, as ``pyflowbuf run --restore 15`` means it); None
-    when it names something else. A directory named by digits is ``"./15"``."""
-    if isinstance(restore_from, int) and not isinstance(restore_from, bool):
-        return restore_from
-    if isinstance(restore_from, str) and restore_from.isascii() and restore_from.isdigit():
-        return int(restore_from)
-    return None
-
-
-def restore_plan(storage, restore_from, *, verify: bool = True):
-    """The CheckpointMetadata to restore from: ``"latest"`` (None when there is
-    none yet), a checkpoint id (an int or a str of digits), or a path: a
-    ``chk-<id>`` directory, a savepoint, a checkpoint copied elsewhere."""
-    if restore_from is None:
-        return None
-    if restore_from == "latest":
-        return latest_checkpoint(storage, verify=verify)
-    cid = restore_id(restore_from)
-    if cid is not None:
-        return storage.load_metadata(cid, verify=verify)
-    if not isinstance(restore_from, (str, os.PathLike)) or isinstance(restore_from, bool):
-        raise errors.ConfigurationError(
-            f"restore_from must be 'latest', a checkpoint id, a chk-<id> directory or a savepoint directory, "
-            f"got {restore_from!r}")
-    path = os.fspath(restore_from).rstrip("/")
-    name = os.path.basename(path)
-    if name.startswith("chk-") and name[4:].isdigit():
-        cid = int(name[4:])
-        if not os.path.dirname(path) or _same_path(storage, path, storage.checkpoint_path(cid)):
-            return storage.load_metadata(cid, verify=verify)
-    # a savepoint, or a checkpoint directory copied elsewhere: self-contained
-    sp = SavepointStorage(path, allow_pickle=storage.allow_pickle)
-    return sp.load_metadata(sp.checkpoint_id, verify=verify)
-
-
-def storage_of(storage, meta):
-    """The storage that holds ``meta``'s files: the checkpoint_dir's, or the
-    directory of a savepoint (or a copied checkpoint) on its own."""
-    if not meta.path or meta.path == storage.fs.unstrip_protocol(storage.checkpoint_path(meta.checkpoint_id)):
-        return storage
-    return SavepointStorage(meta.path, allow_pickle=storage.allow_pickle, checkpoint_id=meta.checkpoint_id)
-
-
-def restore_location(storage, meta):
-    """What tells a worker process which checkpoint to restore: its id when it
-    lies in the checkpoint_dir, else its directory."""
-    return meta.checkpoint_id if storage_of(storage, meta) is storage else meta.path
-
-
-def _same_path(storage, given: str, own: str) -> bool:
-    strip = storage.fs._strip_protocol
-    a, b = strip(given).rstrip("/"), strip(own).rstrip("/")
-    if isinstance(storage.fs, LocalFileSystem):
-        return os.path.realpath(a) == os.path.realpath(b)
-    return a == b
-
-
-def latest_checkpoint(storage, *, verify: bool = True, min_id: int = 0):
-    """The newest intact complete checkpoint; None when there is none at all
-    (a first run, or one that never completed a checkpoint). When complete
-    checkpoints exist and every one is damaged: CorruptCheckpointError.
-    Starting from scratch then would write again what they committed, so
-    it must be asked for (``restore_from=None`` and the sinks' ``mode``).
-    ``min_id``: only the checkpoints from that id on."""
-    meta = storage.latest(verify=verify, min_id=min_id)
-    if meta is not None:
-        return meta
-    broken = [info for info in storage.scan(verify=verify)
-              if info.status == "CORRUPT" and info.checkpoint_id >= min_id]
-    if not broken:
-        return None
-    what = "; ".join(f"chk-{info.checkpoint_id}: {info.error.reason}" for info in broken)
-    raise CorruptCheckpointError(
-        f"no intact checkpoint in {storage.url}, {len(broken)} damaged ({what}). Restoring none of them and "
-        "starting from scratch would write again the output they committed: repair or restore them, or "
-        "start from scratch on purpose with execute(restore_from=None) and mode='overwrite' on the file "
-        "sinks (or another checkpoint_dir and output path)",
-        checkpoint_id=broken[-1].checkpoint_id, path=broken[-1].path)
-
-
-def restart_point(coordinator, started_from):
-    """What a restart after a failure restores: the newest intact checkpoint
-    of this run (numbered from ``coordinator.first_id`` on), else what the
-    run started from (``started_from``: the restored checkpoint or savepoint,
-    None for a fresh start). Never a checkpoint an earlier run of the job
-    left in the directory: a run that started fresh (or from a savepoint)
-    and failed before its first checkpoint would go on from that run's state."""
-    meta = latest_checkpoint(coordinator.storage, verify=False, min_id=coordinator.first_id)
-    return meta if meta is not None else started_from
-
-
-class SnapshotWriter:
-    """Writes a job's snapshots in the background, off the tasks' threads and
-    several at a time (``threads``: writing is mostly waiting for the disk,
-    an fsync above all, and with two threads the subtasks of one checkpoint
-    queued behind each other's fsyncs; ``write_queue_ms`` in a checkpoint's
-    phases shows that wait). Threads start as work comes. Once shut
-    down it takes no more work and says so (``submit`` returns False)
-    instead of raising: a network sender thread may report what a barrier
-    overtook after the job's tasks have stopped (a failure, a restart, the
-    end of input while consumers still drain), and that word belongs to an
-    attempt that is over."""
-
-    def __init__(self, threads: int = 8):
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pyflowbuf: snapshot writer")
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def submit(self, fn, *args) -> bool:
-        with self._lock:       # no submit slips in between the check and a shutdown
-            if self._closed:
-                return False
-            self._pool.submit(fn, *args)
-            return True
-
-    def shutdown(self, wait: bool = True) -> None:
-        with self._lock:
-            self._closed = True
-        self._pool.shutdown(wait=wait)
-
-
-def new_writer() -> SnapshotWriter:
-    return SnapshotWriter()
-
-
-def read_states(storage, meta, keys=None) -> dict[str, Any]:
-    """The task states of a complete checkpoint, by task key: every task's, or
-    those of ``keys`` (the tasks of one worker process). A task's in-flight
-    data (unaligned checkpoints) comes with its state, under "inflight":
-    channel name -> items to replay."""
-    out = {}
-    for key in meta.tasks:
-        if keys is not None and key not in keys:
-            continue
-        snap = storage.read_task_state(meta.checkpoint_id, key, metadata=meta)
-        state = snap.state
-        if snap.inflight:
-            state = dict(state)
-            state["inflight"] = {name: decode_inflight(views) for name, views in snap.inflight.items()}
-        out[key] = state
-    return out
-
-
-def graph_task_keys(vertices) -> set:
-    """The task keys of a whole job graph (the iterator sink is no task)."""
-    return {task_key(v, i) for v in vertices if not v.is_iterator for i in range(v.parallelism)}
-
-
-def check_graph(meta, keys, url) -> None:
-    """Refuse to restore a checkpoint taken of another graph or parallelism."""
-    if set(meta.tasks) != set(keys):
-        raise errors.ConfigurationError(
-            f"checkpoint {meta.checkpoint_id} in {url} was taken of another job graph (tasks "
-            f"{sorted(meta.tasks)}, this job has {sorted(keys)}); restoring into a different graph "
-            "or parallelism is not supported")
-
-
-def check_sources(meta, states, sources) -> None:
-    """Refuse to restore a source from the position of other input: each
-    source (``sources``: task key -> (name, Source), not yet opened) checks
-    the identity its checkpointed state recorded. States from before
-    identities were recorded are restored as they are."""
-    for key, (name, source) in sources.items():
-        state = states.get(key)
-        if state is None or "source_identity" not in state:
-            continue
-        try:
-            source.check_identity(state["source_identity"], state.get("source"))
-        except IncompatibleCheckpointError as exc:
-            raise IncompatibleCheckpointError(
-                f"checkpoint {meta.checkpoint_id}: source {name!r} ({key}): {exc}", source=name) from None
 
 
 def check_rewindable(config: CheckpointSettings, name, source) -> None:

@@ -25,7 +25,7 @@ restore maps that state to the operators of the job being started:
 * ``max_parallelism`` cannot change (keys would move between groups);
 * in-flight data of an unaligned checkpoint goes back into the channels it
   was captured in where its edge is unchanged, is redistributed by key group
-  where a changed edge is keyed (``pyflowbuf.checkpointing.inflight_rescale``),
+  where a changed edge is keyed (``pyflowbuf.checkpointing.inflight``),
   and is refused on a changed edge that is not keyed, or from a checkpoint
   written before edges were recorded into any other job graph or
   parallelism: take a savepoint, which is always aligned.
@@ -66,7 +66,7 @@ merges them (``merge_keyed_values``).
 A subtask that holds in-flight data adds to its summary in ``_metadata``
 ``"inflight_items"`` (the names of its items: ``in/<input>/<channel>``,
 ``out/<output>/<subpartition>``) and ``"edges"`` (its inputs' and outputs'
-edges: ``inflight_rescale.edge_descriptions``).
+edges: ``inflight.edge_descriptions``).
 The checkpoint's ``_metadata`` repeats the layout in plain fields
 (``properties["state_format"]``, ``["max_parallelism"]``, ``["operators"]``:
 per operator id its name, type, parallelism, key groups and state bytes per
@@ -89,9 +89,8 @@ from pyflowbuf.checkpoint.storage import CorruptCheckpointError, IncompatibleChe
 from pyflowbuf.checkpoint import keygroups as kg
 from pyflowbuf.connectors import outputs as sink_outputs
 from pyflowbuf.jobgraph.graph import ID_SCHEME, LEGACY_SCHEME, assign_uids, is_stateful, operator_type
-from pyflowbuf.checkpointing.inflight_rescale import InflightPlan
-from pyflowbuf.checkpointing import key_kinds
-from pyflowbuf.checkpoint.inflight import decode_inflight
+from pyflowbuf.checkpointing import assignment, key_kinds
+from pyflowbuf.checkpointing.inflight import InflightPlan, decoded as decoded_inflight
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 
@@ -100,17 +99,28 @@ STATE_FORMAT = 2
 
 # ---------------------------------------------------------------- writing
 
+def task_key(vertex, index) -> str:
+    """A subtask's name in checkpoints: stable across attempts and processes,
+    for the same graph (vertex ids follow the order operators were declared)."""
+    return f"v{vertex.id}-{index}"
+
+
+def graph_task_keys(vertices) -> set:
+    """The task keys of a whole job graph (the iterator sink is no task)."""
+    return {task_key(v, i) for v in vertices if not v.is_iterator for i in range(v.parallelism)}
+
+
 def chain_uids(vertex) -> list:
     """The operator ids of a vertex's operators (the nodes with an operator)."""
     return [n.operator_uid for n in vertex.nodes if n.make_operator is not None]
 
 
 def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) -> tuple[dict, dict]:
-    """A snapshot (``TaskCheckpointing.snapshot``: raw operator states in
+    """A snapshot (``SubtaskCheckpoints.snapshot``: raw operator states in
     chain order) in the stored layout, and its summary for ``_metadata``.
     Runs in the snapshot writer's thread, not the task's."""
     v, i = task.vertex, task.index
-    start, end = kg.key_group_range(max_parallelism, v.parallelism, i)
+    start, end = assignment.key_groups(max_parallelism, v.parallelism, i)
     entries, summary_ops, referenced = [], {}, set()
     # operators that declared a key migration: their state now holds the new keys
     migrated = {n.operator_uid for n in v.nodes if n.key_migration is not None}
@@ -464,7 +474,7 @@ class RestorePlan:
             st = self._renamed_state(snap.state)
             if snap.inflight:
                 st = dict(st)
-                st["inflight"] = {name: decode_inflight(views) for name, views in snap.inflight.items()}
+                st["inflight"] = decoded_inflight(snap.inflight)
             self._cache[task_key] = st
         return st
 
@@ -604,7 +614,7 @@ class RestorePlan:
                     f"operator {uid!r}: parallelism {v.parallelism} is above max_parallelism={self.max_parallelism}")
         # in-flight data: back into the very channels it was captured in where
         # the edge is unchanged, by key group on a changed keyed edge, refused
-        # elsewhere (pyflowbuf.checkpointing.inflight_rescale)
+        # elsewhere (pyflowbuf.checkpointing.inflight)
         plan = self._inflight_plan(vertices)
         if plan is not None:
             running = [v for v in vertices if not v.is_iterator]
@@ -690,17 +700,9 @@ class RestorePlan:
                 identity = next((s.get("source_identity") for s in states if "source_identity" in s), None)
                 if identity is not None:
                     restore["source_identity"] = identity
-                positions = [s.get("source") for s in states]
-                if len(positions) == v.parallelism:
-                    restore["source"] = positions[i]
-                else:
-                    rescale = task.source.rescale_positions
-                    if rescale is None:
-                        raise errors.ConfigurationError(
-                            f"source {v.head.name!r} (uid {src_uid!r}) cannot hand its positions from parallelism "
-                            f"{len(positions)} to {v.parallelism}: restore it at parallelism {len(positions)}")
-                    # (every subtask computes them all from the same positions, and takes its own)
-                    restore["source"] = rescale(positions, v.parallelism)[i]
+                restore["source"] = assignment.source_position(
+                    [s.get("source") for s in states], i, v.parallelism,
+                    task.source.rescale_positions, v.head.name, src_uid)
                 restore["has_source"] = True
         if inflight is not None:
             self._rescaled_inflight(inflight, task, restore, None)
@@ -827,27 +829,20 @@ class RestorePlan:
             st = self._read(k)
             entries.append(next(e for e in st["operators"] if e["uid"] == uid))
         if any(e.get("keyed") for e in entries):
-            start, end = kg.key_group_range(self.max_parallelism, v.parallelism, i)
+            # by key group (pyflowbuf.checkpointing.assignment)
+            start, end = assignment.key_groups(self.max_parallelism, v.parallelism, i)
+            keyed = [(k, e) for (k, _), e in zip(olds, entries) if e.get("keyed")]
             values = []
-            for (k, _), e in zip(olds, entries):
-                if not e.get("keyed"):
-                    continue
-                s0, e0 = e["key_groups"]
-                if migration is not None:
-                    # migrated keys land in other key groups: every old subtask may hold some of ours
-                    values.append((self._migrated_value(op, k, e, migration), start <= s0 < end))
-                    continue
-                if e0 <= start or s0 >= end:
-                    continue
-                # counters of the old subtask go to one new subtask only: the one owning its first group
-                values.append((self._value(k, e), start <= s0 < end))
+            for j, owner in assignment.keyed_sources([e["key_groups"] for _, e in keyed], start, end,
+                                                     migrated=migration is not None):
+                k, e = keyed[j]
+                values.append((self._value(k, e) if migration is None else
+                               self._migrated_value(op, k, e, migration), owner))
             if migration is not None:
                 return _distinct_keys_restore(op, values, start, end, self.where, uid)
             return keyed_restore(op, values, start, end)
         states = [None if e.get("state") is None else loads(e["state"], allow_pickle=allow) for e in entries]
-        if len(states) == v.parallelism:
-            return states[i]
-        return op.rescale_state(states, i, v.parallelism)
+        return assignment.per_subtask_state(states, i, v.parallelism, op.rescale_state)
 
 
 def migrate_keyed_value(op, value, fn, max_parallelism, where) -> dict:
@@ -1097,3 +1092,48 @@ _PART_FILE_SINKS = ("TextFileSink", "ParquetFileSink")
 def is_current(meta) -> bool:
     """Whether a checkpoint was written in the per-operator-id layout (format 2)."""
     return meta.properties.get("state_format") == STATE_FORMAT
+
+
+def check_sources(meta, states, sources) -> None:
+    """Refuse to restore a source from the position of other input: each
+    source (``sources``: task key -> (name, Source), not yet opened) checks
+    the identity its checkpointed state recorded. States from before
+    identities were recorded are restored as they are."""
+    for key, (name, source) in sources.items():
+        state = states.get(key)
+        if state is None or "source_identity" not in state:
+            continue
+        try:
+            source.check_identity(state["source_identity"], state.get("source"))
+        except IncompatibleCheckpointError as exc:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {meta.checkpoint_id}: source {name!r} ({key}): {exc}", source=name) from None
+
+
+# ---------------------------------------------------------------- checkpoints before operator ids
+
+def read_states(storage, meta, keys=None) -> dict:
+    """The task states of a complete checkpoint, by task key: every task's, or
+    those of ``keys`` (the tasks of one worker process). A task's in-flight
+    data (unaligned checkpoints) comes with its state, under "inflight":
+    channel name -> items to replay."""
+    out = {}
+    for key in meta.tasks:
+        if keys is not None and key not in keys:
+            continue
+        snap = storage.read_task_state(meta.checkpoint_id, key, metadata=meta)
+        state = snap.state
+        if snap.inflight:
+            state = dict(state)
+            state["inflight"] = decoded_inflight(snap.inflight)
+        out[key] = state
+    return out
+
+
+def check_graph(meta, keys, url) -> None:
+    """Refuse to restore a checkpoint taken of another graph or parallelism."""
+    if set(meta.tasks) != set(keys):
+        raise errors.ConfigurationError(
+            f"checkpoint {meta.checkpoint_id} in {url} was taken of another job graph (tasks "
+            f"{sorted(meta.tasks)}, this job has {sorted(keys)}); restoring into a different graph "
+            "or parallelism is not supported")

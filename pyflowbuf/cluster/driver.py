@@ -52,7 +52,7 @@ import warnings
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import TaskStateHandle
 from pyflowbuf.net import new_secret
-from pyflowbuf.checkpointing import coordinator as ckpt
+from pyflowbuf import checkpointing as ckpt
 from pyflowbuf.connectors import filesystems as fsx
 from pyflowbuf.cluster.locations import check_shared_locations
 from pyflowbuf.checkpointing import restore as restore_mod

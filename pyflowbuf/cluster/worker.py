@@ -17,7 +17,7 @@ import traceback
 from pyflowbuf import errors
 from pyflowbuf.checkpoint import CheckpointStorage, SavepointStorage
 from pyflowbuf.net import ConnectionManager, NetworkServer
-from pyflowbuf.checkpointing import coordinator as ckpt
+from pyflowbuf import checkpointing as ckpt
 from pyflowbuf.checkpointing.gateway import CoordinatorGateway
 from pyflowbuf.runtime.job import CANCEL_GRACE_S, JobExecution
 from pyflowbuf.connectors.sinks import CollectSink

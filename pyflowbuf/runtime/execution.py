@@ -17,7 +17,7 @@ from pyflowbuf import errors
 from pyflowbuf import ui as _ui
 from pyflowbuf._validation import check_timeout
 from pyflowbuf.checkpoint import CheckpointStorage
-from pyflowbuf.checkpointing import coordinator as ckpt
+from pyflowbuf import checkpointing as ckpt
 from pyflowbuf.checkpointing.gateway import SubtaskGateway
 from pyflowbuf.checkpointing import jobdir
 from pyflowbuf.checkpointing import restore as restore_mod

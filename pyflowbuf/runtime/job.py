@@ -8,7 +8,7 @@ import time
 import traceback
 
 from pyflowbuf import errors
-from pyflowbuf.checkpointing import coordinator as ckpt
+from pyflowbuf import checkpointing as ckpt
 from pyflowbuf.exchange import debloat
 from pyflowbuf.checkpointing import restore as restore_mod
 from pyflowbuf.runtime.execution import CANCEL_GRACE_S, Execution
@@ -249,15 +249,15 @@ class JobExecution(Execution):
                 self._commit_restored(meta)     # (with workers the driver does it)
             self.restored_from = meta.checkpoint_id
         for t in self.tasks:
-            t.checkpointing = ckpt.TaskCheckpointing(t, coordinator, self._snapshot_writer)
-            state = states.get(t.checkpointing.key)
+            t.checkpoints.attach(coordinator, self._snapshot_writer)
+            state = states.get(t.checkpoints.key)
             if plan is None and state is not None and state.get("vertex") != t.vertex.name:
                 raise errors.ConfigurationError(
-                    f"checkpoint {meta.checkpoint_id}: task {t.checkpointing.key} was {state.get('vertex')!r}, "
+                    f"checkpoint {meta.checkpoint_id}: task {t.checkpoints.key} was {state.get('vertex')!r}, "
                     f"here it is {t.vertex.name!r}; the job graph changed")
             t.restore = state
         if self.remote is None:
-            coordinator.attach(self, [t.checkpointing.key for t in self.tasks])
+            coordinator.attach(self, [t.checkpoints.key for t in self.tasks])
         else:
             # before any task runs: the collect sinks' restored counts
             self.remote.tasks_armed(self.tasks)
@@ -275,7 +275,7 @@ class JobExecution(Execution):
         """After a task failed: every task has stopped; give back every
         segment, then build the job again and restore the latest complete
         checkpoint (sources rewind to its positions)."""
-        self._begin_restart([t.checkpointing.key for t in self.tasks])
+        self._begin_restart([t.checkpoints.key for t in self.tasks])
         self._release_buffers()
         old = self.network_pool
         if old.available_segments != old.total_segments:

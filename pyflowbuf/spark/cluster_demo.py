@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pyflowbuf as fb
 from pyflowbuf.checkpoint import CheckpointStorage
-from pyflowbuf.checkpointing.coordinator import latest_checkpoint
+from pyflowbuf.checkpointing.restore_point import latest_checkpoint
 from pyflowbuf.spark.cluster import SparkCluster
 from pyflowbuf.spark.session import worker_python_env
 

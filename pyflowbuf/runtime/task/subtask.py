@@ -88,8 +88,7 @@ class Subtask(threading.Thread):
                                            by_input=isinstance(input_side, MultiInput))
         self._check_records(vertex, operators, outputs, source)
         self.mailbox = Mailbox(input_side, outputs, None if source is None else source.wakeup)
-        self.checkpoints = SubtaskCheckpoints(job, self.name, operators, sides, outputs,
-                                              lambda: bool(self.finished_ns), self.mailbox)
+        self.checkpoints = SubtaskCheckpoints(self, sides, self.mailbox)
         self.event_time = EventTime(job, chain, sides, outputs)
         self.input_processor = None if input_side is None else InputProcessor(
             self, input_side, chain, self.mailbox, self.checkpoints, self.event_time, outputs)
@@ -136,15 +135,6 @@ class Subtask(threading.Thread):
     @notifier.setter
     def notifier(self, notifier) -> None:
         self.mailbox.notifier = notifier
-
-    @property
-    def checkpointing(self):
-        """This task's ``TaskCheckpointing`` (set by the job when checkpoints are on)."""
-        return self.checkpoints.checkpointing
-
-    @checkpointing.setter
-    def checkpointing(self, value) -> None:
-        self.checkpoints.checkpointing = value
 
     def post(self, mail) -> None:
         """Run ``mail()`` in this task's thread between batches."""
@@ -220,8 +210,7 @@ class Subtask(threading.Thread):
         for op in self.operators:
             self.current_operator = op.name
             op.open(self.index, self.vertex.parallelism)
-        if self.checkpointing is not None:
-            self.checkpoints.arm()
+        self.checkpoints.arm()      # (checkpoints on: the job attached its coordinator)
         if restore is not None and restore.get("inflight"):
             self.checkpoints.replay_inflight(restore)
         return restore is not None and restore["finished"]

@@ -1,6 +1,30 @@
-"""In-flight data of an unaligned checkpoint restored into a changed job:
-redistributed by key group where its edge is keyed (``key_by``), refused
-elsewhere.
+"""In-flight data of unaligned checkpoints, all of it in one place: captured
+at the snapshot, replayed after a restore, redistributed by key group when
+the job changed. How it is stored (a 16-byte header per item) is the storage
+layer's: ``pyflowbuf.checkpoint.inflight``.
+
+**Names.** A subtask's in-flight items are stored per channel:
+``in/<input>/<channel>`` (what it read from that channel between its snapshot
+and barrier *n*, then what the barrier overtook in its queue),
+``out/<output>/<subpartition>`` (what barrier *n* overtook in a network
+sender's queue, for outputs read by another process) and, after a rescale
+only, ``key/<input>`` (records redistributed to it by key group).
+
+**Capture** (``InflightCapture`` per checkpoint, ``Captures`` per subtask,
+driven by ``SubtaskCheckpoints`` in the subtask's thread): an unaligned snapshot starts recording every input channel
+whose barrier has not come yet, beginning with what the reader holds of it
+(``start_recording``); a channel's recording ends when its barrier comes
+(``recorded``: with what the barrier overtook in the queue). A network sender
+thread reports what barrier *n* overtook in a remote output. The checkpoint is
+written once every part is in (``InflightCapture.ready``).
+
+**Replay** (``replay``): a task restored from an unaligned checkpoint reads
+its in-flight input again before anything new from the gate and sends its
+in-flight output again before any new record.
+
+**Rescale** (``InflightPlan``, for ``pyflowbuf.checkpointing.restore``): in a
+changed job, each edge's in-flight data goes back in place, is redistributed
+by key group, or is refused.
 
 At checkpoint time a subtask that holds in-flight data records, beside its
 state's summary (the checkpoint's ``_metadata`` layout), the edge of each of
@@ -57,6 +81,7 @@ buffers (about buffers x segment size per channel), so this is bounded too.
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 
@@ -67,7 +92,9 @@ from pyflowbuf._core.events import (BARRIER, CANCEL_BARRIER, END_OF_DATA, END_OF
 from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf._core.serde import RecordReader
 from pyflowbuf.checkpoint import keygroups as kg
+from pyflowbuf.checkpoint.inflight import decode_inflight, encode_inflight
 from pyflowbuf.checkpoint.storage import IncompatibleCheckpointError
+from pyflowbuf.checkpointing import assignment
 from pyflowbuf.exchange.sides import kind_name
 from pyflowbuf.kinds import CoreSerializer
 from pyflowbuf.serializers import get_serializer
@@ -80,7 +107,215 @@ _MAX_RECORD = (1 << 32) - 1             # the checkpoint's own records: the job'
 _DROPPED_EVENTS = (EVT_WATERMARK, END_OF_PARTITION, END_OF_DATA, BARRIER, CANCEL_BARRIER)
 
 
-# ---------------------------------------------------------------- at checkpoint time
+# ---------------------------------------------------------------- names
+
+def input_channel(input_index: int, channel: int) -> str:
+    return f"in/{input_index}/{channel}"
+
+
+def parse_channel(name: str):
+    """``(where, a, b)`` of an item name: 'in/<input>/<channel>',
+    'out/<output>/<subpartition>', or 'key/<input>' (b = -1)."""
+    where, *rest = name.split("/")
+    if where == "key":
+        return where, int(rest[0]), -1
+    return where, int(rest[0]), int(rest[1])
+
+
+def remote_outputs(outputs) -> list:
+    """The item names of the subpartitions read by another process: what an
+    unaligned barrier overtakes there comes from the network sender."""
+    return [f"out/{o}/{s}" for o, out in enumerate(outputs)
+            for s, remote in enumerate(out.remote) if remote]
+
+
+# ---------------------------------------------------------------- capture
+
+class InflightCapture:
+    """One checkpoint of a subtask whose write waits for in-flight data: its
+    input channels' (until barrier n arrived on each) and, for outputs sent to
+    other processes, what barrier n overtook in the network sender."""
+
+    def __init__(self, checkpoint_id, state, commits, alignment, inputs_open, outputs, phases=None):
+        self.checkpoint_id = checkpoint_id
+        self.phases = phases
+        self.state = state
+        self.commits = commits
+        self.alignment = alignment
+        self.channels: dict[str, list] = {}
+        self.inputs_open = inputs_open
+        self.waiting_outputs = set(outputs)
+        self.alignment_ms = 0.0
+
+    def add(self, name, items):
+        if items:
+            self.channels.setdefault(name, []).extend(items)
+
+    @property
+    def ready(self):
+        return not self.inputs_open and not self.waiting_outputs
+
+    def encoded(self) -> dict:
+        """Its items as the storage writes them, per channel name."""
+        return {name: encode_inflight(items) for name, items in self.channels.items()}
+
+
+class Captures:
+    """The checkpoints of one subtask whose write waits for in-flight data,
+    by id. The subtask's thread adds them and what its input channels
+    recorded; network sender threads report what barriers overtook in their
+    queues, so every step holds the lock. A step that may have completed a
+    capture returns it: the caller writes it once ``take_if_ready`` says so."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: dict[int, InflightCapture] = {}
+
+    def start(self, p: InflightCapture) -> None:
+        with self._lock:
+            self._pending[p.checkpoint_id] = p
+
+    def input(self, checkpoint_id: int, name: str, items) -> None:
+        """What input channel ``name`` recorded until its barrier came."""
+        with self._lock:
+            p = self._pending.get(checkpoint_id)
+            if p is not None:
+                p.add(name, items)
+
+    def inputs_done(self, checkpoint_id: int, alignment_ns: int):
+        """Every input channel delivered barrier n: the capture, or None."""
+        with self._lock:
+            p = self._pending.get(checkpoint_id)
+            if p is None:
+                return None
+            p.inputs_open = False
+            p.alignment_ms = alignment_ns / 1e6
+            if p.phases is not None:
+                if p.phases["unaligned"]:
+                    # first barrier to last: the in-flight input was recorded meanwhile
+                    p.phases["inflight_wait_ns"] = alignment_ns
+                else:
+                    p.phases["alignment_ns"] = alignment_ns
+            return p
+
+    def output(self, checkpoint_id: int, name: str, items):
+        """From a network sender thread: what barrier n overtook in
+        subpartition ``name`` (None: an aligned barrier passed, nothing
+        overtaken). The capture, or None when it waits for no such word."""
+        with self._lock:
+            p = self._pending.get(checkpoint_id)
+            if p is None or name not in p.waiting_outputs:
+                return None
+            p.waiting_outputs.discard(name)
+            p.add(name, items)
+            return p
+
+    def drop(self, checkpoint_id: int) -> None:
+        with self._lock:
+            self._pending.pop(checkpoint_id, None)
+
+    def take_if_ready(self, p: InflightCapture) -> bool:
+        """Whether capture ``p`` is complete and still wanted; if so it leaves,
+        with every older one (one checkpoint at a time: they can no longer
+        complete)."""
+        with self._lock:
+            if not p.ready or self._pending.get(p.checkpoint_id) is not p:
+                return False
+            del self._pending[p.checkpoint_id]
+            for n in [n for n in self._pending if n < p.checkpoint_id]:
+                del self._pending[n]
+            return True
+
+
+def start_recording(sides, keys) -> dict:
+    """An unaligned snapshot: record the input channels ``keys`` ((input,
+    channel), barrier n not there yet) from now on; returns what their
+    readers hold of each (a record cut by the snapshot) by item name."""
+    inputs = {}
+    for a, ch in keys:
+        reader = sides[a].reader
+        prefix = reader.unread_prefix(ch)
+        inputs[input_channel(a, ch)] = [prefix] if prefix is not None else []
+        reader.start_recording(ch)
+    return inputs
+
+
+def recorded(side, channel: int, overtaken: int = 0, prefix=None) -> list:
+    """Barrier n came on ``channel`` of ``side``: what its reader recorded
+    since the snapshot, after ``prefix`` (what was left of the buffer the
+    reader was in when an overtaking barrier was taken) and followed by the
+    ``overtaken`` items the barrier passed in the channel's queue."""
+    items = side.reader.stop_recording(channel) if side.reader is not None else []
+    if overtaken > 0:
+        items = items + side.gate.channels[channel].copy_front(overtaken)
+    if prefix is not None:
+        items = [prefix] + items
+    return items
+
+
+def stop_recording(sides) -> None:
+    """A checkpoint aborted: no channel records for it any more."""
+    for side in sides:
+        r = side.reader
+        if r is not None:
+            for ch in range(side.num_channels):
+                if r.is_recording(ch):
+                    r.stop_recording(ch)
+
+
+def any_replaying(sides, keys) -> bool:
+    """Whether one of the inputs of ``keys`` still reads restored in-flight data."""
+    return any(sides[a].reader is not None and sides[a].reader.replaying for a, _ in keys)
+
+
+# ---------------------------------------------------------------- replay
+
+def decoded(stored: dict) -> dict:
+    """A task file's in-flight sections (channel name -> views) as items to replay."""
+    return {name: decode_inflight(views) for name, views in stored.items()}
+
+
+def replay(restore, sides, outputs) -> None:
+    """After a restore from an unaligned checkpoint: in-flight input is read
+    again before anything new from the gate (each input's replayed items
+    first, from every channel), in-flight output is sent again before any
+    new record. Items of a channel go back into that channel; records
+    redistributed by key group (``key/<input>``: whole records, no events)
+    go through channel 0 of their input, ahead of everything else there."""
+    inflight = restore["inflight"]
+    in_kinds = restore.get("input_kinds") or []
+    out_kinds = restore.get("output_kinds") or []
+    replays = {}
+    for name in sorted(inflight, key=parse_channel):
+        where, a, b = parse_channel(name)
+        items = inflight[name]
+        if where == "key":
+            if a >= len(sides):
+                raise errors.ConfigurationError(
+                    f"in-flight data redistributed to input {a} does not fit this task ({len(sides)} inputs)")
+            # before this input's own channels' items (it has none: its whole edge moved)
+            replays.setdefault(a, [])[:0] = [(0, item) for item in items]
+        elif where == "in":
+            if a >= len(sides) or b >= sides[a].num_channels:
+                raise errors.ConfigurationError(
+                    f"in-flight data for input channel {name} does not fit this job: restoring "
+                    "an unaligned checkpoint into another parallelism is not supported")
+            replays.setdefault(a, []).extend((b, item) for item in items)
+        else:
+            if a >= len(outputs) or b >= len(outputs[a].queues):
+                raise errors.ConfigurationError(
+                    f"in-flight data for output {name} does not fit this job: restoring "
+                    "an unaligned checkpoint into another parallelism is not supported")
+            outputs[a].replay(b, items, out_kinds[a] if a < len(out_kinds) else None)
+    for a, pairs in replays.items():
+        side = sides[a]
+        kind = in_kinds[a] if a < len(in_kinds) else None
+        if kind is not None and side.kind is None:
+            side._configure(get_serializer(kind))
+        side.reader.replay(pairs)
+
+
+# ---------------------------------------------------------------- rescale: the edges, recorded at checkpoint time
 
 def _chain_uids(v) -> list:
     return [n.operator_uid for n in v.nodes if n.make_operator is not None]
@@ -149,11 +384,6 @@ def graph_edges(vertices) -> dict:
     return out
 
 
-def _parse(name):
-    where, a, b = name.split("/")
-    return where, int(a), int(b)
-
-
 # ---------------------------------------------------------------- the plan
 
 class InflightPlan:
@@ -180,7 +410,7 @@ class InflightPlan:
                 self.legacy.append((k, s))
                 continue
             for name in names:
-                where_, a, _ = _parse(name)
+                where_, a, _ = parse_channel(name)
                 side = edges["in" if where_ == "in" else "out"]
                 if a >= len(side):
                     raise IncompatibleCheckpointError(
@@ -268,7 +498,7 @@ class InflightPlan:
         records of new subtask ``index`` of ``vertex``, per input."""
         out = {}
         head = vertex.head.operator_uid
-        start, end = kg.key_group_range(self.max_parallelism, vertex.parallelism, index)
+        start, end = assignment.key_groups(self.max_parallelism, vertex.parallelism, index)
         for eid in sorted(self.moved):
             if eid[0] != head:
                 continue
@@ -297,7 +527,7 @@ class InflightPlan:
         streams: dict = {}        # (sender, receiver) -> [held by the receiver, queued at the sender, kind]
         for k, name, _ in self.holders[eid]:
             st = self._read_state(k)
-            where_, a, c = _parse(name)
+            where_, a, c = parse_channel(name)
             sub = self.layout[k]["subtask"]
             kinds = st.get("input_kinds" if where_ == "in" else "output_kinds") or []
             pair, part = ((c, sub), 0) if where_ == "in" else ((sub, c), 1)
