@@ -269,7 +269,7 @@ def run_demo(quick: bool = False) -> int:
     except ImportError as exc:
         print(f"  skipped: {exc}")
     else:
-        report["experiment"] = run_experiment(out, quick=quick)
+        report["experiment"] = run_experiment(out, quick=quick, ui=True)
         print(f"  plot: {report['experiment'].get('png')}  csv: {report['experiment'].get('csv')}")
 
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)

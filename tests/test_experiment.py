@@ -117,3 +117,37 @@ def test_pacer_holds_a_fraction_of_the_rate():
     with pytest.raises(ValueError):
         Speed(0)
     assert Pacer(Speed(0.3))(1000) is None       # no max_rate yet (calibrating): no-op
+
+
+def test_the_web_view_serves_while_the_experiment_runs_and_closes_after(tmp_path, capsys):
+    """``ui=True`` (the demo's step): the URL is printed while the job runs,
+    and the port is free again once the experiment returned."""
+    import re
+    import socket
+    import urllib.request
+
+    seen = {}
+    real_sleep = time.sleep
+
+    def sleep_and_look(seconds):
+        # the experiment's loop sleeps between samples: look at the page then
+        out = capsys.readouterr().out
+        m = re.search(r"web view, live while the experiment runs: (http://127\.0\.0\.1:(\d+)/)", out)
+        if m and "status" not in seen:
+            seen["url"], seen["port"] = m.group(1), int(m.group(2))
+            with urllib.request.urlopen(seen["url"] + "api/job", timeout=10) as r:
+                seen["status"] = r.status
+        real_sleep(seconds)
+
+    bp.time.sleep = sleep_and_look
+    try:
+        bp.run_experiment(tmp_path, quick=True, phase_seconds=0.5, interval=0.25, calibration_seconds=0.5,
+                          phases=[("slow", 100, 20)], plot=False, ui=True)
+    finally:
+        bp.time.sleep = real_sleep
+    assert seen.get("status") == 200, seen
+    with socket.socket() as s:
+        # SO_REUSEADDR: the page's closed connections may linger in TIME_WAIT; a listener may not
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", seen["port"]))
+        s.listen()                                # the view closed with the experiment

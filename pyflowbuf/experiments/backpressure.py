@@ -128,7 +128,7 @@ def _find_task(job, vertex_name):
 def run_experiment(out_dir, quick: bool = False, phase_seconds: float | None = None, *,
                    interval: float | None = None, calibration_seconds: float | None = None,
                    phases=PHASES, plot: bool = True, verbose: bool = False, debloat: bool = False,
-                   checkpoints: bool = False, debloat_target: float = 0.0005,
+                   checkpoints: bool = False, debloat_target: float = 0.0005, ui: bool = False,
                    _checkpoint_mode: str | None = None) -> dict:
     """Run the experiment; write ``backpressure.csv`` and ``backpressure.png``
     into ``out_dir``. Returns ``{"csv", "png", "phases": [per-phase summary],
@@ -137,7 +137,10 @@ def run_experiment(out_dir, quick: bool = False, phase_seconds: float | None = N
     the first (the transition interval). ``debloat``: buffer debloating on,
     its buffer size and in-flight bytes sampled. ``checkpoints``: run twice
     (aligned, unaligned checkpoints every interval, default buffers); the
-    result gains ``"checkpoints": {mode: [(t_s, duration_s), ...]}``."""
+    result gains ``"checkpoints": {mode: [(t_s, duration_s), ...]}``.
+    ``ui``: serve the job's web view while it runs (a free port on
+    127.0.0.1) and print its URL: watch the producer turn black when the
+    consumer slows down."""
     if checkpoints:
         runs = {}
         for mode in ("aligned", "unaligned"):
@@ -146,7 +149,7 @@ def run_experiment(out_dir, quick: bool = False, phase_seconds: float | None = N
             runs[mode] = run_experiment(os.path.join(out_dir, mode), quick, phase_seconds, interval=interval,
                                         calibration_seconds=calibration_seconds, phases=phases, plot=False,
                                         verbose=verbose, debloat=debloat, debloat_target=debloat_target,
-                                        _checkpoint_mode=mode)
+                                        ui=ui, _checkpoint_mode=mode)
         result = runs["unaligned"]
         result["checkpoints"] = {m: r["checkpoint_durations"] for m, r in runs.items()}
         result["aligned_run"] = {k: v for k, v in runs["aligned"].items() if k != "samples"}
@@ -157,11 +160,11 @@ def run_experiment(out_dir, quick: bool = False, phase_seconds: float | None = N
                                   os.path.join(out_dir, "backpressure.png"))
         return result
     return _run_once(out_dir, quick, phase_seconds, interval, calibration_seconds, phases, plot, verbose,
-                     debloat, debloat_target, _checkpoint_mode)
+                     debloat, debloat_target, _checkpoint_mode, ui)
 
 
 def _run_once(out_dir, quick, phase_seconds, interval, calibration_seconds, phases, plot, verbose, debloat,
-              debloat_target, checkpoint_mode):
+              debloat_target, checkpoint_mode, ui=False):
     timing = dict(QUICK if quick else FULL)
     if phase_seconds is not None:
         timing["phase_seconds"] = float(phase_seconds)
@@ -224,11 +227,15 @@ def _run_once(out_dir, quick, phase_seconds, interval, calibration_seconds, phas
                        checkpoint_dir=tempfile.mkdtemp(prefix="pyflowbuf-experiment-"))
         if debloat:
             buffers["debloat_target"] = debloat_target
+    if ui:
+        buffers["ui_port"] = 0
     env = Environment(chaining=False, metrics_interval=iv, name="backpressure-experiment", debloat=debloat,
                       **buffers)
     env.from_generator(producer, kind="int64", name="producer").sink(consumer, batched=True, name="consumer")
 
     job = env.execute_async()
+    if job.ui is not None:
+        print(f"  web view, live while the experiment runs: {job.ui_url}", flush=True)
     rows: list = []
     watch = None
     try:
@@ -301,6 +308,8 @@ def _run_once(out_dir, quick, phase_seconds, interval, calibration_seconds, phas
         if watch is not None:
             watch.stop()
             watch.join(1)
+        if job.ui is not None:
+            job.ui.close()
 
     max_p, max_c = p_pacer.max_rate, c_pacer.max_rate
     for r in rows:
