@@ -45,7 +45,7 @@ try:
 except ImportError:   # a Python built without OpenSSL: TLS asked for is refused in require_ssl()
     ssl = None
 
-from pyflowbuf.errors import TLSError, TLSUnavailableError
+from pyflowbuf.errors import ConfigurationError, TLSError, TLSUnavailableError
 
 # plaintext taken from the pair per SSL_write, ciphertext per recv: many
 # frames per call, so the per-call overhead (GIL, syscall) is paid per batch
@@ -304,7 +304,6 @@ def _crypto():
 
 def resolve(value, what="tls"):
     """``Environment(tls=...)``: None/False (off), True (the job's own CA) or a TLSConfig."""
-    from pyflowbuf.errors import ConfigurationError
     if value is None or value is False:
         return None
     if value is True or isinstance(value, TLSConfig):
