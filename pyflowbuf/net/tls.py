@@ -337,7 +337,7 @@ def _reason(e, server_side):
     """An OpenSSL error, said as what it means here."""
     text = getattr(e, "verify_message", None) or getattr(e, "reason", None) or str(e)
     code = getattr(e, "verify_code", None)
-    low = str(text).lower()
+    low = str(text).lower().replace("_", " ")
     if "wrong version number" in low or "http request" in low or "record layer" in low \
             or "packet length too long" in low or "unknown protocol" in low:
         return (f"the peer does not speak TLS ({text}): "
@@ -620,7 +620,8 @@ class TLSRelay:
             except mod.SSLZeroReturnError:
                 self.peer_closed = True
                 break
-            if k == 0:
+            if k == 0:      # _ssl says close_notify so (no data would be SSLWantReadError)
+                self.peer_closed = True
                 break
             filled += k
         return mv[:filled] if filled else None
@@ -628,7 +629,7 @@ class TLSRelay:
 
 def _post_handshake_reason(e):
     text = getattr(e, "reason", None) or str(e)
-    low = str(text).lower()
+    low = str(text).lower().replace("_", " ")
     if "unexpected message" in low or "renegotiat" in low or "no renegotiation" in low:
         return f"the peer sent a handshake message after the handshake ({text}): renegotiation is refused"
     return f"a TLS record after the handshake was not valid ({text}): garbage or tampering on the connection"
