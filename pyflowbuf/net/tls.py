@@ -503,7 +503,8 @@ class TLSRelay:
             inner.setblocking(False)
             out_mv = memoryview(bytearray(CHUNK))   # plaintext from the local end
             in_mv = memoryview(bytearray(CHUNK))    # plaintext for the local end
-            to_tcp = b""                # ciphertext not yet sent
+            raw_mv = memoryview(bytearray(CHUNK))   # ciphertext from tcp
+            to_tcp = b""                # ciphertext not yet sent (a memoryview once partly sent)
             to_local = None             # a slice of in_mv not yet handed over
             local_eof = remote_eof = local_shut = False
             poller = select.poll()
@@ -549,26 +550,27 @@ class TLSRelay:
                     except BlockingIOError:
                         sent = 0
                     if tap is not None and sent:
-                        tap(to_tcp[:sent])
-                    to_tcp = to_tcp[sent:]
+                        tap(bytes(to_tcp[:sent]))
+                    # a memoryview: what is left is not copied again
+                    to_tcp = memoryview(to_tcp)[sent:] if sent < len(to_tcp) else b""
                 # tcp -> TLS -> local: everything decryptable, up to CHUNK, per pass
                 if ev_t & POLLIN and rt & (POLLIN | GONE):
                     try:
-                        data = tcp.recv(CHUNK)
+                        k = tcp.recv_into(raw_mv)
                     except BlockingIOError:
-                        data = None
-                    if data == b"":
+                        k = -1
+                    if k == 0:
                         # a peer without close_notify (killed): the frame
                         # reader reports it as any lost connection
                         remote_eof = True
-                    elif data:
-                        self._in.write(data)
+                    elif k > 0:
+                        self._in.write(raw_mv[:k])
                     to_local = self._decrypt(in_mv)
                     if to_local is None and self.peer_closed:
                         remote_eof = True
                     extra = bio_out.read()      # post-handshake messages (KeyUpdate) answered
                     if extra:
-                        to_tcp = to_tcp + extra
+                        to_tcp = bytes(to_tcp) + extra
                 if to_local is not None and (ri & (POLLOUT | GONE) or not ev_i & POLLOUT):
                     try:
                         sent = inner.send(to_local)
