@@ -335,3 +335,40 @@ def test_a_stale_attempt_is_refused_by_the_client_too(loopback_network, certs):
     with pytest.raises(TLSError, match="not the pinned one"):
         mgr.create_channel(srv.address, "x", 0, BufferQueue(net.nbp), excl[0], fl, kind="int64")
     assert not isinstance(TLSError(("h", 1), "r"), AuthenticationError)
+
+
+@pytest.mark.parametrize("mutual", [True, False])
+def test_https_context_for_the_web_view(certs, mutual):
+    """The helper the web view uses for HTTPS: the job's certificate; with
+    ``mutual`` a client without one of the job's is refused."""
+    import http.server
+
+    cfg = certs.for_attempt(0)
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    httpd.socket = T.https_context(cfg, mutual=mutual).wrap_socket(httpd.socket, server_side=True)
+    t = threading.Thread(target=httpd.handle_request, daemon=True)
+    t.start()
+    try:
+        anonymous = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        anonymous.load_verify_locations(cadata=cfg.ca.decode())
+        anonymous.check_hostname = False
+        with socket.create_connection(httpd.server_address, timeout=5) as raw:
+            try:        # (TLS 1.3: the refusal of the client's certificate comes after its handshake)
+                with anonymous.wrap_socket(raw) as s:
+                    s.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
+                    answer = s.recv(100)
+            except (ssl.SSLError, ConnectionError):
+                answer = b""
+        assert answer.startswith(b"HTTP/") is (not mutual)
+    finally:
+        t.join(10)
+        httpd.server_close()
+
+
+def test_environment_tls_is_checked():
+    import pyflowbuf as fb
+    from pyflowbuf.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="tls"):
+        fb.Environment(workers=2, tls="yes")
+    assert fb.Environment(tls=True).configuration()["tls"] is True

@@ -215,6 +215,24 @@ def _load_cert_chain(ctx, cert, key):
             c()
 
 
+def https_context(config: TLSConfig, *, mutual: bool = True):
+    """An ``ssl.SSLContext`` for an HTTPS server (the job's web view when it is
+    served beyond loopback) from the same TLSConfig: its certificate and key,
+    TLS 1.3 only; with ``mutual`` a client must present a certificate of the
+    config's CA (and the pin, checked by the caller with ``config.check_peer``
+    on ``getpeercert(binary_form=True)``), else browsers connect without one.
+
+    Example::
+
+        httpd.socket = https_context(tls).wrap_socket(httpd.socket, server_side=True)
+    """
+    mod = require_ssl()
+    ctx = config._make_context(mod, True)
+    if not mutual:
+        ctx.verify_mode = mod.CERT_NONE
+    return ctx
+
+
 # ------------------------------------------------------------ job certificates
 
 class JobCertificates:
