@@ -379,3 +379,36 @@ def test_environment_tls_is_checked():
     with pytest.raises(ConfigurationError, match="tls"):
         fb.Environment(workers=2, tls="yes")
     assert fb.Environment(tls=True).configuration()["tls"] is True
+
+
+def test_a_peer_that_stops_reading_does_not_hold_the_relay(certs, monkeypatch):
+    """The local end closes while the relay still has bytes for a peer that
+    reads nothing: the relay gives up after _FLUSH_S instead of waiting forever."""
+    monkeypatch.setattr(T, "_FLUSH_S", 0.5)
+    cfg = certs.for_attempt(0)
+    ls = socket.create_server(("127.0.0.1", 0))
+    client_sock = socket.create_connection(ls.getsockname())
+    srv_sock, peer = ls.accept()
+    ls.close()
+    client = T.TLSRelay(client_sock, cfg, server_side=False, peer=peer)
+    server = T.TLSRelay(srv_sock, cfg, server_side=True, peer=peer)
+    t = threading.Thread(target=client.handshake, args=(time.monotonic() + 10,))
+    t.start()
+    server.handshake(time.monotonic() + 10)
+    t.join()
+    server.start()
+    server.local.setblocking(False)
+    chunk = bytes(1 << 16)
+    stuck_since = None
+    while stuck_since is None or time.monotonic() - stuck_since < 0.5:   # until the peer's window is full
+        try:
+            server.local.send(chunk)
+            stuck_since = None
+        except BlockingIOError:
+            stuck_since = stuck_since or time.monotonic()
+            time.sleep(0.05)
+    server.local.close()
+    wait_for(lambda: not server.alive, "the relay to give up on a peer that does not read", timeout=20)
+    client_sock.close()
+    client.release()
+    server.release()

@@ -51,6 +51,9 @@ from pyflowbuf.errors import ConfigurationError, TLSError, TLSUnavailableError
 # frames per call, so the per-call overhead (GIL, syscall) is paid per batch
 CHUNK = 256 * 1024
 _PAIR_BUFFER = 1 << 20
+# the last bytes (and close_notify) after the local end closed: a peer that
+# does not read them within this time is not waited for
+_FLUSH_S = 5.0
 CERT_VALIDITY_DAYS = 365
 
 
@@ -516,6 +519,7 @@ class TLSRelay:
         tap = self.tap
         POLLIN, POLLOUT = select.POLLIN, select.POLLOUT
         GONE = select.POLLHUP | select.POLLERR
+        RDHUP = getattr(select, "POLLRDHUP", select.POLLHUP)
         try:
             tcp.setblocking(False)
             inner.setblocking(False)
@@ -525,10 +529,13 @@ class TLSRelay:
             to_tcp = b""                # ciphertext not yet sent (a memoryview once partly sent)
             to_local = None             # a slice of in_mv not yet handed over
             local_eof = remote_eof = local_shut = False
+            flush_by = None     # once the local end closed: how long the last bytes may take
             poller = select.poll()
             fi, ft = inner.fileno(), tcp.fileno()
             while not (local_eof and not to_tcp):
                 ev_i = (0 if (to_tcp or local_eof) else POLLIN) | (POLLOUT if to_local else 0)
+                if not ev_i and flush_by is None and not local_eof:
+                    ev_i = RDHUP     # not reading it now, but its closing starts the flush deadline
                 ev_t = (0 if (to_local or remote_eof) else POLLIN) | (POLLOUT if to_tcp else 0)
                 if not ev_i and not ev_t:
                     break
@@ -541,10 +548,20 @@ class TLSRelay:
                             poller.unregister(fd)
                         except KeyError:
                             pass
-                ready = dict(poller.poll())
+                if local_eof and flush_by is None:
+                    flush_by = time.monotonic() + _FLUSH_S
+                if flush_by is None:
+                    ready = dict(poller.poll())
+                else:           # a peer that stopped reading must not hold this thread
+                    left = flush_by - time.monotonic()
+                    if left <= 0:
+                        break
+                    ready = dict(poller.poll(left * 1000))
                 ri, rt = ready.get(fi, 0), ready.get(ft, 0)
                 if (ri | rt) & select.POLLNVAL:
                     break
+                if ri & (RDHUP | GONE) and flush_by is None and not ev_i & POLLIN:
+                    flush_by = time.monotonic() + _FLUSH_S
                 # local -> TLS -> tcp: all the frames waiting in one SSL_write (GIL released in it)
                 if ev_i & POLLIN and ri & (POLLIN | GONE):
                     try:
