@@ -615,10 +615,10 @@ class TLSRelay:
                         local_eof, to_local, sent = True, None, 0   # nobody reads any more
                     if to_local is not None:
                         to_local = to_local[sent:] if sent < len(to_local) else None
-                    if to_local is None and not remote_eof:
+                    if to_local is None and not remote_eof and (self._in.pending or obj.pending()):
                         to_local = self._decrypt(in_mv)     # what the BIO still holds
-                        if to_local is None and self.peer_closed:
-                            remote_eof = True
+                    if to_local is None and self.peer_closed:
+                        remote_eof = True
                 if remote_eof and to_local is None and not local_shut:
                     local_shut = True
                     try:
@@ -649,9 +649,10 @@ class TLSRelay:
         mod = ssl
         filled = 0
         size = len(mv)
+        obj = self.obj
         while filled < size:
             try:
-                k = self.obj.read(size - filled, mv[filled:])
+                k = obj.read(size - filled, mv[filled:])
             except mod.SSLWantReadError:
                 break
             except mod.SSLZeroReturnError:
