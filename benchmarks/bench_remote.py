@@ -14,6 +14,17 @@ remote_records_per_s_12b / remote_records_per_s_12b_per_record
     int64 records (8 bytes + 4-byte length = 12 bytes on the wire, as in
     Flink's network throughput benchmark) end to end: write_batch/read_batch,
     and write()/read() one record per call.
+remote_tls_vs_plain
+    MB/s of the same 32 KiB buffer stream over one mutual TLS 1.3 connection
+    (``NetworkServer(tls=)``: the job's CA, ECDSA P-256, AES-GCM) / over a
+    plain one, both to the same producer process.
+remote_tls_records_vs_plain
+    records/s of a per-record pipeline (``Environment(workers=2)``: a source,
+    a map per record, a key_by to a keyed reduce, a sink) with ``tls=True`` /
+    without: the exchange between the two worker processes is encrypted.
+tls_handshake_ms
+    one connection's TLS handshake (connect, both certificates checked, the
+    pin), the median of several, on loopback.
 hol_credit_other_channel_ratio / hol_tcp_other_channel_ratio
     two channels on one connection, endless 32 KiB buffers on both, each
     consumer taking at most 100 MB/s: the healthy channel's MB/s while the other
@@ -29,6 +40,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -42,20 +54,24 @@ GOALS = {
     "remote_vs_raw_socket": Goal(">=", 0.7, "x"),
     "hol_credit_other_channel_ratio": Goal(">=", 0.8, "x"),
     "hol_tcp_other_channel_ratio": Goal("<=", 0.2, "x"),
+    "remote_tls_vs_plain": Goal(">=", 0.5, "x"),
+    "remote_tls_records_vs_plain": Goal(">=", 0.9, "x"),
 }
 
 
 def params(quick: bool) -> dict:
     if quick:
         return dict(repeats=5, stream_mb=128, batch_records=2_000_000, per_record=400_000,
-                    hol_window_s=0.6, hol_repeats=3, hol_consumer_mb_per_s=100)
+                    hol_window_s=0.6, hol_repeats=3, hol_consumer_mb_per_s=100,
+                    job_records=3_000_000, job_repeats=3, handshakes=20)
     return dict(repeats=11, stream_mb=512, batch_records=6_000_000, per_record=1_500_000,
-                hol_window_s=1.5, hol_repeats=5, hol_consumer_mb_per_s=100)
+                hol_window_s=1.5, hol_repeats=5, hol_consumer_mb_per_s=100,
+                job_records=10_000_000, job_repeats=5, handshakes=50)
 
 
 # --------------------------------------------------------------------------- the producer process
 
-def _producer_main(conn, secret):
+def _producer_main(conn, secret, tls=None):
     """Serves commands from the benchmark process until told to quit."""
     from pyflowbuf._core.memory import NetworkBufferPool
     from pyflowbuf._core.channel import BufferQueue
@@ -65,8 +81,10 @@ def _producer_main(conn, secret):
     from pyflowbuf.net import NetworkServer
 
     nbp = NetworkBufferPool(1024)
-    srv = NetworkServer(secret)
-    conn.send(srv.start())
+    plain = srv = NetworkServer(secret)
+    # the same exports, over TLS, for the commands that ask for it
+    encrypted = NetworkServer(secret, tls=tls) if tls is not None else None
+    conn.send((plain.start(), encrypted.start() if encrypted is not None else None))
 
     def buffers(pid, sub, n):
         """n (None: until released) full 32 KiB buffers, no record encoding."""
@@ -125,22 +143,26 @@ def _producer_main(conn, secret):
                 s.sendall(chunk)
             s.close()
         elif op == "buffers":
+            srv = encrypted if cmd[4:] and cmd[4] else plain
             buffers(cmd[1], cmd[2], cmd[3])
         elif op == "records":
+            srv = plain
             records(cmd[1], cmd[2], cmd[3])
         conn.send("ok")
-    srv.close()
+    plain.close()
+    if encrypted is not None:
+        encrypted.close()
 
 
 class Producer:
-    def __init__(self, secret):
+    def __init__(self, secret, tls=None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_producer_main, args=(child, secret), daemon=True)
+        self.proc = ctx.Process(target=_producer_main, args=(child, secret, tls), daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
             raise RuntimeError("the producer process did not start")
-        self.address = self.conn.recv()
+        self.address, self.tls_address = self.conn.recv()
         self._n = 0
 
     def call(self, *cmd):
@@ -218,18 +240,18 @@ def _destroy(excl, fl):
             pool.destroy()
 
 
-def remote_stream(prod, nbp, secret, nbytes):
+def remote_stream(prod, nbp, secret, nbytes, tls=None):
     from pyflowbuf._core.channel import BufferQueue, InputGate
     from pyflowbuf.net import ConnectionManager
 
     pid = prod.pid()
-    reply = prod.call("buffers", pid, 0, nbytes // SEG)
+    reply = prod.call("buffers", pid, 0, nbytes // SEG, tls is not None)
     reply.recv()
-    with ConnectionManager(secret) as mgr:
+    with ConnectionManager(secret, tls=tls) as mgr:
         excl, fl = mgr.create_input_pools(nbp, 1)
         q = BufferQueue(nbp)
         gate = InputGate([q])
-        mgr.create_channel(prod.address, pid, 0, q, excl[0], fl)
+        mgr.create_channel(prod.tls_address if tls is not None else prod.address, pid, 0, q, excl[0], fl)
         got, dt = _pop_loop(q, gate.notifier)
     _destroy(excl, fl)
     assert got == nbytes
@@ -308,16 +330,49 @@ def hol(prod, nbp, secret, credit_based, stalled, window, rate):
     return counted[0] / dt
 
 
+def tls_handshake_s(prod, tls):
+    """One TLS handshake with the producer's TLS server (connect included)."""
+    from pyflowbuf.net.tls import TLSRelay
+
+    t0 = common.perf_counter()
+    sock = socket.create_connection(prod.tls_address)
+    relay = TLSRelay(sock, tls, server_side=False, peer=prod.tls_address)
+    relay.handshake(time.monotonic() + 10)
+    dt = common.perf_counter() - t0
+    relay.close()
+    relay.release()
+    return dt
+
+
+def job_records(n, tls):
+    """records/s of a per-record pipeline over two worker processes."""
+    import pyflowbuf as fb
+
+    env = fb.Environment(workers=2, parallelism=2, tls=tls)
+    # a sink that keeps nothing: the measurement is the records' way, not what a sink does
+    (env.from_sequence(0, n, parallelism=2).map(lambda x: x + 1, kind="int64", parallelism=2)
+        .key_by(lambda x: x % 64).reduce(lambda a, b: a + b, kind="int64", parallelism=2)
+        .sink(lambda x: None, parallelism=2))
+    t0 = common.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fb.errors.WorkerSideEffectWarning)
+        env.execute(timeout=600)
+    return n / (common.perf_counter() - t0)
+
+
 # --------------------------------------------------------------------------- main
 
 def main(quick: bool = False) -> dict:
     from pyflowbuf._core.memory import NetworkBufferPool
     from pyflowbuf.net import new_secret
 
+    from pyflowbuf.net.tls import JobCertificates
+
     p = params(quick)
     rep = common.Report("remote", quick, p)
     secret = new_secret()
-    prod = Producer(secret)
+    tls = JobCertificates("bench").for_attempt(0)
+    prod = Producer(secret, tls)
     nbp = NetworkBufferPool(256)
     try:
         nbytes = p["stream_mb"] * 1024 * 1024
@@ -327,6 +382,19 @@ def main(quick: bool = False) -> dict:
         rep.add("remote_mb_per_s", s.median("remote") / 1e6, "MB/s", spread=s.spread("remote"))
         rep.add("raw_socket_mb_per_s", s.median("raw") / 1e6, "MB/s", spread=s.spread("raw"))
         rep.add("remote_vs_raw_socket", s.ratio("remote", "raw"), "x", GOALS["remote_vs_raw_socket"])
+
+        rep.section("mutual TLS 1.3: the same stream over one TLS connection, a per-record job, handshakes")
+        s = common.interleaved({"tls": lambda: remote_stream(prod, nbp, secret, nbytes, tls),
+                                "plain": lambda: remote_stream(prod, nbp, secret, nbytes)}, p["repeats"])
+        rep.add("remote_tls_mb_per_s", s.median("tls") / 1e6, "MB/s", spread=s.spread("tls"))
+        rep.add("remote_tls_vs_plain", s.ratio("tls", "plain"), "x", GOALS["remote_tls_vs_plain"])
+        s = common.interleaved({"tls": lambda: job_records(p["job_records"], True),
+                                "plain": lambda: job_records(p["job_records"], None)}, p["job_repeats"])
+        rep.add("job_records_per_s_tls", s.median("tls"), "records/s", spread=s.spread("tls"))
+        rep.add("job_records_per_s_plain", s.median("plain"), "records/s", spread=s.spread("plain"))
+        rep.add("remote_tls_records_vs_plain", s.ratio("tls", "plain"), "x", GOALS["remote_tls_records_vs_plain"])
+        s = common.interleaved({"hs": lambda: tls_handshake_s(prod, tls)}, p["handshakes"], warmup=2)
+        rep.add("tls_handshake_ms", s.median("hs") * 1e3, "ms", spread=s.spread("hs"))
 
         rep.section("12-byte records (int64) between two processes")
         s = common.interleaved({

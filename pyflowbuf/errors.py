@@ -186,3 +186,30 @@ class NonRestoredStateWarning(UserWarning):
 
 
 __all__ = [n for n in dir() if n.endswith(("Error", "Warning")) or n in ("FlowBufError", "BufferRequestTimeout")]
+
+
+class TLSError(ProtocolError):
+    """A TLS connection of the exchange, the control channel or an output
+    relay failed: the handshake (not TLS, another CA, an expired certificate,
+    one of another job or attempt, a wrong pinned fingerprint, a handshake
+    that never finished) or a record after it (garbage, a renegotiation
+    attempt). ``peer`` is the other end's address, ``reason`` why."""
+
+    def __init__(self, peer, reason):
+        super().__init__(f"TLS with {_peer_text(peer)} failed: {reason}")
+        self.peer = peer
+        self.reason = reason
+
+    def __reduce__(self):
+        return (type(self), (self.peer, self.reason))
+
+
+class TLSUnavailableError(ConfigurationError):
+    """TLS was asked for, but this Python has no ``ssl`` module (built
+    without OpenSSL) or no ``cryptography`` package to make certificates."""
+
+
+def _peer_text(peer):
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer)

@@ -149,7 +149,8 @@ def test_refusals_before_submission(spark, conf, tmp_path):
     conf("spark.dynamicAllocation.enabled", "false")
 
     conf("spark.network.crypto.enabled", "true")
-    _refused(SparkCluster(spark, workers=2), match="spark.network.crypto.enabled.*allow_unencrypted")
+    # TLS turns on by itself (tests/test_spark_tls.py); turning it off is refused
+    _refused(SparkCluster(spark, workers=2, tls=False), match="spark.network.crypto.enabled.*allow_unencrypted")
     conf("spark.network.crypto.enabled", "false")
 
     # a memory:// location is the driver's memory, whatever the master

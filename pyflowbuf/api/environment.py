@@ -28,6 +28,7 @@ from pyflowbuf.jobgraph.graph import Node, plan
 from pyflowbuf.jobgraph.spec import JobSpec
 from pyflowbuf.cluster import control as _control
 from pyflowbuf import ui as _ui
+from pyflowbuf.net import tls as _net_tls
 from pyflowbuf.runtime import overrides as _overrides
 from pyflowbuf.runtime.job import JobExecution
 from pyflowbuf.checkpoint.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
@@ -87,6 +88,13 @@ class Environment(SourceDeclarations):
         (0: a free one), for ``pyflowbuf savepoint`` and ``pyflowbuf stop``; it
         writes ``<checkpoint_dir>/_control.json`` (mode 0600) while the job
         runs. Needs checkpointing. None (default): no endpoint.
+    tls : mutual TLS 1.3 on every connection between the job's processes
+        (``workers=N`` or a cluster): ``True`` makes a private CA for the job
+        and one certificate per attempt, in memory; a
+        ``pyflowbuf.net.TLSConfig(cert, key, ca, fingerprint=None)`` uses
+        your own files. None (default): authenticated, not encrypted (with a
+        ``SparkCluster`` TLS turns on by itself when Spark encrypts; see
+        docs/workers.md). A job in one process has no connection to encrypt.
 
     An Environment executes its graph once, as Flink's does: ``execute()``,
     ``execute_async()`` or ``execute_iter()``, one of them, one time. Build a
@@ -121,7 +129,7 @@ class Environment(SourceDeclarations):
                  incremental_checkpoints: bool = UNSET,
                  restart_attempts: int = UNSET, debloat_target: float = UNSET, debloat_period: float = UNSET,
                  debloat_samples: int = UNSET, debloat_threshold: float = UNSET, min_buffer_size: int = UNSET,
-                 checkpoint_mode: str = UNSET):
+                 checkpoint_mode: str = UNSET, tls: Any = None):
         given = locals()
         flat = {k: given[k] for k in (*_config.FLAT, *_config.DEPRECATED)
                 if k != "debloat" and given[k] is not UNSET}
@@ -138,6 +146,7 @@ class Environment(SourceDeclarations):
         self.cluster = cluster
         self.allow_pickle = allow_pickle
         self.control_port = control_port
+        self.tls = tls
         # `pyflowbuf run --parallelism/--workers`: in place before any stream is declared
         for setting, value in _overrides.current().items():
             setattr(self, setting, value)
@@ -172,6 +181,7 @@ class Environment(SourceDeclarations):
                     "give the number of workers to the cluster (SparkCluster(spark, workers=N)), not also "
                     "Environment(workers=...)")
         _control.check_settings(self.control_port, self.checkpoint_config)
+        _net_tls.resolve(self.tls, "Environment(tls=...)")
 
     @property
     def checkpoint_config(self) -> CheckpointConfig:
@@ -212,7 +222,7 @@ class Environment(SourceDeclarations):
         out = {"parallelism": self.parallelism, "max_parallelism": self.max_parallelism,
                "chaining": self.chaining, "max_batch": self.max_batch, "name": self.name,
                "workers": self.workers, "cluster": self.cluster, "allow_pickle": self.allow_pickle,
-               "control_port": self.control_port}
+               "control_port": self.control_port, "tls": self.tls}
         for group, (_, attr) in _config.GROUPS.items():
             out[group] = getattr(self, attr)
         return out
@@ -452,7 +462,7 @@ class Environment(SourceDeclarations):
             allow_pickle=self.allow_pickle, workers=self.workers, control_port=self.control_port,
             network_config=self.network_config, checkpoint_config=self.checkpoint_config,
             restart_config=self.restart_config, debloat_config=self.debloat_config,
-            metrics_config=self.metrics_config,
+            metrics_config=self.metrics_config, tls=self.tls,
             default_checkpoint_dir=given.enabled and given.directory is None)
 
     def _execution(self):

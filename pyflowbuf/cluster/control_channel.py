@@ -43,6 +43,7 @@ from pyflowbuf.checkpoint import container
 from pyflowbuf.checkpoint.errors import UnsupportedStateError
 from pyflowbuf.errors import AuthenticationError, ProtocolError
 from pyflowbuf.net import protocol as P
+from pyflowbuf.net import tls as T
 
 _LEN = struct.Struct(">I")
 # collected records travel on this channel too: a frame may be large, but bounded
@@ -54,8 +55,9 @@ _NO_BUFFERS = 1 << 10
 class ControlChannel:
     """One authenticated control connection (either end)."""
 
-    def __init__(self, sock: socket.socket, *, allow_pickle: bool = False, peer=None):
+    def __init__(self, sock: socket.socket, *, allow_pickle: bool = False, peer=None, tls=None):
         self._sock = sock
+        self._tls = tls       # the TLSRelay whose local end ``sock`` is, with TLS
         self.allow_pickle = allow_pickle
         self.peer = peer
         self._send_lock = threading.Lock()
@@ -99,6 +101,8 @@ class ControlChannel:
             except OSError as e:
                 raise EOFError(f"control channel lost: {e}") from e
             if k == 0:
+                if self._tls is not None and self._tls.error is not None:
+                    raise EOFError(f"control channel lost: {self._tls.error}")
                 if got == 0 and what == "header":
                     raise EOFError("the peer closed the control channel")
                 raise EOFError(f"the control channel closed in the middle of a message ({got} of {n} bytes)")
@@ -133,6 +137,8 @@ class ControlChannel:
         except OSError:
             pass
         self._sock.close()
+        if self._tls is not None:
+            self._tls.release()
 
     @property
     def closed(self) -> bool:
@@ -140,23 +146,42 @@ class ControlChannel:
 
 
 def connect_control(address, secret: bytes, *, timeout: float = P.DEFAULT_HANDSHAKE_TIMEOUT,
-                    allow_pickle: bool = False) -> ControlChannel:
+                    allow_pickle: bool = False, tls=None) -> ControlChannel:
     """The worker's end: connect to the driver's ControlListener and prove
     the secret (and check the driver's proof). Raises AuthenticationError on
-    a wrong secret, OSError when the driver cannot be reached."""
+    a wrong secret, OSError when the driver cannot be reached. ``tls`` (a
+    ``pyflowbuf.net.TLSConfig``): mutual TLS 1.3 first, the handshake inside
+    it (TLSError when the TLS handshake fails)."""
     secret = P.check_secret(secret)
     deadline = time.monotonic() + timeout
     sock = socket.create_connection(tuple(address), timeout=timeout)
+    relay = None
     try:
         P.configure_socket(sock)
+        if tls is not None:
+            relay, sock = _tls_wrap(sock, tls, False, tuple(address), deadline)
         reader = P.FrameReader(sock, _NO_BUFFERS)
         P.client_handshake(sock, reader, secret, 0, deadline=deadline)
         _check_nothing_staged(reader)
     except BaseException:
         sock.close()
+        if relay is not None:
+            relay.release()
         raise
     sock.settimeout(None)
-    return ControlChannel(sock, allow_pickle=allow_pickle, peer=tuple(address))
+    return ControlChannel(sock, allow_pickle=allow_pickle, peer=tuple(address), tls=relay)
+
+
+def _tls_wrap(sock, tls, server_side, peer, deadline):
+    """The TLS handshake on ``sock``; returns the relay and the socket to use instead."""
+    relay = T.TLSRelay(sock, tls, server_side=server_side, peer=peer)
+    try:
+        relay.handshake(deadline)
+    except BaseException:
+        relay.release()
+        raise
+    relay.start()
+    return relay, relay.local
 
 
 def _check_nothing_staged(reader):
@@ -164,6 +189,9 @@ def _check_nothing_staged(reader):
     # the handshake's last frame in what the reader took off the socket.
     if reader._end != reader._start:
         raise ProtocolError("the peer sent data before the handshake ended")
+
+
+_KEEP = object()
 
 
 class ControlListener:
@@ -178,10 +206,11 @@ class ControlListener:
     closed."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *, allow_pickle: bool = False,
-                 handshake_timeout: float = P.DEFAULT_HANDSHAKE_TIMEOUT, backlog: int = 1024):
+                 handshake_timeout: float = P.DEFAULT_HANDSHAKE_TIMEOUT, backlog: int = 1024, tls=None):
         if host in ("", "0.0.0.0", "::"):
             raise ValueError(f"the control listener needs an address workers can connect to, not {host!r}")
         self.secret = P.check_secret(secret)
+        self.tls = tls          # a TLSConfig: every connection is mutual TLS first (set_secret may change it)
         self.host = host
         self.port = port
         self.allow_pickle = allow_pickle
@@ -212,7 +241,10 @@ class ControlListener:
     def address(self):
         return self._sock.getsockname()[:2]
 
-    def set_secret(self, secret: bytes) -> None:
+    def set_secret(self, secret: bytes, tls=_KEEP) -> None:
+        """The next attempt's secret (and, if given, its TLSConfig)."""
+        if tls is not _KEEP:
+            self.tls = tls
         self.secret = P.check_secret(secret)
         # what authenticated under the old secret and was not taken is stale
         while True:
@@ -232,26 +264,31 @@ class ControlListener:
                 if self._closed.is_set():
                     return
                 continue
-            secret = self.secret
+            secret, tls, relay = self.secret, self.tls, None
             try:
                 P.configure_socket(sock)
+                deadline = time.monotonic() + self.handshake_timeout
+                if tls is not None:
+                    relay, sock = _tls_wrap(sock, tls, True, peer, deadline)
                 reader = P.FrameReader(sock, _NO_BUFFERS)
-                P.server_handshake(sock, reader, secret, _NO_BUFFERS,
-                                   deadline=time.monotonic() + self.handshake_timeout)
+                P.server_handshake(sock, reader, secret, _NO_BUFFERS, deadline=deadline)
                 _check_nothing_staged(reader)
                 sock.settimeout(None)
             except (AuthenticationError, ProtocolError, OSError, socket.timeout) as e:
                 self.refused += 1
                 self.errors = (self.errors + [(peer, e)])[-16:]
                 sock.close()
+                if relay is not None:
+                    relay.release()
                 continue
+            ch = ControlChannel(sock, allow_pickle=self.allow_pickle, peer=peer, tls=relay)
             if secret is not self.secret:
-                sock.close()        # the secret changed meanwhile: of an attempt given up
+                ch.close()          # the secret changed meanwhile: of an attempt given up
                 continue
             try:
-                self._ready.put_nowait(ControlChannel(sock, allow_pickle=self.allow_pickle, peer=peer))
+                self._ready.put_nowait(ch)
             except queue.Full:
-                sock.close()
+                ch.close()
 
     def accept(self, deadline: float) -> ControlChannel | None:
         """The next authenticated connection, or None at ``deadline``

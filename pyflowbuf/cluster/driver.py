@@ -52,6 +52,7 @@ import warnings
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import TaskStateHandle
 from pyflowbuf.net import new_secret
+from pyflowbuf.net.tls import AttemptTLS
 from pyflowbuf import checkpointing as ckpt
 from pyflowbuf.connectors import filesystems as fsx
 from pyflowbuf.cluster.locations import check_shared_locations
@@ -188,7 +189,7 @@ def describe_exit(code) -> str:
     return f"exit code {code}"
 
 
-def _worker_main(spec, me, workers, secret, conn, attempt=0, crash_log=None, output=None):
+def _worker_main(spec, me, workers, secret, conn, attempt=0, crash_log=None, output=None, tls=None):
     """A worker process (forked by the zygote): its part of the job, then exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
     if crash_log is not None:
@@ -198,7 +199,7 @@ def _worker_main(spec, me, workers, secret, conn, attempt=0, crash_log=None, out
     if output is not None:
         _print_to_pipe(output)
     try:
-        run_worker(spec, me, workers, secret, conn, attempt)
+        run_worker(spec, me, workers, secret, conn, attempt, tls=tls)
     finally:
         try:
             sys.stdout.flush()      # os._exit skips it: what was printed must reach the relay
@@ -216,7 +217,7 @@ def _forked_worker(spec):
         apply_output_decisions(sink_outputs.graph_outputs(spec.nodes), payload["outputs"])
         # looked up now: the module's function as it was when the zygote was forked
         _worker_main(spec, payload["me"], payload["workers"], payload["secret"],
-                     mp.connection.Connection(conn_fd), payload["attempt"], crash_fd, out_fd)
+                     mp.connection.Connection(conn_fd), payload["attempt"], crash_fd, out_fd, payload.get("tls"))
     return run
 
 
@@ -311,7 +312,8 @@ class ForkLauncher(Launcher):
                 conns[parent] = w
                 try:
                     payload = {"me": w, "workers": self.workers, "attempt": attempt,
-                               "secret": execution.secret, "outputs": outputs}
+                               "secret": execution.secret, "outputs": outputs,
+                               "tls": execution.tls.for_attempt(attempt)}
                     self.pids.append(self.zygote.fork(payload, [child.fileno(), out_w, crash_log.fileno()]))
                 finally:
                     child.close()
@@ -453,6 +455,7 @@ class ClusterExecution(Execution):
         self.spec = spec
         self.workers = self.launcher.workers
         self.secret = new_secret()
+        self.tls = AttemptTLS(spec.tls, spec.name)   # each attempt's TLSConfig, or None
         self.cancelled = False
         self.failure = None
         self._failure_secondary = True
@@ -540,7 +543,8 @@ class ClusterExecution(Execution):
             self.addresses = addresses      # what each worker's exchange server announced
             if any(v.is_iterator for v in self.spec.plan()[0]):
                 self.local = JobExecution(self.spec, placement(self.workers), DRIVER,
-                                          RemoteContext(attempt_secret(self.secret, attempt), self.spec))
+                                          RemoteContext(attempt_secret(self.secret, attempt), self.spec,
+                                                        tls=self.tls.for_attempt(attempt)))
                 self.local.remote.addresses = addresses
             self.ran = True
             with self._send_lock:

@@ -44,16 +44,18 @@ class RemoteContext:
     remote input channels."""
 
     def __init__(self, secret, spec, exclusive_buffers=EXCLUSIVE_BUFFERS, floating_buffers=FLOATING_BUFFERS,
-                 *, host=None, port_range=None):
+                 *, host=None, port_range=None, tls=None):
         self.secret = secret
+        self.tls = tls        # this attempt's TLSConfig, or None
         self.spec = spec
         self.exclusive_buffers = exclusive_buffers
         self.floating_buffers = floating_buffers
         self.host = spec.network_config.bind_host if host is None else host
         self.port_range = port_range
         # the handshake announces this as the largest buffer a consumer must take
-        self.server = NetworkServer(secret, host=self.host, max_buffer_size=spec.network_config.segment_size)
-        self.manager = ConnectionManager(secret, credit_based=spec.network_config.credit_based)
+        self.server = NetworkServer(secret, host=self.host, max_buffer_size=spec.network_config.segment_size,
+                                    tls=tls)
+        self.manager = ConnectionManager(secret, credit_based=spec.network_config.credit_based, tls=tls)
         self.addresses: dict = {}
         self.exports: list = []
         self.collected = None        # the worker's CollectShipper (checkpoints need it before tasks run)
@@ -64,7 +66,8 @@ class RemoteContext:
         # a firewall lets only these ports through: take the first free one
         lo, hi = self.port_range
         for port in range(lo, hi + 1):
-            server = NetworkServer(self.secret, host=self.host, port=port, max_buffer_size=self.spec.network_config.segment_size)
+            server = NetworkServer(self.secret, host=self.host, port=port, max_buffer_size=self.spec.network_config.segment_size,
+                                   tls=self.tls)
             try:
                 address = server.start()
             except OSError:
@@ -243,7 +246,7 @@ class WorkerCoordinator(CoordinatorGateway):
 
 
 def run_worker(spec, me, workers, secret, conn, attempt=0, *, host=None, port_range=None, info=None,
-               join_control=False):
+               join_control=False, tls=None):
     """Worker ``me``'s part of a job, talking to the driver on ``conn`` (a
     pipe, or a ``pyflowbuf.cluster.control_channel.ControlChannel``): announce the
     exchange's address, wait for every worker's and the checkpoint to
@@ -254,7 +257,8 @@ def run_worker(spec, me, workers, secret, conn, attempt=0, *, host=None, port_ra
     (a Spark Python worker) starts each one clean. ``info`` (executor,
     host) is added to every task's metrics. ``join_control``: wait for the
     control thread (a pipe's recv() is not woken by close(), so a forked
-    worker, which exits at once, does not wait)."""
+    worker, which exits at once, does not wait). ``tls``: the attempt's
+    ``TLSConfig`` for the exchange (mutual TLS), or None."""
     remote = None
     listener = None
     send = _Sender(conn, attempt)
@@ -268,7 +272,7 @@ def run_worker(spec, me, workers, secret, conn, attempt=0, *, host=None, port_ra
         return m
 
     try:
-        remote = RemoteContext(attempt_secret(secret, attempt), spec, host=host, port_range=port_range)
+        remote = RemoteContext(attempt_secret(secret, attempt), spec, host=host, port_range=port_range, tls=tls)
         remote.collected = shipper = CollectShipper(spec, send)
         job = JobExecution(spec, placement(workers), me, remote)
         config = ckpt.CheckpointSettings.from_env(spec)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from pyflowbuf.checkpoint.keygroups import DEFAULT_MAX_PARALLELISM
 from pyflowbuf.config import CheckpointConfig, DebloatConfig, MetricsConfig, NetworkConfig, RestartConfig
@@ -56,6 +57,9 @@ class JobSpec:
     debloat_config: DebloatConfig = field(default_factory=DebloatConfig)
     metrics_config: MetricsConfig = field(default_factory=MetricsConfig)
     default_checkpoint_dir: bool = False
+    # Environment(tls=...): True, a pyflowbuf.net.TLSConfig or None; the driver
+    # makes each attempt's TLSConfig from it and hands that to the workers
+    tls: Any = None
 
     def plan(self) -> tuple[list, list]:
         """``(vertices, edges)``: the tasks after chaining and the exchanges
@@ -71,6 +75,6 @@ class JobSpec:
         listening on ``bind_host``; the driver serves the metrics (log,
         Prometheus, live view) and the control endpoint for the whole job,
         so the worker has neither."""
-        return self.replace(workers=None, control_port=None,
+        return self.replace(workers=None, control_port=None, tls=None,
                             network_config=self.network_config.replace(bind_host=bind_host),
                             metrics_config=MetricsConfig(interval=self.metrics_config.interval))

@@ -20,6 +20,7 @@ from pyflowbuf.net.client import ConnectionManager, RemoteInputChannel
 from pyflowbuf.net.credit import ReceiverCredit, SenderView
 from pyflowbuf.net.protocol import new_secret
 from pyflowbuf.net.server import NetworkServer
+from pyflowbuf.net.tls import TLSConfig
 
 __all__ = ["ConnectionManager", "NetworkServer", "ReceiverCredit", "RemoteInputChannel", "SenderView",
-           "new_secret"]
+           "TLSConfig", "new_secret"]

@@ -17,6 +17,7 @@ from pyflowbuf.errors import (CancelledError, ChannelClosedError, ConnectionLost
                               PartitionNotFoundError, ProtocolError, RemoteError)
 from pyflowbuf.net import frames as F
 from pyflowbuf.net import protocol as P
+from pyflowbuf.net import tls as T
 from pyflowbuf.net.credit import ReceiverCredit
 
 log = logging.getLogger("pyflowbuf.net")
@@ -169,6 +170,7 @@ class _ClientConnection:
         self.manager = manager
         self.address = address
         self.sock = sock
+        self.tls = None           # the TLSRelay whose local end ``sock`` is, with TLS
         self.max_buffer_size = max_buffer_size
         reader.max_buffer_size = max_buffer_size   # the handshake's reader, with what it may hold staged
         self.reader = reader
@@ -353,10 +355,13 @@ class _ClientConnection:
                                          os.strerror(self.pump.send_error))
             exc = ConnectionLostError(f"the connection to {self.address} was closed"
                                       + (f" (sending credit had failed: {sent})" if sent else ""))
+        exc = T.explain(self.tls, exc)
         for ch in list(self.channels.values()):
             ch._fail(exc)
         self.channels.clear()
         self.wire.close()
+        if self.tls is not None:
+            self.tls.release()
         self.manager._conn_closed(self)
 
 
@@ -386,8 +391,13 @@ class ConnectionManager:
 
     def __init__(self, secret, *, credit_based=True, connect_timeout=10.0,
                  dead_peer_timeout=P.DEFAULT_DEAD_PEER_TIMEOUT, partition_request_timeout=10.0,
-                 on_error=None):
+                 on_error=None, tls=None):
         self._secret = P.check_secret(secret)
+        if tls is not None and not isinstance(tls, T.TLSConfig):
+            raise TypeError(f"tls must be a pyflowbuf.net.TLSConfig or None, got {tls!r}")
+        if tls is not None:
+            T.require_ssl()
+        self.tls = tls
         self.credit_based = credit_based
         self.connect_timeout = connect_timeout
         self.dead_peer_timeout = dead_peer_timeout
@@ -516,8 +526,14 @@ class ConnectionManager:
                     raise ConnectionLostError(f"cannot connect to {address} within {self.connect_timeout} s: {e}")
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+        relay = None
         try:
             P.configure_socket(sock, self.dead_peer_timeout)
+            if self.tls is not None:   # TLS first, then the HMAC challenge inside it (attempt fencing)
+                relay = T.TLSRelay(sock, self.tls, server_side=False, peer=address)
+                relay.handshake(deadline)
+                relay.start()
+                sock = relay.local
             reader = P.FrameReader(sock, 1 << 20)
             mode = F.MODE_CREDIT if self.credit_based else F.MODE_TCP
             # The connect's deadline, not a fresh timeout per recv: a server
@@ -525,12 +541,18 @@ class ConnectionManager:
             max_buf = P.client_handshake(sock, reader, self._secret, mode, deadline=deadline)
         except socket.timeout:
             sock.close()
+            _release(relay)
             raise ConnectionLostError(f"the server at {address} did not complete the handshake within "
                                       f"{self.connect_timeout} s (connect_timeout)") from None
-        except BaseException:
+        except BaseException as e:
             sock.close()
+            _release(relay)
+            if relay is not None and relay.error is not None and e is not relay.error:
+                raise relay.error from None
             raise
-        return _ClientConnection(self, address, sock, reader, max_buf)
+        conn = _ClientConnection(self, address, sock, reader, max_buf)
+        conn.tls = relay
+        return conn
 
     def _conn_closed(self, conn):
         with self._lock:
@@ -685,3 +707,9 @@ class ConnectionManager:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _release(relay):
+    if relay is not None:
+        relay.close()
+        relay.release()

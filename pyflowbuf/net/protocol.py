@@ -211,6 +211,12 @@ def _mac(secret, label, a, b, mode):
 
 
 def _read_one(reader):
+    # a TLS record (handshake, version 3.x) where a frame header belongs: its
+    # "length" would be over 300 MB, so no real frame starts this way
+    reader._stage(2, F.BUFFER_HEADER_SIZE, None)
+    if reader._buf[reader._start] == 0x16 and reader._buf[reader._start + 1] == 0x03:
+        raise ProtocolError("the peer speaks TLS and this side was started without tls=: give every process "
+                            "of the job the same tls= setting")
     length, msg_id = reader.read_header()
     if msg_id == F.BUFFER_RESPONSE:
         raise ProtocolError("a BufferResponse before authentication")

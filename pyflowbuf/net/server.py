@@ -18,6 +18,7 @@ from pyflowbuf.errors import (AuthenticationError, CancelledError, ConnectionLos
                               ProtocolError, RemoteError)
 from pyflowbuf.net import frames as F
 from pyflowbuf.net import protocol as P
+from pyflowbuf.net import tls as T
 from pyflowbuf.net.credit import BACKLOG, DATA, EVENT, SenderView
 
 log = logging.getLogger("pyflowbuf.net")
@@ -92,8 +93,9 @@ class NetworkServer:
     def __init__(self, secret, host="127.0.0.1", port=0, *, max_buffer_size=DEFAULT_SEGMENT_SIZE,
                  dead_peer_timeout=P.DEFAULT_DEAD_PEER_TIMEOUT,
                  handshake_timeout=P.DEFAULT_HANDSHAKE_TIMEOUT, max_connections=256,
-                 max_pending_handshakes=64, on_error=None):
+                 max_pending_handshakes=64, on_error=None, tls=None):
         self._secret = P.check_secret(secret)
+        self.tls = _check_tls(tls)
         if handshake_timeout is not None and not (_is_number(handshake_timeout) and handshake_timeout > 0):
             raise ValueError(f"handshake_timeout must be a number > 0 or None, got {handshake_timeout!r}")
         if not _is_int(max_connections) or max_connections < 1:
@@ -374,6 +376,11 @@ class _ServerConnection:
 
     def __init__(self, server, sock, peer, accepted):
         self.server = server
+        # with TLS the loops below use the local end of the relay as they use a TCP socket
+        self.tcp = sock
+        self.tls = None if server.tls is None else T.TLSRelay(sock, server.tls, server_side=True, peer=peer)
+        if self.tls is not None:
+            sock = self.tls.local
         self.sock = sock
         self.peer = peer
         self.accepted = accepted  # time.monotonic(): the handshake deadline counts from here
@@ -414,6 +421,8 @@ class _ServerConnection:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if self.tls is not None:
+            self.tls.close()
         self.pump.close()
 
     def _send(self, data):
@@ -424,9 +433,12 @@ class _ServerConnection:
         srv = self.server
         exc = None
         try:
-            P.configure_socket(self.sock, srv.dead_peer_timeout)
+            P.configure_socket(self.tcp, srv.dead_peer_timeout)
             reader = P.FrameReader(self.sock, srv.max_buffer_size)
             deadline = None if srv.handshake_timeout is None else self.accepted + srv.handshake_timeout
+            if self.tls is not None:   # TLS first, then the HMAC challenge inside it (attempt fencing)
+                self.tls.handshake(deadline)
+                self.tls.start()
             mode = P.server_handshake(self.sock, reader, srv._secret, srv.max_buffer_size,
                                       deadline=deadline, admit=lambda: srv._admit(self))
             self.credit_based = mode == F.MODE_CREDIT
@@ -591,6 +603,7 @@ class _ServerConnection:
     def _teardown(self, exc):
         self.close(exc)
         exc = self.error or exc   # why we closed it, if we did, beats what recv saw then
+        exc = T.explain(self.tls, exc)
         if exc is not None and not isinstance(exc, CancelledError):
             if not self.authenticated:
                 # anyone who can connect causes these; their tracebacks would
@@ -606,6 +619,8 @@ class _ServerConnection:
                 v.release()
                 self.server._release(v.export, lost)
         self.wire.close()
+        if self.tls is not None:
+            self.tls.release()
         with self.server._lock:
             self.server._buffers_sent += self.buffers_sent
             self.server._bytes_sent += self.bytes_sent
@@ -630,6 +645,15 @@ def _barrier_passed(view, checkpoint_id, prio):
     k = view.queue.overtaken(view.event_mark)
     if k >= 0:          # negative: the aligned barrier went first, it told already
         sink(checkpoint_id, view.queue.copy_front(k))
+
+
+def _check_tls(tls):
+    if tls is None:
+        return None
+    if not isinstance(tls, T.TLSConfig):
+        raise TypeError(f"tls must be a pyflowbuf.net.TLSConfig or None, got {tls!r}")
+    T.require_ssl()
+    return tls
 
 
 def _is_int(x):

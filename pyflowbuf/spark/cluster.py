@@ -31,10 +31,9 @@ Before anything is submitted the driver refuses, each with a
 ``ConfigurationError`` naming the setting: dynamic allocation, more workers
 than free task slots (``NotEnoughSlotsError``, after waiting up to
 ``start_timeout`` for executors that register), a function of the job that
-cannot be pickled (naming its operator and the variable at fault), Spark
-network encryption without
-``allow_unencrypted=True`` (the exchange authenticates but does not
-encrypt), a local checkpoint, sink or source path (not an fsspec URL) with a
+cannot be pickled (naming its operator and the variable at fault), ``tls=False``
+while Spark encrypts its traffic (``allow_unencrypted=True`` opts out, with a
+warning; by default TLS turns on by itself then: see ``SparkCluster``), a local checkpoint, sink or source path (not an fsspec URL) with a
 master whose executors may run on other hosts, and a ``memory://`` location
 (one process's memory) with any master.
 """
@@ -62,6 +61,8 @@ from pyflowbuf.api import Environment
 from pyflowbuf.config import MetricsConfig
 from pyflowbuf.cluster.control_channel import ControlListener, connect_control
 from pyflowbuf.net.protocol import new_secret
+from pyflowbuf.net.tls import AttemptTLS
+from pyflowbuf.spark.tls import choose_tls, tls_setting
 from pyflowbuf.connectors import filesystems as fsx
 from pyflowbuf.cluster.locations import file_locations
 from pyflowbuf.cluster.driver import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution, Launcher
@@ -350,9 +351,15 @@ class SparkCluster:
         driver; after a failure, for the new attempt to start. Also how long
         the driver waits for enough free task slots (executors that are still
         registering) before it gives up with ``NotEnoughSlotsError``.
-    allow_unencrypted : run although Spark's network encryption is on
-        (pyflowbuf's exchange authenticates each connection but does not
-        encrypt the records).
+    tls : mutual TLS 1.3 for the exchange, the control channel and the
+        tasks' output relays. None (default): on by itself when Spark
+        encrypts (``spark.network.crypto.enabled``, ``spark.ssl.enabled``,
+        ``spark.ssl.rpc.enabled``), else ``Environment(tls=...)``; True: on
+        (the job's own CA, one certificate per attempt); a
+        ``pyflowbuf.net.TLSConfig``: on, with your files; False: off.
+    allow_unencrypted : opt out of encryption while Spark's is on: the
+        records cross the network in the clear (authenticated), with a
+        warning. Needed for ``tls=False`` on an encrypting cluster.
 
     Example::
 
@@ -366,7 +373,7 @@ class SparkCluster:
     """
 
     def __init__(self, spark, workers: int, *, task_cpus: int = 1, port_range: tuple | None = None,
-                 start_timeout: float = 60.0, allow_unencrypted: bool = False):
+                 start_timeout: float = 60.0, allow_unencrypted: bool = False, tls=None):
         self.sc = getattr(spark, "sparkContext", spark)
         for name, value in (("workers", workers), ("task_cpus", task_cpus)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -386,9 +393,14 @@ class SparkCluster:
         self.port_range = port_range
         self.start_timeout = float(start_timeout)
         self.allow_unencrypted = bool(allow_unencrypted)
+        self.tls = None if tls is None else (tls if tls is False else tls_setting(tls))
 
     def __repr__(self):
         return f"SparkCluster(workers={self.workers}, master={self.sc.master!r})"
+
+    def effective_tls(self, job_spec):
+        """The job's TLS setting on this cluster (None: off); see ``tls``."""
+        return choose_tls(self.tls, job_spec.tls, self.allow_unencrypted, self._conf)
 
     def execution(self, job_spec) -> ClusterExecution:
         """The execution of the job ``job_spec`` (a ``JobSpec``: Environment
@@ -406,14 +418,7 @@ class SparkCluster:
             raise errors.ConfigurationError(
                 "spark.dynamicAllocation.enabled=true: barrier tasks cannot run with dynamic allocation "
                 "(Spark refuses them, SPARK-24942); run the pyflowbuf job on a session without it")
-        if not self.allow_unencrypted:
-            for key in ("spark.network.crypto.enabled", "spark.ssl.enabled", "spark.ssl.rpc.enabled"):
-                if self._conf(key, "false").lower() == "true":
-                    raise errors.ConfigurationError(
-                        f"{key}=true: Spark encrypts its traffic, but pyflowbuf's exchange between the "
-                        "workers authenticates each connection and does not encrypt the records; pass "
-                        "SparkCluster(..., allow_unencrypted=True) if the records may cross the network "
-                        "in the clear")
+        self.effective_tls(job_spec)
         master = self._conf("spark.master", self.sc.master)
         for what, location in file_locations(job_spec):
             if fsx.is_process_local(location):
@@ -506,9 +511,10 @@ class _TaskSpec:
     """What one attempt's barrier tasks carry (pickled into the closure)."""
 
     def __init__(self, description, driver, secret, attempt, port_range, start_timeout, allow_pickle,
-                 cwd=None, workers=None):
+                 cwd=None, workers=None, tls=None):
         self.description = description      # the JobSpec, which each task runs its part of
         self.workers = workers
+        self.tls = tls          # the attempt's TLSConfig (the tasks' closure, as the secret), or None
         # With a local master the executors share the driver's host and files:
         # the job's relative paths (checkpoint_dir, file sinks and sources)
         # mean what they mean in the driver, as with workers=N. (A non-local
@@ -618,19 +624,21 @@ class _ForwardedOutput(io.TextIOBase):
 
 def _run_barrier_task(spec, w, host, info):
     secret = control_secret(spec.secret, spec.attempt)
-    output = connect_control(spec.driver, secret, timeout=spec.start_timeout, allow_pickle=False)
+    tls = spec.tls
+    output = connect_control(spec.driver, secret, timeout=spec.start_timeout, allow_pickle=False, tls=tls)
     saved = sys.stdout, sys.stderr
     try:
         output.send((spec.attempt, ("output", w)))
         lock = threading.Lock()
         sys.stdout = _ForwardedOutput(output, "stdout", lock, saved[0])
         sys.stderr = _ForwardedOutput(output, "stderr", lock, saved[1])
-        conn = connect_control(spec.driver, secret, timeout=spec.start_timeout, allow_pickle=spec.allow_pickle)
+        conn = connect_control(spec.driver, secret, timeout=spec.start_timeout, allow_pickle=spec.allow_pickle,
+                               tls=tls)
         try:
             conn.send((spec.attempt, ("hello", w, info)))
             job = spec.description.for_worker(bind_host=host)
             run_worker(job, w, spec.workers, spec.secret, conn, spec.attempt, host=host,
-                       port_range=spec.port_range, info=info, join_control=True)
+                       port_range=spec.port_range, info=info, join_control=True, tls=tls)
         finally:
             conn.close()
     finally:
@@ -670,6 +678,7 @@ class SparkLauncher(Launcher):
 
     def check(self, execution):
         self.cluster.check(self.job_spec)
+        execution.tls = AttemptTLS(self.cluster.effective_tls(self.job_spec), self.job_spec.name)
         # the job travels pickled in the tasks' closure: a function that cannot
         # be pickled is named here, with its operator, before anything is submitted
         dumps = _spark_dumps()
@@ -710,10 +719,11 @@ class SparkLauncher(Launcher):
         if self._listener is None:
             self._listener = self._start_listener()
         secret = execution.secret
-        self._listener.set_secret(control_secret(secret, attempt))
+        tls = execution.tls.for_attempt(attempt)
+        self._listener.set_secret(control_secret(secret, attempt), tls=tls)
         spec = _TaskSpec(self.description, self._listener.address, secret, attempt, self.cluster.port_range,
                          self.start_timeout, self.job_spec.allow_pickle,
-                         cwd=os.getcwd() if _local_master(self.sc.master) else None, workers=self.workers)
+                         cwd=os.getcwd() if _local_master(self.sc.master) else None, workers=self.workers, tls=tls)
         tag = f"pyflowbuf-{self.job_id}-attempt-{attempt}"
         self._tag = tag
         self.attempts.append(tag)

@@ -1,0 +1,686 @@
+"""Mutual TLS 1.3 for every connection of a job: the data exchange
+(``NetworkServer`` / ``ConnectionManager``), the driver's control channel
+and the output relays of Spark tasks.
+
+``TLSConfig(cert, key, ca, fingerprint=None)`` is what each side presents and
+trusts: its certificate and key, the CA that signed the peers' certificates,
+and optionally the SHA-256 fingerprint a peer's certificate must have (pinned).
+Both sides present a certificate; host names are not checked (workers are
+reached by address, and the CA is the job's own). ``Environment(tls=True)``
+makes a private CA per job and one certificate per job attempt in memory
+(``JobCertificates``), pinned, so a process of another job or of an earlier
+attempt is refused at the handshake; the HMAC challenge under the attempt's
+secret still runs inside the TLS connection.
+
+How it runs: ``TLSRelay`` does the handshake on the TCP socket with an
+``ssl.SSLObject`` over two ``ssl.MemoryBIO`` (as asyncio's SSL transport does),
+then one thread per connection moves bytes between that TCP socket and one
+end of a local socket pair, encrypting and decrypting up to 256 KiB (many
+frames) per ``SSL_write`` / ``SSL_read``; CPython's ``_ssl`` releases the GIL
+inside both. The exchange's send and receive loops use the other end of the
+pair exactly as they use a TCP socket, so framing, credit and ``recv_into``
+straight into segments stay as they are, and the plain path is untouched.
+
+Example (the user's own certificate files)::
+
+    from pyflowbuf.net import NetworkServer, ConnectionManager, TLSConfig
+    tls = TLSConfig("/etc/pyflowbuf/node.pem", "/etc/pyflowbuf/node.key", "/etc/pyflowbuf/ca.pem")
+    server = NetworkServer(secret, host="0.0.0.0", tls=tls)
+    mgr = ConnectionManager(secret, tls=tls)
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import select
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+try:
+    import ssl
+except ImportError:   # a Python built without OpenSSL: TLS asked for is refused in require_ssl()
+    ssl = None
+
+from pyflowbuf.errors import ConfigurationError, TLSError, TLSUnavailableError
+
+# plaintext taken from the pair per SSL_write, ciphertext per recv: many
+# frames per call, so the per-call overhead (GIL, syscall) is paid per batch
+CHUNK = 256 * 1024
+_PAIR_BUFFER = 1 << 20
+# the last bytes (and close_notify) after the local end closed: a peer that
+# does not read them within this time is not waited for
+_FLUSH_S = 5.0
+CERT_VALIDITY_DAYS = 365
+
+
+def require_ssl():
+    """The ``ssl`` module, or TLSUnavailableError naming this Python."""
+    if ssl is None or not getattr(ssl, "HAS_TLSv1_3", False):
+        raise TLSUnavailableError(
+            f"TLS was asked for (tls=...), but this Python ({sys.executable}) has no ssl module with TLS 1.3 "
+            "(it was built without OpenSSL >= 1.1.1): install a Python built with OpenSSL on every host, "
+            "or run without tls=")
+    return ssl
+
+
+def fingerprint_of(der: bytes) -> str:
+    """The SHA-256 fingerprint of a DER certificate, as ``TLSConfig(fingerprint=)`` takes it."""
+    return hashlib.sha256(der).hexdigest()
+
+
+def _norm_fingerprint(fp) -> str:
+    if not isinstance(fp, str):
+        raise TypeError(f"fingerprint must be a hex str (SHA-256 of the certificate), got {type(fp).__name__}")
+    text = fp.replace(":", "").strip().lower()
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"fingerprint must be the SHA-256 of a certificate: 64 hex digits (colons allowed), "
+                         f"got {fp!r}")
+    return text
+
+
+def _pem_or_path(value, what):
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        if b"-----BEGIN" not in value:
+            raise ValueError(f"TLSConfig: {what} given as bytes must be PEM (-----BEGIN ...)")
+        return bytes(value)
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    raise TypeError(f"TLSConfig: {what} must be a file path or PEM bytes, got {type(value).__name__}")
+
+
+class TLSConfig:
+    """What one process presents and trusts on a mutual TLS 1.3 connection.
+
+    cert : its certificate (a PEM file path, or PEM bytes), optionally
+        followed by the chain up to the CA.
+    key : its private key (path or PEM bytes); None if ``cert`` holds it.
+    ca : the CA certificate(s) the peers' certificates must chain to (path
+        or PEM bytes). May be the same file as ``cert`` for a self-signed
+        certificate shared by all processes.
+    fingerprint : optionally, the SHA-256 fingerprint (hex, colons allowed)
+        a peer's certificate must have; several in a list or tuple.
+
+    The files are read where a connection is made (each host reads its own
+    copy, at the same path); PEM bytes travel with the job. The key never
+    appears in ``repr`` and is never written to checkpoints, logs or metrics.
+
+    Example::
+
+        tls = TLSConfig("node.pem", "node.key", "ca.pem",
+                        fingerprint="3f:a1:...")        # optional pin
+        env = fb.Environment(workers=2, tls=tls)
+    """
+
+    def __init__(self, cert, key=None, ca=None, *, fingerprint=None):
+        self.cert = _pem_or_path(cert, "cert")
+        if self.cert is None:
+            raise ValueError("TLSConfig: cert is required (both sides present a certificate)")
+        self.key = _pem_or_path(key, "key")
+        self.ca = _pem_or_path(ca, "ca")
+        if self.ca is None:
+            raise ValueError("TLSConfig: ca is required (the CA that signed the peers' certificates)")
+        if fingerprint is None:
+            self.fingerprints = None
+        elif isinstance(fingerprint, (list, tuple, set, frozenset)):
+            self.fingerprints = frozenset(_norm_fingerprint(f) for f in fingerprint)
+        else:
+            self.fingerprints = frozenset([_norm_fingerprint(fingerprint)])
+        self._contexts = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        def show(v):
+            return "<PEM in memory>" if isinstance(v, bytes) else repr(v)
+        pin = "" if self.fingerprints is None else f", fingerprint={sorted(self.fingerprints)!r}"
+        return f"TLSConfig(cert={show(self.cert)}, key={'None' if self.key is None else show(self.key)}, " \
+               f"ca={show(self.ca)}{pin})"
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_contexts")
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._contexts = {}
+        self._lock = threading.Lock()
+
+    def context(self, server_side: bool):
+        """The SSLContext of this side (made once per process and side)."""
+        mod = require_ssl()
+        with self._lock:
+            ctx = self._contexts.get(server_side)
+            if ctx is None:
+                ctx = self._contexts[server_side] = self._make_context(mod, server_side)
+            return ctx
+
+    def _make_context(self, mod, server_side):
+        ctx = mod.SSLContext(mod.PROTOCOL_TLS_SERVER if server_side else mod.PROTOCOL_TLS_CLIENT)
+        # 1.3 only: no renegotiation exists, and a 1.2 peer is refused at the hello
+        ctx.minimum_version = mod.TLSVersion.TLSv1_3
+        ctx.maximum_version = mod.TLSVersion.TLSv1_3
+        ctx.check_hostname = False      # peers are reached by address; trust is the CA (and the pin)
+        ctx.verify_mode = mod.CERT_REQUIRED
+        if server_side:
+            ctx.num_tickets = 0         # no session resumption: every connection authenticates in full
+        try:
+            if isinstance(self.ca, bytes):
+                ctx.load_verify_locations(cadata=self.ca.decode("ascii"))
+            else:
+                ctx.load_verify_locations(cafile=self.ca)
+            _load_cert_chain(ctx, self.cert, self.key)
+        except (OSError, mod.SSLError, ValueError) as e:
+            raise TLSUnavailableError(f"{self!r}: cannot load the certificate, key or CA: {e}") from None
+        return ctx
+
+    def check_peer(self, der, peer):
+        """After the handshake: the pinned fingerprint, if any."""
+        if self.fingerprints is None:
+            return
+        fp = fingerprint_of(der)
+        if fp not in self.fingerprints:
+            raise TLSError(peer, f"the peer's certificate has fingerprint {fp}, not the pinned one "
+                                 "(a certificate of another job or attempt, or a wrong fingerprint=)")
+
+
+def _load_cert_chain(ctx, cert, key):
+    """load_cert_chain takes file names only: PEM held in memory goes through
+    an anonymous memory file (Linux) so the key never touches a disk, else a
+    private temporary file removed at once."""
+    paths, cleanups = [], []
+    try:
+        for value in (cert, key):
+            if value is None or not isinstance(value, bytes):
+                paths.append(value)
+                continue
+            memfd = getattr(os, "memfd_create", None)
+            if memfd is not None:
+                fd = memfd("pyflowbuf-tls", 0)
+                os.write(fd, value)
+                paths.append(f"/proc/self/fd/{fd}")
+                cleanups.append(lambda fd=fd: os.close(fd))
+            else:
+                fd, path = tempfile.mkstemp(prefix="pyflowbuf-tls-")
+                with os.fdopen(fd, "wb") as f:
+                    f.write(value)
+                paths.append(path)
+                cleanups.append(lambda path=path: os.unlink(path))
+        ctx.load_cert_chain(paths[0], paths[1])
+    finally:
+        for c in cleanups:
+            c()
+
+
+def https_context(config: TLSConfig, *, mutual: bool = True):
+    """An ``ssl.SSLContext`` for an HTTPS server (the job's web view when it is
+    served beyond loopback) from the same TLSConfig: its certificate and key,
+    TLS 1.3 only; with ``mutual`` a client must present a certificate of the
+    config's CA (and the pin, checked by the caller with ``config.check_peer``
+    on ``getpeercert(binary_form=True)``), else browsers connect without one.
+
+    Example::
+
+        httpd.socket = https_context(tls).wrap_socket(httpd.socket, server_side=True)
+    """
+    mod = require_ssl()
+    ctx = config._make_context(mod, True)
+    if not mutual:
+        ctx.verify_mode = mod.CERT_NONE
+    return ctx
+
+
+# ------------------------------------------------------------ job certificates
+
+class JobCertificates:
+    """``Environment(tls=True)``: a private CA for one job (made in the driver,
+    in memory, with the ``cryptography`` package) and one certificate per job
+    attempt, each pinned, so a process of another job (another CA) or of an
+    earlier attempt (another certificate) is refused at the handshake. The
+    CA's key never leaves the driver; each attempt's ``TLSConfig`` travels to
+    the workers with the job, as the attempt's secret does."""
+
+    def __init__(self, name="pyflowbuf job"):
+        x509, ec, hashes, NameOID = _crypto()
+        self._name = name
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        ski = x509.SubjectKeyIdentifier.from_public_key(self._key.public_key())
+        self._cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+                      .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
+                      .not_valid_before(now - datetime.timedelta(minutes=5))
+                      .not_valid_after(now + datetime.timedelta(days=CERT_VALIDITY_DAYS))
+                      .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                      .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
+                                                   key_encipherment=False, data_encipherment=False,
+                                                   key_agreement=False, key_cert_sign=True, crl_sign=True,
+                                                   encipher_only=False, decipher_only=False), critical=True)
+                      .add_extension(ski, critical=False)
+                      .sign(self._key, hashes.SHA256()))
+        self._attempts = {}
+
+    def __reduce__(self):
+        raise TypeError("JobCertificates holds the job CA's key and stays in the driver: "
+                        "hand workers for_attempt(n) instead")
+
+    def for_attempt(self, attempt: int, *, not_before=None, not_after=None) -> TLSConfig:
+        """The TLSConfig of every process of ``attempt`` (made once)."""
+        cfg = self._attempts.get(attempt) if not_before is None and not_after is None else None
+        if cfg is None:
+            cfg = self._issue(f"{self._name} attempt {attempt}", not_before, not_after)
+            if not_before is None and not_after is None:
+                self._attempts[attempt] = cfg
+        return cfg
+
+    def _issue(self, cn, not_before=None, not_after=None):
+        x509, ec, hashes, NameOID = _crypto()
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+                .issuer_name(self._cert.subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(not_before or now - datetime.timedelta(minutes=5))
+                .not_valid_after(not_after or now + datetime.timedelta(days=CERT_VALIDITY_DAYS))
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
+                                             key_encipherment=False, data_encipherment=False,
+                                             key_agreement=False, key_cert_sign=False, crl_sign=False,
+                                             encipher_only=False, decipher_only=False), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()),
+                               critical=False)
+                .sign(self._key, hashes.SHA256()))
+        pem = serialization.Encoding.PEM
+        return TLSConfig(cert.public_bytes(pem),
+                         key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+                         self._cert.public_bytes(pem),
+                         fingerprint=fingerprint_of(cert.public_bytes(serialization.Encoding.DER)))
+
+
+def _crypto():
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        raise TLSUnavailableError(
+            "tls=True makes the job's certificates with the 'cryptography' package, which this Python "
+            f"({sys.executable}) lacks: pip install 'pyflowbuf[tls]' (or pass tls=TLSConfig(cert, key, ca) "
+            "with your own files)") from None
+    return x509, ec, hashes, NameOID
+
+
+def resolve(value, what="tls"):
+    """``Environment(tls=...)``: None/False (off), True (the job's own CA) or a TLSConfig."""
+    if value is None or value is False:
+        return None
+    if value is True or isinstance(value, TLSConfig):
+        return value
+    raise ConfigurationError(f"{what} must be True, False, None or a pyflowbuf.net.TLSConfig, got {value!r}")
+
+
+class AttemptTLS:
+    """The driver's side of ``tls=``: the TLSConfig of each attempt (the
+    user's own for every attempt, or one certificate per attempt of the job's
+    CA for ``tls=True``); None when TLS is off."""
+
+    def __init__(self, setting, name="pyflowbuf job"):
+        self.setting = resolve(setting)
+        self._certs = None
+        if self.setting is True:
+            require_ssl()
+            self._certs = JobCertificates(name)
+
+    def for_attempt(self, attempt):
+        if self.setting is None:
+            return None
+        if self._certs is not None:
+            return self._certs.for_attempt(attempt)
+        return self.setting
+
+
+# ------------------------------------------------------------ the relay
+
+def _reason(e, server_side):
+    """An OpenSSL error, said as what it means here."""
+    text = getattr(e, "verify_message", None) or getattr(e, "reason", None) or str(e)
+    code = getattr(e, "verify_code", None)
+    low = str(text).lower().replace("_", " ")
+    if "wrong version number" in low or "http request" in low or "record layer" in low \
+            or "packet length too long" in low or "unknown protocol" in low:
+        return (f"the peer does not speak TLS ({text}): "
+                + ("a client without tls= connected to this TLS server" if server_side else
+                   "the server was started without tls=") + "; give every process the same tls= setting")
+    if "unsupported protocol" in low or "no protocols available" in low or "tlsv1 alert protocol version" in low:
+        return f"the peer offers no TLS 1.3 ({text}): pyflowbuf speaks TLS 1.3 only (no renegotiation)"
+    if code is not None or "certificate verify failed" in low or "unknown ca" in low or "alert" in low \
+            or "certificate" in low:
+        return f"the peer's certificate was refused ({text}): it must be valid now and signed by the CA " \
+               "of this job's tls= setting (a certificate of another CA or another job is refused)"
+    return f"{type(e).__name__}: {text}"
+
+
+class TLSRelay:
+    """One TLS connection: the handshake on ``tcp`` (``handshake``), then a
+    thread (``start``) that relays between ``tcp`` and ``local``, the end of
+    a socket pair the caller uses as it would use ``tcp``. ``error`` is the
+    TLSError that ended it, if one did. Closing ``local`` (or ``close()``)
+    ends the thread and closes ``tcp``."""
+
+    def __init__(self, tcp, config: TLSConfig, *, server_side: bool, peer):
+        mod = require_ssl()
+        self.tcp = tcp
+        self.config = config
+        self.server_side = server_side
+        self.peer = peer
+        self._in = mod.MemoryBIO()
+        self._out = mod.MemoryBIO()
+        self.obj = config.context(server_side).wrap_bio(self._in, self._out, server_side=server_side)
+        self.local, self._inner = socket.socketpair()
+        for s in (self.local, self._inner):
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, opt, _PAIR_BUFFER)
+                except OSError:
+                    pass
+        self.error = None
+        self.peer_closed = False      # the peer sent close_notify
+        self.handshake_s = None
+        self._thread = None
+        self._closed = False
+        # test-only tap: called with every chunk of bytes written to the TCP socket
+        self.tap = None
+
+    # ---------------------------------------------------------------- handshake
+    def handshake(self, deadline=None):
+        """Run the TLS handshake on ``tcp``, all of it by ``deadline``
+        (time.monotonic(); None: the socket's own timeout), then check the
+        pinned fingerprint. Raises TLSError naming the peer and the reason."""
+        mod = ssl
+        t0 = time.perf_counter()
+        try:
+            while True:
+                try:
+                    self.obj.do_handshake()
+                    break
+                except mod.SSLWantReadError:
+                    self._flush_blocking(deadline)
+                    data = self._recv_blocking(deadline)
+                    if not data:
+                        raise TLSError(self.peer, "the connection closed in the middle of the TLS handshake "
+                                                  "(a truncated handshake, or the peer refused ours)")
+                    self._in.write(data)
+            self._flush_blocking(deadline)
+        except socket.timeout:
+            raise TLSError(self.peer, "the TLS handshake did not finish in time (the handshake timeout): "
+                                      "a peer that sent no or only part of a handshake, or a client "
+                                      "without tls= on a TLS port") from None
+        except mod.SSLError as e:
+            try:
+                self._flush_blocking(deadline)     # our alert tells the peer why
+            except (OSError, socket.timeout):
+                pass
+            raise TLSError(self.peer, _reason(e, self.server_side)) from None
+        except OSError as e:
+            if isinstance(e, TLSError):
+                raise
+            raise TLSError(self.peer, f"the connection failed during the TLS handshake: {e}") from None
+        finally:
+            try:
+                self.tcp.settimeout(None)
+            except OSError:
+                pass
+        der = self.obj.getpeercert(binary_form=True)
+        if der is None:
+            raise TLSError(self.peer, "the peer presented no certificate (mutual TLS needs one on both sides)")
+        self.config.check_peer(der, self.peer)
+        self.handshake_s = time.perf_counter() - t0
+
+    def _settimeout(self, deadline):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("deadline passed")
+            self.tcp.settimeout(left)
+
+    def _recv_blocking(self, deadline):
+        self._settimeout(deadline)
+        return self.tcp.recv(CHUNK)
+
+    def _flush_blocking(self, deadline):
+        data = self._out.read()
+        if data:
+            self._settimeout(deadline)
+            if self.tap is not None:
+                self.tap(data)
+            self.tcp.sendall(data)
+
+    # ---------------------------------------------------------------- relaying
+    def start(self):
+        self._thread = threading.Thread(target=self._run, name=f"pyflowbuf-tls-{self.peer}", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout=None):
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self):
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self):
+        """Wake a handshake waiting on ``tcp``. (Once the thread runs, closing
+        or shutting down ``local`` ends it: it sends close_notify first.)"""
+        self._closed = True
+        if self._thread is None:
+            try:
+                self.tcp.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def release(self):
+        """The owner is done with ``local`` (it closed it): if the thread never
+        started, close the sockets it would have closed."""
+        self._closed = True
+        try:
+            self.local.close()      # (the owner's close came first: closing twice is harmless)
+        except OSError:
+            pass
+        if self._thread is None:
+            self._close_all()
+
+    def _close_all(self):
+        for s in (self._inner, self.tcp):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _fail(self, reason):
+        if self.error is None:
+            self.error = TLSError(self.peer, reason)
+
+    def _run(self):
+        mod = ssl
+        tcp, inner, obj, bio_out = self.tcp, self._inner, self.obj, self._out
+        tap = self.tap
+        POLLIN, POLLOUT = select.POLLIN, select.POLLOUT
+        GONE = select.POLLHUP | select.POLLERR
+        RDHUP = getattr(select, "POLLRDHUP", select.POLLHUP)
+        try:
+            tcp.setblocking(False)
+            inner.setblocking(False)
+            out_mv = memoryview(bytearray(CHUNK))   # plaintext from the local end
+            in_mv = memoryview(bytearray(CHUNK))    # plaintext for the local end
+            raw_mv = memoryview(bytearray(CHUNK))   # ciphertext from tcp
+            to_tcp = b""                # ciphertext not yet sent (a memoryview once partly sent)
+            to_local = None             # a slice of in_mv not yet handed over
+            local_eof = remote_eof = local_shut = False
+            flush_by = None     # once the local end closed: how long the last bytes may take
+            poller = select.poll()
+            fi, ft = inner.fileno(), tcp.fileno()
+            while not (local_eof and not to_tcp):
+                ev_i = (0 if (to_tcp or local_eof) else POLLIN) | (POLLOUT if to_local else 0)
+                if not ev_i and flush_by is None and not local_eof:
+                    ev_i = RDHUP     # not reading it now, but its closing starts the flush deadline
+                ev_t = (0 if (to_local or remote_eof) else POLLIN) | (POLLOUT if to_tcp else 0)
+                if not ev_i and not ev_t:
+                    break
+                # only what we wait for: a hung-up end we do not wait on would wake poll() at once, forever
+                for fd, ev in ((fi, ev_i), (ft, ev_t)):
+                    if ev:
+                        poller.register(fd, ev)
+                    else:
+                        try:
+                            poller.unregister(fd)
+                        except KeyError:
+                            pass
+                if local_eof and flush_by is None:
+                    flush_by = time.monotonic() + _FLUSH_S
+                if flush_by is None:
+                    ready = dict(poller.poll())
+                else:           # a peer that stopped reading must not hold this thread
+                    left = flush_by - time.monotonic()
+                    if left <= 0:
+                        break
+                    ready = dict(poller.poll(left * 1000))
+                ri, rt = ready.get(fi, 0), ready.get(ft, 0)
+                if (ri | rt) & select.POLLNVAL:
+                    break
+                if ri & (RDHUP | GONE) and flush_by is None and not ev_i & POLLIN:
+                    flush_by = time.monotonic() + _FLUSH_S
+                # local -> TLS -> tcp: all the frames waiting in one SSL_write (GIL released in it)
+                if ev_i & POLLIN and ri & (POLLIN | GONE):
+                    try:
+                        n = inner.recv_into(out_mv)
+                    except BlockingIOError:
+                        n = -1
+                    except OSError:
+                        n = 0
+                    if n == 0:
+                        local_eof = True
+                        try:
+                            obj.unwrap()        # close_notify for the peer
+                        except (mod.SSLError, ValueError):
+                            pass
+                    elif n > 0:
+                        obj.write(out_mv[:n])
+                    to_tcp = bio_out.read()
+                if to_tcp and (rt & (POLLOUT | GONE) or not ev_t & POLLOUT):
+                    try:
+                        sent = tcp.send(to_tcp)
+                    except BlockingIOError:
+                        sent = 0
+                    if tap is not None and sent:
+                        tap(bytes(to_tcp[:sent]))
+                    # a memoryview: what is left is not copied again
+                    to_tcp = memoryview(to_tcp)[sent:] if sent < len(to_tcp) else b""
+                # tcp -> TLS -> local: everything decryptable, up to CHUNK, per pass
+                if ev_t & POLLIN and rt & (POLLIN | GONE):
+                    try:
+                        k = tcp.recv_into(raw_mv)
+                    except BlockingIOError:
+                        k = -1
+                    if k == 0:
+                        # a peer without close_notify (killed): the frame
+                        # reader reports it as any lost connection
+                        remote_eof = True
+                    elif k > 0:
+                        self._in.write(raw_mv[:k])
+                    to_local = self._decrypt(in_mv)
+                    if to_local is None and self.peer_closed:
+                        remote_eof = True
+                    extra = bio_out.read()      # post-handshake messages (KeyUpdate) answered
+                    if extra:
+                        to_tcp = bytes(to_tcp) + extra
+                if to_local is not None and (ri & (POLLOUT | GONE) or not ev_i & POLLOUT):
+                    try:
+                        sent = inner.send(to_local)
+                    except BlockingIOError:
+                        sent = 0
+                    except OSError:
+                        local_eof, to_local, sent = True, None, 0   # nobody reads any more
+                    if to_local is not None:
+                        to_local = to_local[sent:] if sent < len(to_local) else None
+                    if to_local is None and not remote_eof and (self._in.pending or obj.pending()):
+                        to_local = self._decrypt(in_mv)     # what the BIO still holds
+                    if to_local is None and self.peer_closed:
+                        remote_eof = True
+                if remote_eof and to_local is None and not local_shut:
+                    local_shut = True
+                    try:
+                        inner.shutdown(socket.SHUT_WR)      # EOF for the reader after the last byte
+                    except OSError:
+                        pass
+        except mod.SSLError as e:
+            self._fail(_post_handshake_reason(e))
+            try:                    # our alert, best effort: the peer learns why
+                data = bio_out.read()
+                if data:
+                    tcp.send(data)
+            except OSError:
+                pass
+        except OSError as e:
+            if not self._closed:
+                self._fail(f"the connection failed: {e}")
+        finally:
+            # the local end sees EOF: its reader stops, the error is in self.error
+            try:
+                inner.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._close_all()
+
+    def _decrypt(self, mv):
+        """Plaintext the TLS object holds, up to len(mv), as a slice of mv; None if none."""
+        mod = ssl
+        filled = 0
+        size = len(mv)
+        obj = self.obj
+        while filled < size:
+            try:
+                k = obj.read(size - filled, mv[filled:])
+            except mod.SSLWantReadError:
+                break
+            except mod.SSLZeroReturnError:
+                self.peer_closed = True
+                break
+            if k == 0:      # _ssl says close_notify so (no data would be SSLWantReadError)
+                self.peer_closed = True
+                break
+            filled += k
+        return mv[:filled] if filled else None
+
+
+def _post_handshake_reason(e):
+    text = getattr(e, "reason", None) or str(e)
+    low = str(text).lower().replace("_", " ")
+    if "unexpected message" in low or "renegotiat" in low or "no renegotiation" in low:
+        return f"the peer sent a handshake message after the handshake ({text}): renegotiation is refused"
+    return f"a TLS record after the handshake was not valid ({text}): garbage or tampering on the connection"
+
+
+def explain(relay, exc):
+    """The exception a connection over ``relay`` reports: the relay's
+    TLSError beats what the frame reader saw (EOF) when the relay ended
+    first; a clean TLS close in the middle of a frame is said as such."""
+    if relay is None:
+        return exc
+    if relay.error is not None:
+        return relay.error
+    if relay.peer_closed and exc is not None and "truncated frame" in str(exc):
+        return TLSError(relay.peer, f"the peer closed TLS (close_notify) in the middle of a frame: {exc}")
+    return exc

@@ -1,0 +1,68 @@
+"""A job on a SparkCluster whose Spark encrypts its own traffic
+(``spark.authenticate`` + ``spark.network.crypto.enabled``) runs, with its
+exchange, control channel and output relays over mutual TLS: before issue 31
+it was refused. One SparkSession on ``local-cluster[2,1,1024]``: slow."""
+import os
+import secrets
+
+import pytest
+
+pyspark = pytest.importorskip("pyspark")
+
+import pyflowbuf as fb  # noqa: E402
+from pyflowbuf.spark import SparkCluster  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from pyflowbuf.spark.session import worker_python_env
+
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    worker_python_env()
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+    session = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("pyflowbuf-spark-tls")
+               .config("spark.authenticate", "true")
+               .config("spark.authenticate.secret", secrets.token_hex(16))
+               .config("spark.network.crypto.enabled", "true")
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.python.worker.reuse", "true")
+               .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
+               .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+def test_a_job_runs_on_an_encrypting_spark_cluster_over_tls(spark, capsys):
+    def prints(x):      # defined here: the closure travels by value, the test module is not on the executors
+        print(f"tls worker {os.getpid()}")
+        return x
+
+    cluster = SparkCluster(spark, workers=2)
+    env = fb.Environment(parallelism=2, cluster=cluster)
+    words = [f"w{i % 37}" for i in range(20_000)]
+    counts = (env.from_collection(words).map(lambda w: (w, 1), kind="struct")
+                 .key_by(lambda kv: kv[0]).reduce(lambda a, b: (a[0], a[1] + b[1]), kind="struct").collect())
+    env.from_sequence(0, 4, parallelism=2).map(prints, parallelism=2).sink(lambda x: None, parallelism=2)
+    env.execute(timeout=300)
+    final = {}
+    for k, n in counts.result:
+        final[k] = max(final.get(k, 0), n)
+    assert final == {f"w{i}": len(range(i, 20_000, 37)) for i in range(37)}
+    ex = env.last_execution
+    cfg = ex.tls.for_attempt(0)
+    assert cfg is not None and cfg.fingerprints          # on by itself: the job's CA, pinned
+    metrics = env.metrics()
+    assert sum(m["remote_buffers_in"] for m in metrics.values()) > 0     # the exchange crossed TLS
+    assert "tls worker" in capsys.readouterr().out                        # the output relay too
+    assert ex.launcher._listener is None or ex.launcher._listener.refused == 0
