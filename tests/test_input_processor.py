@@ -83,7 +83,8 @@ def _run(scripts, buffer_timeout=0.001):
         assert list(ts) == [float(r[1]) for r in batch], "the times of another input's batch"
         seen.extend(("record", input_index, r) for r in batch)
 
-    job = SimpleNamespace(cancelled=False, env=SimpleNamespace(network_config=NetworkConfig(buffer_timeout=buffer_timeout), max_batch=100),
+    # (the runtime reads the job's spec, not its environment)
+    job = SimpleNamespace(cancelled=False, spec=SimpleNamespace(network_config=NetworkConfig(buffer_timeout=buffer_timeout), max_batch=100),
                           event_handler=lambda task, ev, i: seen.append(("barrier", i, ev[2])))
     task = SimpleNamespace(job=job)
     chain = SimpleNamespace(process=process, timestamped=True)

@@ -59,15 +59,34 @@ class BatchSizer:
     (a smaller size doubles again while batches are quick).
 
     A function whose cost is per call rather than per record (a round trip
-    per batch) would only get slower with smaller batches: when a smaller
-    batch did not take less time per record than twice the larger one's,
-    the larger size becomes the floor, and a barrier waits for one such
-    batch (what cannot be split). Time blocked on an output buffer counts
-    too: under backpressure reads get smaller, which costs nothing there
-    (the task would wait anyway), and grow back once it clears.
+    per batch) would only get slower with smaller batches: when
+    ``PER_CALL_SAMPLES`` smaller batches in a row each took more than twice
+    the larger one's time per record, the larger size becomes the floor,
+    and a barrier waits for one such batch (what cannot be split). Several
+    in a row, not one: a thread kept off the CPU or waiting for the GIL
+    (5 ms at a time) makes one record of 3 ms look like 8, and one such
+    sample made a per-record chain a per-call one for good (the smallest of
+    several samples is the estimate noise cannot inflate). Time blocked on
+    an output buffer counts too: under backpressure reads get smaller, which
+    costs nothing there (the task would wait anyway), and grow back once it
+    clears.
+
+    ``observe`` takes the timings, so a test drives it with made-up ones::
+
+        >>> s = BatchSizer(1024, target_ns=2_000_000)
+        >>> s.observe(200, 200 * 3_000_000)       # 3 ms a record
+        >>> s.size
+        1
+        >>> s.observe(1, 8_000_000)               # one record slowed by the scheduler
+        >>> s.size, s.floor
+        (1, 1)
     """
 
-    __slots__ = ("size", "max", "target_ns", "floor", "_prev")
+    # smaller batches in a row that must look per call before the size
+    # stops shrinking (each compared with the first slow batch)
+    PER_CALL_SAMPLES = 3
+
+    __slots__ = ("size", "max", "target_ns", "floor", "_prev", "_strikes")
 
     def __init__(self, max_batch: int, target_ns: int = 2_000_000):
         # From max_batch down, not from one record up: starting small, a
@@ -78,23 +97,31 @@ class BatchSizer:
         self.target_ns = target_ns
         self.floor = 1
         self._prev = None       # (size, ns) of the first batch found slow: what smaller ones compare with
+        self._strikes = 0       # smaller batches in a row since then that looked per call
 
     def observe(self, n: int, ns: int) -> None:
         """A batch of ``n`` records took ``ns`` to process."""
         anchor = self._prev
-        if anchor is not None and n < anchor[0] and ns * anchor[0] > 2 * anchor[1] * n:
-            # per call, not per record: at a fraction of the size a record
-            # costs more than twice what it did; smaller batches do not help.
-            # (Against the first slow size, not the last: shrinking by small
-            # steps, each step alone never shows it.)
-            self.floor = self.size = anchor[0]
-            self._prev = None
-            return
+        if anchor is not None and n < anchor[0]:
+            if ns * anchor[0] > 2 * anchor[1] * n:
+                # per call, not per record: at a fraction of the size a
+                # record costs more than twice what it did; smaller batches
+                # do not help. (Against the first slow size, not the last:
+                # shrinking by small steps, each step alone never shows it.)
+                self._strikes += 1
+                if self._strikes >= self.PER_CALL_SAMPLES:
+                    self.floor = self.size = anchor[0]
+                    self._prev = None
+                    self._strikes = 0
+                    return
+            else:
+                self._strikes = 0
         if ns > self.target_ns:
             size = max(self.floor, n * self.target_ns // ns)
             if size < self.size:
                 if anchor is None or n >= anchor[0]:
                     self._prev = (n, ns)
+                    self._strikes = 0
                 self.size = size
         elif ns * 2 <= self.target_ns and self.size < self.max and n >= self.size:
             self.size = min(self.max, self.size * 2)
