@@ -68,7 +68,8 @@ def main(d):
 
         env = fb.Environment(parallelism=2, checkpoint_interval=0.1, restart_attempts=1,
                              checkpoint_dir=os.path.join(d, "checkpoints"))
-        counts = (env.read_kafka("words", bootstrap_servers=bs, value_format="str", bounded=True).uid("words")
+        counts = (env.read_kafka("words", bootstrap_servers=bs, value_format="str", bounded=True,
+                                rate_limit=WORDS / 2).uid("words")          # about 2 s: checkpoints go by
                      .map(lambda w: (w, 1)).uid("pairs")
                      .key_by(lambda kv: kv[0]).reduce(lambda a, b: (a[0], a[1] + b[1])).uid("counts"))
         # write_kafka(...) is this sink; the subclass adds the failure

@@ -88,7 +88,8 @@ class ConnectorSourceDeclarations:
                    parallelism: int | None = None, properties: dict | None = None,
                    wait_for_topics: bool = False, connect_timeout: float = kc.CONNECT_TIMEOUT_S,
                    discovery_interval: float = 10.0, dead_letter: bool = False,
-                   max_prefetch_kbytes: int = 16384, name: str = "read_kafka", kind: Any = None):
+                   max_prefetch_kbytes: int = 16384, name: str = "read_kafka", kind: Any = None,
+                   rate_limit=None):
         """Records of Kafka topics (confluent-kafka): ``topics`` (a name or a
         list) or ``pattern`` (a regular expression over topic names).
 
@@ -111,6 +112,8 @@ class ConnectorSourceDeclarations:
           ``stream.dead_letters()`` (a dict with topic, partition, offset,
           key, value bytes, error) instead of failing the job with
           ``KafkaDecodeError``.
+        * ``rate_limit``: records per second (or a ``RateLimiter``), as for
+          the other sources.
 
         Partitions are assigned to the subtasks (never subscribed); their
         offsets are in every checkpoint, and committed to ``group_id`` when a
@@ -169,7 +172,7 @@ class ConnectorSourceDeclarations:
             kind = {"bytes": "bytes", "str": "str"}.get(value_format) if not include else None
         link: dict = {}         # the source task hands its reader to the operator after it
         p = _parallelism(self, parallelism)
-        stream = self._source(name, lambda: kc.LinkedSourceTask(source, name, link), kind, None, p)
+        stream = self._source(name, lambda: kc.LinkedSourceTask(source, name, link), kind, rate_limit, p)
         with_time = timestamps is not None
         op_name = f"{name}.partitions"
         node = stream._then(op_name, lambda: kc.KafkaSourceOperator(op_name, link, with_time, KAFKA_DEAD_LETTERS), p,
