@@ -25,6 +25,7 @@ docs/kafka.md has the protocol and its failure cases.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import re
@@ -179,7 +180,6 @@ class KafkaReader(api.SourceReader):
             # the client's own prefetch queue is bounded: while the task does
             # not pull (backpressure) librdkafka stops fetching at this size
             "queued.max.messages.kbytes": source.max_prefetch_kbytes,
-            "queued.min.messages": 10000,
         })
         conf.update(source.properties)
         self.consumer = ck.Consumer(conf)
@@ -339,16 +339,29 @@ class KafkaReader(api.SourceReader):
         and nothing to add to the values (the common case), with a few C calls
         per record; None: the batch needs the full loop."""
         last = {}
-        for m in msgs:
-            if m.error() is not None:
-                return None
-            last[(m.topic(), m.partition())] = m.offset()
+        values = []
+        add = values.append
+        topics = self.s.topics
+        if topics is not None and len(topics) == 1:
+            # one topic: the partition alone says where a record is
+            for m in msgs:
+                if m.error() is not None:
+                    return None
+                last[m.partition()] = m.offset()
+                add(m.value())
+            t = topics[0]
+            last = {(t, p): off for p, off in last.items()}
+        else:
+            for m in msgs:
+                if m.error() is not None:
+                    return None
+                last[(m.topic(), m.partition())] = m.offset()
+                add(m.value())
         pos, done = self.pos, self.done
         for tp, off in last.items():
             p = pos.get(tp)
             if p is None or tp in done or (p[1] is not None and off + 1 >= p[1]):
                 return None
-        values = [m.value() for m in msgs]
         fmt = self.s.value_format
         if fmt != "bytes":
             try:
@@ -656,8 +669,7 @@ class KafkaSink(api.Sink):
         # fence every transactional id that the restored writers, or an earlier
         # run of this subtask, may have left a transaction open under: the
         # broker completes one that was committing and aborts the others
-        for tid in fence_list(self.base, getattr(self, "_fence", ())):
-            self._producer(tid)
+        self._init_all(fence_list(self.base, getattr(self, "_fence", ())))
         self.current = None
         self.last_id = getattr(self, "last_id", 0)
         self._check_topic(self._producer(f"{self.base}-0"))
@@ -694,6 +706,18 @@ class KafkaSink(api.Sink):
                     f"{exc.args[0].str() if exc.args else exc}") from None
             self.producers[tid] = p
         return p
+
+    def _init_all(self, tids):
+        """``_producer`` of each, at once: an init_transactions waits for the
+        broker (a round trip or more each), and they are independent."""
+        tids = [t for t in tids if t not in self.producers]
+        if len(tids) < 2:
+            for t in tids:
+                self._producer(t)
+            return
+        with concurrent.futures.ThreadPoolExecutor(len(tids)) as pool:
+            for f in [pool.submit(self._producer, t) for t in tids]:
+                f.result()
 
     def _free_slot(self):
         busy = set(self.prepared.values())
@@ -793,9 +817,7 @@ class KafkaSink(api.Sink):
         # every transaction of these committables that this process does not
         # hold is fenced before any marker is read: a prepared transaction's
         # marker leaves its group's offset unstable until it is resolved
-        for c in committables:
-            if self.prepared.get(c["id"]) != c["tid"]:
-                self._producer(c["tid"])
+        self._init_all({c["tid"] for c in committables if self.prepared.get(c["id"]) != c["tid"]})
         for c in sorted(committables, key=lambda c: c["id"]):
             tid = self.prepared.get(c["id"])
             if tid == c["tid"] and tid in self.producers:
