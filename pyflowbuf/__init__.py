@@ -18,6 +18,7 @@ from pyflowbuf.config import CheckpointConfig, DebloatConfig, MetricsConfig, Net
 from pyflowbuf.api import (AllWindowedStream, CollectSink, ConnectedStreams, DataSink, Environment, IntervalJoin,
                            IteratorSink, JoinedStreams, KeyedStream, OutputTag, Stream, WindowedStream, WindowResult)
 from pyflowbuf.connectors.sources import RateLimiter
+from pyflowbuf.connectors.api import Sink, Source, SourceReader
 from pyflowbuf import windows
 from pyflowbuf.windows import (AggregateFunction, ContinuousEventTimeTrigger, Count, CountTrigger, CountWindow,
                                EventTimeTrigger, ProcessingTimeTrigger, PurgingTrigger, RecordRange, Session,
@@ -34,7 +35,7 @@ __all__ = [
     "TumblingProcessingTime", "SlidingProcessingTime", "SessionProcessingTime", "CountWindow", "RecordRange",
     "EventTimeTrigger", "ProcessingTimeTrigger", "ContinuousEventTimeTrigger", "CountTrigger", "PurgingTrigger",
     "WindowContext",
-    "KeyedProcessFunction", "OutputTag",
+    "KeyedProcessFunction", "OutputTag", "Source", "SourceReader", "Sink",
 ]
 
 # The core classes were importable from here before issue 19; for one release

@@ -153,6 +153,26 @@ class KafkaJarsError(FlowBufError, RuntimeError):
     cache, or Maven could not fetch it for the installed PySpark."""
 
 
+class KafkaConnectionError(FlowBufError, ConnectionError):
+    """No Kafka broker answered at ``bootstrap_servers`` within the stated
+    timeout (``read_kafka``/``write_kafka``'s ``connect_timeout``)."""
+
+
+class KafkaTopicError(FlowBufError, LookupError):
+    """A topic that ``read_kafka`` reads (or ``write_kafka`` writes) does not
+    exist, and waiting for it was not asked for."""
+
+
+class KafkaDecodeError(FlowBufError, ValueError):
+    """A Kafka record's value (or key) is not in the format ``read_kafka``
+    was told; the message names topic, partition and offset."""
+
+
+class KafkaSinkError(FlowBufError, RuntimeError):
+    """``write_kafka`` could not deliver or commit: a record the broker
+    refused, a transaction that failed, a producer fenced by a newer one."""
+
+
 class UnitWarning(UserWarning):
     """A time value that only makes sense in another unit than the one it is
     read in: timestamps that look like milliseconds since 1970 where seconds

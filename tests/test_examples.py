@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 TIMEOUT_S = 240
 TESTED_ELSEWHERE = {"streaming_rate.py"}
-NEEDS = {"files.py": ["pyarrow"], "pyspark_udf.py": ["pyspark", "pyarrow"]}
+NEEDS = {"files.py": ["pyarrow"], "pyspark_udf.py": ["pyspark", "pyarrow"], "kafka_exactly_once.py": ["confluent_kafka"]}
 
 
 def _params():
@@ -28,6 +28,11 @@ def _params():
             continue
         marks = [pytest.mark.skipif(importlib.util.find_spec(mod) is None, reason=f"needs {mod}")
                  for mod in NEEDS.get(name, [])]
+        if "confluent_kafka" in NEEDS.get(name, []):
+            from pyflowbuf.connectors.kafka_broker import find_libs
+            marks += [pytest.mark.kafka, pytest.mark.skipif(
+                find_libs() is None or shutil.which("java") is None,
+                reason="needs the local Kafka broker (ci/setup.sh) and Java")]
         if "pyspark" in NEEDS.get(name, []):
             marks += [pytest.mark.spark, pytest.mark.skipif(
                 shutil.which("java") is None and not os.environ.get("JAVA_HOME"),

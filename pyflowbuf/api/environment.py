@@ -20,6 +20,7 @@ from pyflowbuf import config as _config
 from pyflowbuf._validation import (_execute_args, _job_name, _positive_int, check_graph, check_key_hashes,
                                    check_node_kind)
 from pyflowbuf.api.sinks import IteratorSink
+from pyflowbuf.api.connectors import ConnectorSourceDeclarations
 from pyflowbuf.api.sources import SourceDeclarations
 from pyflowbuf.config import UNSET, CheckpointConfig, DebloatConfig, MetricsConfig, NetworkConfig, RestartConfig
 from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError
@@ -36,7 +37,7 @@ from pyflowbuf.checkpointing.restore import check_operator_ids
 
 
 @_config.flat_settings
-class Environment(SourceDeclarations):
+class Environment(SourceDeclarations, ConnectorSourceDeclarations):
     """Holds the job graph and its settings.
 
     Parameters

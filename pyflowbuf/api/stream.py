@@ -11,6 +11,7 @@ from pyflowbuf._validation import (_callable, _check_arity, _check_kind, _common
                                    _positive_int, note_key_function)
 from pyflowbuf.api.joined import IntervalJoin, JoinedStreams
 from pyflowbuf.api.side_outputs import LATE_TAG, declare_side_outputs, declared_tag
+from pyflowbuf.api.connectors import ConnectorSinkDeclarations
 from pyflowbuf.api.sinks import SinkDeclarations
 from pyflowbuf.api.windowed import AllWindowedStream, WindowedStream, _no_key
 from pyflowbuf.errors import ConfigurationError, RecordTypeError, UnitWarning
@@ -25,7 +26,7 @@ from pyflowbuf.serializers import get_serializer, short_repr
 from pyflowbuf.windows.assigners import CountWindow
 
 
-class Stream(SinkDeclarations):
+class Stream(SinkDeclarations, ConnectorSinkDeclarations):
     """A stream of records produced by one node of the graph.
 
     Streams are declared, not run: each method adds an operator to the

@@ -38,6 +38,7 @@ import os
 import re
 
 from pyflowbuf import errors
+from pyflowbuf.connectors import api as connector_api
 from pyflowbuf.checkpoint.storage import UnsafeCommitError
 from pyflowbuf.connectors.filesystems import Directory, as_local, canonical, is_process_local, is_url, split
 
@@ -210,6 +211,15 @@ def _check(commits, outputs) -> list:
         dirs.setdefault(_dir_key(out.path), []).append(out)
     checked = []
     for action in commits:
+        if isinstance(action, (list, tuple)) and action and action[0] == "connector":
+            # a connector sink's final commit (connectors/api.py): only a sink
+            # declared in this process's job, found by its commit key
+            if connector_api.committer(action) is None:
+                raise UnsafeCommitError(
+                    f"refusing sink commit {str(action)[:200]}: no connector sink of this job has the commit key "
+                    f"{action[1] if len(action) > 1 else None!r}", action=action)
+            checked.append((None, action, None))
+            continue
         why = _refusal(action, dirs)
         if isinstance(why, str):
             raise UnsafeCommitError(
@@ -227,6 +237,9 @@ def run_commits(commits, outputs) -> None:
     an action none of them can produce (read back from a crafted
     ``_metadata``) refuses them all."""
     for out, src, dst in _check(commits, outputs):
+        if out is None:
+            connector_api.run_final_commit(src)
+            continue
         d = out.dir
         if d.has(src):
             d.rename(src, dst)

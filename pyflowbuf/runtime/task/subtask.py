@@ -196,6 +196,13 @@ class Subtask(threading.Thread):
                     self.source.close()
                 except Exception:
                     pass
+            for op in self.operators:      # connector sinks (connectors/api.py) release their clients
+                close = getattr(op, "close_connector", None)
+                if close is not None:
+                    try:
+                        close(self.state != "FINISHED")
+                    except Exception:
+                        pass
 
     def _open(self) -> bool:
         """Restore the operators' state, open them with their Outputs, arm the

@@ -1,0 +1,291 @@
+"""The connector declarations: ``Environment.from_source`` and
+``read_kafka``, ``Stream.sink_to`` and ``write_kafka`` (the connector API of
+``pyflowbuf/connectors/api.py`` and its Kafka connector)."""
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from typing import Any, Callable
+
+from pyflowbuf._validation import _check_kind, _parallelism
+from pyflowbuf.api.side_outputs import OutputTag
+from pyflowbuf.api.sinks import DataSink
+from pyflowbuf.connectors import api as capi
+from pyflowbuf.connectors import kafka as kc
+from pyflowbuf.errors import ConfigurationError
+
+# the side output of read_kafka(dead_letter=True): a dict per undecodable record
+KAFKA_DEAD_LETTERS = OutputTag(kc.DEAD_LETTERS)
+
+
+def _seconds(what, name, v, optional=False):
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+        raise ConfigurationError(f"{what}: {name} must be a number of seconds >= 0, got {v!r}")
+    return float(v)
+
+
+def _servers(what, bootstrap_servers):
+    if not isinstance(bootstrap_servers, str) or not bootstrap_servers.strip():
+        raise ConfigurationError(f"{what}: bootstrap_servers must be 'host:port[,host:port...]', "
+                                 f"got {bootstrap_servers!r}")
+
+
+def _properties(what, properties):
+    if properties is not None and (not isinstance(properties, dict)
+                                   or not all(isinstance(k, str) for k in properties)):
+        raise ConfigurationError(f"{what}: properties must be a dict of librdkafka settings (str keys), "
+                                 f"got {properties!r}")
+
+
+class ConnectorSourceDeclarations:
+    """The ``Environment``'s methods that declare connector sources."""
+
+    def from_source(self, source: "capi.Source", *, name: str = "source", parallelism: int | None = None,
+                    kind: Any = None, timestamps: Callable | None = None, watermarks: float | None = None,
+                    idle_timeout: float | None = None, rate_limit=None):
+        """Records of a connector source (a ``fb.Source`` subclass: see
+        docs/connectors.md, "Writing a connector").
+
+        Its splits are dealt out over ``parallelism`` subtasks by
+        ``source.owner``; every checkpoint records each split's position,
+        and a restore, at this parallelism or another, reads on from there.
+        ``timestamps=fn`` gives the records event time, with watermarks
+        ``watermarks`` seconds (the out-of-orderness, default 0) behind the
+        highest timestamp, and ``idle_timeout`` as for ``assign_timestamps``.
+        Returns a ``Stream``. A ``source`` that is not a ``fb.Source`` is a
+        ``TypeError``.
+
+        Example::
+
+            class Letters(fb.Source):
+                def splits(self):
+                    return ["abc", "de"]
+
+                def read(self, split, position, max_records):
+                    return list(split), len(split), True       # records, position, finished
+
+            letters = env.from_source(Letters(), name="letters", parallelism=2)
+        """
+        if not isinstance(source, capi.Source):
+            raise TypeError(f"from_source takes a pyflowbuf.Source (a subclass of fb.Source), got {source!r}")
+        kind = _check_kind(kind if kind is not None else source.kind, f"from_source {name!r}")
+        stream = self._source(name, lambda: capi.SourceTask(source, name), kind, rate_limit,
+                              _parallelism(self.parallelism, parallelism))
+        if timestamps is not None:
+            stream = stream.assign_timestamps(timestamps, watermarks or 0.0, idle_timeout,
+                                              name=f"{name}.timestamps")
+        elif watermarks is not None or idle_timeout is not None:
+            raise ConfigurationError(f"from_source {name!r}: watermarks= and idle_timeout= need timestamps=")
+        return stream
+
+    def read_kafka(self, topics=None, *, bootstrap_servers: str, pattern: str | None = None,
+                   value_format: str = "bytes", include=(), group_id: str | None = None,
+                   starting_offsets="earliest", bounded: bool = False, timestamps=None,
+                   out_of_orderness: float = 0.0, idle_timeout: float | None = None,
+                   parallelism: int | None = None, properties: dict | None = None,
+                   wait_for_topics: bool = False, connect_timeout: float = kc.CONNECT_TIMEOUT_S,
+                   discovery_interval: float = 10.0, dead_letter: bool = False,
+                   max_prefetch_kbytes: int = 16384, name: str = "read_kafka", kind: Any = None,
+                   rate_limit=None):
+        """Records of Kafka topics (confluent-kafka): ``topics`` (a name or a
+        list) or ``pattern`` (a regular expression over topic names).
+
+        * ``value_format``: ``"bytes"``, ``"str"`` (UTF-8) or ``"json"``;
+          ``include``: any of ``"key"``, ``"headers"``, ``"timestamp"``
+          (seconds), ``"topic"``, ``"partition"``, ``"offset"``: each record
+          is then a dict with ``"value"`` and those.
+        * ``starting_offsets``: ``"earliest"``, ``"latest"``, ``"committed"``
+          (the group's), a timestamp in seconds, or a dict ``{(topic,
+          partition): offset}`` / ``{topic: {partition: offset}}``.
+        * ``bounded=True``: read up to the end offsets seen at the start, then
+          end (the end-of-partition signal decides, not the reported offset).
+        * ``timestamps``: ``"kafka"`` (the records' own) or a function of the
+          record; watermarks per partition (highest timestamp -
+          ``out_of_orderness``), the lowest over the subtask's partitions,
+          a partition without records for ``idle_timeout`` seconds left out.
+        * ``properties``: more librdkafka settings (security.protocol, sasl.*,
+          ssl.* pass through unchanged); reading uses read_committed.
+        * ``dead_letter=True``: an undecodable record goes to
+          ``stream.dead_letters()`` (a dict with topic, partition, offset,
+          key, value bytes, error) instead of failing the job with
+          ``KafkaDecodeError``.
+        * ``rate_limit``: records per second (or a ``RateLimiter``), as for
+          the other sources.
+
+        Partitions are assigned to the subtasks (never subscribed); their
+        offsets are in every checkpoint, and committed to ``group_id`` when a
+        checkpoint completes, for monitoring only. New partitions are found
+        every ``discovery_interval`` seconds. An unreachable broker is
+        ``KafkaConnectionError`` after ``connect_timeout`` seconds, a missing
+        topic ``KafkaTopicError`` unless ``wait_for_topics=True``. See
+        docs/kafka.md.
+
+        Example::
+
+            clicks = env.read_kafka("clicks", bootstrap_servers="127.0.0.1:9092", value_format="json",
+                                    timestamps="kafka", out_of_orderness=5.0, idle_timeout=30)
+        """
+        what = f"read_kafka {name!r}"
+        _servers(what, bootstrap_servers)
+        if (topics is None) == (pattern is None):
+            raise ConfigurationError(f"{what}: give topics (a name or a list) or pattern=, one of them")
+        if topics is not None:
+            topics = [topics] if isinstance(topics, str) else list(topics)
+            if not topics or not all(isinstance(t, str) and t for t in topics):
+                raise ConfigurationError(f"{what}: topics must be a topic name or a list of them, got {topics!r}")
+        else:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as exc:
+                raise ConfigurationError(f"{what}: pattern={pattern!r} is not a regular expression: {exc}") from None
+        if value_format not in kc.FORMATS:
+            raise ConfigurationError(f"{what}: value_format must be one of {kc.FORMATS}, got {value_format!r}")
+        include = (include,) if isinstance(include, str) else tuple(include)
+        fields = ("key", "headers", "timestamp", "topic", "partition", "offset")
+        for f in include:
+            if f not in fields:
+                raise ConfigurationError(f"{what}: include takes {fields}, got {f!r}")
+        so = starting_offsets
+        if not (so in kc.STARTS or isinstance(so, dict) or
+                (isinstance(so, numbers.Real) and not isinstance(so, bool) and so >= 0)):
+            raise ConfigurationError(
+                f"{what}: starting_offsets must be 'earliest', 'latest', 'committed', a timestamp in seconds or "
+                f"a dict of offsets per (topic, partition), got {so!r}")
+        if timestamps is not None and timestamps != "kafka" and not callable(timestamps):
+            raise ConfigurationError(f"{what}: timestamps must be 'kafka' or a function of the record, "
+                                     f"got {timestamps!r}")
+        ooo = _seconds(what, "out_of_orderness", out_of_orderness)
+        idle = _seconds(what, "idle_timeout", idle_timeout, optional=True)
+        timeout = _seconds(what, "connect_timeout", connect_timeout)
+        _properties(what, properties)
+        kc._ck()            # the client is installed (the kafka extra)
+        source = kc.KafkaSource(
+            bootstrap_servers, topics, pattern, group_id=group_id, value_format=value_format, include=include,
+            starting_offsets=so, bounded=bool(bounded), timestamps=timestamps, out_of_orderness=ooo,
+            idle_timeout=idle, properties=properties, wait_for_topics=wait_for_topics, connect_timeout=timeout,
+            discovery_interval=discovery_interval, dead_letter=dead_letter,
+            max_prefetch_kbytes=max_prefetch_kbytes, name=name)
+        if kind is None:
+            kind = {"bytes": "bytes", "str": "str"}.get(value_format) if not include else None
+        link: dict = {}         # the source task hands its reader to the operator after it
+        p = _parallelism(self.parallelism, parallelism)
+        stream = self._source(name, lambda: kc.LinkedSourceTask(source, name, link), kind, rate_limit, p)
+        with_time = timestamps is not None
+        op_name = f"{name}.partitions"
+        node = stream._then(op_name, lambda: kc.KafkaSourceOperator(op_name, link, with_time, KAFKA_DEAD_LETTERS), p,
+                            kind)
+        node.assigns_timestamps = True      # runs in the source's task (jobgraph.graph.plan)
+        if with_time:
+            node.timestamps = timestamps if callable(timestamps) else _kafka_time
+            node.event_time = True
+        node.side_tags = {KAFKA_DEAD_LETTERS.name: KAFKA_DEAD_LETTERS}
+        out = type(stream)(self, node)
+        out.dead_letters = lambda: out.side_output(KAFKA_DEAD_LETTERS, name=f"{name}.dead_letters")
+        return out
+
+
+def _kafka_time(record):     # the times travel with the records from the reader; never called in a job
+    raise ConfigurationError("read_kafka(timestamps='kafka'): the times come from the Kafka records")
+
+
+class ConnectorSinkDeclarations:
+    """The ``Stream``'s methods that end it in a connector sink."""
+
+    def sink_to(self, sink: "capi.Sink", *, name: str = "sink", parallelism: int | None = None):
+        """End the stream in a connector sink (a ``fb.Sink`` subclass: see
+        docs/connectors.md, "Writing a connector"): each subtask writes with
+        a two-phase commit, committed when a checkpoint completes (and again
+        after a restore), or at the end of input. Returns a ``DataSink``.
+
+        Example::
+
+            class Printed(fb.Sink):
+                def open(self, subtask, parallelism):
+                    self.lines = []
+
+                def write(self, batch):
+                    self.lines.extend(map(str, batch))
+
+                def prepare_commit(self, checkpoint_id):
+                    lines, self.lines = self.lines, []
+                    return lines
+
+                def commit(self, committables):
+                    for line in committables:
+                        print(line)
+
+            env.from_collection(["a", "b"]).sink_to(Printed(), name="printed")
+        """
+        if not isinstance(sink, capi.Sink):
+            raise TypeError(f"sink_to takes a pyflowbuf.Sink (a subclass of fb.Sink), got {sink!r}")
+        key = f"sink:{self.env.name}/{name}"
+        capi.declare(key, sink)
+        node = self._then(name, lambda: capi.ConnectorSinkOperator(name, sink, key), parallelism, None, sink=True)
+        return DataSink(self.env, node)
+
+    def write_kafka(self, topic: str, *, bootstrap_servers: str, key: Callable | None = None,
+                    value_format: str = "str", delivery: str = "at_least_once",
+                    transactional_id_prefix: str | None = None, properties: dict | None = None,
+                    connect_timeout: float = kc.CONNECT_TIMEOUT_S, transaction_timeout: float = 300.0,
+                    parallelism: int | None = None, name: str = "write_kafka"):
+        """Write each record to Kafka ``topic``: its value ``value_format``
+        (``"str"``: ``str(record)`` as UTF-8, ``"bytes"``, ``"json"``), its
+        key ``key(record)`` (str or bytes; None: no key), partitioned as the
+        Java client does (murmur2 of the key).
+
+        ``delivery="at_least_once"``: every outstanding delivery is confirmed
+        before a checkpoint's barrier passes the sink. ``"exactly_once"``:
+        each checkpoint's records go in a Kafka transaction, committed when
+        the checkpoint completes, with the records kept in the checkpoint
+        and a commit marker written in the same transaction so a failure
+        between the checkpoint's completion and the commit neither loses
+        nor duplicates them (docs/kafka.md). Readers must use
+        ``isolation.level=read_committed``. It needs checkpoints; the
+        transactional ids are ``<transactional_id_prefix>-<subtask>-<slot>``,
+        by default ``pyflowbuf-<job name>-<sink name>``: two sinks writing
+        at once need different ones.
+
+        Returns a ``DataSink``. A missing topic is ``KafkaTopicError``, an
+        unreachable broker ``KafkaConnectionError``, both when the job starts.
+
+        Example::
+
+            counts = env.from_collection([("a", 1), ("b", 2)])
+            counts.write_kafka("counts", bootstrap_servers="127.0.0.1:9092", key=lambda kv: kv[0],
+                               value_format="json")     # delivery="exactly_once" with checkpoints
+        """
+        what = f"write_kafka {name!r}"
+        _servers(what, bootstrap_servers)
+        if not isinstance(topic, str) or not topic:
+            raise ConfigurationError(f"{what}: topic must be a topic name, got {topic!r}")
+        if value_format not in kc.FORMATS:
+            raise ConfigurationError(f"{what}: value_format must be one of {kc.FORMATS}, got {value_format!r}")
+        if delivery not in kc.DELIVERIES:
+            raise ConfigurationError(f"{what}: delivery must be one of {kc.DELIVERIES}, got {delivery!r}")
+        if key is not None and not callable(key):
+            raise ConfigurationError(f"{what}: key must be a function of the record, got {key!r}")
+        _properties(what, properties)
+        if delivery == "exactly_once" and properties and "transactional.id" in properties:
+            raise ConfigurationError(f"{what}: the transactional ids are the sink's own "
+                                     "(transactional_id_prefix= names them), not a property")
+        kc._ck()
+        env = self.env
+        if delivery == "exactly_once" and not env.checkpoint_config.enabled:
+            raise ConfigurationError(
+                f"{what}: delivery='exactly_once' commits a transaction when a checkpoint completes, and this "
+                "job takes no checkpoints: pass Environment(checkpoint_interval=...), or delivery='at_least_once'")
+        prefix = transactional_id_prefix or f"pyflowbuf-{env.name}-{name}"
+        sink = kc.KafkaSink(bootstrap_servers, topic, key=key, value_format=value_format, delivery=delivery,
+                            transactional_id_prefix=prefix, properties=properties,
+                            connect_timeout=connect_timeout, transaction_timeout=transaction_timeout, name=name)
+        commit_key = f"kafka:{prefix}"
+        capi.declare(commit_key, sink)
+
+        def make():
+            return capi.ConnectorSinkOperator(name, sink, commit_key)
+
+        node = self._then(name, make, parallelism, None, sink=True)
+        return DataSink(env, node)

@@ -1,0 +1,895 @@
+"""Kafka in and out: ``Environment.read_kafka`` and ``stream.write_kafka``, the first
+users of the connector API (``connectors/api.py``). Client: confluent-kafka
+(librdkafka: batched consume, idempotent and transactional produce).
+
+Reading (``KafkaSource``): a partition is a split. Partitions are *assigned*
+to the reader subtasks by a formula (Flink's Kafka enumerator's: a topic's
+partitions start at a subtask given by a hash of the topic name and go round
+the subtasks), never subscribed, so the checkpoint owns the offsets; new
+partitions are picked up every ``discovery_interval`` seconds. A
+checkpoint records ``[next offset, end offset]`` per partition; a restore at
+another parallelism deals the partitions out again. The group's offsets are
+committed back when a checkpoint completes, for lag monitoring only.
+
+Backpressure reaches the broker: the task pulls from the client only when
+its output has room, and librdkafka stops fetching once its own prefetch
+queue holds ``queued.max.messages.kbytes`` (default here 16 MiB per
+subtask), so memory stays bounded and the lag grows in Kafka.
+
+Writing (``KafkaSink``): ``delivery="at_least_once"`` flushes (waits for
+every delivery report) before a checkpoint's barrier passes the sink.
+``delivery="exactly_once"`` writes each checkpoint's records in a Kafka
+transaction committed when the checkpoint completes, with the records kept in
+the checkpoint and a commit marker written in the same transaction;
+docs/kafka.md has the protocol and its failure cases.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import re
+import time
+import zlib
+from array import array
+from typing import Any, Callable
+
+from pyflowbuf import errors
+from pyflowbuf.connectors import api
+from pyflowbuf.operators.contracts import Operator
+
+log = logging.getLogger("pyflowbuf.kafka")
+
+FORMATS = ("bytes", "str", "json")
+STARTS = ("earliest", "latest", "committed")
+DELIVERIES = ("exactly_once", "at_least_once")
+CONNECT_TIMEOUT_S = 10.0
+POLL_S = 0.1
+# The marker's offset is the checkpoint id plus this (offsets are >= 0, and
+# the id of the end of input is -1).
+MARKER_BIAS = 2
+
+
+def _ck():
+    try:
+        import confluent_kafka
+    except ImportError as exc:      # optional dependency: the ``kafka`` extra
+        raise ImportError("read_kafka/write_kafka need confluent-kafka: pip install 'pyflowbuf[kafka]'") from exc
+    return confluent_kafka
+
+
+def _client_conf(bootstrap_servers, properties) -> dict:
+    conf = {"bootstrap.servers": bootstrap_servers, "logger": log}
+    # authentication and TLS settings (security.protocol, sasl.*, ssl.*) pass through unchanged
+    conf.update(properties or {})
+    return conf
+
+
+def _metadata(client, bootstrap_servers, timeout, topic=None):
+    """The cluster's metadata, or KafkaConnectionError naming the servers."""
+    ck = _ck()
+    try:
+        return client.list_topics(topic, timeout=timeout)
+    except ck.KafkaException as exc:
+        raise errors.KafkaConnectionError(
+            f"no Kafka broker answered at bootstrap_servers={bootstrap_servers!r} within {timeout:g} s "
+            f"({exc.args[0].str() if exc.args else exc}): is the broker running and the address right? "
+            "(connect_timeout= sets how long to wait)") from None
+
+
+def flink_owner(topic: str, partition: int, parallelism: int) -> int:
+    """The subtask reading ``partition`` of ``topic``: a topic's partitions
+    start at a subtask given by a stable hash of its name and go round."""
+    start = ((zlib.crc32(topic.encode("utf-8")) * 31) & 0x7FFFFFFF) % parallelism
+    return (start + partition) % parallelism
+
+
+# ---------------------------------------------------------------- reading
+
+class KafkaSource(api.Source):
+    """``Environment.read_kafka``'s source; see the module docstring."""
+
+    def __init__(self, bootstrap_servers: str, topics=None, pattern=None, *, group_id=None,
+                 value_format="bytes", include=(), starting_offsets="earliest", bounded=False,
+                 timestamps=None, out_of_orderness=0.0, idle_timeout=None, properties=None,
+                 wait_for_topics=False, connect_timeout=CONNECT_TIMEOUT_S, discovery_interval=10.0,
+                 dead_letter=False, max_prefetch_kbytes=16384, name="read_kafka"):
+        self.bootstrap_servers = bootstrap_servers
+        self.topics = list(topics) if topics is not None else None
+        self.pattern = pattern
+        self.group_id = group_id or f"pyflowbuf-{name}"
+        self.value_format = value_format
+        self.include = tuple(include)
+        self.starting_offsets = starting_offsets
+        self.bounded = bounded
+        self.timestamps = timestamps
+        self.out_of_orderness = out_of_orderness
+        self.idle_timeout = idle_timeout
+        self.properties = dict(properties or {})
+        self.wait_for_topics = wait_for_topics
+        self.connect_timeout = connect_timeout
+        self.discovery_interval = None if bounded else discovery_interval
+        self.dead_letter = dead_letter
+        self.max_prefetch_kbytes = max_prefetch_kbytes
+        self.name = name
+        self._admin = None
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_admin"] = None
+        return d
+
+    def _client(self):
+        if self._admin is None:
+            ck = _ck()
+            conf = _client_conf(self.bootstrap_servers, self.properties)
+            conf.update({"group.id": self.group_id, "enable.auto.commit": False})
+            self._admin = ck.Consumer(conf)
+        return self._admin
+
+    def splits(self):
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            md = _metadata(self._client(), self.bootstrap_servers, self.connect_timeout)
+            found, missing = [], []
+            names = self.topics if self.topics is not None else sorted(
+                t for t in md.topics if re.fullmatch(self.pattern, t) and not t.startswith("__"))
+            for t in names:
+                tm = md.topics.get(t)
+                if tm is None or tm.error is not None or not tm.partitions:
+                    missing.append(t)
+                    continue
+                found.extend((t, p) for p in sorted(tm.partitions))
+            if not missing or self.wait_for_topics:
+                return found
+            if time.monotonic() > deadline:
+                raise errors.KafkaTopicError(
+                    f"read_kafka {self.name!r}: topic(s) {', '.join(map(repr, missing))} do not exist at "
+                    f"{self.bootstrap_servers}: create them, or pass wait_for_topics=True to wait for them")
+            time.sleep(0.2)     # just created: metadata may lag a moment
+
+    def owner(self, split, parallelism):
+        return flink_owner(split[0], split[1], parallelism)
+
+    def create_reader(self, subtask, parallelism):
+        return KafkaReader(self, subtask)
+
+    def identity(self):
+        return {"topics": self.topics, "pattern": self.pattern}
+
+    def close_admin(self):
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+
+
+class KafkaReader(api.SourceReader):
+    """One subtask's consumer: its assigned partitions, their positions, the
+    per-partition watermarks."""
+
+    def __init__(self, source: KafkaSource, subtask: int):
+        ck = _ck()
+        self.ck = ck
+        self.s = source
+        self.subtask = subtask
+        conf = _client_conf(source.bootstrap_servers, {})
+        conf.update({
+            "group.id": source.group_id, "enable.auto.commit": False, "enable.auto.offset.store": False,
+            "enable.partition.eof": True, "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",
+            # the client's own prefetch queue is bounded: while the task does
+            # not pull (backpressure) librdkafka stops fetching at this size
+            "queued.max.messages.kbytes": source.max_prefetch_kbytes,
+        })
+        conf.update(source.properties)
+        self.consumer = ck.Consumer(conf)
+        self.pos: dict = {}         # (topic, partition) -> [next offset or None, end offset or None]
+        self.done: set = set()
+        self.high: dict = {}        # last log end offset seen per partition (records_lag)
+        self.max_ts: dict = {}      # per-partition highest timestamp
+        self.last_seen: dict = {}   # per-partition monotonic time of the last record
+        self.stamps = None          # the times of the last batch (timestamps=)
+        self.dead = []              # undecodable records not yet handed to the dead-letter stream
+        self._decode = _decoder(source.value_format)
+        ts = source.timestamps
+        self._ts_fn = ts if callable(ts) else None
+        self._kafka_ts = ts == "kafka"
+
+    # ---- splits ----
+    def add_splits(self, splits):
+        ck = self.ck
+        assign = []
+        for tp, pos in splits.items():
+            topic, partition = tp
+            if pos is not None:
+                nxt, end = pos
+                if end is None and self.s.bounded:
+                    # restored from an unbounded read: bounded from here
+                    end = self._end(topic, partition)
+            else:
+                nxt, end = self._start(topic, partition), None
+                if self.s.bounded:
+                    end = self._end(topic, partition)
+            self.pos[tp] = [nxt, end]
+            if end is not None and nxt is not None and nxt >= end:
+                self.done.add(tp)
+                continue
+            self.last_seen[tp] = time.monotonic()
+            assign.append(ck.TopicPartition(topic, partition, ck.OFFSET_BEGINNING if nxt is None else nxt))
+        if assign:
+            self.consumer.incremental_assign(assign)
+
+    def _end(self, topic, partition):
+        try:
+            _, high = self.consumer.get_watermark_offsets(self.ck.TopicPartition(topic, partition),
+                                                           timeout=self.s.connect_timeout)
+        except self.ck.KafkaException as exc:
+            raise errors.KafkaConnectionError(
+                f"read_kafka {self.s.name!r}: the end offset of {topic}/{partition} at "
+                f"{self.s.bootstrap_servers}: {exc}") from None
+        return high
+
+    def _start(self, topic, partition):
+        """The first offset to read: None is the log's beginning."""
+        ck, so = self.ck, self.s.starting_offsets
+        tp = ck.TopicPartition(topic, partition)
+        if so == "earliest":
+            return None
+        if so == "latest":
+            return self._end(topic, partition)
+        if so == "committed":
+            got = self.consumer.committed([tp], timeout=self.s.connect_timeout)[0]
+            return got.offset if got.offset >= 0 else None
+        if isinstance(so, dict):
+            given = so.get((topic, partition), so.get(topic))
+            if isinstance(given, dict):
+                given = given.get(partition)
+            if given is None or given == "earliest":
+                return None
+            if given == "latest":
+                return self._end(topic, partition)
+            return int(given)
+        # a timestamp in seconds: the first offset of a record at or after it
+        tp = ck.TopicPartition(topic, partition, int(so * 1000))
+        got = self.consumer.offsets_for_times([tp], timeout=self.s.connect_timeout)[0]
+        return got.offset if got.offset >= 0 else self._end(topic, partition)
+
+    # ---- records ----
+    def poll(self, max_records):
+        if len(self.done) == len(self.pos) and self.s.bounded:
+            return None
+        msgs = self.consumer.consume(min(max_records, 10000), POLL_S)
+        if not msgs:
+            self.stamps = array("d") if self._ts_fn or self._kafka_ts else None
+            return []
+        timed = self._ts_fn is not None or self._kafka_ts
+        if not timed and not self.s.include:
+            fast = self._fast(msgs)
+            if fast is not None:
+                return fast
+        out = []
+        stamps = array("d") if timed else None
+        pos, done, bounded = self.pos, self.done, self.s.bounded
+        decode, include = self._decode, self.s.include
+        now = time.monotonic()
+        for m in msgs:
+            err = m.error()
+            tp = (m.topic(), m.partition())
+            if err is not None:
+                if err.code() == self.ck.KafkaError._PARTITION_EOF:
+                    self.high[tp] = m.offset()
+                    if bounded and tp in pos and pos[tp][1] is not None and m.offset() >= pos[tp][1]:
+                        self._finish(tp)
+                    continue
+                if err.fatal() or not err.retriable():
+                    if err.code() == self.ck.KafkaError.UNKNOWN_TOPIC_OR_PART:
+                        raise errors.KafkaTopicError(f"read_kafka {self.s.name!r}: {tp[0]}/{tp[1]}: {err.str()}")
+                    raise errors.KafkaConnectionError(
+                        f"read_kafka {self.s.name!r} ({self.s.bootstrap_servers}): {err.str()}")
+                continue
+            if tp in done:
+                continue
+            p = pos[tp]
+            off = m.offset()
+            if bounded and p[1] is not None and off >= p[1]:
+                self._finish(tp)
+                continue
+            p[0] = off + 1
+            try:
+                v = decode(m.value())
+            except Exception as exc:  # noqa: BLE001 - any decoding failure is the record's
+                if not self.s.dead_letter:
+                    raise errors.KafkaDecodeError(
+                        f"read_kafka {self.s.name!r}: the record at {tp[0]}/{tp[1]} offset {off} is not "
+                        f"{self.s.value_format} ({type(exc).__name__}: {exc}); pass dead_letter=True to send "
+                        "such records to read_kafka(...).dead_letters() instead") from None
+                self.dead.append({"topic": tp[0], "partition": tp[1], "offset": off, "key": m.key(),
+                                  "value": m.value(), "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            if include:
+                rec = {"value": v}
+                for f in include:
+                    if f == "key":
+                        rec["key"] = m.key()
+                    elif f == "headers":
+                        rec["headers"] = m.headers()
+                    elif f == "timestamp":
+                        rec["timestamp"] = m.timestamp()[1] / 1000.0
+                    elif f == "topic":
+                        rec["topic"] = tp[0]
+                    elif f == "partition":
+                        rec["partition"] = tp[1]
+                    elif f == "offset":
+                        rec["offset"] = off
+                v = rec
+            out.append(v)
+            if stamps is not None:
+                t = m.timestamp()[1] / 1000.0 if self._kafka_ts else float(self._ts_fn(v))
+                stamps.append(t)
+                if t > self.max_ts.get(tp, -float("inf")):
+                    self.max_ts[tp] = t
+                self.last_seen[tp] = now
+            if bounded and p[1] is not None and p[0] >= p[1]:
+                self._finish(tp)
+        self.stamps = stamps
+        return out
+
+    def _fast(self, msgs):
+        """The records of a batch with no error, no partition reaching its end
+        and nothing to add to the values (the common case), with a few C calls
+        per record; None: the batch needs the full loop."""
+        last = {}
+        values = []
+        add = values.append
+        topics = self.s.topics
+        if topics is not None and len(topics) == 1:
+            # one topic: the partition alone says where a record is
+            for m in msgs:
+                if m.error() is not None:
+                    return None
+                last[m.partition()] = m.offset()
+                add(m.value())
+            t = topics[0]
+            last = {(t, p): off for p, off in last.items()}
+        else:
+            for m in msgs:
+                if m.error() is not None:
+                    return None
+                last[(m.topic(), m.partition())] = m.offset()
+                add(m.value())
+        pos, done = self.pos, self.done
+        for tp, off in last.items():
+            p = pos.get(tp)
+            if p is None or tp in done or (p[1] is not None and off + 1 >= p[1]):
+                return None
+        fmt = self.s.value_format
+        if fmt != "bytes":
+            try:
+                values = [v.decode("utf-8") for v in values] if fmt == "str" else list(map(json.loads, values))
+            except Exception:  # noqa: BLE001 - the full loop names the record at fault
+                return None
+        for tp, off in last.items():
+            pos[tp][0] = off + 1
+        if self.s.idle_timeout is not None:
+            now = time.monotonic()
+            for tp in last:
+                self.last_seen[tp] = now
+        return values
+
+    def _finish(self, tp):
+        if tp in self.done:
+            return
+        self.done.add(tp)
+        try:
+            self.consumer.incremental_unassign([self.ck.TopicPartition(tp[0], tp[1])])
+        except self.ck.KafkaException:
+            pass
+
+    def positions(self):
+        return {tp: list(p) for tp, p in self.pos.items()}
+
+    # ---- event time per partition ----
+    def watermark(self):
+        """The subtask's watermark: the lowest over its partitions that are not
+        idle (highest timestamp - out_of_orderness); None while one that is
+        not idle has no record yet; +inf once all are idle or ended."""
+        idle_after = self.s.idle_timeout
+        now = time.monotonic()
+        low = None
+        for tp in self.pos:
+            if tp in self.done:
+                continue
+            if idle_after is not None and now - self.last_seen.get(tp, now) >= idle_after:
+                continue            # idle: does not hold the others back
+            ts = self.max_ts.get(tp)
+            if ts is None:
+                return None
+            wm = ts - self.s.out_of_orderness
+            low = wm if low is None else min(low, wm)
+        return low
+
+    def all_idle(self):
+        idle_after = self.s.idle_timeout
+        if idle_after is None:
+            return False
+        now = time.monotonic()
+        live = [tp for tp in self.pos if tp not in self.done]
+        return bool(live) and all(now - self.last_seen.get(tp, now) >= idle_after for tp in live)
+
+    # ---- monitoring ----
+    def records_lag(self) -> dict:
+        """Per partition "topic/partition": log end offset - next offset (from
+        the client's cached offsets, no request)."""
+        out = {}
+        if self.consumer is None:
+            return out
+        for tp, (nxt, _) in self.pos.items():
+            try:
+                _, high = self.consumer.get_watermark_offsets(self.ck.TopicPartition(*tp), cached=True)
+            except (self.ck.KafkaException, RuntimeError, AttributeError):     # (closed meanwhile)
+                continue
+            if high >= 0:
+                out[f"{tp[0]}/{tp[1]}"] = max(0, high - (nxt or 0))
+        return out
+
+    def commit_offsets(self, positions) -> None:
+        """The group's offsets, for monitoring only (never read for correctness)."""
+        ck = self.ck
+        tps = [ck.TopicPartition(t, p, nxt) for (t, p), (nxt, _) in positions.items() if nxt is not None]
+        if tps:
+            try:
+                self.consumer.commit(offsets=tps, asynchronous=True)
+            except ck.KafkaException as exc:
+                log.info("read_kafka %r: committing offsets for monitoring failed: %s", self.s.name, exc)
+
+    def wakeup(self):
+        pass        # consume() waits POLL_S at most
+
+    def close(self):
+        consumer, self.consumer = self.consumer, None
+        try:
+            if consumer is not None:
+                consumer.close()
+        except Exception:
+            pass
+        self.s.close_admin()
+
+
+def _decoder(fmt):
+    if fmt == "bytes":
+        return lambda b: b
+    if fmt == "str":
+        return lambda b: b.decode("utf-8")
+    if fmt == "json":
+        return json.loads
+    raise errors.ConfigurationError(f"value_format must be one of {FORMATS}, got {fmt!r}")
+
+
+class KafkaSourceOperator(Operator):
+    """Chained right after the Kafka source, in its task: the per-partition
+    watermarks of its reader (``timestamps=``), the group's offsets committed
+    when a checkpoint completes, the dead-letter side stream. The records
+    pass through."""
+
+    passes_records = True
+    event_time = False
+
+    def __init__(self, name, link: dict, with_time: bool, dead_tag=None):
+        super().__init__(name)
+        self.link = link
+        self.dead_tag = dead_tag
+        self.with_time = with_time
+        self.reader = None
+        self.emitted = -float("inf")
+        self.is_idle = False
+        self.checkpointed: dict = {}
+
+    def open(self, subtask, parallelism):
+        super().open(subtask, parallelism)
+        # its SourceTask, opened after it in the same task, finds it here
+        self.link[subtask] = self
+        if self.chain_output is not None:
+            self._tick_later()
+
+    def attach(self, source_task):
+        self.source_task = source_task
+        self.reader = source_task.reader
+
+    def process_batch(self, batch):
+        return self._dead(batch)
+
+    def process_ts(self, batch, ts):
+        r = self.reader
+        if r is None:
+            raise errors.FlowBufError(f"{self.name}: not in the task of its Kafka source")
+        stamps = r.stamps
+        if self.is_idle:
+            self.is_idle = False
+        return self._dead(batch), stamps
+
+    def _dead(self, batch, ship=False):
+        """Hand the reader's undecodable records to the dead-letter stream
+        (in a batch the chain ships them after it; else ``ship``: now, so that
+        a barrier or the end never overtakes them)."""
+        r = self.reader
+        if r is not None and r.dead:
+            dead, r.dead = r.dead, []
+            if self.side is not None:
+                for d in dead:
+                    self.side.output(self.dead_tag, d)
+                if ship:
+                    self.chain_output.emit([])
+        return batch
+
+    def finish(self):
+        self._dead([])
+        return []
+
+    # ---- watermarks, every 200 ms in the task's thread ----
+    def _tick_later(self):
+        self.chain_output.schedule(time.time() + 0.2, self._tick)
+
+    def _tick(self):
+        r = self.reader
+        self._dead([], ship=True)
+        if r is not None and self.with_time:
+            wm = r.watermark()
+            if wm is not None and wm > self.emitted:
+                self.emitted = wm
+                self.is_idle = False
+                self.chain_output.emit_watermark(wm)
+            elif r.all_idle() and not self.is_idle:
+                self.is_idle = True
+                self.chain_output.emit_idle()
+        self._tick_later()
+
+    def on_watermark(self, watermark):
+        return [], watermark if watermark == float("inf") else None
+
+    # ---- offsets back to the group when a checkpoint completes ----
+    def prepare_commit(self, checkpoint_id):
+        # (called at every snapshot, before the source's position is taken and
+        # its barrier sent)
+        self._dead([], ship=True)
+        if self.reader is not None:
+            self.checkpointed = self.reader.positions()
+        return []
+
+    def notify_checkpoint_complete(self, checkpoint_id):
+        if self.reader is not None and self.reader.consumer is not None and self.checkpointed:
+            self.reader.commit_offsets(self.checkpointed)
+
+    def metrics(self):
+        if self.reader is None:
+            return {}
+        lag = self.reader.records_lag()
+        out = {f"records_lag[{tp}]": n for tp, n in lag.items()}
+        if lag:
+            out["records_lag"] = sum(lag.values())
+        return out
+
+
+DEAD_LETTERS = "kafka-dead-letters"
+
+
+class LinkedSourceTask(api.SourceTask):
+    """The Kafka source's task side, handing its reader to the operator after it."""
+
+    def __init__(self, source, name, link):
+        super().__init__(source, name)
+        self.link = link
+
+    def open(self, subtask, parallelism):
+        super().open(subtask, parallelism)
+        op = self.link.pop(subtask, None)
+        if op is not None:
+            op.attach(self)
+
+
+# ---------------------------------------------------------------- writing
+
+def _encoder(fmt):
+    if fmt == "bytes":
+        def enc(v):
+            if isinstance(v, (bytes, bytearray, memoryview)):
+                return bytes(v)
+            raise errors.RecordTypeError(f"write_kafka: value_format='bytes' takes bytes, got {type(v).__name__} "
+                                         "(pass value_format='str' or 'json')")
+        return enc
+    if fmt == "str":
+        return lambda v: (v if isinstance(v, str) else str(v)).encode("utf-8")
+    if fmt == "json":
+        return lambda v: json.dumps(v, separators=(",", ":")).encode("utf-8")
+    raise errors.ConfigurationError(f"value_format must be one of {FORMATS}, got {fmt!r}")
+
+
+def _key_bytes(k):
+    if k is None or isinstance(k, bytes):
+        return k
+    if isinstance(k, str):
+        return k.encode("utf-8")
+    return str(k).encode("utf-8")
+
+
+def sink_base(prefix: str, subtask: int) -> str:
+    return f"{prefix}-{subtask}"
+
+
+def fence_list(base: str, restored) -> list:
+    """The transactional ids to initialize when a sink subtask opens: those
+    its restored writers recorded, and for each of their bases (and its own)
+    the slots up to two past the highest recorded (a slot taken after the
+    last snapshot)."""
+    highest = {base: 1}
+    for tid in restored:
+        b, _, slot = tid.rpartition("-")
+        if slot.isdigit():
+            highest[b] = max(highest.get(b, 1), int(slot))
+    return sorted({f"{b}-{i}" for b, top in highest.items() for i in range(top + 3)} | set(restored))
+
+
+class KafkaSink(api.Sink):
+    """``stream.write_kafka``'s sink; see the module docstring and docs/kafka.md.
+
+    ``transactional_id_prefix`` names the transactions (and the marker
+    group) of this sink: ``<prefix>-<subtask>-<slot>``."""
+
+    def __init__(self, bootstrap_servers, topic, *, key=None, value_format="str", delivery="at_least_once",
+                 transactional_id_prefix=None, properties=None, connect_timeout=CONNECT_TIMEOUT_S,
+                 transaction_timeout=300.0, name="write_kafka"):
+        self.bootstrap_servers = bootstrap_servers
+        self.topic = topic
+        self.key = key
+        self.value_format = value_format
+        self.delivery = delivery
+        self.prefix = transactional_id_prefix
+        self.properties = dict(properties or {})
+        self.connect_timeout = connect_timeout
+        self.transaction_timeout = transaction_timeout
+        self.name = name
+        self.producer = None        # at least once: the subtask's producer, from open()
+
+    # ---- the subtask ----
+    def open(self, subtask, parallelism):
+        self.ck = _ck()
+        self.subtask = subtask
+        self._enc = _encoder(self.value_format)
+        self._errors = []
+        self._produced = 0
+        if self.delivery == "at_least_once":
+            conf = self._conf()
+            conf.update({"enable.idempotence": True, "acks": "all"})
+            self.producer = self.ck.Producer(conf)
+            self._check_topic(self.producer)
+            return
+        self.base = sink_base(self.prefix, subtask)
+        self.group = f"{self.base}-marker"
+        self.producers: dict = {}           # transactional id -> Producer (initialized)
+        self.prepared: dict = {}            # checkpoint id -> transactional id, awaiting commit
+        self.epoch: list = []               # [key, value] of the open transaction
+        # fence every transactional id that the restored writers, or an earlier
+        # run of this subtask, may have left a transaction open under: the
+        # broker completes one that was committing and aborts the others
+        self._init_all(fence_list(self.base, getattr(self, "_fence", ())))
+        self.current = None
+        self.last_id = getattr(self, "last_id", 0)
+        self._check_topic(self._producer(f"{self.base}-0"))
+
+    def _conf(self):
+        conf = _client_conf(self.bootstrap_servers, self.properties)
+        conf.setdefault("partitioner", "murmur2_random")     # the Java client's: the same key, the same partition
+        conf.setdefault("linger.ms", 5)
+        return conf
+
+    def _check_topic(self, producer):
+        md = _metadata(producer, self.bootstrap_servers, self.connect_timeout)
+        tm = md.topics.get(self.topic)
+        if tm is None or tm.error is not None:
+            raise errors.KafkaTopicError(
+                f"write_kafka {self.name!r}: topic {self.topic!r} does not exist at {self.bootstrap_servers}: "
+                "create it first (its partitions and replication are yours to choose)")
+        self.partitions = len(tm.partitions)
+
+    def _producer(self, tid):
+        p = self.producers.get(tid)
+        if p is None:
+            conf = self._conf()
+            conf.update({"transactional.id": tid, "transaction.timeout.ms": int(self.transaction_timeout * 1000),
+                         "acks": "all", "enable.idempotence": True})
+            p = self.ck.Producer(conf)
+            try:
+                # fences every earlier producer of this id and aborts its open transaction
+                p.init_transactions(self.connect_timeout)
+            except self.ck.KafkaException as exc:
+                raise errors.KafkaConnectionError(
+                    f"write_kafka {self.name!r}: init_transactions of {tid!r} at "
+                    f"bootstrap_servers={self.bootstrap_servers!r} failed within {self.connect_timeout:g} s: "
+                    f"{exc.args[0].str() if exc.args else exc}") from None
+            self.producers[tid] = p
+        return p
+
+    def _init_all(self, tids):
+        """``_producer`` of each, at once: an init_transactions waits for the
+        broker (a round trip or more each), and they are independent."""
+        tids = [t for t in tids if t not in self.producers]
+        if len(tids) < 2:
+            for t in tids:
+                self._producer(t)
+            return
+        with concurrent.futures.ThreadPoolExecutor(len(tids)) as pool:
+            for f in [pool.submit(self._producer, t) for t in tids]:
+                f.result()
+
+    def _free_slot(self):
+        busy = set(self.prepared.values())
+        i = 0
+        while f"{self.base}-{i}" in busy:
+            i += 1
+        return f"{self.base}-{i}"
+
+    def _on_delivery(self, err, msg):
+        if err is not None:
+            self._errors.append(err)
+
+    def _raise_delivery_errors(self):
+        if self._errors:
+            err = self._errors[0]
+            self._errors = []
+            raise errors.KafkaSinkError(f"write_kafka {self.name!r}: a record was not delivered to "
+                                        f"{self.topic!r}: {err.str()}")
+
+    def write(self, batch):
+        enc, key = self._enc, self.key
+        if self.delivery == "at_least_once":
+            p, topic, cb = self.producer, self.topic, self._on_delivery
+            for r in batch:
+                self._produce(p, topic, enc(r), None if key is None else _key_bytes(key(r)), cb)
+            p.poll(0)
+            self._raise_delivery_errors()
+            return
+        if self.current is None:
+            self.current = self._free_slot()
+            self._producer(self.current).begin_transaction()
+        p, topic, cb = self.producers[self.current], self.topic, self._on_delivery
+        epoch = self.epoch
+        for r in batch:
+            v = enc(r)
+            k = None if key is None else _key_bytes(key(r))
+            epoch.append([k, v])
+            self._produce(p, topic, v, k, cb)
+        p.poll(0)
+        self._raise_delivery_errors()
+
+    def _produce(self, p, topic, v, k, cb):
+        while True:
+            try:
+                p.produce(topic, v, k, on_delivery=cb)
+                return
+            except BufferError:
+                p.poll(0.05)        # the client's queue is full: wait for deliveries
+
+    def prepare_commit(self, checkpoint_id):
+        if self.delivery == "at_least_once":
+            self._flush(self.producer)
+            return []
+        if checkpoint_id == api.END_OF_INPUT:
+            # the marker grows with every commit: the end comes after the last checkpoint
+            checkpoint_id = self.last_id + 1
+        else:
+            self.last_id = max(self.last_id, checkpoint_id)
+        if self.current is None:
+            return []           # nothing written in this epoch
+        tid = self.current
+        p = self.producers[tid]
+        self._mark(p, checkpoint_id)
+        self._flush(p)
+        self.prepared[checkpoint_id] = tid
+        self.current = None
+        records, self.epoch = self.epoch, []
+        return [{"tid": tid, "group": self.group, "topic": self.topic, "id": checkpoint_id, "records": records}]
+
+    def _mark(self, p, checkpoint_id):
+        """The commit marker, in the same transaction: the marker group's offset
+        of the topic's partition 0 becomes the checkpoint id (+ MARKER_BIAS)."""
+        p.send_offsets_to_transaction([self.ck.TopicPartition(self.topic, 0, checkpoint_id + MARKER_BIAS)],
+                                      self._group_metadata(self.group), self.connect_timeout)
+
+    def _group_metadata(self, group):
+        metas = self.__dict__.setdefault("_metas", {})
+        if group not in metas:
+            cons = self.ck.Consumer(_client_conf(self.bootstrap_servers, {**self.properties, "group.id": group}))
+            metas[group] = cons.consumer_group_metadata()
+            cons.close()
+        return metas[group]
+
+    def _flush(self, p):
+        left = p.flush(self.transaction_timeout)
+        self._raise_delivery_errors()
+        if left:
+            raise errors.KafkaSinkError(f"write_kafka {self.name!r}: {left} records not delivered to "
+                                        f"{self.topic!r} within {self.transaction_timeout:g} s")
+
+    def commit(self, committables):
+        if self.delivery == "at_least_once":
+            return
+        if not hasattr(self, "producers"):
+            # the driver, committing a finished subtask's last transaction
+            self.ck, self.producers, self.prepared, self._errors = _ck(), {}, {}, []
+        # every transaction of these committables that this process does not
+        # hold is fenced before any marker is read: a prepared transaction's
+        # marker leaves its group's offset unstable until it is resolved
+        self._init_all({c["tid"] for c in committables if self.prepared.get(c["id"]) != c["tid"]})
+        for c in sorted(committables, key=lambda c: c["id"]):
+            tid = self.prepared.get(c["id"])
+            if tid == c["tid"] and tid in self.producers:
+                self._commit_live(c)
+            else:
+                self._recommit(c)
+
+    def _commit_live(self, c):
+        p = self.producers[c["tid"]]
+        try:
+            p.commit_transaction(self.transaction_timeout)
+        except self.ck.KafkaException as exc:
+            raise errors.KafkaSinkError(f"write_kafka {self.name!r}: committing the transaction of checkpoint "
+                                        f"{c['id']} ({c['tid']}) failed: {exc}") from None
+        del self.prepared[c["id"]]
+
+    def _committed_marker(self, group, topic) -> int:
+        ck = self.ck
+        cons = ck.Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": group,
+                            "enable.auto.commit": False, "isolation.level": "read_committed",
+                            "logger": log, **self.properties})
+        try:
+            got = cons.committed([ck.TopicPartition(topic, 0)], timeout=self.connect_timeout)[0]
+        finally:
+            cons.close()
+        return got.offset
+
+    def _recommit(self, c):
+        """A committable whose transaction this process did not keep open
+        (a restore): if its marker is not committed, send its records again
+        under a new transaction with the marker."""
+        tid = c["tid"]
+        # fences (and completes or aborts) what an earlier producer of tid left
+        # open, so that the marker read next is final
+        p = self._producer(tid)
+        if self._committed_marker(c["group"], c["topic"]) >= c["id"] + MARKER_BIAS:
+            return      # the transaction committed before the failure
+        p.begin_transaction()
+        for k, v in c["records"]:
+            self._produce(p, c["topic"], v, k, self._on_delivery)
+        p.send_offsets_to_transaction([self.ck.TopicPartition(c["topic"], 0, c["id"] + MARKER_BIAS)],
+                                      self._group_metadata(c["group"]), self.connect_timeout)
+        self._flush(p)
+        p.commit_transaction(self.transaction_timeout)
+
+    def abort(self):
+        if self.delivery == "at_least_once":
+            return
+        if self.current is not None:
+            try:
+                self.producers[self.current].abort_transaction(self.connect_timeout)
+            except Exception:
+                pass        # a successor's init_transactions aborts it in any case
+
+    def snapshot_state(self):
+        if self.delivery == "at_least_once":
+            return None
+        # every transactional id this writer may have left open, for a
+        # restore (maybe at another parallelism) to fence
+        return {"tids": sorted(self.producers), "last_id": self.last_id}
+
+    def restore_state(self, states):
+        self._fence = [t for s in states for t in s.get("tids", ())]
+        self.last_id = max([s.get("last_id", 0) for s in states] + [0])
+
+    def close(self):
+        if not hasattr(self, "ck"):
+            return
+        if self.delivery == "at_least_once":
+            if self.producer is not None:
+                self.producer.flush(0)
+            return
+        # transactions left open are aborted by the successor's init_transactions
+        self.producers = {}

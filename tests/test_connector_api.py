@@ -1,0 +1,137 @@
+"""The public connector API (``fb.Source``, ``fb.Sink``): splits dealt out by
+``owner``, a position per split in every checkpoint, redistribution on a
+restore at another parallelism, the identity check; a sink's two-phase
+commit, exactly once through failures and at the end of input."""
+from __future__ import annotations
+
+import collections
+import glob
+import os
+
+import pytest
+
+import pyflowbuf as fb
+from pyflowbuf.checkpoint.errors import IncompatibleCheckpointError
+from pipeline_helpers import wait_for
+
+
+class Numbers(fb.Source):
+    """0..n-1 in ``parts`` splits; split s holds s, s + parts, ..."""
+
+    def __init__(self, n, parts, bounded=True, tag="numbers"):
+        self.n, self.parts, self.bounded, self.tag = n, parts, bounded, tag
+
+    def splits(self):
+        return list(range(self.parts))
+
+    def read(self, split, position, max_records):
+        start = split if position is None else position
+        out = list(range(start, self.n, self.parts)[:min(max_records, 50)])
+        nxt = out[-1] + self.parts if out else start
+        return out, nxt, self.bounded and nxt >= self.n
+
+    def identity(self):
+        return {"tag": self.tag, "parts": self.parts}
+
+
+class Files(fb.Sink):
+    """Part files renamed into place when a checkpoint completes."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def open(self, subtask, parallelism):
+        self.subtask, self.lines = subtask, []
+
+    def write(self, batch):
+        self.lines.extend(map(str, batch))
+
+    def prepare_commit(self, checkpoint_id):
+        tmp = os.path.join(self.folder, f".{self.subtask}-{checkpoint_id}-{os.getpid()}-{id(self)}")
+        with open(tmp, "w") as f:
+            f.writelines(line + "\n" for line in self.lines)
+        self.lines = []
+        return [tmp]
+
+    def commit(self, committables):
+        for tmp in committables:
+            if os.path.exists(tmp):
+                os.replace(tmp, tmp.replace("/.", "/part-"))
+
+
+def committed(folder):
+    return collections.Counter(int(line) for p in glob.glob(os.path.join(folder, "part-*")) for line in open(p))
+
+
+class FailOnce:
+    def __init__(self, marker, at):
+        self.marker, self.at, self.calls = str(marker), at, 0
+
+    def __call__(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return x
+            raise RuntimeError("injected failure")
+        return x
+
+
+@pytest.mark.parametrize("at", [1, 700, 2900])
+def test_source_and_sink_exactly_once_through_a_failure(tmp_path, at):
+    out = tmp_path / "out"
+    out.mkdir()
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.02, checkpoint_dir=str(tmp_path / "chk"),
+                         restart_attempts=2)
+    (env.from_source(Numbers(6000, 5), name="numbers").map(FailOnce(tmp_path / "failed", at))
+        .map(lambda x: (__import__("time").sleep(0.0002), x)[1]).sink_to(Files(str(out))))
+    env.execute()
+    assert os.path.exists(tmp_path / "failed")
+    assert committed(out) == collections.Counter(range(6000))
+
+
+def test_without_checkpoints_the_sink_commits_at_the_end(tmp_path):
+    env = fb.Environment(parallelism=3)
+    env.from_source(Numbers(1000, 7)).sink_to(Files(str(tmp_path)))
+    env.execute()
+    assert committed(tmp_path) == collections.Counter(range(1000))
+
+
+def test_splits_are_redistributed_on_a_restore_at_another_parallelism(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def job(p, bounded):
+        env = fb.Environment(parallelism=p, checkpoint_interval=0.05, checkpoint_dir=str(tmp_path / "chk"))
+        (env.from_source(Numbers(20000, 6, bounded=bounded), name="numbers").uid("numbers")
+            .map(lambda x: (__import__("time").sleep(0.0001), x)[1]).uid("slow")
+            .sink_to(Files(str(out)), name="files").uid("files"))
+        return env
+
+    job2 = job(2, False).execute_async()
+    wait_for(lambda: sum(c.get("status") == "completed" for c in job2.checkpoints()) >= 2, "checkpoints", job=job2)
+    sp = job2.stop(savepoint=str(tmp_path / "sp"), timeout=60)
+    assert 0 < sum(committed(out).values()) < 20000
+    job(3, True).execute(restore_from=sp)
+    assert committed(out) == collections.Counter(range(20000))
+
+
+def test_a_restore_with_another_source_is_refused(tmp_path):
+    env = fb.Environment(checkpoint_interval=0.05, checkpoint_dir=str(tmp_path / "chk"))
+    env.from_source(Numbers(10 ** 9, 2, bounded=False, tag="a")).uid("s").collect()
+    job = env.execute_async()
+    wait_for(lambda: any(c.get("status") == "completed" for c in job.checkpoints()), "a checkpoint", job=job)
+    sp = job.stop(savepoint=str(tmp_path / "sp"), timeout=60)
+    env = fb.Environment(checkpoint_interval=0.05, checkpoint_dir=str(tmp_path / "chk"))
+    env.from_source(Numbers(10, 2, tag="b")).uid("s").collect()
+    with pytest.raises(IncompatibleCheckpointError, match="tag"):
+        env.execute(restore_from=sp)
+
+
+def test_from_source_takes_a_source():
+    env = fb.Environment()
+    with pytest.raises(TypeError, match="fb.Source"):
+        env.from_source([1, 2, 3])
+    with pytest.raises(TypeError, match="fb.Sink"):
+        env.from_collection([1]).sink_to(print)
