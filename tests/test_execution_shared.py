@@ -94,3 +94,13 @@ def test_no_copy_of_the_restart_decision_is_left_by_name():
     for p in EXECUTIONS:
         text = open(os.path.join(_ROOT, p), encoding="utf-8").read()
         assert not re.search(r"def _should_restart\b|def _stop_checkpointing\b", text), p
+
+
+@pytest.mark.parametrize("cls", [JobExecution, ClusterExecution])
+def test_one_loop_runs_the_attempts_of_every_placement(cls):
+    """The restart loop and the job's end (final commit, checkpoints stopped,
+    done set) are Execution._watch; a placement says only how an attempt is
+    awaited, restarted and let go."""
+    assert "_watch" not in vars(cls), f"{cls.__name__} has its own attempt loop"
+    for name in ("_await_attempt", "_restart", "_restart_failed", "_no_attempt_follows"):
+        assert name in vars(cls), f"{cls.__name__} does not say {name}"

@@ -561,40 +561,23 @@ class ClusterExecution(Execution):
                 self.local.remote.close()
             raise
 
-    def _watch(self):
-        relay = self.sampler
-        try:
-            while True:
-                self._watch_attempt()
-                if not self._should_restart():
-                    break
-                try:
-                    if not self._restart():
-                        break
-                except BaseException as exc:  # noqa: BLE001 - the restart itself failed: the job fails
-                    # (a start that fails kills whatever workers it forked)
-                    self.failure = ("job", "recovery", f"{type(exc).__name__}: {exc}", traceback.format_exc())
-                    self._failure_secondary = False
-                    self.cancelled = True
-                    break
-            if self.coordinator is not None:
-                if self.failure is None and not self.cancelled:
-                    self.coordinator.finish_job()     # sinks commit their final output
-                self._stop_checkpointing()
-        finally:
-            try:
-                # no restart follows: the workers end, and what forked them
-                self.launcher.finished(graceful=not self.cancelled)
-            except Exception:  # noqa: BLE001 - _close stops what is left
-                log.exception("pyflowbuf: job %r: ending its workers failed", self.spec.name)
-            self.ended = time.monotonic()
-            try:
-                self._release_directory()       # (done already, unless the end itself failed)
-                relay.close()       # the final merged sample, the last thing the job records
-            finally:
-                self._done.set()
+    def _restart_failed(self, exc):
+        # (a start that fails kills whatever workers it forked)
+        self.failure = ("job", "recovery", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        self._failure_secondary = False
+        self.cancelled = True
 
-    def _watch_attempt(self):
+    def _no_attempt_follows(self):
+        try:
+            # no restart follows: the workers end, and what forked them
+            self.launcher.finished(graceful=not self.cancelled)
+        except Exception:  # noqa: BLE001 - _close stops what is left
+            log.exception("pyflowbuf: job %r: ending its workers failed", self.spec.name)
+        self.ended = time.monotonic()
+        self._release_directory()       # (done already, unless the end itself failed)
+        self.sampler.close()            # the final merged sample, the last thing the job records
+
+    def _await_attempt(self):
         """Relay one attempt's messages until every worker of it has ended."""
         conns = dict(self._conns)
         attempt = self.attempt

@@ -288,6 +288,58 @@ class Execution(SubtaskGateway):
         complete one, else the one the job started from."""
         return ckpt.restart_point(self.coordinator, self._started_from)
 
+    # ---- the job's attempts: one loop for every placement ----
+    def _watch(self):
+        """The job from its first attempt to its end, in the execution's own
+        thread: wait for the attempt to end (``_await_attempt``), decide on a
+        restart (``_should_restart``) and start the next attempt
+        (``_restart``: False when none was started; a restart that raises
+        fails the job, ``_restart_failed``); once no attempt follows, the
+        sinks commit their final output (a job that finished), the
+        checkpoints stop, the placement lets go of what it kept
+        (``_no_attempt_follows``), and whoever waits on the job is woken."""
+        try:
+            while True:
+                self._await_attempt()
+                if not self._should_restart():
+                    break
+                try:
+                    if not self._restart():
+                        break
+                except BaseException as exc:  # noqa: BLE001 - the restart itself failed: the job fails
+                    self._restart_failed(exc)
+                    break
+            self._attempts_over()
+            if self.coordinator is not None:
+                if self.failure is None and not self.cancelled and self._coordinates():
+                    self.coordinator.finish_job()     # sinks commit their final output
+                self._stop_checkpointing()
+        finally:
+            try:
+                self._no_attempt_follows()
+            finally:
+                self._done.set()
+
+    def _await_attempt(self):
+        """Until every subtask of the current attempt has ended."""
+        raise NotImplementedError
+
+    def _restart(self) -> bool:
+        """After a failure, the next attempt from the restart point; False when none was started."""
+        raise NotImplementedError
+
+    def _restart_failed(self, exc):
+        """The restart raised ``exc`` (inside its except block): the job fails with it."""
+        raise NotImplementedError
+
+    def _attempts_over(self):
+        """No attempt follows, before the final commit: what the attempts held."""
+
+    def _no_attempt_follows(self):
+        """The last thing before ``done``, even when the end failed: the job's
+        directory let go (done already, unless the end itself failed), the
+        final metrics sample taken."""
+
     def _stop_checkpointing(self):
         if self.coordinator is not None and self._coordinates():
             self.coordinator.stop()

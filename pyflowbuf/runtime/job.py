@@ -132,40 +132,29 @@ class JobExecution(Execution):
             raise
         return self
 
-    def _watch(self):
-        while True:
-            for t in self.tasks:
+    def _await_attempt(self):
+        for t in self.tasks:
+            t.join()
+
+    def _restart_failed(self, exc):
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.failure = ("job", "recovery", exc, tb)
+        self.cancel(_user=False)
+        for t in self.tasks:
+            if t.ident is not None:     # a rebuild that failed half-way started none
                 t.join()
-            if not self._should_restart():
-                break
-            try:
-                with debloat.paused(self):      # no page release while segments are counted
-                    self._restart()
-            except BaseException as exc:  # noqa: BLE001 - the restart itself failed: the job fails
-                tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-                self.failure = ("job", "recovery", exc, tb)
-                self.cancel(_user=False)
-                for t in self.tasks:
-                    if t.ident is not None:     # a rebuild that failed half-way started none
-                        t.join()
-                break
+
+    def _attempts_over(self):
         self.ended = time.monotonic()
-        try:
-            debloat.stop_timer(self)
-            self._release_buffers()
-            if self.coordinator is not None:
-                if self.failure is None and not self.cancelled and self.remote is None:
-                    self.coordinator.finish_job()     # sinks commit their final output
-                self._stop_checkpointing()
-        finally:
-            try:
-                if self._jobdir is not None:
-                    self._jobdir.release()      # (done already, unless the end itself failed)
-                # the final sample is the last thing the job records, taken
-                # before anyone waiting on the job is woken
-                self.sampler.stop()
-            finally:
-                self._done.set()
+        debloat.stop_timer(self)
+        self._release_buffers()
+
+    def _no_attempt_follows(self):
+        if self._jobdir is not None:
+            self._jobdir.release()      # (done already, unless the end itself failed)
+        # the final sample is the last thing the job records, taken
+        # before anyone waiting on the job is woken
+        self.sampler.stop()
 
     def _release_buffers(self, iterator_side=False):
         """After the tasks ended, give every segment still in flight back to its
@@ -271,7 +260,12 @@ class JobExecution(Execution):
         # a failure a restart would meet again (a restored key of another kind)
         return getattr(failure[2], "restartable", True)
 
-    def _restart(self):
+    def _restart(self) -> bool:
+        with debloat.paused(self):      # no page release while segments are counted
+            self._rebuild()
+        return True
+
+    def _rebuild(self):
         """After a task failed: every task has stopped; give back every
         segment, then build the job again and restore the latest complete
         checkpoint (sources rewind to its positions)."""
