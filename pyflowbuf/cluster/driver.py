@@ -24,7 +24,7 @@ holds every record a checkpoint covers and keeps exactly those on a restore.
 
 Launchers: ``ClusterExecution`` is the driver's part (coordinator, fencing,
 restarts, metrics, collect) and takes the workers from a launcher:
-``ForkLauncher`` (the above: forked processes, pipes) or
+``WorkerLauncher`` (the above: forked processes, pipes) or
 ``pyflowbuf.spark.cluster.SparkLauncher`` (Spark barrier tasks on executors,
 talking to the driver over ``pyflowbuf.cluster.control_channel``: authenticated TCP,
 no pickle). Both derive from ``Launcher``, which declares the calls (``check``,
@@ -209,7 +209,7 @@ def _worker_main(spec, me, workers, secret, conn, attempt=0, crash_log=None, out
 
 def _forked_worker(spec):
     """What the zygote runs in each worker it forks: the request's values
-    (``ForkLauncher.launch``) applied to the zygote's copy of the job."""
+    (``WorkerLauncher.launch``) applied to the zygote's copy of the job."""
     def run(payload, fds):
         conn_fd, out_fd, crash_fd = fds
         set_process_name(f"pfb-worker-{payload['me']}")
@@ -228,7 +228,7 @@ class Launcher:
     ``launch`` (its workers as ``{channel: worker index}``), ``lost``,
     ``exit_report``, ``stop`` and ``end_attempt``; ``finished`` once no
     attempt follows (the job ended, failed or was cancelled, or its start
-    failed), and ``close`` when the caller joins. ``ForkLauncher`` forks
+    failed), and ``close`` when the caller joins. ``WorkerLauncher`` forks
     processes (through a zygote); ``pyflowbuf.spark.cluster.SparkLauncher``
     runs Spark barrier tasks."""
 
@@ -265,7 +265,7 @@ class Launcher:
         """After stop(), when the caller joins."""
 
 
-class ForkLauncher(Launcher):
+class WorkerLauncher(Launcher):
     """Starts a job's workers as processes forked by a zygote
     (``pyflowbuf.cluster.zygote``), itself forked from the driver before the
     execution starts a thread; each worker talks to the driver on a
@@ -299,7 +299,7 @@ class ForkLauncher(Launcher):
         reads = []
         try:
             if self.zygote is None:
-                raise errors.FlowBufError("ForkLauncher.launch before open(): no zygote to fork the workers")
+                raise errors.FlowBufError("WorkerLauncher.launch before open(): no zygote to fork the workers")
             # what the driver decided since the zygote was forked goes with each request
             outputs = output_decisions(sink_outputs.graph_outputs(self.spec.nodes))
             for w in range(self.workers):
@@ -385,6 +385,9 @@ class ForkLauncher(Launcher):
             self.zygote.close()
 
 
+ForkLauncher = WorkerLauncher       # its earlier name
+
+
 def check_every_process(spec, vertices, edges, workers) -> None:
     """Every process checks its own pools too, but by then the others are
     running: refuse a deadlocking setting here, before any worker starts."""
@@ -449,7 +452,7 @@ class ClusterExecution(Execution):
         # how the workers start: forked here (workers=N), or elsewhere (a
         # pyflowbuf.spark.SparkCluster's barrier tasks); the driver's part
         # (coordinator, fencing, restarts, metrics, collect) is the same
-        self.launcher = launcher if launcher is not None else ForkLauncher(spec)
+        self.launcher = launcher if launcher is not None else WorkerLauncher(spec)
         self.spec = spec
         self.workers = self.launcher.workers
         self.secret = new_secret()
@@ -665,11 +668,11 @@ class ClusterExecution(Execution):
         if self.cancelled:
             return
         self.cancelled = True
-        self._broadcast(("cancel",))
+        self._send(("cancel",))
         if self.local is not None:
             self.local.cancel()
 
-    def _broadcast(self, msg):
+    def _send(self, msg):
         with self._send_lock:
             for c in list(self._conns):
                 try:
@@ -749,18 +752,6 @@ class ClusterExecution(Execution):
             self.cancelled = False
         self._start_workers(restore_id)
         return True
-
-    def trigger_sources(self, checkpoint_id, options=None):
-        self._broadcast(("trigger", checkpoint_id, options))
-
-    def notify_complete(self, checkpoint_id):
-        self._broadcast(("complete", checkpoint_id))
-
-    def abort_checkpoint(self, checkpoint_id):
-        self._broadcast(("abort", checkpoint_id))
-
-    def switch_to_unaligned(self, checkpoint_id):
-        self._broadcast(("unaligned", checkpoint_id))
 
     def _kill(self):
         self.launcher.stop(graceful=not self.cancelled)

@@ -156,6 +156,24 @@ class Execution(SubtaskGateway):
         self._close()
         return path
 
+    # ---- the coordinator's calls (SubtaskGateway), whatever places the subtasks ----
+    def trigger_sources(self, checkpoint_id, options=None):
+        self._send(("trigger", checkpoint_id, options))
+
+    def notify_complete(self, checkpoint_id):
+        self._send(("complete", checkpoint_id))
+
+    def abort_checkpoint(self, checkpoint_id):
+        self._send(("abort", checkpoint_id))
+
+    def switch_to_unaligned(self, checkpoint_id):
+        self._send(("unaligned", checkpoint_id))
+
+    def _send(self, msg):
+        """The coordinator's call ``msg`` (as a worker is sent it), to every
+        subtask of the current attempt, through the launcher that placed them."""
+        raise NotImplementedError
+
     def stop_after_savepoint(self, checkpoint_id):
         """Stop-with-savepoint: savepoint ``checkpoint_id`` completed and its
         commits are done; the job ends without processing anything more."""
