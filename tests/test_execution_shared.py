@@ -141,3 +141,26 @@ def test_the_thread_placement_is_a_launcher(tmp_path):
     assert [k for k, _ in other.mails] == ["control", "control", "mail"]
     with pytest.raises(ValueError, match="unknown call"):
         job.launcher.send(("bogus", 1))
+
+
+def test_one_failure_message_for_every_placement(tmp_path):
+    """raise_if_failed is written once; the message names the task, the
+    operator, what it raised and where its traceback was taken."""
+    env = fb.Environment(workers=2)
+    env.from_sequence(0, 3).collect()
+    for cls in (JobExecution, ClusterExecution):
+        assert "raise_if_failed" not in vars(cls), f"{cls.__name__} has its own raise_if_failed"
+    job = JobExecution(fb.Environment().job_spec())
+    exc = ValueError("bad record")
+    job.failure = ("map (1/2)", "map", exc, "TB")
+    with pytest.raises(fb.errors.JobFailedError) as info:
+        job.raise_if_failed()
+    assert str(info.value).endswith("failed: operator 'map' in task 'map (1/2)' raised ValueError: bad record"
+                                    "\n\nOriginal traceback:\nTB")
+    assert info.value.__cause__ is exc
+    ex = ClusterExecution(env.job_spec())
+    ex.failure = ("worker 1", "map", "ValueError: bad record", "TB")
+    with pytest.raises(fb.errors.JobFailedError) as info:
+        ex.raise_if_failed()
+    assert str(info.value).endswith("raised ValueError: bad record\n\nOriginal traceback (in the worker process):\nTB")
+    assert info.value.__cause__ is None

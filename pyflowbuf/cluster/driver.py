@@ -448,6 +448,8 @@ class CollectedRecords:
 class ClusterExecution(Execution):
     """Same surface as JobExecution (start/join/cancel/iterate/metrics/summary/done)."""
 
+    traceback_where = " (in the worker process)"     # a failure's traceback is a worker's text
+
     def __init__(self, spec, launcher=None):
         # how the workers start: forked here (workers=N), or elsewhere (a
         # pyflowbuf.spark.SparkCluster's barrier tasks); the driver's part
@@ -777,13 +779,6 @@ class ClusterExecution(Execution):
                 "to them (appending to a list, counting) is not seen in this process. Bring records "
                 "back with collect() or to_iterator(), or write them where both can reach.",
                 errors.WorkerSideEffectWarning, stacklevel=_caller_stacklevel())
-
-    def raise_if_failed(self):
-        if self.failure is not None:
-            task, op, text, tb = self.failure
-            raise errors.JobFailedError(
-                f"job {self.spec.name!r} failed: operator {op!r} in task {task!r} raised {text}"
-                f"\n\nOriginal traceback (in the worker process):\n{tb}")
 
     def iterate(self, sink_node):
         self.start()

@@ -63,6 +63,23 @@ class Execution(SubtaskGateway):
         self._finished_ok()
         return self
 
+    # where a failure's traceback was taken, in the message that raises it
+    traceback_where = ""
+
+    def raise_if_failed(self):
+        """The job's failure as ``JobFailedError``: the task and operator that
+        failed, what they raised, and its original traceback. ``failure`` is
+        (task, operator, the exception, or its text where it was raised in a
+        worker process, formatted traceback)."""
+        if self.failure is not None:
+            task, op, what, tb = self.failure
+            text = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
+            err = errors.JobFailedError(f"job {self.spec.name!r} failed: operator {op!r} in task {task!r} raised "
+                                        f"{text}\n\nOriginal traceback{self.traceback_where}:\n{tb}")
+            if isinstance(what, BaseException):
+                raise err from what
+            raise err
+
     def _stop_now(self):
         try:
             self.cancel()

@@ -325,13 +325,6 @@ class JobExecution(Execution):
         if watcher is not None and self._done.is_set() and watcher is not threading.current_thread():
             watcher.join()
 
-    def raise_if_failed(self):
-        if self.failure is not None:
-            task, op, exc, tb = self.failure
-            raise errors.JobFailedError(
-                f"job {self.spec.name!r} failed: operator {op!r} in task {task!r} raised "
-                f"{type(exc).__name__}: {exc}\n\nOriginal traceback:\n{tb}") from exc
-
     def iterate(self, sink_node):
         """Generator: the records reaching the iterator sink, in this thread."""
         self.start()
