@@ -32,7 +32,9 @@ no pickle). Both derive from ``Launcher``, which declares the calls (``check``,
 ``finished``, ``close``); ``run_worker`` (``pyflowbuf.cluster.worker``) is the worker's
 part under either. What the driver shares with a job run in one process (the
 coordinator's start, the restore point, restored commits, the restart
-decision) is ``pyflowbuf.runtime.execution.Execution``.
+decision, the loop of attempts, the coordinator's calls, the failure message)
+is ``pyflowbuf.runtime.execution.Execution``; the driver adds the workers'
+messages (``_await_attempt``), fencing and collect.
 """
 from __future__ import annotations
 

@@ -4,8 +4,11 @@ here: ``runtime.job.JobExecution``; worker processes or Spark barrier tasks:
 one copy of the coordination of checkpoints: the coordinator and its hold on
 the checkpoint directory, the restore point and its checks, the commits a
 restore carries out, the sinks' outputs, the restart decision and the start
-of a restart. An execution is the coordinator's ``SubtaskGateway``
-(``pyflowbuf.checkpointing.gateway``)."""
+of a restart, the one loop of the job's attempts (``_watch``) and the
+failure message. An execution is the coordinator's ``SubtaskGateway``
+(``pyflowbuf.checkpointing.gateway``): each call goes to the subtasks as the
+message a worker is sent (``_send``), through the launcher that placed them
+(``runtime.launcher.ThreadLauncher`` for threads)."""
 from __future__ import annotations
 
 import os
