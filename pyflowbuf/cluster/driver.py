@@ -24,7 +24,7 @@ holds every record a checkpoint covers and keeps exactly those on a restore.
 
 Launchers: ``ClusterExecution`` is the driver's part (coordinator, fencing,
 restarts, metrics, collect) and takes the workers from a launcher:
-``ForkLauncher`` (the above: forked processes, pipes) or
+``WorkerLauncher`` (the above: forked processes, pipes) or
 ``pyflowbuf.spark.cluster.SparkLauncher`` (Spark barrier tasks on executors,
 talking to the driver over ``pyflowbuf.cluster.control_channel``: authenticated TCP,
 no pickle). Both derive from ``Launcher``, which declares the calls (``check``,
@@ -32,7 +32,9 @@ no pickle). Both derive from ``Launcher``, which declares the calls (``check``,
 ``finished``, ``close``); ``run_worker`` (``pyflowbuf.cluster.worker``) is the worker's
 part under either. What the driver shares with a job run in one process (the
 coordinator's start, the restore point, restored commits, the restart
-decision) is ``pyflowbuf.runtime.execution.Execution``.
+decision, the loop of attempts, the coordinator's calls, the failure message)
+is ``pyflowbuf.runtime.execution.Execution``; the driver adds the workers'
+messages (``_await_attempt``), fencing and collect.
 """
 from __future__ import annotations
 
@@ -210,7 +212,7 @@ def _worker_main(spec, me, workers, secret, conn, attempt=0, crash_log=None, out
 
 def _forked_worker(spec):
     """What the zygote runs in each worker it forks: the request's values
-    (``ForkLauncher.launch``) applied to the zygote's copy of the job."""
+    (``WorkerLauncher.launch``) applied to the zygote's copy of the job."""
     def run(payload, fds):
         conn_fd, out_fd, crash_fd = fds
         set_process_name(f"pfb-worker-{payload['me']}")
@@ -229,7 +231,7 @@ class Launcher:
     ``launch`` (its workers as ``{channel: worker index}``), ``lost``,
     ``exit_report``, ``stop`` and ``end_attempt``; ``finished`` once no
     attempt follows (the job ended, failed or was cancelled, or its start
-    failed), and ``close`` when the caller joins. ``ForkLauncher`` forks
+    failed), and ``close`` when the caller joins. ``WorkerLauncher`` forks
     processes (through a zygote); ``pyflowbuf.spark.cluster.SparkLauncher``
     runs Spark barrier tasks."""
 
@@ -266,7 +268,7 @@ class Launcher:
         """After stop(), when the caller joins."""
 
 
-class ForkLauncher(Launcher):
+class WorkerLauncher(Launcher):
     """Starts a job's workers as processes forked by a zygote
     (``pyflowbuf.cluster.zygote``), itself forked from the driver before the
     execution starts a thread; each worker talks to the driver on a
@@ -300,7 +302,7 @@ class ForkLauncher(Launcher):
         reads = []
         try:
             if self.zygote is None:
-                raise errors.FlowBufError("ForkLauncher.launch before open(): no zygote to fork the workers")
+                raise errors.FlowBufError("WorkerLauncher.launch before open(): no zygote to fork the workers")
             # what the driver decided since the zygote was forked goes with each request
             outputs = output_decisions(sink_outputs.graph_outputs(self.spec.nodes))
             for w in range(self.workers):
@@ -387,6 +389,9 @@ class ForkLauncher(Launcher):
             self.zygote.close()
 
 
+ForkLauncher = WorkerLauncher       # its earlier name
+
+
 def check_every_process(spec, vertices, edges, workers) -> None:
     """Every process checks its own pools too, but by then the others are
     running: refuse a deadlocking setting here, before any worker starts."""
@@ -447,11 +452,13 @@ class CollectedRecords:
 class ClusterExecution(Execution):
     """Same surface as JobExecution (start/join/cancel/iterate/metrics/summary/done)."""
 
+    traceback_where = " (in the worker process)"     # a failure's traceback is a worker's text
+
     def __init__(self, spec, launcher=None):
         # how the workers start: forked here (workers=N), or elsewhere (a
         # pyflowbuf.spark.SparkCluster's barrier tasks); the driver's part
         # (coordinator, fencing, restarts, metrics, collect) is the same
-        self.launcher = launcher if launcher is not None else ForkLauncher(spec)
+        self.launcher = launcher if launcher is not None else WorkerLauncher(spec)
         self.spec = spec
         self.workers = self.launcher.workers
         self.secret = new_secret()
@@ -565,40 +572,23 @@ class ClusterExecution(Execution):
                 self.local.remote.close()
             raise
 
-    def _watch(self):
-        relay = self.sampler
-        try:
-            while True:
-                self._watch_attempt()
-                if not self._should_restart():
-                    break
-                try:
-                    if not self._restart():
-                        break
-                except BaseException as exc:  # noqa: BLE001 - the restart itself failed: the job fails
-                    # (a start that fails kills whatever workers it forked)
-                    self.failure = ("job", "recovery", f"{type(exc).__name__}: {exc}", traceback.format_exc())
-                    self._failure_secondary = False
-                    self.cancelled = True
-                    break
-            if self.coordinator is not None:
-                if self.failure is None and not self.cancelled:
-                    self.coordinator.finish_job()     # sinks commit their final output
-                self._stop_checkpointing()
-        finally:
-            try:
-                # no restart follows: the workers end, and what forked them
-                self.launcher.finished(graceful=not self.cancelled)
-            except Exception:  # noqa: BLE001 - _close stops what is left
-                log.exception("pyflowbuf: job %r: ending its workers failed", self.spec.name)
-            self.ended = time.monotonic()
-            try:
-                self._release_directory()       # (done already, unless the end itself failed)
-                relay.close()       # the final merged sample, the last thing the job records
-            finally:
-                self._done.set()
+    def _restart_failed(self, exc):
+        # (a start that fails kills whatever workers it forked)
+        self.failure = ("job", "recovery", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        self._failure_secondary = False
+        self.cancelled = True
 
-    def _watch_attempt(self):
+    def _no_attempt_follows(self):
+        try:
+            # no restart follows: the workers end, and what forked them
+            self.launcher.finished(graceful=not self.cancelled)
+        except Exception:  # noqa: BLE001 - _close stops what is left
+            log.exception("pyflowbuf: job %r: ending its workers failed", self.spec.name)
+        self.ended = time.monotonic()
+        self._release_directory()       # (done already, unless the end itself failed)
+        self.sampler.close()            # the final merged sample, the last thing the job records
+
+    def _await_attempt(self):
         """Relay one attempt's messages until every worker of it has ended."""
         conns = dict(self._conns)
         attempt = self.attempt
@@ -686,11 +676,11 @@ class ClusterExecution(Execution):
         if self.cancelled:
             return
         self.cancelled = True
-        self._broadcast(("cancel",))
+        self._send(("cancel",))
         if self.local is not None:
             self.local.cancel()
 
-    def _broadcast(self, msg):
+    def _send(self, msg):
         with self._send_lock:
             for c in list(self._conns):
                 try:
@@ -771,18 +761,6 @@ class ClusterExecution(Execution):
         self._start_workers(restore_id)
         return True
 
-    def trigger_sources(self, checkpoint_id, options=None):
-        self._broadcast(("trigger", checkpoint_id, options))
-
-    def notify_complete(self, checkpoint_id):
-        self._broadcast(("complete", checkpoint_id))
-
-    def abort_checkpoint(self, checkpoint_id):
-        self._broadcast(("abort", checkpoint_id))
-
-    def switch_to_unaligned(self, checkpoint_id):
-        self._broadcast(("unaligned", checkpoint_id))
-
     def _kill(self):
         self.launcher.stop(graceful=not self.cancelled)
 
@@ -807,13 +785,6 @@ class ClusterExecution(Execution):
                 "to them (appending to a list, counting) is not seen in this process. Bring records "
                 "back with collect() or to_iterator(), or write them where both can reach.",
                 errors.WorkerSideEffectWarning, stacklevel=_caller_stacklevel())
-
-    def raise_if_failed(self):
-        if self.failure is not None:
-            task, op, text, tb = self.failure
-            raise errors.JobFailedError(
-                f"job {self.spec.name!r} failed: operator {op!r} in task {task!r} raised {text}"
-                f"\n\nOriginal traceback (in the worker process):\n{tb}")
 
     def iterate(self, sink_node):
         self.start()

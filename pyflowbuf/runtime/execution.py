@@ -4,8 +4,11 @@ here: ``runtime.job.JobExecution``; worker processes or Spark barrier tasks:
 one copy of the coordination of checkpoints: the coordinator and its hold on
 the checkpoint directory, the restore point and its checks, the commits a
 restore carries out, the sinks' outputs, the restart decision and the start
-of a restart. An execution is the coordinator's ``SubtaskGateway``
-(``pyflowbuf.checkpointing.gateway``)."""
+of a restart, the one loop of the job's attempts (``_watch``) and the
+failure message. An execution is the coordinator's ``SubtaskGateway``
+(``pyflowbuf.checkpointing.gateway``): each call goes to the subtasks as the
+message a worker is sent (``_send``), through the launcher that placed them
+(``runtime.launcher.ThreadLauncher`` for threads)."""
 from __future__ import annotations
 
 import os
@@ -62,6 +65,23 @@ class Execution(SubtaskGateway):
         self.raise_if_failed()
         self._finished_ok()
         return self
+
+    # where a failure's traceback was taken, in the message that raises it
+    traceback_where = ""
+
+    def raise_if_failed(self):
+        """The job's failure as ``JobFailedError``: the task and operator that
+        failed, what they raised, and its original traceback. ``failure`` is
+        (task, operator, the exception, or its text where it was raised in a
+        worker process, formatted traceback)."""
+        if self.failure is not None:
+            task, op, what, tb = self.failure
+            text = what if isinstance(what, str) else f"{type(what).__name__}: {what}"
+            err = errors.JobFailedError(f"job {self.spec.name!r} failed: operator {op!r} in task {task!r} raised "
+                                        f"{text}\n\nOriginal traceback{self.traceback_where}:\n{tb}")
+            if isinstance(what, BaseException):
+                raise err from what
+            raise err
 
     def _stop_now(self):
         try:
@@ -155,6 +175,24 @@ class Execution(SubtaskGateway):
             self.control.close()
         self._close()
         return path
+
+    # ---- the coordinator's calls (SubtaskGateway), whatever places the subtasks ----
+    def trigger_sources(self, checkpoint_id, options=None):
+        self._send(("trigger", checkpoint_id, options))
+
+    def notify_complete(self, checkpoint_id):
+        self._send(("complete", checkpoint_id))
+
+    def abort_checkpoint(self, checkpoint_id):
+        self._send(("abort", checkpoint_id))
+
+    def switch_to_unaligned(self, checkpoint_id):
+        self._send(("unaligned", checkpoint_id))
+
+    def _send(self, msg):
+        """The coordinator's call ``msg`` (as a worker is sent it), to every
+        subtask of the current attempt, through the launcher that placed them."""
+        raise NotImplementedError
 
     def stop_after_savepoint(self, checkpoint_id):
         """Stop-with-savepoint: savepoint ``checkpoint_id`` completed and its
@@ -287,6 +325,58 @@ class Execution(SubtaskGateway):
         """The metadata of the checkpoint a restart restores: the latest
         complete one, else the one the job started from."""
         return ckpt.restart_point(self.coordinator, self._started_from)
+
+    # ---- the job's attempts: one loop for every placement ----
+    def _watch(self):
+        """The job from its first attempt to its end, in the execution's own
+        thread: wait for the attempt to end (``_await_attempt``), decide on a
+        restart (``_should_restart``) and start the next attempt
+        (``_restart``: False when none was started; a restart that raises
+        fails the job, ``_restart_failed``); once no attempt follows, the
+        sinks commit their final output (a job that finished), the
+        checkpoints stop, the placement lets go of what it kept
+        (``_no_attempt_follows``), and whoever waits on the job is woken."""
+        try:
+            while True:
+                self._await_attempt()
+                if not self._should_restart():
+                    break
+                try:
+                    if not self._restart():
+                        break
+                except BaseException as exc:  # noqa: BLE001 - the restart itself failed: the job fails
+                    self._restart_failed(exc)
+                    break
+            self._attempts_over()
+            if self.coordinator is not None:
+                if self.failure is None and not self.cancelled and self._coordinates():
+                    self.coordinator.finish_job()     # sinks commit their final output
+                self._stop_checkpointing()
+        finally:
+            try:
+                self._no_attempt_follows()
+            finally:
+                self._done.set()
+
+    def _await_attempt(self):
+        """Until every subtask of the current attempt has ended."""
+        raise NotImplementedError
+
+    def _restart(self) -> bool:
+        """After a failure, the next attempt from the restart point; False when none was started."""
+        raise NotImplementedError
+
+    def _restart_failed(self, exc):
+        """The restart raised ``exc`` (inside its except block): the job fails with it."""
+        raise NotImplementedError
+
+    def _attempts_over(self):
+        """No attempt follows, before the final commit: what the attempts held."""
+
+    def _no_attempt_follows(self):
+        """The last thing before ``done``, even when the end failed: the job's
+        directory let go (done already, unless the end itself failed), the
+        final metrics sample taken."""
 
     def _stop_checkpointing(self):
         if self.coordinator is not None and self._coordinates():

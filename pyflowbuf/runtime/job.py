@@ -13,6 +13,7 @@ from pyflowbuf.exchange import debloat
 from pyflowbuf.checkpointing import restore as restore_mod
 from pyflowbuf.runtime.execution import CANCEL_GRACE_S, Execution
 from pyflowbuf.runtime.deployment import Deployment, check_output_pools, output_pool_size, segments_needed
+from pyflowbuf.runtime.launcher import ThreadLauncher
 from pyflowbuf.runtime.metrics import MetricsSampler, close_listeners, make_listeners
 from pyflowbuf.runtime.task import Subtask
 
@@ -32,7 +33,7 @@ class JobExecution(Execution):
         self.cancelled = False
         self.failure = None            # (task name, operator name, exception, formatted traceback)
         self.event_handler = None
-        self.tasks: list[Subtask] = []
+        self.launcher = ThreadLauncher()    # where the subtasks run: threads of this process
         self._lock = threading.Lock()
         self._done = threading.Event()
         self.started = self.ended = None
@@ -46,6 +47,11 @@ class JobExecution(Execution):
         self.restart_failures: list = []   # (task, operator, exception text) of each failure recovered
         self.network_pools: list = []  # the pool of every attempt, to check that all came back
         # (the coordinator, the restore point, restarts: runtime/execution.py)
+
+    @property
+    def tasks(self) -> list[Subtask]:
+        """The current attempt's subtasks."""
+        return self.launcher.tasks
 
     # ---- building ----
     def _output_pool_size(self, nsub: int):
@@ -67,7 +73,8 @@ class JobExecution(Execution):
         self.network_pool, self._queues, self.notifiers = d.network_pool, d.queues, d.notifiers
         self.network_pools.append(d.network_pool)
         self._exported |= d.exported
-        self.tasks, self.iterator_input = d.tasks, d.iterator_input
+        self.launcher.place(d.tasks)
+        self.iterator_input = d.iterator_input
 
     @property
     def _gate_output(self) -> bool:
@@ -108,12 +115,9 @@ class JobExecution(Execution):
             self._stop_checkpointing()
             raise
         self.started = time.monotonic()
-        started = []
         try:
             self.ran = True
-            for t in self.tasks:
-                t.start()
-                started.append(t)
+            self.launcher.launch()
             self.sampler.start()
             self._debloat_timer = debloat.start_timer(self)
             if self.coordinator is not None and self.remote is None:
@@ -123,8 +127,7 @@ class JobExecution(Execution):
         except BaseException:
             # a thread that could not start: stop those that did, leave nothing behind
             self.cancel()
-            for t in started:
-                t.join(CANCEL_GRACE_S)
+            self.launcher.join(CANCEL_GRACE_S)
             debloat.stop_timer(self)
             self._release_buffers()
             self.sampler.stop()
@@ -132,40 +135,26 @@ class JobExecution(Execution):
             raise
         return self
 
-    def _watch(self):
-        while True:
-            for t in self.tasks:
-                t.join()
-            if not self._should_restart():
-                break
-            try:
-                with debloat.paused(self):      # no page release while segments are counted
-                    self._restart()
-            except BaseException as exc:  # noqa: BLE001 - the restart itself failed: the job fails
-                tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-                self.failure = ("job", "recovery", exc, tb)
-                self.cancel(_user=False)
-                for t in self.tasks:
-                    if t.ident is not None:     # a rebuild that failed half-way started none
-                        t.join()
-                break
+    def _await_attempt(self):
+        self.launcher.join()
+
+    def _restart_failed(self, exc):
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.failure = ("job", "recovery", exc, tb)
+        self.cancel(_user=False)
+        self.launcher.join()    # (a rebuild that failed half-way started none)
+
+    def _attempts_over(self):
         self.ended = time.monotonic()
-        try:
-            debloat.stop_timer(self)
-            self._release_buffers()
-            if self.coordinator is not None:
-                if self.failure is None and not self.cancelled and self.remote is None:
-                    self.coordinator.finish_job()     # sinks commit their final output
-                self._stop_checkpointing()
-        finally:
-            try:
-                if self._jobdir is not None:
-                    self._jobdir.release()      # (done already, unless the end itself failed)
-                # the final sample is the last thing the job records, taken
-                # before anyone waiting on the job is woken
-                self.sampler.stop()
-            finally:
-                self._done.set()
+        debloat.stop_timer(self)
+        self._release_buffers()
+
+    def _no_attempt_follows(self):
+        if self._jobdir is not None:
+            self._jobdir.release()      # (done already, unless the end itself failed)
+        # the final sample is the last thing the job records, taken
+        # before anyone waiting on the job is woken
+        self.sampler.stop()
 
     def _release_buffers(self, iterator_side=False):
         """After the tasks ended, give every segment still in flight back to its
@@ -271,7 +260,12 @@ class JobExecution(Execution):
         # a failure a restart would meet again (a restored key of another kind)
         return getattr(failure[2], "restartable", True)
 
-    def _restart(self):
+    def _restart(self) -> bool:
+        with debloat.paused(self):      # no page release while segments are counted
+            self._rebuild()
+        return True
+
+    def _rebuild(self):
         """After a task failed: every task has stopped; give back every
         segment, then build the job again and restore the latest complete
         checkpoint (sources rewind to its positions)."""
@@ -287,33 +281,17 @@ class JobExecution(Execution):
         with self._lock:
             self.failure = None
             self.cancelled = False
-        self.tasks = []
+        self.launcher.place([])
         self._build()
         self._arm_checkpointing(meta)
         if self.sampler is not None:
             self.sampler.forget_counters()
-        for t in self.tasks:
-            t.start()
+        self.launcher.launch()
 
-    def trigger_sources(self, checkpoint_id, options=None):
-        if options and options.get("path") and hasattr(self.coordinator, "register_savepoint"):
-            self.coordinator.register_savepoint(checkpoint_id, options["path"])
-        for t in self.tasks:
-            if t.source is not None:
-                t.post(lambda t=t: t.trigger_checkpoint(checkpoint_id, options))
-
-    def notify_complete(self, checkpoint_id):
-        for t in self.tasks:
-            t.post_control(lambda t=t: t.notify_checkpoint_complete(checkpoint_id))
-
-    def abort_checkpoint(self, checkpoint_id):
-        # (control mails: an abort thaws a task a failed stop-with-savepoint froze)
-        for t in self.tasks:
-            t.post_control(lambda t=t: t.abort_checkpoint(checkpoint_id))
-
-    def switch_to_unaligned(self, checkpoint_id):
-        for t in self.tasks:
-            t.post(lambda t=t: t.switch_to_unaligned(checkpoint_id))
+    def _send(self, msg):
+        if msg[0] == "trigger" and msg[2] and msg[2].get("path") and hasattr(self.coordinator, "register_savepoint"):
+            self.coordinator.register_savepoint(msg[1], msg[2]["path"])
+        self.launcher.send(msg)
 
     def task_failed(self, task, exc):
         with self._lock:
@@ -335,8 +313,7 @@ class JobExecution(Execution):
             if self._jobdir is not None:
                 self._jobdir.ending()
         self.cancelled = True
-        for t in self.tasks:
-            t.cancel()
+        self.launcher.cancel()
         if self.iterator_input is not None:
             self.iterator_input.gate.cancel()
 
@@ -347,13 +324,6 @@ class JobExecution(Execution):
         watcher = getattr(self, "_watcher", None)
         if watcher is not None and self._done.is_set() and watcher is not threading.current_thread():
             watcher.join()
-
-    def raise_if_failed(self):
-        if self.failure is not None:
-            task, op, exc, tb = self.failure
-            raise errors.JobFailedError(
-                f"job {self.spec.name!r} failed: operator {op!r} in task {task!r} raised "
-                f"{type(exc).__name__}: {exc}\n\nOriginal traceback:\n{tb}") from exc
 
     def iterate(self, sink_node):
         """Generator: the records reaching the iterator sink, in this thread."""
