@@ -7,7 +7,14 @@
 3. Checkpoints: a keyed count with a text sink fails once halfway, restarts
    from its latest checkpoint (in ./out/checkpoints) and ends with exactly
    the output of a run without failure.
-4. The backpressure experiment of Flink's blog post, written as PNG + CSV.
+4. Event time: a windowed word count over Parquet, unaligned checkpoints, a
+   failure in the middle of open windows.
+5. The same windowed count as one dataflow over two Spark barrier tasks.
+6. The backpressure experiment of Flink's blog post, written as PNG + CSV,
+   with the job's web view served while it runs.
+7. Kafka as the durable source: a local broker, the lag growing in Kafka
+   while the sink side is slow, memory flat, one failure, the output read
+   back exactly once.
 Everything lands in ./out (override with PYFLOWBUF_OUT).
 """
 from __future__ import annotations
@@ -236,11 +243,11 @@ def run_demo(quick: bool = False) -> int:
     report = {}
     t_start = time.perf_counter()
 
-    print("[1/6] local pipeline with a slow stage (threads, bounded pools)")
+    print("[1/7] local pipeline with a slow stage (threads, bounded pools)")
     report["local"] = local_pipeline_demo(500_000 if quick else 2_000_000)
     _print_stages("local pipeline", report["local"])
 
-    print("\n[2/6] PySpark (local[*]): a DataFrame through a pyflowbuf pipeline in mapInArrow")
+    print("\n[2/7] PySpark (local[*]): a DataFrame through a pyflowbuf pipeline in mapInArrow")
     try:
         from pyflowbuf.spark.demo import run_spark_demo
     except ImportError as exc:
@@ -248,13 +255,13 @@ def run_demo(quick: bool = False) -> int:
     else:
         report["spark"] = run_spark_demo(rows=500_000 if quick else 3_000_000, quick=quick)
 
-    print("\n[3/6] checkpoints: a keyed count fails once and recovers, exactly once")
+    print("\n[3/7] checkpoints: a keyed count fails once and recovers, exactly once")
     report["checkpoints"] = checkpoint_demo(out, 100_000 if quick else 200_000)
 
-    print("\n[4/6] event time: a windowed word count over Parquet, unaligned checkpoints, one failure")
+    print("\n[4/7] event time: a windowed word count over Parquet, unaligned checkpoints, one failure")
     report["windows"] = windows_demo(out, 10_000 if quick else 20_000)
 
-    print("\n[5/6] Spark executors: the windowed word count as one dataflow over two Spark barrier tasks, "
+    print("\n[5/7] Spark executors: the windowed word count as one dataflow over two Spark barrier tasks, "
           "one failure, exactly once")
     try:
         from pyflowbuf.spark.cluster_demo import run_cluster_demo
@@ -263,7 +270,7 @@ def run_demo(quick: bool = False) -> int:
     else:
         report["spark_cluster"] = run_cluster_demo(out, quick=quick)
 
-    print("\n[6/6] the backpressure experiment (Flink blog, 2 buffers of 4 KiB)")
+    print("\n[6/7] the backpressure experiment (Flink blog, 2 buffers of 4 KiB)")
     try:
         from pyflowbuf.experiments.backpressure import run_experiment
     except ImportError as exc:
@@ -271,6 +278,11 @@ def run_demo(quick: bool = False) -> int:
     else:
         report["experiment"] = run_experiment(out, quick=quick, ui=True)
         print(f"  plot: {report['experiment'].get('png')}  csv: {report['experiment'].get('csv')}")
+
+    print("\n[7/7] Kafka, the durable source: a local broker (KRaft), lag grows in Kafka while the sink side is "
+          "slow and memory stays flat; one failure; the output read back exactly once")
+    from pyflowbuf.experiments.kafka_demo import kafka_demo
+    report["kafka"] = kafka_demo(out, quick=quick)
 
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     (out / "demo_report.json").write_text(json.dumps(report, indent=2, default=str))
