@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from pyflowbuf.experiments.kafka_demo import kafka_demo
+
 
 def _rss_mib() -> float:
     try:
@@ -281,7 +283,6 @@ def run_demo(quick: bool = False) -> int:
 
     print("\n[7/7] Kafka, the durable source: a local broker (KRaft), lag grows in Kafka while the sink side is "
           "slow and memory stays flat; one failure; the output read back exactly once")
-    from pyflowbuf.experiments.kafka_demo import kafka_demo
     report["kafka"] = kafka_demo(out, quick=quick)
 
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)

@@ -213,7 +213,7 @@ class FakeJob:
     coordinator = None
 
     def __init__(self, env):
-        self.env = env
+        self.spec = env.job_spec()         # what the view reads: the job as it runs
         vertices, _ = env.plan()
         self._metrics = {}
         for v in vertices:

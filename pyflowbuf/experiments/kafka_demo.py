@@ -19,6 +19,7 @@ import threading
 import time
 
 import pyflowbuf as fb
+from pyflowbuf.connectors.kafka_broker import LocalKafkaBroker, find_libs
 
 USERS = 50
 
@@ -89,7 +90,6 @@ def kafka_demo(out, quick: bool = False, say=print) -> dict:
     """Run the step; returns its figures (``exactly_once`` among them)."""
     try:
         import confluent_kafka as ck
-        from pyflowbuf.connectors.kafka_broker import LocalKafkaBroker, find_libs
     except ImportError as exc:
         say(f"  skipped: {exc} (pip install 'pyflowbuf[kafka]')")
         return {"skipped": str(exc)}
