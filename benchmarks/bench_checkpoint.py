@@ -394,7 +394,7 @@ def rescale_restore(keys, value_size, repeats, tmp) -> dict:
             env = fb.Environment(parallelism=p, chaining=False, checkpoint_interval=300.0,
                                  checkpoint_dir=tempfile.mkdtemp(dir=tmp))
             _state_job(env, keys, value_size, p)
-            ex = JobExecution(env)
+            ex = JobExecution(env.job_spec())      # the runtime receives the job as a JobSpec
             ex.restore_from = sp
             ex._build()
             t0 = time.perf_counter()
