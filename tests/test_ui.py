@@ -280,6 +280,13 @@ def test_workers_name_each_subtasks_worker_and_host():
             assert r["worker"] == r["subtask"] % 2              # cluster.worker.placement
             assert r["host"] == socket.gethostname()           # forked here
             assert r["task"] in metrics
+        # credit: the sink's inputs from the other worker's sources hold credit; a source has no input
+        by_kind = {name: [r for r in rows if (r["task"].startswith("sink")) == (name == "sink")]
+                   for name in ("sink", "source")}
+        assert all(r["credit_available"] is None and r["sender_backlog"] is None for r in by_kind["source"])
+        assert all(isinstance(r["credit_available"], int) and r["credit_available"] >= 0
+                   and isinstance(r["sender_backlog"], int) for r in by_kind["sink"]), by_kind["sink"]
+        assert all(metrics[r["task"]]["credit_available"] is not None for r in by_kind["sink"])
     finally:
         cancel_and_join(job)
         job.ui.close()

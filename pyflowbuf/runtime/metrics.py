@@ -44,6 +44,8 @@ def _rates(prev: dict, cur: dict, dt_ns: int) -> dict:
         "bytes_out": cur["bytes_out"],
         "buffers_out": cur.get("buffers_out", 0),
         "remote_buffers_in": cur.get("remote_buffers_in", 0),
+        "credit_available": cur.get("credit_available"),
+        "sender_backlog": cur.get("sender_backlog"),
         # checkpoints: the last one this task acknowledged and its alignment time
         "last_checkpoint": cur.get("last_checkpoint", 0),
         "checkpoint_alignment_ms": cur.get("checkpoint_alignment_ms", 0.0),

@@ -19,6 +19,7 @@ SUBTASK_FIELDS = (
     "state", "level", "busy_ms_per_s", "idle_ms_per_s", "backpressured_ms_per_s",
     "records_in", "records_out", "records_in_per_s", "records_out_per_s",
     "bytes_in", "bytes_out", "bytes_in_per_s", "bytes_out_per_s", "buffers_out", "remote_buffers_in",
+    "credit_available", "sender_backlog",
     "in_pool_usage", "out_pool_usage", "last_checkpoint", "checkpoint_alignment_ms",
     "debloat_buffer_size", "debloat_time_to_consume_s", "debloat_inflight_bytes", "debloat_segments_held",
 )

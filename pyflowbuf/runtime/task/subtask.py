@@ -319,6 +319,7 @@ class Subtask(threading.Thread):
     # ---- counters for metrics ----
     def counters(self) -> dict:
         inp, proc = self.input, self.input_processor
+        remote = [ch for side in getattr(inp, "sides", (inp,)) for ch in getattr(side, "remote_channels", ())]
         idle = self.source_idle_ns + (inp.idle_ns if inp is not None else 0)
         if self.finished_ns:
             # a task that has ended is idle from then on, not busy
@@ -333,8 +334,11 @@ class Subtask(threading.Thread):
             # buffers shipped: with bytes_out it shows a per-record flush at once
             "buffers_out": sum(o.writer.buffers_out for o in self.outputs if o.writer is not None),
             # buffers that came over TCP from another worker (0 with every producer local)
-            "remote_buffers_in": sum(ch.buffers_received for side in getattr(inp, "sides", (inp,))
-                                     for ch in getattr(side, "remote_channels", ())),
+            "remote_buffers_in": sum(ch.buffers_received for ch in remote),
+            # credit-based flow control of the inputs from other processes (None: all local):
+            # buffers the senders may send now, and what they said they have queued
+            "credit_available": sum(ch.credit.available for ch in remote) if remote else None,
+            "sender_backlog": sum(ch.credit.backlog for ch in remote) if remote else None,
             "last_checkpoint": self.checkpoints.last_checkpoint,
             "checkpoint_alignment_ms": self.checkpoints.last_alignment_ms,
             "in_pool_usage": inp.in_pool_usage if inp is not None else 0.0,

@@ -155,6 +155,7 @@
     ["bout", "bytes out", function (r) { return bytes(r.bytes_out); }],
     ["inpool", "in pool", function (r) { return pct(r.in_pool_usage); }],
     ["outpool", "out pool", function (r) { return pct(r.out_pool_usage); }],
+    ["credit", "credit (backlog)", function (r) { return r.credit_available == null ? "–" : num(r.credit_available) + " (" + num(r.sender_backlog) + ")"; }],
     ["inflight", "in flight", function (r) { return bytes(r.debloat_inflight_bytes); }],
     ["bufsize", "buffer size", function (r) { return bytes(r.debloat_buffer_size); }],
     ["ttc", "time to consume", function (r) { return r.debloat_time_to_consume_s == null ? "–" : r.debloat_time_to_consume_s.toFixed(2) + " s"; }],
