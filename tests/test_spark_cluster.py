@@ -94,6 +94,41 @@ def _says_where_it_runs():
     return fn
 
 
+def test_the_web_view_shows_every_subtask_with_its_executor_worker(spark):
+    """Issue 30 on Spark: the view the driver serves lists every subtask with
+    the worker (a Spark barrier task) it runs on, in a real browser."""
+    ui_browser = pytest.importorskip("test_ui_browser")
+    if ui_browser.CHROMIUM is None or ui_browser.sync_playwright is None:
+        pytest.skip("no chromium or playwright (ci/setup.sh installs them)")
+    from pipeline_helpers import cancel_and_join
+
+    env = fb.Environment(parallelism=2, cluster=SparkCluster(spark, workers=2), metrics_interval=0.5,
+                         ui_port=0, name="ui-on-spark")
+    (env.from_sequence(0, None, rate_limit=2000).map(lambda x: x, name="map")
+        .rebalance().sink(lambda b: None, batched=True, name="sink"))
+    job = env.execute_async()
+    b = None
+    try:
+        b = ui_browser.Browser()
+        b.open(job.ui_url, "subtasks")
+        b.page.wait_for_function(
+            "() => document.querySelectorAll('tr.subtask').length === 4 && "
+            "[...document.querySelectorAll('tr.subtask')].every(r => r.dataset.worker !== '')",
+            timeout=ui_browser.WAIT_MS)
+        rows = b.page.locator("tr.subtask")
+        workers = {rows.nth(i).get_attribute("data-task"): rows.nth(i).get_attribute("data-worker")
+                   for i in range(4)}
+        assert set(workers.values()) == {"0", "1"}, workers
+        b.shot("subtasks-spark")
+        assert not b.errors, b.errors
+    finally:
+        cancel_and_join(job)
+        if b is not None:
+            b.page.close()          # before the server: a poll cut off is a console error
+            b.close()
+        job.ui.close()
+
+
 def test_keyed_windowed_job_on_two_executors_equals_one_process(spark, capsys):
     ref_env = fb.Environment(parallelism=2)
     ref = windowed_counts(ref_env)
