@@ -100,13 +100,14 @@ class _WideJob:
     coordinator = None
 
     def __init__(self):
-        self.env = fb.Environment(parallelism=16, name="wide")
-        s = self.env.from_sequence(0, 10)
+        env = fb.Environment(parallelism=16, name="wide")
+        s = env.from_sequence(0, 10)
         for i in range(49):
             s = s.map(lambda x: x, name=f"op{i}").rebalance()
         s.sink(lambda b: None, batched=True, name="sink")
+        self.spec = env.job_spec()          # what the view reads of a job
         self._m = {}
-        for v in self.env.plan()[0]:
+        for v in self.spec.plan()[0]:
             for i in range(v.parallelism):
                 self._m[f"{v.name} ({i + 1}/{v.parallelism})"] = {
                     "state": "RUNNING", "level": "HIGH", "busy_ms_per_s": 100.0, "idle_ms_per_s": 0.0,
