@@ -426,22 +426,8 @@ def process_function_parts(pf, what: str, task_name: str = ""):
         _check_arity(on_end, f"{what}: {cls}.on_end", "on_end(self, key, state, ctx)", 3)
     else:
         on_end = None
-    open_ = getattr(pf, "open", None)
-    if callable(open_):
-        _check_arity(open_, f"{what}: {cls}.open",
-                     "open(self, subtask, parallelism) or PyFlink's open(self, runtime_context)", 2, 1)
-        if _binds(open_, 2):
-            opener = open_
-        else:
-            opener = lambda subtask, parallelism, _f=open_, _n=task_name: _f(  # noqa: E731
-                RuntimeContext(_n, subtask, parallelism))
-    else:
-        opener = None
-    close = getattr(pf, "close", None)
-    if callable(close):
-        _check_arity(close, f"{what}: {cls}.close", "close(self)", 0)
-    else:
-        close = None
+    opener, close = _open_and_close(pf, what, cls, task_name,
+                                    "open(self, subtask, parallelism) or PyFlink's open(self, runtime_context)", (2, 1))
     return fn, on_timer_fn, on_end, opener, close
 
 
@@ -452,11 +438,19 @@ def plain_process_function_parts(pf, what: str, task_name: str = ""):
     cls = type(pf).__name__
     pe = pf.process_element
     _check_arity(pe, f"{what}: {cls}.process_element", "process_element(self, value, ctx)", 2)
-    opener = closer = None
+    opener, closer = _open_and_close(pf, what, cls, task_name,
+                                     "open(self, runtime_context) or open(self, subtask, parallelism)", (1, 2))
+    return pe, opener, closer
+
+
+def _open_and_close(pf, what: str, cls: str, task_name: str, open_form: str, open_arities: tuple):
+    """A process function object's optional ``open`` (ours, with subtask and
+    parallelism, or PyFlink's, with a RuntimeContext: called as ours either
+    way) and ``close()``, their signatures checked; None where absent."""
+    opener = None
     open_ = getattr(pf, "open", None)
     if callable(open_):
-        _check_arity(open_, f"{what}: {cls}.open",
-                     "open(self, runtime_context) or open(self, subtask, parallelism)", 1, 2)
+        _check_arity(open_, f"{what}: {cls}.open", open_form, *open_arities)
         if _binds(open_, 2):
             opener = open_
         else:
@@ -465,8 +459,9 @@ def plain_process_function_parts(pf, what: str, task_name: str = ""):
     close = getattr(pf, "close", None)
     if callable(close):
         _check_arity(close, f"{what}: {cls}.close", "close(self)", 0)
-        closer = close
-    return pe, opener, closer
+    else:
+        close = None
+    return opener, close
 
 
 class KeyedProcessFunction:
