@@ -15,16 +15,7 @@ from pyflowbuf import errors
 from pyflowbuf.checkpoint.storage import CheckpointStorage
 from pyflowbuf.checkpointing.coordinator import CheckpointCoordinator, CheckpointSettings
 from pyflowbuf.runtime.task.input import BatchSizer
-
-
-def _wait_for(cond, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
+from pipeline_helpers import wait_for
 
 
 def _stop(job):
@@ -216,12 +207,12 @@ def test_unaligned_barrier_overtakes_a_batch_in_progress(tmp_path, monkeypatch):
     job = env.execute_async()
     ref["job"] = job
     try:
-        _wait_for(lambda: done.is_set() or job.failure is not None, timeout=120)
+        wait_for(lambda: done.is_set() or job.failure is not None, timeout=120)
         assert job.failure is None, job.failure
         # the map took the barrier; the sink's acknowledgement may still be
         # on its way: cancelled before it, the checkpoint was aborted
-        entry = _wait_for(lambda: next((c for c in env.checkpoints() if c["id"] == seen["id"]), None),
-                          timeout=60)
+        entry = wait_for(lambda: next((c for c in env.checkpoints() if c["id"] == seen["id"]), None),
+                         timeout=60)
     finally:
         _stop(job)
     assert seen["after"] <= 1, seen
@@ -247,10 +238,10 @@ def test_blocked_source_answers_a_trigger(tmp_path):
     try:
         src = _task(job, "sequence")
         # blocked: waiting for an output buffer while the sink holds its batch
-        _wait_for(lambda: consumed[0] > 0 and src.mailbox.output_blocked(), timeout=60)
+        wait_for(lambda: consumed[0] > 0 and src.mailbox.output_blocked(), timeout=60)
         before = consumed[0]
         n = job.coordinator.trigger()
-        _wait_for(lambda: src.checkpoints.last_checkpoint >= n, timeout=30)
+        wait_for(lambda: src.checkpoints.last_checkpoint >= n, timeout=30)
         assert consumed[0] == before
         assert src.mailbox.output_blocked()
     finally:

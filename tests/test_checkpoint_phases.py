@@ -12,6 +12,7 @@ import pytest
 import pyflowbuf as fb
 from pyflowbuf import errors, monitoring
 from pyflowbuf.checkpointing.snapshot import SnapshotWriter
+from pipeline_helpers import wait_for
 
 SUBTASK_KEYS = ("start_delay_ms", "alignment_ms", "inflight_wait_ms", "sync_ms", "write_queue_ms", "async_ms",
                 "encode_ms", "write_ms", "ack_ms", "ack_received_ms", "ack_to_complete_ms", "bytes",
@@ -19,16 +20,6 @@ SUBTASK_KEYS = ("start_delay_ms", "alignment_ms", "inflight_wait_ms", "sync_ms",
 PHASE_KEYS = ("start_delay_ms", "alignment_ms", "sync_ms", "write_queue_ms", "async_ms", "last_ack_ms",
               "metadata_ms", "commits_ms", "completion_ms", "bytes", "inflight_bytes")
 TOL_MS = 1.0        # rounding to µs, and wall-clock instants taken in two places
-
-
-def _wait_for(cond, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 def _completed(env, n):
@@ -49,7 +40,7 @@ def _run_until_checkpoints(tmp_path, alignment, workers=None, n=3, **kw):
         .sink(slow, batched=True, name="sink"))
     job = env.execute_async()
     try:
-        done = _wait_for(lambda: _completed(env, n), timeout=120)
+        done = wait_for(lambda: _completed(env, n), timeout=120)
     finally:
         job.cancel()
         with warnings.catch_warnings():

@@ -18,7 +18,7 @@ import time
 import pytest
 
 import pyflowbuf as fb
-from pipeline_helpers import HeldSequenceSource, read_parts, worker_processes_left  # noqa: E402
+from pipeline_helpers import HeldSequenceSource, read_parts, wait_for, worker_processes_left  # noqa: E402
 from pyflowbuf.connectors.sources import SequenceSource
 from pyflowbuf._core.memory import NetworkBufferPool
 from pyflowbuf._core.channel import BufferQueue, InputGate
@@ -30,13 +30,6 @@ from pyflowbuf.net import ConnectionManager, NetworkServer, new_secret
 pytestmark = pytest.mark.timeout(60)
 
 N_KEYS = 7
-
-
-def _wait_for(cond, what, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class HeldFromOne(HeldSequenceSource):
@@ -148,7 +141,7 @@ def test_an_exception_in_a_worker_is_recovered_exactly_once(tmp_path, where):
     # the failure needs a completed checkpoint before it; the source holds
     # (checkpoints go on) until one has, however slow the machine (ASan)
     job = env.execute_async()
-    _wait_for(lambda: any(c["status"] == "completed" for c in env.checkpoints()) or job.done, "a checkpoint")
+    wait_for(lambda: any(c["status"] == "completed" for c in env.checkpoints()) or job.done, "a checkpoint")
     (tmp_path / "release").touch()
     job.join(timeout=120)
     ex = env.last_execution
@@ -168,7 +161,7 @@ def test_a_killed_worker_process_is_recovered_exactly_once(tmp_path, where):
     # the failure needs a completed checkpoint before it; the source holds
     # (checkpoints go on) until one has, however slow the machine (ASan)
     job = env.execute_async()
-    _wait_for(lambda: any(c["status"] == "completed" for c in env.checkpoints()) or job.done, "a checkpoint")
+    wait_for(lambda: any(c["status"] == "completed" for c in env.checkpoints()) or job.done, "a checkpoint")
     (tmp_path / "release").touch()
     job.join(timeout=120)
     assert os.path.exists(tmp_path / "killed")

@@ -15,7 +15,7 @@ import pytest
 
 import pyflowbuf as fb
 from pyflowbuf import errors
-from pipeline_helpers import worker_processes_left
+from pipeline_helpers import wait_for, worker_processes_left
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -37,13 +37,6 @@ def _wait_gone(pids, timeout=30.0, zombies=True) -> list:
     while any(_alive(p, zombies) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     return [p for p in pids if _alive(p, zombies)]
-
-
-def _wait_for(cond, what, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class RecordProcess:
