@@ -175,6 +175,25 @@ def running_counts(n):
     return sorted(want)
 
 
+class FailOnceInJob:
+    """Identity that raises once in the whole job, over every attempt and
+    process (the first to create the file ``marker``), at its ``at``-th call
+    in a subtask."""
+
+    def __init__(self, marker, at):
+        self.marker, self.at, self.calls = str(marker), at, 0
+
+    def __call__(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return x
+            raise RuntimeError("injected failure")
+        return x
+
+
 class FailOnceAfterCheckpoint:
     """Identity that raises once, at its ``at``-th call or the first after it
     once a checkpoint of ``env`` (set by the test) has completed, so a restore

@@ -12,7 +12,7 @@ import pytest
 
 import pyflowbuf as fb
 from pyflowbuf.checkpoint.errors import IncompatibleCheckpointError
-from pipeline_helpers import wait_for
+from pipeline_helpers import FailOnceInJob as FailOnce, wait_for
 
 
 class Numbers(fb.Source):
@@ -61,21 +61,6 @@ class Files(fb.Sink):
 
 def committed(folder):
     return collections.Counter(int(line) for p in glob.glob(os.path.join(folder, "part-*")) for line in open(p))
-
-
-class FailOnce:
-    def __init__(self, marker, at):
-        self.marker, self.at, self.calls = str(marker), at, 0
-
-    def __call__(self, x):
-        self.calls += 1
-        if self.calls == self.at:
-            try:
-                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return x
-            raise RuntimeError("injected failure")
-        return x
 
 
 @pytest.mark.parametrize("at", [1, 700, 2900])

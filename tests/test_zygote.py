@@ -15,7 +15,7 @@ import pytest
 
 import pyflowbuf as fb
 from pyflowbuf import errors
-from pipeline_helpers import wait_for, worker_processes_left
+from pipeline_helpers import FailOnceInJob as FailOnce, wait_for, worker_processes_left
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -51,23 +51,6 @@ class RecordProcess:
             self.seen = True
             with open(os.path.join(self.directory, str(os.getpid())), "w") as f:
                 f.write(f"{os.getpid()} {os.getppid()}")
-        return x
-
-
-class FailOnce:
-    """Raises once in the whole job (a marker file), at a record of its subtask."""
-
-    def __init__(self, marker, at):
-        self.marker, self.at, self.calls = str(marker), at, 0
-
-    def __call__(self, x):
-        self.calls += 1
-        if self.calls == self.at:
-            try:
-                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return x
-            raise RuntimeError("injected failure")
         return x
 
 
