@@ -21,31 +21,14 @@ from pyflowbuf.net import protocol as P  # noqa: E402
 from pyflowbuf.cluster.control_channel import connect_control  # noqa: E402
 from pyflowbuf.checkpointing.restore_point import latest_checkpoint  # noqa: E402
 from pyflowbuf.spark import SparkCluster  # noqa: E402
+from spark_helpers import local_cluster_session  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
 def spark():
-    from pyflowbuf.spark.session import worker_python_env
-
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    worker_python_env()
-    from pyspark.sql import SparkSession
-
-    active = SparkSession.getActiveSession()
-    if active is not None:
-        active.stop()       # another module's local[n] session: this module needs executors
-    session = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("pyflowbuf-spark-cluster")
-               .config("spark.driver.host", "127.0.0.1")
-               .config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.python.worker.reuse", "true")
-               .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
-               .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
+    session = local_cluster_session("pyflowbuf-spark-cluster")
     yield session
     session.stop()
 

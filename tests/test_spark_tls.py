@@ -11,34 +11,16 @@ pyspark = pytest.importorskip("pyspark")
 
 import pyflowbuf as fb  # noqa: E402
 from pyflowbuf.spark import SparkCluster  # noqa: E402
+from spark_helpers import local_cluster_session  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
 def spark():
-    from pyflowbuf.spark.session import worker_python_env
-
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    worker_python_env()
-    from pyspark.sql import SparkSession
-
-    active = SparkSession.getActiveSession()
-    if active is not None:
-        active.stop()
-    session = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("pyflowbuf-spark-tls")
-               .config("spark.authenticate", "true")
-               .config("spark.authenticate.secret", secrets.token_hex(16))
-               .config("spark.network.crypto.enabled", "true")
-               .config("spark.driver.host", "127.0.0.1")
-               .config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.python.worker.reuse", "true")
-               .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
-               .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
+    session = local_cluster_session("pyflowbuf-spark-tls", **{
+        "spark.authenticate": "true", "spark.authenticate.secret": secrets.token_hex(16),
+        "spark.network.crypto.enabled": "true"})
     yield session
     session.stop()
 
