@@ -523,15 +523,10 @@ def test_ctrl_c_cancels_with_130_and_restore_latest_resumes_exactly_once(tmp_pat
     assert committed_lines(tmp_path / "out") == expected_lines(n)
 
 
-def test_savepoint_on_stop_stops_with_a_savepoint_and_resumes_from_it_exactly_once(tmp_path):
-    """Through a real `python -m pyflowbuf run --savepoint-on-stop`: Ctrl-C
-    takes a final savepoint instead of cancelling; resuming from it (at
-    another parallelism) completes the output exactly once. The job watches
-    a directory, so it is still running when Ctrl-C comes."""
-    n = 8000
-    (tmp_path / "job.py").write_text(watching_job_source("ck", "out"))
-    feed(tmp_path / "in", range(n // 2))
-    proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--savepoint-on-stop", "sp"],
+def interrupted_run(tmp_path, *args):
+    """``python -m pyflowbuf run job.py ARGS`` in ``tmp_path``, Ctrl-C once a
+    checkpoint is complete: (the process, its stdout, its stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", *args],
                             cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_checkpoint(proc, tmp_path / "ck")
@@ -540,6 +535,18 @@ def test_savepoint_on_stop_stops_with_a_savepoint_and_resumes_from_it_exactly_on
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, out, err
+
+
+def test_savepoint_on_stop_stops_with_a_savepoint_and_resumes_from_it_exactly_once(tmp_path):
+    """Through a real `python -m pyflowbuf run --savepoint-on-stop`: Ctrl-C
+    takes a final savepoint instead of cancelling; resuming from it (at
+    another parallelism) completes the output exactly once. The job watches
+    a directory, so it is still running when Ctrl-C comes."""
+    n = 8000
+    (tmp_path / "job.py").write_text(watching_job_source("ck", "out"))
+    feed(tmp_path / "in", range(n // 2))
+    proc, out, err = interrupted_run(tmp_path, "--savepoint-on-stop", "sp")
     assert proc.returncode == 0, err
     assert "stopped with a savepoint in" in err and "Traceback" not in err
     assert os.path.exists(tmp_path / "sp" / "_metadata")
@@ -560,16 +567,7 @@ def test_savepoint_on_stop_with_drain_ends_event_time_in_the_final_savepoint(tmp
     n = 4000
     (tmp_path / "job.py").write_text(watching_job_source("ck", "out"))
     feed(tmp_path / "in", range(n))
-    proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--savepoint-on-stop", "sp",
-                             "--drain"],
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_checkpoint(proc, tmp_path / "ck")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, out, err = interrupted_run(tmp_path, "--savepoint-on-stop", "sp", "--drain")
     assert proc.returncode == 0, err
     assert "draining event time first" in err and "Traceback" not in err
     assert os.path.exists(tmp_path / "sp" / "_metadata")
