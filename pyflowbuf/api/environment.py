@@ -88,14 +88,16 @@ class Environment(SourceDeclarations, ConnectorSourceDeclarations):
     control_port : open the job's control endpoint on ``bind_host`` at this port
         (0: a free one), for ``pyflowbuf savepoint`` and ``pyflowbuf stop``; it
         writes ``<checkpoint_dir>/_control.json`` (mode 0600) while the job
-        runs. Needs checkpointing. None (default): no endpoint.
+        runs. Needs checkpointing. None (default): no endpoint. With ``tls``
+        the endpoint is mutual TLS (docs/checkpoints.md).
     tls : mutual TLS 1.3 on every connection between the job's processes
         (``workers=N`` or a cluster): ``True`` makes a private CA for the job
         and one certificate per attempt, in memory; a
         ``pyflowbuf.net.TLSConfig(cert, key, ca, fingerprint=None)`` uses
         your own files. None (default): authenticated, not encrypted (with a
         ``SparkCluster`` TLS turns on by itself when Spark encrypts; see
-        docs/workers.md). A job in one process has no connection to encrypt.
+        docs/workers.md). A job in one process has no connection to encrypt
+        but its control endpoint (``control_port``).
 
     An Environment executes its graph once, as Flink's does: ``execute()``,
     ``execute_async()`` or ``execute_iter()``, one of them, one time. Build a

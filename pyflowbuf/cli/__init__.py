@@ -7,6 +7,7 @@
     pyflowbuf checkpoints verify PATH [ID] [--json]
     pyflowbuf savepoint (CHECKPOINT_DIR | --address HOST:PORT --secret-file F) [PATH] [--json]
     pyflowbuf stop (CHECKPOINT_DIR | --address HOST:PORT --secret-file F) [--savepoint PATH] [--drain] [--json]
+        (both: [--tls-cert F [--tls-key F] --tls-ca F] for a job with its own tls=TLSConfig)
     pyflowbuf demo [--quick]
     pyflowbuf bench NAME [ARGS...]
 

@@ -233,7 +233,8 @@ def _run(env, spec, restore, report, savepoint_on_stop=None, drain=False) -> dic
             report(f"web view: {job.ui_url}")
         if job.control is not None:
             host, port = job.control.address
-            report(f"control endpoint on {host}:{port}: `pyflowbuf savepoint {outcome['checkpoint_dir']}` takes a "
+            tls = " (mutual TLS)" if job.control.tls is not None else ""
+            report(f"control endpoint on {host}:{port}{tls}: `pyflowbuf savepoint {outcome['checkpoint_dir']}` takes a "
                    f"savepoint, `pyflowbuf stop {outcome['checkpoint_dir']}` stops the job with one")
         if savepoint_on_stop is not None:
             # join() cancels the job on Ctrl-C; here the job must stay up for its savepoint

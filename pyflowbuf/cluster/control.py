@@ -12,6 +12,19 @@ ends prove it) and then sends one request, a small JSON object in a frame of
 ``4-byte big-endian length + UTF-8 JSON``; the job answers with one, and
 closes. Nothing read off the socket is unpickled.
 
+With TLS (the job's ``Environment(tls=...)`` is set) the endpoint speaks
+mutual TLS 1.3 first and the HMAC challenge runs inside it. ``tls=True``: the
+endpoint makes a CA of its own (apart from the attempts' certificates, so a
+control client's certificate opens no data connection and a worker's none
+here) and two certificates, each pinned by the other side: the endpoint's,
+and a client's that the control file carries (``"tls": {"mode":
+"generated", "cert", "key", "ca", "fingerprint"}``, PEM text, in the same
+mode-0600 file as the secret, gone with it). ``tls=TLSConfig(...)``: the
+endpoint presents and trusts the user's files, and the file says only
+``"tls": {"mode": "own"}``: a client brings a certificate of that CA
+(``pyflowbuf savepoint --tls-cert/--tls-key/--tls-ca``). Without TLS the
+file has ``"tls": null``.
+
 Requests: ``{"op": "savepoint", "path": PATH or null, "timeout": s or null}``
 (``job.savepoint(path)``) and ``{"op": "stop", "path": ..., "timeout": ...,
 "drain": true or false}`` (``job.stop(savepoint=path, drain=...)``; no
@@ -30,7 +43,8 @@ Example::
     ...
     job = environment.execute_async()
     info = read_control_file("ck")
-    answer = request(control_address(info), control_secret(info), {"op": "savepoint", "path": "/backups/sp1"})
+    answer = request(control_address(info), control_secret(info), {"op": "savepoint", "path": "/backups/sp1"},
+                     tls=client_tls(info))      # None unless the job runs with tls=; see below
     answer["path"]           # '/backups/sp1'
 """
 from __future__ import annotations
@@ -49,6 +63,7 @@ import weakref
 
 from pyflowbuf import errors
 from pyflowbuf.net import protocol as P
+from pyflowbuf.net import tls as T
 from pyflowbuf.checkpoint.lock import process_alive
 from pyflowbuf.cluster.control_channel import _NO_BUFFERS, _check_nothing_staged
 from pyflowbuf.checkpointing.coordinator import DEFAULT_CHECKPOINT_DIR
@@ -61,6 +76,9 @@ _LEN = struct.Struct(">I")
 MAX_MESSAGE = 64 * 1024
 # connections served at once (each is a thread); more are closed at once
 MAX_CONNECTIONS = 8
+# the time a client has for the TLS and HMAC handshakes together (a module
+# setting, so that tests can shorten it)
+HANDSHAKE_TIMEOUT = P.DEFAULT_HANDSHAKE_TIMEOUT
 # after the handshake, the time a client has to send its request
 REQUEST_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 10.0
@@ -172,6 +190,44 @@ def control_secret(info) -> bytes:
     return parse_secret(info["secret"], info.get("file", "the control file"))
 
 
+class TLSCertificateNeeded(ControlError):
+    """The endpoint of a control file speaks mutual TLS with the job's own
+    certificates (``tls=TLSConfig(...)``): the client must bring one."""
+
+
+# what a client of a TLS endpoint passes, said where it cannot know (a bare secret)
+TLS_HINT = ("if the job runs with tls=, its endpoint speaks mutual TLS: give the control file (CHECKPOINT_DIR, or "
+            "a copy of it as --secret-file) for tls=True, or --tls-cert FILE --tls-key FILE --tls-ca FILE for a "
+            "job with its own TLSConfig")
+
+
+def client_tls(info):
+    """The TLSConfig a client presents to the endpoint of the control file
+    ``info``: None for a plaintext endpoint; for ``tls=True`` the client
+    certificate the file carries (held in memory, never written elsewhere).
+    Raises TLSCertificateNeeded for a job with its own TLSConfig, and
+    ControlError for a ``tls`` entry that is not one."""
+    entry = info.get("tls")
+    where = info.get("file", "the control file")
+    if entry is None:
+        return None
+    mode = entry.get("mode") if isinstance(entry, dict) else None
+    if mode == "own":
+        raise TLSCertificateNeeded(
+            f"job {info.get('job')!r} runs with tls=TLSConfig(...) (its own certificates), so its control endpoint "
+            "speaks mutual TLS and takes a client certificate of the same CA: pass --tls-cert FILE --tls-ca FILE "
+            "(and --tls-key FILE unless the key is in the cert file; --tls-fingerprint HEX to pin the job's "
+            "certificate)", "TLSCertificateNeeded")
+    if mode == "generated" and all(isinstance(entry.get(k), str) for k in ("cert", "key", "ca")) \
+            and isinstance(entry.get("fingerprint"), list):
+        try:
+            return T.TLSConfig(entry["cert"].encode("ascii"), entry["key"].encode("ascii"),
+                               entry["ca"].encode("ascii"), fingerprint=entry["fingerprint"])
+        except (TypeError, ValueError, UnicodeEncodeError) as e:
+            raise ControlError(f"{where}: its client certificate is not valid: {e}") from None
+    raise ControlError(f"{where}: its \"tls\" entry is not one pyflowbuf writes (mode {mode!r})")
+
+
 def parse_secret(text, where) -> bytes:
     try:
         secret = bytes.fromhex(text.strip())
@@ -255,11 +311,16 @@ class ControlEndpoint:
     ``checkpoint_timeout``, and a stranger that never finishes the handshake
     is dropped after ``handshake_timeout``."""
 
-    def __init__(self, spec, *, handshake_timeout: float = P.DEFAULT_HANDSHAKE_TIMEOUT):
+    def __init__(self, spec, *, handshake_timeout: float | None = None):
         check_settings(spec.control_port, spec.checkpoint_config)
         self.path = control_file_path(spec.checkpoint_config.directory)
         self.host = spec.network_config.bind_host
-        self.handshake_timeout = handshake_timeout
+        self.handshake_timeout = HANDSHAKE_TIMEOUT if handshake_timeout is None else handshake_timeout
+        # this endpoint's TLSConfig (None: plaintext), and what the control file
+        # hands a client of tls=True; a bad certificate file is refused before the job runs
+        self.tls, self._client_tls = _endpoint_tls(spec.tls, spec.name)
+        if self.tls is not None:
+            self.tls.context(True)
         self.secret = P.new_secret()
         self.token = uuid.uuid4().hex
         self.pid = os.getpid()
@@ -329,7 +390,16 @@ class ControlEndpoint:
         _write_private(self.path, {
             "format": FORMAT, "job": job_name, "pid": self.pid, "host": socket.gethostname(),
             "address": self.address[0], "port": self.port, "secret": self.secret.hex(), "token": self.token,
-            "started": time.time(), "checkpoint_dir": os.path.dirname(self.path)})
+            "started": time.time(), "checkpoint_dir": os.path.dirname(self.path), "tls": self._tls_entry()})
+
+    def _tls_entry(self):
+        if self.tls is None:
+            return None
+        if self._client_tls is None:
+            return {"mode": "own"}
+        c = self._client_tls
+        return {"mode": "generated", "cert": c.cert.decode("ascii"), "key": c.key.decode("ascii"),
+                "ca": c.ca.decode("ascii"), "fingerprint": sorted(c.fingerprints)}
 
     def serve(self, job) -> None:
         """Answer requests about ``job`` until ``close()`` or the job's end."""
@@ -414,21 +484,25 @@ class ControlEndpoint:
             self.errors = (self.errors + [(peer, exc)])[-16:]
 
     def _serve_one(self, conn, peer) -> None:
+        sock = conn
         try:
             P.configure_socket(conn)
-            reader = P.FrameReader(conn, _NO_BUFFERS)
-            P.server_handshake(conn, reader, self.secret, _NO_BUFFERS,
-                               deadline=time.monotonic() + self.handshake_timeout)
+            deadline = time.monotonic() + self.handshake_timeout
+            if self.tls is not None:        # TLS first, the secret's challenge inside it
+                sock = T.handshake_socket(conn, self.tls, server_side=True, peer=peer, deadline=deadline)
+            reader = P.FrameReader(sock, _NO_BUFFERS)
+            P.server_handshake(sock, reader, self.secret, _NO_BUFFERS, deadline=deadline)
             _check_nothing_staged(reader)
-            req = recv_message(conn, time.monotonic() + REQUEST_TIMEOUT)
-            conn.settimeout(None)
+            req = recv_message(sock, time.monotonic() + REQUEST_TIMEOUT)
+            sock.settimeout(None)
             with self._lock:
                 self._answering.add(threading.current_thread())
             answer = self._answer(req)
-            send_message(conn, answer)
-        except (errors.ProtocolError, OSError) as exc:      # AuthenticationError and socket.timeout too
+            send_message(sock, answer)
+        except (errors.ProtocolError, OSError) as exc:      # TLSError, AuthenticationError, socket.timeout too
             self._refuse(peer, exc)
         finally:
+            sock.close()
             conn.close()
             with self._idle:
                 self._active -= 1
@@ -463,6 +537,23 @@ class ControlEndpoint:
             return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
         done = local_path(done)         # absolute: the client's working directory is not the job's
         return {"ok": True, "op": op, "path": done, "checkpoint_id": cid, "job": job.spec.name}
+
+
+def _endpoint_tls(setting, name):
+    """(the endpoint's TLSConfig, the client's for the control file) for the
+    job's ``tls=`` setting: (None, None) without TLS; the user's config and
+    None for a TLSConfig; for True, two certificates of a CA of the
+    endpoint's own, each side pinning the other's."""
+    setting = T.resolve(setting)
+    if setting is None:
+        return None, None
+    if setting is not True:
+        return setting, None
+    T.require_ssl()
+    certs = T.JobCertificates(f"{name} control")
+    server, client = certs.issue("control endpoint"), certs.issue("control client")
+    return (T.TLSConfig(server.cert, server.key, server.ca, fingerprint=sorted(client.fingerprints)),
+            T.TLSConfig(client.cert, client.key, client.ca, fingerprint=sorted(server.fingerprints)))
 
 
 def _savepoint_id(job, path):
@@ -527,15 +618,19 @@ os.register_at_fork(after_in_child=_forget_in_child)
 # ---------------------------------------------------------------- the client's end
 
 def request(address, secret: bytes, message: dict, *, timeout: float | None = None,
-            connect_timeout: float = CONNECT_TIMEOUT) -> dict:
+            connect_timeout: float = CONNECT_TIMEOUT, tls=None) -> dict:
     """Send one request to the endpoint at ``address`` and return the job's
     answer (a dict with ``ok``). ``timeout``: seconds to wait for the answer
     after the request went out (None: as long as the job takes; it bounds a
     savepoint by its checkpoint_timeout, and a vanished host is seen within
-    about 30 s). Raises ControlError when nobody listens there, the
-    handshake fails (a wrong secret) or the connection breaks."""
+    about 30 s). ``tls``: the TLSConfig to present to a TLS endpoint
+    (``client_tls(info)`` for a control file), None for a plaintext one.
+    Raises ControlError when nobody listens there, the TLS or HMAC handshake
+    fails (a wrong certificate or secret, TLS on one side only) or the
+    connection breaks."""
     host, port = address
     where = f"{host}:{port}"
+    hint = "" if tls is not None else f"; {TLS_HINT}"
     try:
         sock = socket.create_connection((host, port), timeout=connect_timeout)
     except ConnectionRefusedError:
@@ -545,20 +640,38 @@ def request(address, secret: bytes, message: dict, *, timeout: float | None = No
         raise ControlError(f"no answer from {where} within {connect_timeout} s") from None
     except OSError as e:
         raise ControlError(f"cannot connect to {where}: {e.strerror or e}") from None
+    raw = sock
     try:
         P.configure_socket(sock)
+        deadline = time.monotonic() + connect_timeout
+        if tls is not None:
+            try:
+                sock = T.handshake_socket(raw, tls, server_side=False, peer=(host, port), deadline=deadline)
+            except errors.TLSError as e:
+                raise ControlError(f"TLS with the control endpoint at {where} failed: {e.reason}", "TLSError") \
+                    from None
         reader = P.FrameReader(sock, _NO_BUFFERS)
         try:
-            P.client_handshake(sock, reader, secret, 0, deadline=time.monotonic() + connect_timeout)
+            P.client_handshake(sock, reader, secret, 0, deadline=deadline)
         except errors.AuthenticationError:
             raise ControlError(f"the job at {where} refused the secret (a secret of another job, or of an earlier "
                                "run of it?)", "AuthenticationError") from None
         except socket.timeout:
             raise ControlError(f"{where} did not complete the control handshake within {connect_timeout} s "
-                               "(is it a pyflowbuf control endpoint?)") from None
-        except errors.ConnectionLostError:
+                               f"(is it a pyflowbuf control endpoint?){hint}") from None
+        except errors.ConnectionLostError as e:
+            if tls is not None and T.ssl is not None and isinstance(e.__cause__, T.ssl.SSLError):
+                # TLS 1.3: the server checks the client's certificate after the client's handshake ended
+                raise ControlError(
+                    f"TLS with the control endpoint at {where} failed: it refused this client's certificate "
+                    f"({getattr(e.__cause__, 'reason', None) or e.__cause__}): present one signed by the CA the "
+                    "job trusts (and matching its fingerprint= pin, if it has one)", "TLSError") from None
+            if tls is not None:
+                raise ControlError(
+                    f"the job at {where} closed the TLS connection before the control handshake ended: it has "
+                    "ended, or it refused this client's certificate (not the one it pins)", "TLSError") from None
             raise ControlError(f"the job at {where} closed the connection before the handshake ended (it has "
-                               "ended, or is ending)") from None
+                               f"ended, or is ending){hint}") from None
         except errors.ProtocolError as e:
             raise ControlError(f"{where} is not a pyflowbuf control endpoint: {e}") from None
         _check_nothing_staged(reader)
@@ -578,3 +691,4 @@ def request(address, secret: bytes, message: dict, *, timeout: float | None = No
         return answer
     finally:
         sock.close()
+        raw.close()

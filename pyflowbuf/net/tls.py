@@ -279,6 +279,13 @@ class JobCertificates:
                 self._attempts[attempt] = cfg
         return cfg
 
+    def issue(self, role: str) -> TLSConfig:
+        """One more certificate of this CA, for ``role`` (its common name
+        follows the job's), made each call and pinned to itself as
+        ``for_attempt``'s are: for connections apart from the attempts', such
+        as the control endpoint and its client (``pyflowbuf.cluster.control``)."""
+        return self._issue(f"{self._name} {role}")
+
     def _issue(self, cn, not_before=None, not_after=None):
         x509, ec, hashes, NameOID = _crypto()
         from cryptography.hazmat.primitives import serialization
@@ -684,3 +691,57 @@ def explain(relay, exc):
     if relay.peer_closed and exc is not None and "truncated frame" in str(exc):
         return TLSError(relay.peer, f"the peer closed TLS (close_notify) in the middle of a frame: {exc}")
     return exc
+
+
+# ------------------------------------------------------------ a plain TLS socket
+
+def handshake_socket(sock, config: TLSConfig, *, server_side: bool, peer, deadline=None):
+    """Mutual TLS 1.3 straight on the blocking socket ``sock``: returns the
+    ``ssl.SSLSocket`` that replaces it (``sock`` is detached from its
+    descriptor). For connections that carry a few small messages, such as the
+    control endpoint of ``pyflowbuf savepoint`` / ``stop``, where a relay thread
+    would cost more than it saves. The handshake finishes by ``deadline``
+    (time.monotonic(); None: the socket's own timeout) and the pin is checked;
+    else TLSError naming the peer and the reason, with the socket closed.
+
+    Example::
+
+        sock = handshake_socket(conn, tls, server_side=True, peer=peer,
+                                deadline=time.monotonic() + 10)
+    """
+    mod = require_ssl()
+    ctx = config.context(server_side)
+    ssock = ctx.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False)
+    try:
+        try:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout("deadline passed")
+                ssock.settimeout(left)
+            ssock.do_handshake()    # (_ssl bounds the whole handshake by one timeout: no trickling past it)
+        except socket.timeout:
+            raise TLSError(peer, "the TLS handshake did not finish in time (the handshake timeout): a peer "
+                                 "that sent no or only part of a handshake, or a client without tls= on a "
+                                 "TLS port") from None
+        except (mod.SSLEOFError, ConnectionError):
+            raise TLSError(peer, "the connection closed in the middle of the TLS handshake (a truncated "
+                                 "handshake, or the peer refused ours)") from None
+        except mod.SSLError as e:
+            alert = str(getattr(e, "reason", None) or "")
+            if "ALERT" in alert and getattr(e, "verify_code", None) is None:
+                # the peer's alert: it is the peer that refused this side's certificate
+                raise TLSError(peer, f"the peer refused the TLS handshake ({alert}): it does not trust this "
+                                     "side's certificate (another CA or job, or not the one it pins)") from None
+            raise TLSError(peer, _reason(e, server_side)) from None
+        except OSError as e:
+            raise TLSError(peer, f"the connection failed during the TLS handshake: {e}") from None
+        der = ssock.getpeercert(binary_form=True)
+        if der is None:
+            raise TLSError(peer, "the peer presented no certificate (mutual TLS needs one on both sides)")
+        config.check_peer(der, peer)
+        ssock.settimeout(None)
+    except BaseException:
+        ssock.close()
+        raise
+    return ssock
