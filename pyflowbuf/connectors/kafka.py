@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -211,6 +212,10 @@ class FetchPauser:
     fetched. It ends when no reader is left."""
 
     def __init__(self):
+        self._reset()
+
+    def _reset(self):
+        # (also in a forked child: a worker does not inherit the parent's thread or lock)
         self.lock = threading.Lock()
         self.readers = weakref.WeakSet()
         self.thread = None
@@ -218,7 +223,7 @@ class FetchPauser:
     def add(self, reader):
         with self.lock:
             self.readers.add(reader)
-            if self.thread is None:
+            if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="pyflowbuf-kafka-pauser", daemon=True)
                 self.thread.start()
 
@@ -243,6 +248,8 @@ class FetchPauser:
 
 
 PAUSER = FetchPauser()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=PAUSER._reset)
 
 
 class KafkaReader(api.SourceReader):
