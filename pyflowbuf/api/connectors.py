@@ -88,8 +88,8 @@ class ConnectorSourceDeclarations:
                    parallelism: int | None = None, properties: dict | None = None,
                    wait_for_topics: bool = False, connect_timeout: float = kc.CONNECT_TIMEOUT_S,
                    discovery_interval: float = 10.0, dead_letter: bool = False,
-                   max_prefetch_kbytes: int = 16384, name: str = "read_kafka", kind: Any = None,
-                   rate_limit=None):
+                   max_prefetch_kbytes: int = 16384, pause_after: float | None = kc.PAUSE_AFTER_S,
+                   name: str = "read_kafka", kind: Any = None, rate_limit=None):
         """Records of Kafka topics (confluent-kafka): ``topics`` (a name or a
         list) or ``pattern`` (a regular expression over topic names).
 
@@ -114,6 +114,10 @@ class ConnectorSourceDeclarations:
           ``KafkaDecodeError``.
         * ``rate_limit``: records per second (or a ``RateLimiter``), as for
           the other sources.
+        * Backpressure: the client prefetches at most ``max_prefetch_kbytes``
+          (plus one fetch response); a subtask that has not pulled for
+          ``pause_after`` seconds (None: never) has its partitions paused,
+          its prefetched records dropped, until it pulls again.
 
         Partitions are assigned to the subtasks (never subscribed); their
         offsets are in every checkpoint, and committed to ``group_id`` when a
@@ -160,6 +164,7 @@ class ConnectorSourceDeclarations:
         ooo = _seconds(what, "out_of_orderness", out_of_orderness)
         idle = _seconds(what, "idle_timeout", idle_timeout, optional=True)
         timeout = _seconds(what, "connect_timeout", connect_timeout)
+        pause_after = _seconds(what, "pause_after", pause_after, optional=True)
         _properties(what, properties)
         kc._ck()            # the client is installed (the kafka extra)
         source = kc.KafkaSource(
@@ -167,7 +172,7 @@ class ConnectorSourceDeclarations:
             starting_offsets=so, bounded=bool(bounded), timestamps=timestamps, out_of_orderness=ooo,
             idle_timeout=idle, properties=properties, wait_for_topics=wait_for_topics, connect_timeout=timeout,
             discovery_interval=discovery_interval, dead_letter=dead_letter,
-            max_prefetch_kbytes=max_prefetch_kbytes, name=name)
+            max_prefetch_kbytes=max_prefetch_kbytes, pause_after=pause_after, name=name)
         if kind is None:
             kind = {"bytes": "bytes", "str": "str"}.get(value_format) if not include else None
         link: dict = {}         # the source task hands its reader to the operator after it

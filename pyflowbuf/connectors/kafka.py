@@ -14,7 +14,12 @@ committed back when a checkpoint completes, for lag monitoring only.
 Backpressure reaches the broker: the task pulls from the client only when
 its output has room, and librdkafka stops fetching once its own prefetch
 queue holds ``queued.max.messages.kbytes`` (default here 16 MiB per
-subtask), so memory stays bounded and the lag grows in Kafka.
+subtask), so memory stays bounded and the lag grows in Kafka. A task that
+has not pulled for ``pause_after`` seconds (held in a write by backpressure,
+or busy in a slow chained operator) has its partitions paused by a watchdog
+thread (``FetchPauser``): librdkafka drops what it had prefetched and
+fetches nothing until the task pulls again, when they resume from the next
+offset the task has not read.
 
 Writing (``KafkaSink``): ``delivery="at_least_once"`` flushes (waits for
 every delivery report) before a checkpoint's barrier passes the sink.
@@ -28,8 +33,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import os
 import re
+import threading
 import time
+import weakref
 import zlib
 from array import array
 from typing import Any, Callable
@@ -45,6 +53,10 @@ STARTS = ("earliest", "latest", "committed")
 DELIVERIES = ("exactly_once", "at_least_once")
 CONNECT_TIMEOUT_S = 10.0
 POLL_S = 0.1
+# seconds without a pull after which a reader's partitions are paused (a
+# long block, not the short waits of steady backpressure: each pause drops
+# the prefetched records, fetched again on resume)
+PAUSE_AFTER_S = 1.0
 # The marker's offset is the checkpoint id plus this (offsets are >= 0, and
 # the id of the end of input is -1).
 MARKER_BIAS = 2
@@ -58,8 +70,36 @@ def _ck():
     return confluent_kafka
 
 
+class ClientLog:
+    """librdkafka's log lines, into the logger ``pyflowbuf.kafka``. A broker
+    that refuses a connection or closes one is retried by the client on its
+    own (a restart, a moment's outage): librdkafka logs that at ERROR, which
+    here becomes WARNING. A broker that stays away is the job's error, not a
+    log line's: ``KafkaConnectionError`` after ``connect_timeout`` when the
+    job starts, ``KafkaSinkError`` when a transaction cannot complete."""
+
+    # (facilities FAIL and ERROR: a connection's state, not a request's answer)
+    RECONNECTS = re.compile(
+        r"Connection refused|Disconnected|connection closed|Connection reset|Connect to \S+ failed|"
+        r"all brokers are down|brokers are down|Receive failed|Send failed|timed out|Broker transport failure",
+        re.IGNORECASE)
+
+    def __init__(self, logger=None):
+        self.logger = logger or log
+
+    def log(self, level, msg, *args, **kw):
+        if level >= logging.ERROR and args and args[0] in ("FAIL", "ERROR"):
+            text = str(args[-1])
+            if self.RECONNECTS.search(text):
+                level = logging.WARNING
+        self.logger.log(level, msg, *args, **kw)
+
+
+CLIENT_LOG = ClientLog()
+
+
 def _client_conf(bootstrap_servers, properties) -> dict:
-    conf = {"bootstrap.servers": bootstrap_servers, "logger": log}
+    conf = {"bootstrap.servers": bootstrap_servers, "logger": CLIENT_LOG}
     # authentication and TLS settings (security.protocol, sasl.*, ssl.*) pass through unchanged
     conf.update(properties or {})
     return conf
@@ -93,7 +133,7 @@ class KafkaSource(api.Source):
                  value_format="bytes", include=(), starting_offsets="earliest", bounded=False,
                  timestamps=None, out_of_orderness=0.0, idle_timeout=None, properties=None,
                  wait_for_topics=False, connect_timeout=CONNECT_TIMEOUT_S, discovery_interval=10.0,
-                 dead_letter=False, max_prefetch_kbytes=16384, name="read_kafka"):
+                 dead_letter=False, max_prefetch_kbytes=16384, pause_after=PAUSE_AFTER_S, name="read_kafka"):
         self.bootstrap_servers = bootstrap_servers
         self.topics = list(topics) if topics is not None else None
         self.pattern = pattern
@@ -111,6 +151,7 @@ class KafkaSource(api.Source):
         self.discovery_interval = None if bounded else discovery_interval
         self.dead_letter = dead_letter
         self.max_prefetch_kbytes = max_prefetch_kbytes
+        self.pause_after = pause_after
         self.name = name
         self._admin = None
 
@@ -163,6 +204,54 @@ class KafkaSource(api.Source):
             self._admin = None
 
 
+class FetchPauser:
+    """One thread per process that pauses the partitions of every reader
+    whose task has not pulled for its ``pause_after`` seconds (see the
+    module docstring), and meanwhile asks the broker for their end offsets
+    once a second, so ``records_lag`` keeps growing while nothing is
+    fetched. It ends when no reader is left."""
+
+    def __init__(self):
+        self._reset()
+
+    def _reset(self):
+        # (also in a forked child: a worker does not inherit the parent's thread or lock)
+        self.lock = threading.Lock()
+        self.readers = weakref.WeakSet()
+        self.thread = None
+
+    def add(self, reader):
+        with self.lock:
+            self.readers.add(reader)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="pyflowbuf-kafka-pauser", daemon=True)
+                self.thread.start()
+
+    def remove(self, reader):
+        with self.lock:
+            self.readers.discard(reader)
+
+    def _run(self):
+        while True:
+            with self.lock:
+                readers = list(self.readers)
+                if not readers:
+                    self.thread = None
+                    return
+            step = min(r.s.pause_after for r in readers) / 4
+            for r in readers:
+                try:
+                    r.pause_if_stalled(time.monotonic())
+                except Exception as exc:    # noqa: BLE001 - a closed client: its task reports its own end
+                    log.debug("read_kafka %r: pausing: %s", r.s.name, exc)
+            time.sleep(max(0.02, min(step, 0.25)))
+
+
+PAUSER = FetchPauser()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=PAUSER._reset)
+
+
 class KafkaReader(api.SourceReader):
     """One subtask's consumer: its assigned partitions, their positions, the
     per-partition watermarks."""
@@ -180,6 +269,10 @@ class KafkaReader(api.SourceReader):
             # the client's own prefetch queue is bounded: while the task does
             # not pull (backpressure) librdkafka stops fetching at this size
             "queued.max.messages.kbytes": source.max_prefetch_kbytes,
+            # librdkafka waits this long before fetching again once the queue
+            # was full (1 s by default): a task that drains the queue faster
+            # would then wait for records, capped at a queue's worth a second
+            "fetch.queue.backoff.ms": 20,
         })
         conf.update(source.properties)
         self.consumer = ck.Consumer(conf)
@@ -194,9 +287,29 @@ class KafkaReader(api.SourceReader):
         ts = source.timestamps
         self._ts_fn = ts if callable(ts) else None
         self._kafka_ts = ts == "kafka"
+        # pausing (FetchPauser, in its own thread); the lock orders a pause
+        # against the task's next pull, which resumes first
+        self._fetch_lock = threading.Lock()
+        self._pulling = False
+        self._last_pull = time.monotonic()
+        self.paused: list = []          # the TopicPartitions paused now
+        self._stash: list = []          # messages served while pausing, for the next pull
+        self.pauses = 0                 # how many times fetching was paused
+        self._ends_asked = 0.0
+        if source.pause_after is not None:
+            PAUSER.add(self)
 
     # ---- splits ----
     def add_splits(self, splits):
+        with self._fetch_lock:
+            self._pulling = True        # (no pause meanwhile: the assignment changes)
+        try:
+            self._add_splits(splits)
+        finally:
+            self._last_pull = time.monotonic()
+            self._pulling = False
+
+    def _add_splits(self, splits):
         ck = self.ck
         assign = []
         for tp, pos in splits.items():
@@ -254,11 +367,60 @@ class KafkaReader(api.SourceReader):
         got = self.consumer.offsets_for_times([tp], timeout=self.s.connect_timeout)[0]
         return got.offset if got.offset >= 0 else self._end(topic, partition)
 
+    # ---- pausing while the task does not pull ----
+    def pause_if_stalled(self, now):
+        """(FetchPauser's thread) Pause every partition being read when the
+        task has not pulled for ``pause_after`` seconds; while paused, ask
+        the broker for their end offsets once a second (``records_lag``)."""
+        if self._pulling or now - self._last_pull < self.s.pause_after:
+            return
+        with self._fetch_lock:
+            if self._pulling or self.consumer is None:
+                return
+            if not self.paused:
+                tps = [self.ck.TopicPartition(t, p) for (t, p) in self.pos if (t, p) not in self.done]
+                if not tps:
+                    return
+                self.consumer.pause(tps)
+                # the records librdkafka had prefetched stay in its queue,
+                # outdated, until the queue is served: serve it now, so they
+                # are freed (a record of a partition not paused, none
+                # expected, is kept for the task's next pull)
+                self._stash.extend(self.consumer.consume(1000, 0))
+                self.paused = tps
+                self.pauses += 1
+                log.debug("read_kafka %r subtask %d: no pull for %.1f s, fetching paused", self.s.name,
+                          self.subtask, now - self._last_pull)
+            if now - self._ends_asked < 1.0:
+                return
+            self._ends_asked = now
+            for tp in self.paused:
+                # (a short timeout: the task may pull again meanwhile)
+                _, high = self.consumer.get_watermark_offsets(tp, timeout=1.0)
+                if high >= 0:
+                    self.high[(tp.topic, tp.partition)] = high
+
+    def _resume(self):
+        with self._fetch_lock:
+            self._pulling = True
+            if self.paused:
+                tps, self.paused = self.paused, []
+                # fetching starts again at the next offset the task has not read
+                self.consumer.resume(tps)
+
     # ---- records ----
     def poll(self, max_records):
         if len(self.done) == len(self.pos) and self.s.bounded:
             return None
-        msgs = self.consumer.consume(min(max_records, 10000), POLL_S)
+        self._resume()
+        try:
+            if self._stash:
+                msgs, self._stash = self._stash, []
+            else:
+                msgs = self.consumer.consume(min(max_records, 10000), POLL_S)
+        finally:
+            self._last_pull = time.monotonic()
+            self._pulling = False
         if not msgs:
             self.stamps = array("d") if self._ts_fn or self._kafka_ts else None
             return []
@@ -423,11 +585,13 @@ class KafkaReader(api.SourceReader):
         out = {}
         if self.consumer is None:
             return out
-        for tp, (nxt, _) in self.pos.items():
+        # (the metrics thread: the task's thread may add partitions meanwhile)
+        for tp, (nxt, _) in list(self.pos.items()):
             try:
                 _, high = self.consumer.get_watermark_offsets(self.ck.TopicPartition(*tp), cached=True)
             except (self.ck.KafkaException, RuntimeError, AttributeError):     # (closed meanwhile)
                 continue
+            high = max(high, self.high.get(tp, -1))      # (asked for while paused)
             if high >= 0:
                 out[f"{tp[0]}/{tp[1]}"] = max(0, high - (nxt or 0))
         return out
@@ -446,7 +610,9 @@ class KafkaReader(api.SourceReader):
         pass        # consume() waits POLL_S at most
 
     def close(self):
-        consumer, self.consumer = self.consumer, None
+        PAUSER.remove(self)
+        with self._fetch_lock:
+            consumer, self.consumer = self.consumer, None
         try:
             if consumer is not None:
                 consumer.close()
@@ -566,6 +732,10 @@ class KafkaSourceOperator(Operator):
         out = {f"records_lag[{tp}]": n for tp, n in lag.items()}
         if lag:
             out["records_lag"] = sum(lag.values())
+        # partitions not fetched now (the task has not pulled for pause_after
+        # seconds), and how many times fetching was paused
+        out["fetch_paused"] = len(self.reader.paused)
+        out["fetch_pauses"] = self.reader.pauses
         return out
 
 
@@ -839,7 +1009,7 @@ class KafkaSink(api.Sink):
         ck = self.ck
         cons = ck.Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": group,
                             "enable.auto.commit": False, "isolation.level": "read_committed",
-                            "logger": log, **self.properties})
+                            "logger": CLIENT_LOG, **self.properties})
         try:
             got = cons.committed([ck.TopicPartition(topic, 0)], timeout=self.connect_timeout)[0]
         finally:
