@@ -324,3 +324,113 @@ def test_infinite_and_nan_figures_are_null_in_the_json():
         assert get(server.url, "api/watermarks")[0]["watermark_end"]
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------- one request per refresh, kept alive
+
+class _SampledJob:
+    """A job handle whose metrics are a sample the test replaces, as the
+    runtime's sampler does once per interval."""
+    done, ran, coordinator = False, True, None
+
+    def __init__(self, env):
+        self.spec = env.job_spec()
+        self.sample = {}
+        self.resample(1)
+
+    def resample(self, records):
+        self.sample = {f"{v.name} ({i + 1}/{v.parallelism})": {"state": "RUNNING", "records_in": records,
+                                                               "busy_ms_per_s": 10.0}
+                       for v in self.spec.plan()[0] for i in range(v.parallelism)}
+
+    def metrics(self):
+        return dict(self.sample)        # a copy of the sample, its per-subtask dicts shared
+
+    def checkpoints(self):
+        return []
+
+
+def test_live_answers_each_view_in_one_request_as_its_endpoints_do(tmp_path):
+    env = checkpointed_job(tmp_path, n=3000, ui_port=0)
+    job = env.execute_async()
+    try:
+        wait_for(lambda: any(c["status"] == "completed" for c in env.checkpoints()), "a checkpoint", job=job)
+        job.join(120)
+        time.sleep(0.3)                           # past the answer cache: the final state
+        url = job.ui_url
+        cid = [c for c in env.checkpoints() if c["status"] == "completed"][-1]["id"]
+        for query, part, endpoint in [("view=graph", "graph", "api/graph"),
+                                      ("view=subtasks", "subtasks", "api/subtasks"),
+                                      ("view=subtasks&vertex=1", "subtasks", "api/subtasks?vertex=1"),
+                                      ("view=top", "subtasks", "api/subtasks"),
+                                      ("view=checkpoints", "checkpoints", "api/checkpoints"),
+                                      (f"view=checkpoints&checkpoint={cid}", "checkpoint", f"api/checkpoints/{cid}"),
+                                      ("view=watermarks", "watermarks", "api/watermarks")]:
+            live = get(url, "api/live?" + query)
+            assert live[part] == get(url, endpoint), query
+            info = get(url, "api/job")
+            assert {k: v for k, v in live["job"].items() if k != "now"} == {k: v for k, v in info.items() if k != "now"}
+        vertices, _ = env.plan()
+        assert get(url, "api/live?view=subtasks")["vertices"] == \
+            [{"id": v.id, "name": v.name, "parallelism": v.parallelism} for v in vertices]
+        for query, code in [("view=nope", 400), ("view=subtasks&vertex=x", 400),
+                            ("view=checkpoints&checkpoint=abc", 400), ("view=checkpoints&checkpoint=99999", 404)]:
+            assert status_of(url + "api/live?" + query) == code, query
+    finally:
+        if not job.done:
+            cancel_and_join(job)
+        job.ui.close()
+
+
+def test_answers_are_built_once_per_metrics_sample_and_shared(monkeypatch):
+    from pyflowbuf import ui
+    env = fb.Environment(parallelism=2, name="ui-shared")
+    env.from_sequence(0, 10).rebalance().sink(lambda b: None, batched=True)
+    job = _SampledJob(env)
+    built = []
+    real = model.subtasks
+    monkeypatch.setattr(model, "subtasks", lambda *a, **k: built.append(1) or real(*a, **k))
+    server = ui.serve(job)
+    try:
+        first = [get(server.url, "api/live?view=subtasks") for _ in range(3)]
+        assert len(built) == 1 and first[0]["subtasks"] == first[2]["subtasks"]
+        assert first[0]["subtasks"][0]["records_in"] == 1
+        job.resample(7)                        # the runtime's next sample
+        assert get(server.url, "api/subtasks")[0]["records_in"] == 7 and len(built) == 2
+    finally:
+        server.close()
+
+
+def test_a_page_polls_over_one_kept_alive_connection_that_closes_with_the_view():
+    import http.client
+    from pyflowbuf import ui
+    env = fb.Environment(parallelism=2, name="ui-keepalive")
+    env.from_sequence(0, 10).rebalance().sink(lambda b: None, batched=True)
+    job = _SampledJob(env)
+    server = ui.serve(job)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("GET", "/api/live?view=graph")
+        first = conn.getresponse()
+        assert first.status == 200 and first.version == 11 and json.loads(first.read())["graph"]["nodes"]
+        sock = conn.sock
+        for view in ("subtasks", "top", "watermarks", "checkpoints"):
+            conn.request("GET", "/api/live?view=" + view)
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read())["job"]["state"] == "RUNNING"
+            assert conn.sock is sock                       # the same connection, kept alive
+        # a write's body is not read: the connection closes rather than take it for a request
+        conn.request("POST", "/api/job", body=b"GET /api/job HTTP/1.1\r\n\r\n")
+        r = conn.getresponse()
+        assert r.status == 405 and r.getheader("Connection") == "close"
+        r.read()
+        conn.close()
+        conn.request("GET", "/api/job")
+        assert conn.getresponse().status == 200
+        server.close()                         # the page's open connection goes with the view
+        with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
+            conn.request("GET", "/api/job")
+            conn.getresponse().read()
+    finally:
+        conn.close()
+        server.close()

@@ -115,6 +115,22 @@ class JobView:
             out[task] = (w, host)
         return out
 
+    def tls_config(self):
+        """The TLSConfig of the view's HTTPS server, None when the job has TLS
+        off. With workers or a SparkCluster the driver holds the job's
+        ``AttemptTLS`` (``tls``): the user's certificate, or for ``tls=True``
+        one issued by the job's CA for the view. A job of threads has only
+        its spec's setting: the view makes that CA itself."""
+        attempts = getattr(self.job, "tls", None)
+        if not hasattr(attempts, "for_server"):
+            spec = getattr(self.job, "spec", None)
+            setting = getattr(spec, "tls", None)
+            if setting is None or setting is False:
+                return None
+            from pyflowbuf.net.tls import AttemptTLS
+            attempts = self._own_tls = getattr(self, "_own_tls", None) or AttemptTLS(setting, self.name)
+        return attempts.for_server(f"{self.name} web view")
+
     def name_of_key(self, key: str) -> str:
         return self._by_key.get(key, key)
 
