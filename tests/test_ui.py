@@ -434,3 +434,117 @@ def test_a_page_polls_over_one_kept_alive_connection_that_closes_with_the_view()
     finally:
         conn.close()
         server.close()
+
+
+# ---------------------------------------------------------------- HTTPS beyond loopback when the job has TLS on
+
+def _https_client(ca_pem):
+    import ssl
+    ctx = ssl.create_default_context(cadata=ca_pem.decode("ascii"))
+    ctx.check_hostname = False          # the job's certificates name no host (as its TLS connections)
+    return ctx
+
+
+def _peer_fingerprint(port, ctx):
+    import hashlib
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with ctx.wrap_socket(raw) as tls:
+            return hashlib.sha256(tls.getpeercert(binary_form=True)).hexdigest()
+
+
+def test_beyond_loopback_with_tls_the_view_is_https_and_plain_http_is_refused():
+    env = fb.Environment(parallelism=2, metrics_interval=0.1, tls=True, ui_port=0, ui_host="0.0.0.0",
+                         name="ui-https")
+    env.from_sequence(0, None, rate_limit=5000).rebalance().sink(lambda b: None, batched=True)
+    job = env.execute_async()
+    try:
+        ui_ = job.ui
+        assert job.ui_url.startswith("https://") and job.ui_url.endswith("/?token=" + ui_.token)
+        base = f"https://127.0.0.1:{ui_.port}/"
+        ctx = _https_client(ui_.ca_pem)
+        with urllib.request.urlopen(base + "api/job?token=" + ui_.token, timeout=30, context=ctx) as r:
+            assert json.loads(r.read())["state"] == "RUNNING"
+        with pytest.raises(urllib.error.HTTPError) as info:      # the token, as over HTTP
+            urllib.request.urlopen(base + "api/job", timeout=30, context=ctx)
+        assert info.value.code == 403
+        assert _peer_fingerprint(ui_.port, ctx) == ui_.fingerprint
+        # another CA's client refuses the view's certificate
+        from pyflowbuf.net.tls import JobCertificates
+        other = _https_client(JobCertificates("another job").for_attempt(0).ca)
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            urllib.request.urlopen(base + "api/job?token=" + ui_.token, timeout=30, context=other)
+        # plain HTTP on the HTTPS port: a 400 that says where to go, the connection closed
+        with socket.create_connection(("127.0.0.1", ui_.port), timeout=10) as s:
+            s.sendall(f"GET /api/job?token={ui_.token} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            answer = b""
+            while chunk := s.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400") and b"served over HTTPS only: open https://" in answer
+        assert b"RUNNING" not in answer
+        # a client that connects and says nothing holds one thread, not the view
+        idle = socket.create_connection(("127.0.0.1", ui_.port), timeout=10)
+        try:
+            with urllib.request.urlopen(base + "api/live?view=graph&token=" + ui_.token, timeout=30,
+                                        context=ctx) as r:
+                assert json.loads(r.read())["job"]["state"] == "RUNNING"
+        finally:
+            idle.close()
+        before = sum(m["records_out"] for m in env.metrics().values())
+        wait_for(lambda: sum(m["records_out"] for m in env.metrics().values()) > before + 100,
+                 "records after the refusals", job=job)
+        assert not job.done
+    finally:
+        cancel_and_join(job)
+        job.ui.close()
+
+
+def test_loopback_stays_http_with_tls_unless_https_is_asked_for():
+    from pyflowbuf import ui
+    from pyflowbuf.net.tls import JobCertificates
+    own = JobCertificates("user").for_attempt(0)         # a user's own TLSConfig (PEM in memory)
+    env = fb.Environment(parallelism=1, tls=own, ui_port=0, name="ui-loopback-tls")
+    env.from_sequence(0, None, rate_limit=2000).sink(lambda b: None, batched=True)
+    job = env.execute_async()
+    try:
+        assert job.ui_url.startswith("http://127.0.0.1:") and job.ui.ssl_context is None
+        assert get(job.ui_url, "api/job")["state"] == "RUNNING"
+        server = ui.serve(job, https=True)                 # asked for: HTTPS on loopback, the user's certificate
+        try:
+            assert server.url.startswith("https://127.0.0.1:") and server.token is None
+            assert server.ca_pem == own.ca and server.fingerprint in own.fingerprints
+            with urllib.request.urlopen(server.url + "api/job", timeout=30, context=_https_client(own.ca)) as r:
+                assert json.loads(r.read())["state"] == "RUNNING"
+        finally:
+            server.close()
+    finally:
+        cancel_and_join(job)
+        job.ui.close()
+    plain = fb.Environment(name="ui-no-tls")
+    plain.from_sequence(0, 10).sink(lambda b: None, batched=True)
+    job = plain.execute_async()
+    job.join(60)
+    with pytest.raises(errors.ConfigurationError, match="https=True needs the job's TLS on"):
+        ui.serve(job, https=True)
+
+
+@needs_fork
+@pytest.mark.filterwarnings("ignore::pyflowbuf.errors.WorkerSideEffectWarning")   # the sink keeps nothing
+def test_workers_with_tls_serve_https_with_a_certificate_of_the_jobs_ca():
+    env = fb.Environment(parallelism=2, workers=2, metrics_interval=0.1, tls=True, ui_port=0,
+                         ui_host="0.0.0.0", name="ui-https-workers")
+    env.from_sequence(0, None, rate_limit=2000).rebalance().sink(lambda b: None, batched=True)
+    job = env.execute_async()
+    try:
+        assert job.ui_url.startswith("https://")
+        assert job.ui.ca_pem == job.tls.for_attempt(0).ca           # the CA the workers' connections trust
+        assert job.ui.fingerprint not in job.tls.for_attempt(0).fingerprints   # a certificate of its own
+        url = f"https://127.0.0.1:{job.ui.port}/api/subtasks?token={job.ui.token}"
+
+        def rows():
+            with urllib.request.urlopen(url, timeout=30, context=_https_client(job.ui.ca_pem)) as r:
+                got = json.loads(r.read())
+            return all(x["worker"] is not None for x in got) and got
+        assert len(wait_for(rows, "every subtask with its worker, over HTTPS", job=job)) == 4
+    finally:
+        cancel_and_join(job)
+        job.ui.close()

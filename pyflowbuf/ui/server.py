@@ -86,8 +86,8 @@ class UiServer:
     ``https``: None (the default) serves HTTPS beyond loopback when the job
     has TLS on (``Environment(tls=...)``), with the certificate of its
     ``TLSConfig`` or, for ``tls=True``, one of the job's own CA
-    (:attr:`ca_pem` is that CA, :attr:`fingerprint` the certificate's
-    SHA-256); HTTP on loopback. True asks for HTTPS on loopback too (the job
+    (:attr:`ca_pem` is the CA a client verifies it with, :attr:`fingerprint`
+    the certificate's SHA-256, also logged with the URL); HTTP on loopback. True asks for HTTPS on loopback too (the job
     must have TLS on); False serves HTTP.
     """
 
@@ -148,12 +148,7 @@ class UiServer:
         # Browsers have no certificate of the job's CA: the access token
         # authenticates the reader, the certificate this view to the reader.
         self.ssl_context = _tls.https_context(config, mutual=False)
-        ca = config.ca
-        self.ca_pem = ca if isinstance(ca, bytes) else None
-        cert = config.cert if isinstance(config.cert, bytes) else None
-        if cert is None:
-            with open(config.cert, "rb") as f:
-                cert = f.read()
+        self.ca_pem, cert = (_read(x) for x in (config.ca, config.cert))
         import ssl
         der = ssl.PEM_cert_to_DER_cert(cert.decode("ascii").split("-----END CERTIFICATE-----")[0]
                                        + "-----END CERTIFICATE-----\n")
@@ -314,6 +309,13 @@ class UiServer:
         if what == "watermarks":
             return model.watermarks(view)
         raise _BadRequest(404, f"no such endpoint: /api/{what}")
+
+
+def _read(pem_or_path) -> bytes:
+    if isinstance(pem_or_path, bytes):
+        return pem_or_path
+    with open(pem_or_path, "rb") as f:
+        return f.read()
 
 
 def _dumps(obj) -> bytes:
