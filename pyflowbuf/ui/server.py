@@ -24,6 +24,7 @@ import weakref
 from importlib import resources
 
 from pyflowbuf import errors
+from pyflowbuf.net import tls as _tls
 from pyflowbuf.ui import model
 
 log = logging.getLogger("pyflowbuf.ui")
@@ -144,13 +145,11 @@ class UiServer:
                 raise errors.ConfigurationError(
                     "https=True needs the job's TLS on: Environment(tls=True) or tls=TLSConfig(cert, key, ca)")
             return
-        from pyflowbuf.net import tls as _tls
         # Browsers have no certificate of the job's CA: the access token
         # authenticates the reader, the certificate this view to the reader.
         self.ssl_context = _tls.https_context(config, mutual=False)
         self.ca_pem, cert = (_read(x) for x in (config.ca, config.cert))
-        import ssl
-        der = ssl.PEM_cert_to_DER_cert(cert.decode("ascii").split("-----END CERTIFICATE-----")[0]
+        der = _tls.require_ssl().PEM_cert_to_DER_cert(cert.decode("ascii").split("-----END CERTIFICATE-----")[0]
                                        + "-----END CERTIFICATE-----\n")
         self.fingerprint = _tls.fingerprint_of(der)
 
