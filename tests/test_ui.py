@@ -548,3 +548,36 @@ def test_workers_with_tls_serve_https_with_a_certificate_of_the_jobs_ca():
     finally:
         cancel_and_join(job)
         job.ui.close()
+
+
+@needs_fork
+def test_a_forked_worker_does_not_hold_a_pages_kept_alive_connection():
+    import http.client
+    from pyflowbuf import ui
+    env = fb.Environment(parallelism=1, name="ui-fork")
+    env.from_sequence(0, 10).sink(lambda b: None, batched=True)
+    job = _SampledJob(env)                  # the view lives as long as its job handle
+    server = ui.serve(job)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("GET", "/api/job")
+        conn.getresponse().read()
+        wait_for(lambda: server._conns, "the connection's handler")
+        fds = [s.fileno() for s in server._conns]
+        pid = os.fork()
+        if pid == 0:                        # a worker forked while a page is open
+            held = 0
+            for fd in fds:
+                try:
+                    os.fstat(fd)
+                    held += 1
+                except OSError:
+                    pass
+            os._exit(held)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        conn.request("GET", "/api/job")     # the parent's side is untouched
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+        server.close()

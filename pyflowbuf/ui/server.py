@@ -490,6 +490,15 @@ def _forget_in_child() -> None:
                 server._httpd.socket.close()
             except OSError:
                 pass
+            # nor a page's kept-alive connection: its descriptor closed here (no
+            # shutdown, which would cut it for the parent too; detached, as the
+            # handler's file objects would keep a plain close() from closing it)
+            for sock in list(server._conns):
+                try:
+                    os.close(sock.detach())
+                except (OSError, ValueError):
+                    pass
+            server._conns.clear()
             server._closed = True
     _OPEN.clear()
 
