@@ -581,3 +581,27 @@ def test_a_forked_worker_does_not_hold_a_pages_kept_alive_connection():
     finally:
         conn.close()
         server.close()
+
+
+def test_refused_and_silent_https_clients_leave_no_connection_behind(monkeypatch):
+    from pyflowbuf import ui
+    from pyflowbuf.ui import server as ui_server
+    monkeypatch.setattr(ui_server, "HANDSHAKE_S", 0.5)
+    env = fb.Environment(parallelism=1, tls=True, name="ui-https-leaks")
+    env.from_sequence(0, 10).sink(lambda b: None, batched=True)
+    job = env.execute_async()
+    job.join(60)
+    server = ui.serve(job, https=True)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")          # plain HTTP
+            while s.recv(4096):
+                pass
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=10)   # says nothing
+        wait_for(lambda: silent.recv(1) == b"", "the silent client dropped after the handshake timeout")
+        silent.close()
+        with urllib.request.urlopen(server.url + "api/job", timeout=30, context=_https_client(server.ca_pem)) as r:
+            assert json.loads(r.read())["state"] == "FINISHED"
+        wait_for(lambda: not server._conns, "every connection gone from the view's set")
+    finally:
+        server.close()

@@ -88,8 +88,9 @@ class UiServer:
     has TLS on (``Environment(tls=...)``), with the certificate of its
     ``TLSConfig`` or, for ``tls=True``, one of the job's own CA
     (:attr:`ca_pem` is the CA a client verifies it with, :attr:`fingerprint`
-    the certificate's SHA-256, also logged with the URL); HTTP on loopback. True asks for HTTPS on loopback too (the job
-    must have TLS on); False serves HTTP.
+    the certificate's SHA-256, also logged with the URL); HTTP on loopback.
+    True asks for HTTPS on loopback too (the job must have TLS on); False
+    serves HTTP.
     """
 
     def __init__(self, job, port: int = 0, host: str = LOOPBACK, *, plan=None, https=None):
@@ -323,7 +324,6 @@ def _dumps(obj) -> bytes:
 
 def _cut(conns, lock) -> None:
     # a page's kept-alive connection must not outlive the view
-    import socket
     with lock:
         open_ = list(conns)
         conns.clear()
@@ -363,19 +363,26 @@ def _make_server(ui: UiServer, host: str, port: int):
             if not ui._opened(self.request):
                 raise _Refused("the view is closed")
             if ui.ssl_context is not None:
-                self.request.settimeout(HANDSHAKE_S)
-                first = self.request.recv(1, socket.MSG_PEEK)
-                if first != b"\x16":       # not a TLS handshake record: plain HTTP (or nothing)
-                    if first:
-                        text = f"this view is served over HTTPS only: open {ui.url.split('?')[0]}\n".encode()
-                        self.request.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                                             b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(text) + text)
-                    raise _Refused(f"{self.client_address}: not a TLS client on the HTTPS port")
                 plain = self.request
-                self.request = ui.ssl_context.wrap_socket(plain, server_side=True)
-                ui._gone(plain)
-                ui._opened(self.request)
+                try:
+                    self.request = self._handshake(plain)
+                finally:
+                    ui._gone(plain)     # (refused: socketserver closes it)
+                if not ui._opened(self.request):
+                    self.request.close()
+                    raise _Refused("the view is closed")
             super().setup()
+
+        def _handshake(self, plain):
+            plain.settimeout(HANDSHAKE_S)
+            first = plain.recv(1, socket.MSG_PEEK)
+            if first != b"\x16":       # not a TLS handshake record: plain HTTP (or nothing)
+                if first:
+                    text = f"this view is served over HTTPS only: open {ui.url.split('?')[0]}\n".encode()
+                    plain.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                                  b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(text) + text)
+                raise _Refused(f"{self.client_address}: not a TLS client on the HTTPS port")
+            return ui.ssl_context.wrap_socket(plain, server_side=True)
 
         def finish(self):
             try:
