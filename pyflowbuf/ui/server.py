@@ -381,6 +381,14 @@ def _make_server(ui: UiServer, host: str, port: int):
                     text = f"this view is served over HTTPS only: open {ui.url.split('?')[0]}\n".encode()
                     plain.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
                                   b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(text) + text)
+                    # the request unread at close would send a reset, which may
+                    # discard the answer before the client reads it: end our side,
+                    # then take what it sent until it closes (bounded)
+                    plain.shutdown(socket.SHUT_WR)
+                    plain.settimeout(1.0)
+                    taken = 0
+                    while taken < 1 << 16 and (chunk := plain.recv(4096)):
+                        taken += len(chunk)
                 raise _Refused(f"{self.client_address}: not a TLS client on the HTTPS port")
             return ui.ssl_context.wrap_socket(plain, server_side=True)
 
