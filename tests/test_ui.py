@@ -324,3 +324,284 @@ def test_infinite_and_nan_figures_are_null_in_the_json():
         assert get(server.url, "api/watermarks")[0]["watermark_end"]
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------- one request per refresh, kept alive
+
+class _SampledJob:
+    """A job handle whose metrics are a sample the test replaces, as the
+    runtime's sampler does once per interval."""
+    done, ran, coordinator = False, True, None
+
+    def __init__(self, env):
+        self.spec = env.job_spec()
+        self.sample = {}
+        self.resample(1)
+
+    def resample(self, records):
+        self.sample = {f"{v.name} ({i + 1}/{v.parallelism})": {"state": "RUNNING", "records_in": records,
+                                                               "busy_ms_per_s": 10.0}
+                       for v in self.spec.plan()[0] for i in range(v.parallelism)}
+
+    def metrics(self):
+        return dict(self.sample)        # a copy of the sample, its per-subtask dicts shared
+
+    def checkpoints(self):
+        return []
+
+
+def test_live_answers_each_view_in_one_request_as_its_endpoints_do(tmp_path):
+    env = checkpointed_job(tmp_path, n=3000, ui_port=0)
+    job = env.execute_async()
+    try:
+        wait_for(lambda: any(c["status"] == "completed" for c in env.checkpoints()), "a checkpoint", job=job)
+        job.join(120)
+        time.sleep(0.3)                           # past the answer cache: the final state
+        url = job.ui_url
+        cid = [c for c in env.checkpoints() if c["status"] == "completed"][-1]["id"]
+        for query, part, endpoint in [("view=graph", "graph", "api/graph"),
+                                      ("view=subtasks", "subtasks", "api/subtasks"),
+                                      ("view=subtasks&vertex=1", "subtasks", "api/subtasks?vertex=1"),
+                                      ("view=top", "subtasks", "api/subtasks"),
+                                      ("view=checkpoints", "checkpoints", "api/checkpoints"),
+                                      (f"view=checkpoints&checkpoint={cid}", "checkpoint", f"api/checkpoints/{cid}"),
+                                      ("view=watermarks", "watermarks", "api/watermarks")]:
+            live = get(url, "api/live?" + query)
+            assert live[part] == get(url, endpoint), query
+            info = get(url, "api/job")
+            assert {k: v for k, v in live["job"].items() if k != "now"} == {k: v for k, v in info.items() if k != "now"}
+        vertices, _ = env.plan()
+        assert get(url, "api/live?view=subtasks")["vertices"] == \
+            [{"id": v.id, "name": v.name, "parallelism": v.parallelism} for v in vertices]
+        for query, code in [("view=nope", 400), ("view=subtasks&vertex=x", 400),
+                            ("view=checkpoints&checkpoint=abc", 400), ("view=checkpoints&checkpoint=99999", 404)]:
+            assert status_of(url + "api/live?" + query) == code, query
+    finally:
+        if not job.done:
+            cancel_and_join(job)
+        job.ui.close()
+
+
+def test_answers_are_built_once_per_metrics_sample_and_shared(monkeypatch):
+    from pyflowbuf import ui
+    env = fb.Environment(parallelism=2, name="ui-shared")
+    env.from_sequence(0, 10).rebalance().sink(lambda b: None, batched=True)
+    job = _SampledJob(env)
+    built = []
+    real = model.subtasks
+    monkeypatch.setattr(model, "subtasks", lambda *a, **k: built.append(1) or real(*a, **k))
+    server = ui.serve(job)
+    try:
+        first = [get(server.url, "api/live?view=subtasks") for _ in range(3)]
+        assert len(built) == 1 and first[0]["subtasks"] == first[2]["subtasks"]
+        assert first[0]["subtasks"][0]["records_in"] == 1
+        job.resample(7)                        # the runtime's next sample
+        assert get(server.url, "api/subtasks")[0]["records_in"] == 7 and len(built) == 2
+    finally:
+        server.close()
+
+
+def test_a_page_polls_over_one_kept_alive_connection_that_closes_with_the_view():
+    import http.client
+    from pyflowbuf import ui
+    env = fb.Environment(parallelism=2, name="ui-keepalive")
+    env.from_sequence(0, 10).rebalance().sink(lambda b: None, batched=True)
+    job = _SampledJob(env)
+    server = ui.serve(job)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("GET", "/api/live?view=graph")
+        first = conn.getresponse()
+        assert first.status == 200 and first.version == 11 and json.loads(first.read())["graph"]["nodes"]
+        sock = conn.sock
+        for view in ("subtasks", "top", "watermarks", "checkpoints"):
+            conn.request("GET", "/api/live?view=" + view)
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read())["job"]["state"] == "RUNNING"
+            assert conn.sock is sock                       # the same connection, kept alive
+        # a write's body is not read: the connection closes rather than take it for a request
+        conn.request("POST", "/api/job", body=b"GET /api/job HTTP/1.1\r\n\r\n")
+        r = conn.getresponse()
+        assert r.status == 405 and r.getheader("Connection") == "close"
+        r.read()
+        conn.close()
+        conn.request("GET", "/api/job")
+        assert conn.getresponse().status == 200
+        server.close()                         # the page's open connection goes with the view
+        with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
+            conn.request("GET", "/api/job")
+            conn.getresponse().read()
+    finally:
+        conn.close()
+        server.close()
+
+
+# ---------------------------------------------------------------- HTTPS beyond loopback when the job has TLS on
+
+def _https_client(ca_pem):
+    import ssl
+    ctx = ssl.create_default_context(cadata=ca_pem.decode("ascii"))
+    ctx.check_hostname = False          # the job's certificates name no host (as its TLS connections)
+    return ctx
+
+
+def _peer_fingerprint(port, ctx):
+    import hashlib
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with ctx.wrap_socket(raw) as tls:
+            return hashlib.sha256(tls.getpeercert(binary_form=True)).hexdigest()
+
+
+def test_beyond_loopback_with_tls_the_view_is_https_and_plain_http_is_refused():
+    env = fb.Environment(parallelism=2, metrics_interval=0.1, tls=True, ui_port=0, ui_host="0.0.0.0",
+                         name="ui-https")
+    env.from_sequence(0, None, rate_limit=5000).rebalance().sink(lambda b: None, batched=True)
+    job = env.execute_async()
+    try:
+        ui_ = job.ui
+        assert job.ui_url.startswith("https://") and job.ui_url.endswith("/?token=" + ui_.token)
+        base = f"https://127.0.0.1:{ui_.port}/"
+        ctx = _https_client(ui_.ca_pem)
+        with urllib.request.urlopen(base + "api/job?token=" + ui_.token, timeout=30, context=ctx) as r:
+            assert json.loads(r.read())["state"] == "RUNNING"
+        with pytest.raises(urllib.error.HTTPError) as info:      # the token, as over HTTP
+            urllib.request.urlopen(base + "api/job", timeout=30, context=ctx)
+        assert info.value.code == 403
+        assert _peer_fingerprint(ui_.port, ctx) == ui_.fingerprint
+        # another CA's client refuses the view's certificate
+        from pyflowbuf.net.tls import JobCertificates
+        other = _https_client(JobCertificates("another job").for_attempt(0).ca)
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            urllib.request.urlopen(base + "api/job?token=" + ui_.token, timeout=30, context=other)
+        # plain HTTP on the HTTPS port: a 400 that says where to go, the connection closed
+        with socket.create_connection(("127.0.0.1", ui_.port), timeout=10) as s:
+            s.sendall(f"GET /api/job?token={ui_.token} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            answer = b""
+            while chunk := s.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400") and b"served over HTTPS only: open https://" in answer
+        assert b"RUNNING" not in answer
+        # a client that connects and says nothing holds one thread, not the view
+        idle = socket.create_connection(("127.0.0.1", ui_.port), timeout=10)
+        try:
+            with urllib.request.urlopen(base + "api/live?view=graph&token=" + ui_.token, timeout=30,
+                                        context=ctx) as r:
+                assert json.loads(r.read())["job"]["state"] == "RUNNING"
+        finally:
+            idle.close()
+        before = sum(m["records_out"] for m in env.metrics().values())
+        wait_for(lambda: sum(m["records_out"] for m in env.metrics().values()) > before + 100,
+                 "records after the refusals", job=job)
+        assert not job.done
+    finally:
+        cancel_and_join(job)
+        job.ui.close()
+
+
+def test_loopback_stays_http_with_tls_unless_https_is_asked_for():
+    from pyflowbuf import ui
+    from pyflowbuf.net.tls import JobCertificates
+    own = JobCertificates("user").for_attempt(0)         # a user's own TLSConfig (PEM in memory)
+    env = fb.Environment(parallelism=1, tls=own, ui_port=0, name="ui-loopback-tls")
+    env.from_sequence(0, None, rate_limit=2000).sink(lambda b: None, batched=True)
+    job = env.execute_async()
+    try:
+        assert job.ui_url.startswith("http://127.0.0.1:") and job.ui.ssl_context is None
+        assert get(job.ui_url, "api/job")["state"] == "RUNNING"
+        server = ui.serve(job, https=True)                 # asked for: HTTPS on loopback, the user's certificate
+        try:
+            assert server.url.startswith("https://127.0.0.1:") and server.token is None
+            assert server.ca_pem == own.ca and server.fingerprint in own.fingerprints
+            with urllib.request.urlopen(server.url + "api/job", timeout=30, context=_https_client(own.ca)) as r:
+                assert json.loads(r.read())["state"] == "RUNNING"
+        finally:
+            server.close()
+    finally:
+        cancel_and_join(job)
+        job.ui.close()
+    plain = fb.Environment(name="ui-no-tls")
+    plain.from_sequence(0, 10).sink(lambda b: None, batched=True)
+    job = plain.execute_async()
+    job.join(60)
+    with pytest.raises(errors.ConfigurationError, match="https=True needs the job's TLS on"):
+        ui.serve(job, https=True)
+
+
+@needs_fork
+@pytest.mark.filterwarnings("ignore::pyflowbuf.errors.WorkerSideEffectWarning")   # the sink keeps nothing
+def test_workers_with_tls_serve_https_with_a_certificate_of_the_jobs_ca():
+    env = fb.Environment(parallelism=2, workers=2, metrics_interval=0.1, tls=True, ui_port=0,
+                         ui_host="0.0.0.0", name="ui-https-workers")
+    env.from_sequence(0, None, rate_limit=2000).rebalance().sink(lambda b: None, batched=True)
+    job = env.execute_async()
+    try:
+        assert job.ui_url.startswith("https://")
+        assert job.ui.ca_pem == job.tls.for_attempt(0).ca           # the CA the workers' connections trust
+        assert job.ui.fingerprint not in job.tls.for_attempt(0).fingerprints   # a certificate of its own
+        url = f"https://127.0.0.1:{job.ui.port}/api/subtasks?token={job.ui.token}"
+
+        def rows():
+            with urllib.request.urlopen(url, timeout=30, context=_https_client(job.ui.ca_pem)) as r:
+                got = json.loads(r.read())
+            return all(x["worker"] is not None for x in got) and got
+        assert len(wait_for(rows, "every subtask with its worker, over HTTPS", job=job)) == 4
+    finally:
+        cancel_and_join(job)
+        job.ui.close()
+
+
+@needs_fork
+def test_a_forked_worker_does_not_hold_a_pages_kept_alive_connection():
+    import http.client
+    from pyflowbuf import ui
+    env = fb.Environment(parallelism=1, name="ui-fork")
+    env.from_sequence(0, 10).sink(lambda b: None, batched=True)
+    job = _SampledJob(env)                  # the view lives as long as its job handle
+    server = ui.serve(job)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("GET", "/api/job")
+        conn.getresponse().read()
+        wait_for(lambda: server._conns, "the connection's handler")
+        fds = [s.fileno() for s in server._conns]
+        pid = os.fork()
+        if pid == 0:                        # a worker forked while a page is open
+            held = 0
+            for fd in fds:
+                try:
+                    os.fstat(fd)
+                    held += 1
+                except OSError:
+                    pass
+            os._exit(held)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        conn.request("GET", "/api/job")     # the parent's side is untouched
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_refused_and_silent_https_clients_leave_no_connection_behind(monkeypatch):
+    from pyflowbuf import ui
+    from pyflowbuf.ui import server as ui_server
+    monkeypatch.setattr(ui_server, "HANDSHAKE_S", 0.5)
+    env = fb.Environment(parallelism=1, tls=True, name="ui-https-leaks")
+    env.from_sequence(0, 10).sink(lambda b: None, batched=True)
+    job = env.execute_async()
+    job.join(60)
+    server = ui.serve(job, https=True)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")          # plain HTTP
+            while s.recv(4096):
+                pass
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=10)   # says nothing
+        wait_for(lambda: silent.recv(1) == b"", "the silent client dropped after the handshake timeout")
+        silent.close()
+        with urllib.request.urlopen(server.url + "api/job", timeout=30, context=_https_client(server.ca_pem)) as r:
+            assert json.loads(r.read())["state"] == "FINISHED"
+        wait_for(lambda: not server._conns, "every connection gone from the view's set")
+    finally:
+        server.close()

@@ -358,6 +358,15 @@ class AttemptTLS:
             return self._certs.for_attempt(attempt)
         return self.setting
 
+    def for_server(self, cn):
+        """The TLSConfig of a server of the job that no attempt runs (the web
+        view's HTTPS): the user's own, or a certificate ``cn`` of the job's CA."""
+        if self.setting is None:
+            return None
+        if self._certs is not None:
+            return self._certs._issue(cn)
+        return self.setting
+
 
 # ------------------------------------------------------------ the relay
 

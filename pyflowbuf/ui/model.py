@@ -14,6 +14,8 @@ import math
 import socket
 import time
 
+from pyflowbuf.net import tls as _tls
+
 # the figures of a subtask copied as they are from its metrics sample
 SUBTASK_FIELDS = (
     "state", "level", "busy_ms_per_s", "idle_ms_per_s", "backpressured_ms_per_s",
@@ -66,10 +68,13 @@ class JobView:
         self.host = socket.gethostname()
         self._by_name = {}
         self._by_key = {}
+        # each vertex's subtasks' (metrics name, checkpoint key), named once, not per poll
+        self.names = {v.id: [(task_name(v, i), task_key(v.id, i)) for i in range(v.parallelism)]
+                      for v in self.vertices}
         for v in self.vertices:
-            for i in range(v.parallelism):
-                self._by_name[task_name(v, i)] = (v, i)
-                self._by_key[task_key(v.id, i)] = task_name(v, i)
+            for i, (name, key) in enumerate(self.names[v.id]):
+                self._by_name[name] = (v, i)
+                self._by_key[key] = name
 
     def metrics(self) -> dict:
         return self.job.metrics()
@@ -114,6 +119,21 @@ class JobView:
                 host = self.host            # a worker forked here: this host's name
             out[task] = (w, host)
         return out
+
+    def tls_config(self):
+        """The TLSConfig of the view's HTTPS server, None when the job has TLS
+        off. With workers or a SparkCluster the driver holds the job's
+        ``AttemptTLS`` (``tls``): the user's certificate, or for ``tls=True``
+        one issued by the job's CA for the view. A job of threads has only
+        its spec's setting: the view makes that CA itself."""
+        attempts = getattr(self.job, "tls", None)
+        if not hasattr(attempts, "for_server"):
+            spec = getattr(self.job, "spec", None)
+            setting = getattr(spec, "tls", None)
+            if setting is None or setting is False:
+                return None
+            attempts = self._own_tls = getattr(self, "_own_tls", None) or _tls.AttemptTLS(setting, self.name)
+        return attempts.for_server(f"{self.name} web view")
 
     def name_of_key(self, key: str) -> str:
         return self._by_key.get(key, key)
@@ -166,10 +186,9 @@ def subtasks(view: JobView, metrics: dict | None = None, vertex_id: int | None =
     for v in view.vertices:
         if vertex_id is not None and v.id != vertex_id:
             continue
-        for i in range(v.parallelism):
-            name = task_name(v, i)
+        for i, (name, key) in enumerate(view.names[v.id]):
             m = metrics.get(name)
-            row = {"task": name, "vertex": v.name, "vertex_id": v.id, "subtask": i, "key": task_key(v.id, i),
+            row = {"task": name, "vertex": v.name, "vertex_id": v.id, "subtask": i, "key": key,
                    "reported": m is not None}
             if m is not None:
                 # (inline, not _num: 800 subtasks x 23 fields each poll) inf - inf and nan - nan are nan
@@ -202,8 +221,8 @@ def graph(view: JobView, metrics: dict | None = None) -> dict:
         level = None
         states: dict = {}
         live = 0
-        for i in range(v.parallelism):
-            m = metrics.get(task_name(v, i))
+        for name, _ in view.names[v.id]:
+            m = metrics.get(name)
             if m is None:
                 continue
             st = m.get("state", "RUNNING")
@@ -230,8 +249,8 @@ def graph(view: JobView, metrics: dict | None = None) -> dict:
     for e in view.edges:
         inflight = size = None
         gate = e.input_index
-        for i in range(e.target.parallelism):
-            m = metrics.get(task_name(e.target, i))
+        for name, _ in view.names[e.target.id]:
+            m = metrics.get(name)
             for g in (m or {}).get("debloat") or ():
                 if g.get("gate") == gate:
                     inflight = (inflight or 0) + g.get("inflight_bytes", 0)

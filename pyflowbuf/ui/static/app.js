@@ -173,8 +173,8 @@
     });
     return s + "</tbody></table>";
   }
-  function renderSubtasks(rows, vertices, vid) {
-    let pick = '<div class="pick">operator chain: <select id="vertex-pick"><option value="">all (' + rows.length + ' subtasks)</option>';
+  function renderSubtasks(rows, vertices, vid, total) {
+    let pick = '<div class="pick">operator chain: <select id="vertex-pick"><option value="">all (' + total + ' subtasks)</option>';
     vertices.forEach(function (v) { pick += '<option value="' + v.id + '"' + (String(v.id) === vid ? " selected" : "") + ">" + esc(v.name) + " (" + v.parallelism + ")</option>"; });
     pick += "</select></div>";
     const shown = vid === "" ? rows : rows.filter(function (r) { return String(r.vertex_id) === vid; });
@@ -258,23 +258,27 @@
     const h = (location.hash || "#graph").slice(1).split("/");
     return { view: h[0] || "graph", arg: h[1] || "" };
   }
-  let vertices = [];
-  function draw() {
+  // One request per refresh: /api/live answers the job's state and what the
+  // current view shows (the subtasks of one chain only, when one is picked).
+  function poll() {
     const r = route();
     document.querySelectorAll("nav a").forEach(function (a) { a.classList.toggle("active", a.dataset.view === r.view); });
-    if (r.view === "graph") return api("graph").then(function (g) { vertices = g.nodes; renderGraph(g); });
-    if (r.view === "subtasks") {
-      return Promise.all([api("subtasks"), vertices.length ? Promise.resolve({ nodes: vertices }) : api("graph")]).then(function (a) {
-        vertices = a[1].nodes; renderSubtasks(a[0], vertices, r.arg);
-      });
+    let q = "live?view=" + encodeURIComponent(r.view);
+    if (r.view === "subtasks" && r.arg) q += "&vertex=" + encodeURIComponent(r.arg);
+    if (r.view === "checkpoints" && r.arg) q += "&checkpoint=" + encodeURIComponent(r.arg);
+    if (["graph", "subtasks", "top", "checkpoints", "watermarks"].indexOf(r.view) < 0) {
+      return api("job").then(function (j) { return { job: j, render: function () {
+        main.innerHTML = '<p class="muted">No such view: ' + esc(r.view) + "</p>"; } }; });
     }
-    if (r.view === "top") return api("subtasks").then(renderTop);
-    if (r.view === "checkpoints") {
-      return r.arg ? api("checkpoints/" + encodeURIComponent(r.arg)).then(renderTimeline) : api("checkpoints").then(renderCheckpoints);
-    }
-    if (r.view === "watermarks") return api("watermarks").then(renderWatermarks);
-    main.innerHTML = '<p class="muted">No such view: ' + esc(r.view) + "</p>";
-    return Promise.resolve();
+    return api(q).then(function (a) {
+      let render;
+      if (r.view === "graph") render = function () { renderGraph(a.graph); };
+      else if (r.view === "subtasks") render = function () { renderSubtasks(a.subtasks, a.vertices, r.arg, a.job.subtasks); };
+      else if (r.view === "top") render = function () { renderTop(a.subtasks); };
+      else if (r.view === "checkpoints") render = function () { if (r.arg) { renderTimeline(a.checkpoint); } else { renderCheckpoints(a.checkpoints); } };
+      else render = function () { renderWatermarks(a.watermarks); };
+      return { job: a.job, render: render };
+    });
   }
   function drawJob(j) {
     job = j;
@@ -297,12 +301,11 @@
   function tick() {
     if (busy) return;
     busy = true;
-    api("job").then(function (j) {
-      drawJob(j);
-      return draw().then(function () {
-        document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
-        if (j.ended) { ended = true; clearInterval(timer); timer = null; }
-      });
+    poll().then(function (a) {
+      drawJob(a.job);
+      a.render();
+      document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
+      if (a.job.ended) { ended = true; clearInterval(timer); timer = null; }
     }).catch(function (e) {
       document.getElementById("updated").textContent = "not updated: " + e.message;
     }).finally(function () { busy = false; });
@@ -319,7 +322,7 @@
     if (ev.target.id === "vertex-pick") location.hash = "#subtasks" + (ev.target.value ? "/" + ev.target.value : "");
   });
   window.addEventListener("hashchange", function () {
-    if (ended) { draw(); } else { tick(); }
+    if (ended) { poll().then(function (a) { a.render(); }); } else { tick(); }
   });
   tick();
   timer = setInterval(tick, POLL_MS);
