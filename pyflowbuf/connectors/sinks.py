@@ -187,7 +187,13 @@ class _PartFileSink(connector_api.Sink):
                 pass
 
     def snapshot_state(self):
-        return {"seq": self.seq} if self.transactional else None
+        if not self.transactional:
+            return None
+        if self._orphans:
+            # kept from rescale to rescale: a later one that brings such a
+            # subtask back numbers its parts after the ones it committed
+            return {"seq": self.seq, "orphans": dict(self._orphans)}
+        return {"seq": self.seq}
 
     def restore_state(self, states):
         state = states[0] if self.transactional and states else None
@@ -199,18 +205,30 @@ class _PartFileSink(connector_api.Sink):
 
     def _rescale_writer_states(self, states, index, parallelism):
         """Subtask ``index`` goes on with the part numbers of the subtask of
-        that index, a new one after every number used. Subtask 0 also
-        cleans up after the subtasks that are gone (``orphans``): their
-        parts written after the checkpoint will be written again (those
-        before it are committables, committed by the subtask that takes
-        them: ``ConnectorSinkOperator.rescale_state``)."""
+        that index; a new one numbers its parts after every number used, its
+        own earlier ones too (a subtask that a lower parallelism left out and
+        a higher one brings back: ``orphans``). Subtask 0 also cleans up
+        after the subtasks that are gone (``orphans``): their parts written
+        after the checkpoint will be written again (those before it are
+        committables, committed by the subtask that takes them:
+        ``ConnectorSinkOperator.rescale_state``)."""
         known = [s for s in states if s]
         if not known:
             return []
-        state = dict(states[index]) if index < len(states) and states[index] else \
-            dict(known[0], seq=max(s["seq"] for s in known))
+        before = {}
+        for s in known:
+            for j, seq in (s.get("orphans") or {}).items():
+                before[j] = max(seq, before.get(j, 0))
+        if index < len(states) and states[index]:
+            state = dict(states[index])
+        else:
+            state = dict(known[0], seq=max([s["seq"] for s in known] + [before.get(str(index), 0)]))
+        state.pop("orphans", None)
         if index == 0:
-            state["orphans"] = {str(j): s["seq"] for j, s in enumerate(states) if j >= parallelism and s}
+            gone = {str(j): s["seq"] for j, s in enumerate(states) if j >= parallelism and s}
+            kept = {j: seq for j, seq in before.items() if int(j) >= parallelism and j not in gone}
+            if gone or kept:
+                state["orphans"] = {**kept, **gone}
         return [state]
 
     def _remove_orphans(self):
