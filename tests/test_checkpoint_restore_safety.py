@@ -98,17 +98,49 @@ def test_a_crafted_metadata_cannot_move_a_file_the_sinks_did_not_write(tmp_path,
 
 
 def test_the_sinks_own_commits_still_run_on_restore(tmp_path):
+    from pyflowbuf.connectors.sinks import TextFileSink
+
     sink_dir = tmp_path / "out"
     out = outputs.FileOutput(sink_dir, ".txt")
     out.parallelism = 2
     os.makedirs(sink_dir)
     (sink_dir / ".part-00001-000004.txt.inprogress").write_text("x\n")
-    from pyflowbuf.checkpointing.coordinator import run_commits
-
     action = ["rename", str(sink_dir / ".part-00001-000004.txt.inprogress"), str(sink_dir / "part-00001-000004.txt")]
-    run_commits([action], [out])
-    run_commits([action], [out])       # idempotent
+    sink = TextFileSink("out", sink_dir, transactional=True, output=out)
+    sink.commit([action])
+    sink.commit([action])       # idempotent
     assert os.listdir(sink_dir) == ["part-00001-000004.txt"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_crafted_committable_in_a_sinks_state_moves_no_file(tmp_path, case):
+    """The committables a file sink's subtask recommits on restore come from
+    its state in the checkpoint: checked against its own directory before
+    any file moves, as those listed in ``_metadata`` are."""
+    from pyflowbuf.connectors.api import ConnectorSinkOperator
+    from pyflowbuf.connectors.sinks import TextFileSink
+
+    out = tmp_path / "out"
+    os.makedirs(out)
+    (tmp_path / "attacker").write_text("evil")
+    (tmp_path / "victim").write_text("precious")
+    (out / "notes").write_text("a note")
+    for seq in (90, 93, 96):
+        (out / f".part-00000-{seq:06d}.txt.inprogress").write_text("pending\n")
+    (out / ".part-00007-000095.txt.inprogress").write_text("pending\n")
+    os.symlink(tmp_path / "victim", out / ".part-00000-000097.txt.inprogress")
+    output = outputs.FileOutput(out, ".txt")
+    output.parallelism = 1
+    op = ConnectorSinkOperator("out", TextFileSink("out", out, transactional=True, output=output))
+    legit = ["rename", str(out / ".part-00000-000090.txt.inprogress"), str(out / "part-00000-000090.txt")]
+    op.restore_state({"pending": [[3, [legit, crafted_actions(tmp_path, out)[case]]]], "writers": [{"seq": 99}]})
+    before = sorted(os.listdir(out)), sorted(os.listdir(tmp_path))
+    with pytest.raises(checkpoint.UnsafeCommitError) as info:
+        op.open(0, 1)
+    assert (tmp_path / "victim").read_text() == "precious"
+    assert (tmp_path / "attacker").read_text() == "evil"
+    assert (sorted(os.listdir(out)), sorted(os.listdir(tmp_path))) == before     # not a file moved
+    assert info.value.action == crafted_actions(tmp_path, out)[case]
 
 
 # ---------------------------------------------------------------- 2. every checkpoint damaged
@@ -171,7 +203,7 @@ def test_a_restored_sink_drops_the_parts_it_committed_after_its_checkpoint(tmp_p
         (tmp_path / f"part-{sub:05d}-{seq:06d}.txt").write_text(f"{sub} {seq}\n")
     (tmp_path / ".part-00000-000004.txt.inprogress").write_text("pending\n")
     sink = TextFileSink("out", tmp_path, transactional=True, output=out)
-    sink.restore_state({"seq": 2})       # the restored checkpoint covered parts 0 and 1
+    sink.restore_state([{"seq": 2}])     # the restored checkpoint covered parts 0 and 1
     sink.open(0, 2)
     assert sorted(os.listdir(tmp_path)) == ["part-00000-000000.txt", "part-00000-000001.txt",
                                             "part-00001-000002.txt"]

@@ -120,3 +120,48 @@ def test_from_source_takes_a_source():
         env.from_source([1, 2, 3])
     with pytest.raises(TypeError, match="fb.Sink"):
         env.from_collection([1]).sink_to(print)
+
+
+def test_a_file_sink_and_a_user_sink_commit_through_the_same_operator(tmp_path, monkeypatch):
+    """write_text and a user's fb.Sink (no Kafka) in one job: both run on
+    ConnectorSinkOperator, both commit in their subtasks when checkpoints
+    complete and through the driver's final commit at the end, exactly once
+    through a failure; no checkpoint lists a rename of its own any more."""
+    from pyflowbuf.checkpoint import CheckpointStorage
+    from pyflowbuf.connectors import api as capi
+
+    committed_by = collections.Counter()
+    notify = capi.ConnectorSinkOperator.notify_checkpoint_complete
+    final = capi.run_final_commit
+
+    def notified(self, checkpoint_id):
+        if any(0 <= n <= checkpoint_id and cs for n, cs in self.pending):
+            committed_by[("subtask", type(self.sink).__name__)] += 1
+        return notify(self, checkpoint_id)
+
+    def final_commit(action, sink=None):
+        committed_by[("driver", type(capi.committer(action)).__name__)] += 1
+        return final(action, sink)
+
+    monkeypatch.setattr(capi.ConnectorSinkOperator, "notify_checkpoint_complete", notified)
+    monkeypatch.setattr(capi, "run_final_commit", final_commit)
+    text, files = tmp_path / "text", tmp_path / "files"
+    files.mkdir()
+    env = fb.Environment(parallelism=2, checkpoint_interval=0.02, checkpoint_dir=str(tmp_path / "chk"),
+                         restart_attempts=2)
+    nums = (env.from_source(Numbers(6000, 5), name="numbers").map(FailOnce(tmp_path / "failed", 2000))
+            .map(lambda x: (__import__("time").sleep(0.0002), x)[1]))
+    a = nums.map(str, kind="str").write_text(str(text), name="text").uid("text")
+    b = nums.sink_to(Files(str(files)), name="files").uid("files")
+    ops = [a._node.make_operator(), b._node.make_operator()]
+    assert {type(op) for op in ops} == {capi.ConnectorSinkOperator}
+    env.execute()
+    assert os.path.exists(tmp_path / "failed")
+    assert committed(files) == collections.Counter(range(6000))
+    assert committed(text) == collections.Counter(range(6000))
+    assert not [n for n in os.listdir(text) if n.startswith(".")]
+    for sink in ("TextFileSink", "Files"):
+        assert committed_by[("subtask", sink)] >= 1, committed_by
+        assert committed_by[("driver", sink)] >= 1, committed_by
+    for meta in CheckpointStorage(str(tmp_path / "chk")).list_complete():
+        assert all(c[0] == "connector" for c in meta.properties["commits"]), meta.properties["commits"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import glob
 import os
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -223,15 +224,11 @@ def test_a_restored_job_over_a_file_url_commits_exactly_once(tmp_path, sink, wor
     every record once, and nothing is left in progress."""
     if workers and not hasattr(os, "fork"):
         pytest.skip("workers need fork")
-    from pipeline_helpers import FailOnceAfterCheckpoint
-
     url = (tmp_path / "out").as_uri()
-    fail = FailOnceAfterCheckpoint(at=300)
     env = fb.Environment(parallelism=2, workers=workers, checkpoint_interval=0.05,
                          checkpoint_dir=(tmp_path / "chk").as_uri(), restart_attempts=2)
-    fail.env = env
     s = (env.from_sequence(0, 3000, parallelism=2, rate_limit=20_000)
-            .map(fail if workers is None else _fail_once_in_worker(tmp_path), name="fails once"))
+            .map(_fail_once_in_worker(tmp_path), name="fails once"))
     if sink == "parquet":
         s.write_parquet(url, parallelism=2)
     else:
@@ -244,15 +241,19 @@ def test_a_restored_job_over_a_file_url_commits_exactly_once(tmp_path, sink, wor
 
 
 def _fail_once_in_worker(tmp_path):
-    """In a worker process: fail once, after a checkpoint has completed (a marker file)."""
+    """In any process: fail once (a marker file), from record 300 on, after a
+    checkpoint has completed; until one has, go slowly, so that the bounded
+    job cannot end first however loaded the machine."""
     marker, chk = str(tmp_path / "failed"), str(tmp_path / "chk")
 
     def fn(x):
-        if x % 50 == 0 and not os.path.exists(marker) and os.path.isdir(chk) and any(
-                n.startswith("chk-") and os.path.exists(os.path.join(chk, n, "_metadata")) for n in os.listdir(chk)):
-            with open(marker, "w") as f:
-                f.write(str(x))
-            raise RuntimeError(f"injected failure at {x}")
+        if x >= 300 and not os.path.exists(marker):
+            if os.path.isdir(chk) and any(n.startswith("chk-") and os.path.exists(os.path.join(chk, n, "_metadata"))
+                                          for n in os.listdir(chk)):
+                with open(marker, "w") as f:
+                    f.write(str(x))
+                raise RuntimeError(f"injected failure at {x}")
+            time.sleep(0.002)
         return x
     return fn
 
@@ -275,3 +276,32 @@ def test_a_memory_checkpoint_dir_is_refused_with_worker_processes_before_they_st
     env.from_sequence(0, 100).map(lambda x: x + 1).collect()
     with pytest.raises(fb.errors.ConfigurationError, match="checkpoint_dir.*memory"):
         env.execute()
+
+
+def test_a_subtask_brought_back_by_a_rescale_keeps_the_parts_it_committed_before(tmp_path):
+    """3 -> 2 -> 3: subtask 2 had committed parts 0..4 while subtasks 0 and 1
+    had one each; brought back, it numbers its parts after its own (the
+    numbers of the others alone would have it remove parts 1..4 as written
+    after the checkpoint, and write over them)."""
+    from pyflowbuf.connectors.outputs import FileOutput
+    from pyflowbuf.connectors.sinks import TextFileSink
+
+    for sub, seq in [(0, 0), (1, 0)] + [(2, s) for s in range(5)]:
+        (tmp_path / f"part-{sub:05d}-{seq:06d}.txt").write_text(f"{sub} {seq}\n")
+    before = sorted(os.listdir(tmp_path))
+
+    def sink(states, index, parallelism):
+        out = FileOutput(tmp_path, ".txt")
+        out.parallelism = parallelism
+        s = TextFileSink("out", tmp_path, transactional=True, output=out)
+        s.restore_state(s._rescale_writer_states(states, index, parallelism))
+        s.open(index, parallelism)
+        return s
+
+    at3 = [{"seq": 1}, {"seq": 1}, {"seq": 5}]
+    at2 = [sink(at3, i, 2).snapshot_state() for i in range(2)]
+    assert sorted(os.listdir(tmp_path)) == before
+    again = sink(at2, 2, 3)
+    assert sorted(os.listdir(tmp_path)) == before
+    again.write(["x"])
+    assert again.prepare_commit(7)[0][2].endswith("part-00002-000005.txt")

@@ -51,14 +51,15 @@ def _bare(cls):
 # The optional parts each contract declares, with the value meaning "not used".
 OPERATOR_PARTS = {"timestamped": False, "passes_records": False, "on_watermark": None, "metrics": None,
                   "event_time": False, "timers": None, "fire_processing": None, "clock": None, "key_fn": None,
-                  "key_fns": None, "commit_directory": None, "node_id": None, "uid": None, "side": None,
+                  "key_fns": None, "commit_directory": None, "type_name": None, "node_id": None, "uid": None, "side": None,
                   "chain_output": None, "fired_ts": None, "out_kind": None}
 SOURCE_PARTS = {"what": None, "wakeup": None, "not_rewindable_because": None, "rescale_positions": None,
                 "rewindable": False}
 
 OPERATORS = [c for c in _subclasses(Operator) if not inspect.isabstract(c)]
 SOURCES = _subclasses(srcs.Source)
-SINKS = [c for c in OPERATORS if not c.__name__.startswith("_") and c.__module__ in ("pyflowbuf.connectors.sinks", "pyflowbuf.connectors.console")]
+SINKS = [c for c in OPERATORS if not c.__name__.startswith("_") and c.__module__ in ("pyflowbuf.connectors.sinks", "pyflowbuf.connectors.console",
+                                                                   "pyflowbuf.connectors.api")]
 
 
 def test_the_contracts_declare_their_optional_parts_with_their_defaults():
@@ -87,7 +88,7 @@ def test_every_concrete_operator_class_is_found():
             "CoProcess", "KeyedCoProcess", "ProcessOperator", "KeyedProcessOperator", "KeyedCoProcessOperator",
             "TimestampsAssigner", "WindowOperator", "TriggerWindowOperator", "CountWindowOperator",
             "ArrowWindowOperator", "WindowJoinOperator", "IntervalJoinOperator", "CollectSink", "FunctionSink",
-            "TextFileSink", "ParquetFileSink", "PrintSink"} <= names
+            "ConnectorSinkOperator", "PrintSink"} <= names
 
 
 @pytest.mark.parametrize("cls", OPERATORS, ids=lambda c: c.__name__)
@@ -113,11 +114,15 @@ def test_each_sink_the_api_makes_satisfies_the_sink_contract(tmp_path):
     s = env.from_collection([{"a": 1}])
     handles = [s.collect(), s.sink(print), s.print(), s.write_text(str(tmp_path / "t")),
                s.write_parquet(str(tmp_path / "p"))]
-    made = {type(op): op for op in (h._node.make_operator() for h in handles)}
+    ops = [h._node.make_operator() for h in handles]
+    made = {type(op): op for op in ops}
     assert set(made) == set(SINKS)
     for cls, op in made.items():
         assert isinstance(op, SinkOperator), cls.__name__
     assert made[sinks.CollectSink].commit_directory is None
+    # the part-file sinks are connector sinks, named in checkpoints as before
+    assert [type(op.sink).__name__ for op in ops[3:]] == [op.type_name for op in ops[3:]] == \
+        ["TextFileSink", "ParquetFileSink"]
 
 
 def _members(protocol) -> set:

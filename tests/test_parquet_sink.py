@@ -227,25 +227,23 @@ def test_exactly_once_across_a_failure(tmp_path):
 def test_a_restored_subtask_keeps_the_schema_of_its_committed_files(tmp_path):
     first = ParquetFileSink("out", tmp_path, transactional=True)
     first.open(0, 1)
-    first.process_batch([{"x": 1}])
+    first.write([{"x": 1}])
     state = first.snapshot_state()
     actions = first.prepare_commit(1)
     assert [a[0] for a in actions] == ["rename"] and state["schema"]
 
     again = ParquetFileSink("out", tmp_path, transactional=True)
-    again.restore_state(first.snapshot_state())
+    again.restore_state([first.snapshot_state()])
     again.open(0, 1)
     assert again.seq == 1 and again.schema.equals(first.schema)
     with pytest.raises(errors.RecordTypeError, match="column 'x'"):
-        again.process_batch([{"x": "one"}])
+        again.write([{"x": "one"}])
 
 
 def test_a_part_of_empty_batches_still_commits_a_file(tmp_path):
-    from pyflowbuf.checkpointing.coordinator import run_commits
-
     sink = ParquetFileSink("out", tmp_path, transactional=True)
     sink.open(0, 1)
-    sink.process_batch([pa.record_batch({"x": pa.array([], pa.int64())})])
-    run_commits(sink.prepare_commit(-1), [sink.output])
+    sink.write([pa.record_batch({"x": pa.array([], pa.int64())})])
+    sink.commit(sink.prepare_commit(-1))
     assert os.listdir(tmp_path) == ["part-00000-000000.parquet"]
     assert pq.read_table(tmp_path).schema.names == ["x"]

@@ -228,7 +228,9 @@ class ConnectorSinkDeclarations:
             raise TypeError(f"sink_to takes a pyflowbuf.Sink (a subclass of fb.Sink), got {sink!r}")
         key = f"sink:{self.env.name}/{name}"
         capi.declare(key, sink)
-        node = self._then(name, lambda: capi.ConnectorSinkOperator(name, sink, key), parallelism, None, sink=True)
+        checkpointed = self.env.checkpoint_config.enabled
+        node = self._then(name, lambda: capi.ConnectorSinkOperator(name, sink, key, checkpointed), parallelism,
+                          None, sink=True)
         return DataSink(self.env, node)
 
     def write_kafka(self, topic: str, *, bootstrap_servers: str, key: Callable | None = None,
@@ -288,9 +290,10 @@ class ConnectorSinkDeclarations:
                             connect_timeout=connect_timeout, transaction_timeout=transaction_timeout, name=name)
         commit_key = f"kafka:{prefix}"
         capi.declare(commit_key, sink)
+        checkpointed = env.checkpoint_config.enabled
 
         def make():
-            return capi.ConnectorSinkOperator(name, sink, commit_key)
+            return capi.ConnectorSinkOperator(name, sink, commit_key, checkpointed)
 
         node = self._then(name, make, parallelism, None, sink=True)
         return DataSink(env, node)

@@ -9,6 +9,7 @@ from typing import Callable
 from pyflowbuf._validation import _callable, _output_path, _positive_int
 from pyflowbuf.connectors import PrintSink
 from pyflowbuf.errors import ConfigurationError
+from pyflowbuf.connectors import api as capi
 from pyflowbuf.connectors import sinks as sink_ops
 from pyflowbuf.jobgraph.graph import Node, set_uid
 from pyflowbuf.connectors.outputs import FileOutput, check_mode
@@ -115,11 +116,19 @@ class SinkDeclarations:
         path = _output_path(path, name)
         output = FileOutput(path, ".txt", check_mode(mode, f"write_text {name!r}"), f"write_text {name!r}",
                             legacy_suffixes=("",))
+        sink = sink_ops.TextFileSink(name, path, output=output, transactional=self.env.checkpoint_config.enabled)
+        return self._part_file_sink(name, sink, output, parallelism)
+
+    def _part_file_sink(self, name, sink, output, parallelism) -> "DataSink":
+        """A part-file sink is a connector sink (``connectors/sinks.py``): its
+        subtasks commit through ``ConnectorSinkOperator``, the driver runs
+        its final commits under its commit key."""
+        checkpointed = self.env.checkpoint_config.enabled
+        output.commit_key = key = f"files:{self.env.name}/{name}:{output.path}"
+        capi.declare(key, sink)
         # the operator factory travels to the workers (a SparkCluster pickles
         # it): it holds plain values, never the Environment
-        transactional = self.env.checkpoint_config.enabled
-        node = self._then(name, lambda: sink_ops.TextFileSink(name, path, output=output,
-                                                              transactional=transactional),
+        node = self._then(name, lambda: capi.ConnectorSinkOperator(name, sink, key, checkpointed),
                           parallelism, None, sink=True)
         output.parallelism = node.parallelism
         node.file_output = output
@@ -157,15 +166,10 @@ class SinkDeclarations:
         output = FileOutput(path, ".parquet", check_mode(mode, f"write_parquet {name!r}"),
                             f"write_parquet {name!r}")
         schema = sink_ops.parquet_settings(schema, compression)
-        transactional = self.env.checkpoint_config.enabled
-        node = self._then(name, lambda: sink_ops.ParquetFileSink(name, path, schema=schema,
-                                                                 row_group_size=row_group_size,
-                                                                 compression=compression, output=output,
-                                                                 transactional=transactional),
-                          parallelism, None, sink=True)
-        output.parallelism = node.parallelism
-        node.file_output = output
-        return DataSink(self.env, node)
+        sink = sink_ops.ParquetFileSink(name, path, schema=schema, row_group_size=row_group_size,
+                                        compression=compression, output=output,
+                                        transactional=self.env.checkpoint_config.enabled)
+        return self._part_file_sink(name, sink, output, parallelism)
 
     def to_iterator(self, *, name: str = "iterator", zero_copy: bool = False) -> "IteratorSink":
         """A sink read by ``Environment.execute_iter`` in the caller's thread.

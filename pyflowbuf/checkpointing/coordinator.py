@@ -500,8 +500,9 @@ class CheckpointCoordinator:
 # ---------------------------------------------------------------- sink commits
 
 def run_commits(commits, outputs) -> None:
-    """Carry out sink commit actions (``connectors/outputs.py``: checked against
-    the job's part-file sinks, then each rename done where the files are)."""
+    """Carry out the sink commits the driver runs (``connectors/outputs.py``:
+    the final committables of ended sink subtasks, and the renames an older
+    checkpoint lists, all checked before any runs)."""
     outputs_mod.run_commits(commits, outputs)
 
 

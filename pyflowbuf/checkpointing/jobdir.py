@@ -27,7 +27,7 @@ from pyflowbuf.checkpoint.errors import CheckpointDirectoryInUseError, Incompati
 from pyflowbuf.checkpoint.lock import DirectoryLock, wait_for_ending_holder
 from pyflowbuf.checkpoint.storage import CheckpointStorage
 from pyflowbuf.config import DEFAULT_CHECKPOINT_DIR
-from pyflowbuf.operators.contracts import Operator
+from pyflowbuf.operators.contracts import Operator, type_name
 
 log = logging.getLogger("pyflowbuf.checkpoint")
 
@@ -43,11 +43,12 @@ def _stateful(node) -> tuple | None:
         return ("source", False)
     if node.make_operator is None:
         return None
-    cls = type(node.make_operator())
+    op = node.make_operator()
+    cls = type(op)
     if cls.keyed_state:
-        return (cls.__name__, True)
+        return (type_name(op), True)
     if cls.snapshot_state is not Operator.snapshot_state:
-        return (cls.__name__, False)
+        return (type_name(op), False)
     return None
 
 

@@ -87,9 +87,11 @@ from pyflowbuf.checkpoint.columns import decode_map, decode_rows, encode_map
 from pyflowbuf.checkpoint.container import dumps, loads
 from pyflowbuf.checkpoint.storage import CorruptCheckpointError, IncompatibleCheckpointError
 from pyflowbuf.checkpoint import keygroups as kg
+from pyflowbuf.connectors import api as connector_api
 from pyflowbuf.connectors import outputs as sink_outputs
 from pyflowbuf.jobgraph.graph import ID_SCHEME, LEGACY_SCHEME, assign_uids, is_stateful, operator_type
 from pyflowbuf.checkpointing import assignment, key_kinds
+from pyflowbuf.operators.contracts import type_name
 from pyflowbuf.checkpointing.inflight import InflightPlan, decoded as decoded_inflight
 
 log = logging.getLogger("pyflowbuf.checkpoint")
@@ -127,7 +129,7 @@ def stored_state(task, state: dict, max_parallelism: int, allow_pickle: bool) ->
     increments = state.get("increments") or [None] * len(task.operators)
     for op, raw, inc in zip(task.operators, state["operators"], increments):
         uid = op.uid or op.name
-        e = {"uid": uid, "name": op.name, "type": type(op).__name__}
+        e = {"uid": uid, "name": op.name, "type": type_name(op)}
         info = {"name": op.name, "type": e["type"], "stateful": raw is not None, "keyed": False, "bytes": 0}
         if raw is not None and op.keyed_state:
             written, refs = (None, None) if inc is None or not inc[1] else inc
@@ -601,7 +603,7 @@ class RestorePlan:
             if old is None or not old.get("stateful"):
                 continue
             if n is not None:
-                op_type = type(n.make_operator()).__name__
+                op_type = type_name(n.make_operator())
                 if old["type"] != op_type:
                     raise IncompatibleCheckpointError(
                         f"{where}: operator id {uid!r} was a {old['type']} ({old['name']!r}) and is a {op_type} "
@@ -1046,14 +1048,20 @@ def started_fresh(execution) -> None:
 
 
 def restored_commits(meta, nodes, allow_non_restored_state: bool) -> list:
-    """The sink commits of checkpoint ``meta`` that a restore carries out.
-    With ``allow_non_restored_state``, those of a part-file sink whose state
-    is dropped (the job no longer has its operator id, and no sink of the job
-    writes its directory) are dropped too, with a ``NonRestoredStateWarning``
-    naming the sink and its directory: its pending parts stay there as they
-    were, hidden ``.part-*.inprogress`` files, never renamed."""
+    """The sink commits of checkpoint ``meta`` that the driver carries out on
+    a restore (``connectors/outputs.run_commits``): the final committables
+    of sink subtasks that had ended, and, in a checkpoint written before the
+    part-file sinks were connector sinks, their renames. The committables of
+    running subtasks are in their sinks' state, committed by the restored
+    subtasks. With ``allow_non_restored_state``, a part-file sink whose state
+    is dropped (the job no longer has its operator id, and no sink of the
+    job writes its directory) has its commits dropped too, with a
+    ``NonRestoredStateWarning`` naming the sink and its directory: its
+    pending parts stay there as they were, hidden ``.part-*.inprogress``
+    files, never renamed; so do the final commits of a connector sink this
+    job no longer declares."""
     commits = meta.properties.get("commits") or []
-    if not allow_non_restored_state or not commits:
+    if not allow_non_restored_state:
         return commits
     ops = meta.properties.get("operators") or {}
     current = {n.operator_uid for n in nodes}
@@ -1065,8 +1073,12 @@ def restored_commits(meta, nodes, allow_non_restored_state: bool) -> list:
     # written before sinks recorded their directory: a commit into no sink's directory of this job
     # belongs to one of the sinks that are gone
     unknown = [uid for uid, o in gone.items() if not o.get("directory") and o["type"] in _PART_FILE_SINKS]
-    keep, dropped = [], {}
+    dropped = {(uid, d): [] for d, uid in gone_dirs.items() if d not in here}
+    keep, orphaned = [], []
     for action in commits:
+        if isinstance(action, (list, tuple)) and action and action[0] == "connector":
+            (keep if connector_api.committer(action) is not None else orphaned).append(action)
+            continue
         d = sink_outputs.commit_directory(action)
         uid = gone_dirs.get(d) if d is not None and d not in here else None
         if uid is None and d is not None and d not in here and unknown:
@@ -1079,9 +1091,14 @@ def restored_commits(meta, nodes, allow_non_restored_state: bool) -> list:
         name = ops[uid]["name"] if uid in ops else "a sink"
         warnings.warn(
             f"checkpoint {meta.checkpoint_id}: the state of sink {name!r} (uid {uid!r}) is dropped "
-            f"(allow_non_restored_state=True), and so are its {len(actions)} pending commit(s) into {d}: its "
-            "parts written before the checkpoint that were not yet committed stay there as hidden "
-            "'.part-*.inprogress' files (rename one without the leading '.' and the '.inprogress' to keep it)",
+            f"(allow_non_restored_state=True), and so are its pending commits into {d}: its parts written "
+            "before the checkpoint that were not yet committed stay there as hidden '.part-*.inprogress' files "
+            "(rename one without the leading '.' and the '.inprogress' to keep it)",
+            errors.NonRestoredStateWarning, stacklevel=2)
+    for action in orphaned:
+        warnings.warn(
+            f"checkpoint {meta.checkpoint_id}: the final commit of sink {action[1]!r}, which this job no longer "
+            "has, is dropped with its state (allow_non_restored_state=True): what it wrote last stays uncommitted",
             errors.NonRestoredStateWarning, stacklevel=2)
     return keep
 

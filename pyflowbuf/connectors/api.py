@@ -37,6 +37,7 @@ import zlib
 from typing import Any
 
 from pyflowbuf import errors
+from pyflowbuf.checkpoint.errors import UnsafeCommitError
 from pyflowbuf.connectors import sources as srcs
 from pyflowbuf.operators.contracts import Operator
 
@@ -335,6 +336,17 @@ class Sink:
     def close(self) -> None:
         """The subtask ended (after its last commit, or a failure)."""
 
+    # The part-file sinks' parts (``connectors/sinks.py``), declared here with
+    # the value meaning "not used" (a user's sink leaves them): the name its
+    # state has in checkpoints and derived ids, the directory it commits
+    # into, a check of committables read back from a checkpoint before any
+    # is committed, and its own rule for handing writer states to another
+    # parallelism (``ConnectorSinkOperator.rescale_state``).
+    _type_name: str | None = None
+    _commit_directory: str | None = None
+    _check_committables = None
+    _rescale_writer_states = None
+
 
 # The connector sinks declared in this process, by commit key: the driver
 # runs the commits of a job's final state (a sink subtask that reached the end
@@ -353,10 +365,27 @@ def committer(action):
     return _DECLARED.get(action[1])
 
 
-def run_final_commit(action) -> None:
+def checked_final_commit(action) -> "Sink":
+    """The declared sink that runs a final commit action
+    (``["connector", commit key, committables]``), once the action is one a
+    sink of this job can have written: it comes back from ``_metadata`` on a
+    restore, so a sink unknown here, or committables the sink itself refuses
+    (``_check_committables``), raise ``UnsafeCommitError`` before anything
+    is committed."""
+    sink = committer(action) if isinstance(action, (list, tuple)) else None
+    if sink is None:
+        raise UnsafeCommitError(
+            f"refusing sink commit {str(action)[:200]}: no connector sink of this job has the commit key "
+            f"{action[1] if isinstance(action, (list, tuple)) and len(action) > 1 else None!r}", action=action)
+    if sink._check_committables is not None:
+        sink._check_committables(action[2])
+    return sink
+
+
+def run_final_commit(action, sink: "Sink | None" = None) -> None:
     """Commit a finished sink subtask's last committables (in the driver, on
     a fresh copy of the declared sink: ``open`` is not called)."""
-    sink = copy.deepcopy(committer(action))
+    sink = copy.deepcopy(sink if sink is not None else checked_final_commit(action))
     try:
         sink.commit(action[2])
     finally:
@@ -364,7 +393,9 @@ def run_final_commit(action) -> None:
 
 
 class ConnectorSinkOperator(Operator):
-    """The operator that runs a ``fb.Sink`` in its subtask.
+    """The operator that runs a ``fb.Sink`` in its subtask: every sink that
+    commits with checkpoints, user sinks, Kafka and the part-file sinks
+    (``write_text``, ``write_parquet``), commits through it.
 
     Committables are committed here when a checkpoint completes, and after a
     restore. At the end of input the last ones (and any whose checkpoint was
@@ -372,17 +403,30 @@ class ConnectorSinkOperator(Operator):
     driver runs once the whole job has ended: committing them when this
     subtask ends would duplicate them if another task then failed and the job
     restored a checkpoint taken before this subtask's end. Without
-    checkpoints, the subtask commits them itself when it ends."""
+    checkpoints (``checkpointed=False``), the subtask commits them itself at
+    the end of its input, and a failure to commit fails it."""
 
     kind = "sink"
 
-    def __init__(self, name, sink: Sink, commit_key: str | None = None):
+    def __init__(self, name, sink: Sink, commit_key: str | None = None, checkpointed: bool | None = None):
         super().__init__(name)
         self.sink = copy.deepcopy(sink)
         self.commit_key = commit_key
+        self.checkpointed = checkpointed   # None: not known (commits at close when no checkpoint took them)
         self.pending: list = []         # [checkpoint id, committables] not known to be committed
         self.to_recommit: list = []     # committables of the restored checkpoint
         self.final = None               # the committables prepared at the end of input
+
+    @property
+    def type_name(self) -> str:
+        """What checkpoints and derived ids call it (``contracts.type_name``):
+        the part-file sinks keep the names their operators had before they
+        ran on this one, so their ids and checkpoints stay valid."""
+        return self.sink._type_name or type(self).__name__
+
+    @property
+    def commit_directory(self):
+        return self.sink._commit_directory
 
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
@@ -415,17 +459,24 @@ class ConnectorSinkOperator(Operator):
 
     def restore_state(self, state):
         if state:
+            state = _sink_state(state)
             self.to_recommit = [c for _, cs in state.get("pending", ()) for c in cs]
             self.sink.restore_state([w for w in state.get("writers", ()) if w is not None])
 
     def rescale_state(self, states, index, parallelism):
         """Subtask ``index`` commits the committables of the old subtasks
-        ``index``, ``index + parallelism``, ... and gets their writer states."""
+        ``index``, ``index + parallelism``, ... and gets their writer states
+        (or those the sink's own rule, ``_rescale_writer_states``, gives it)."""
+        states = [_sink_state(s) if s else s for s in states]
         mine = [s for j, s in enumerate(states) if s and j % parallelism == index]
-        if not mine:
+        rule = self.sink._rescale_writer_states
+        if rule is not None:
+            writers = rule([(s.get("writers") or [None])[0] if s else None for s in states], index, parallelism)
+        else:
+            writers = [w for s in mine for w in s.get("writers", ())]
+        if not mine and not any(w is not None for w in writers):
             return None
-        return {"pending": [p for s in mine for p in s.get("pending", ())],
-                "writers": [w for s in mine for w in s.get("writers", ())]}
+        return {"pending": [p for s in mine for p in s.get("pending", ())], "writers": writers}
 
     def notify_checkpoint_complete(self, checkpoint_id):
         done = [c for n, cs in self.pending if 0 <= n <= checkpoint_id for c in cs]
@@ -436,6 +487,12 @@ class ConnectorSinkOperator(Operator):
     def finish(self):
         last = list(self.sink.prepare_commit(END_OF_INPUT))
         self.final = [c for _, cs in self.pending for c in cs] + last
+        if self.checkpointed is False:
+            # no checkpoint takes the final state: commit here, where a failure fails the subtask
+            done, self.final = self.final, None
+            self.pending = []
+            if done:
+                self.sink.commit(done)
         return []
 
     def close_connector(self, failed: bool) -> None:
@@ -449,3 +506,12 @@ class ConnectorSinkOperator(Operator):
                 self.sink.commit(done)
         finally:
             self.sink.close()
+
+
+def _sink_state(state) -> dict:
+    """A ``ConnectorSinkOperator`` state; a part-file sink's state of a
+    checkpoint written before it ran on this operator (``{"seq": ...}``,
+    its committables in ``_metadata``'s commits) is its writer state."""
+    if isinstance(state, dict) and ("writers" in state or "pending" in state):
+        return state
+    return {"pending": [], "writers": [state]}

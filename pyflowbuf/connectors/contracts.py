@@ -51,11 +51,13 @@ class SourceOperator(Protocol):
 @runtime_checkable
 class SinkOperator(Protocol):
     """The sink side of the operator contract: at each checkpoint barrier
-    ``prepare_commit(checkpoint_id)`` closes the transaction it covers and
-    returns idempotent actions; the job carries them out once the
-    checkpoint completes (a restore runs those still pending), and the
-    sink hears of it in ``notify_checkpoint_complete``. ``commit_directory``: where a part-file
-    sink's commits rename files (None: it has none)."""
+    ``prepare_commit(checkpoint_id)`` closes the transaction it covers, and
+    the sink commits it itself when it hears of the checkpoint's completion
+    in ``notify_checkpoint_complete`` (``ConnectorSinkOperator``, which every
+    committing sink runs on). At the end of input (-1) it returns the
+    idempotent actions the driver carries out once the job has ended.
+    ``commit_directory``: where a part-file sink's commits rename files
+    (None: it has none)."""
 
     commit_directory: str | None
 

@@ -25,11 +25,14 @@ directory's files are listed, written, removed and renamed through ``os``
 for a local path (the fast path) and through the URL's fsspec file system
 otherwise (``connectors/filesystems.py``).
 
-A sink commit is a rename of one pending part into its final name, carried
-out by the driver where the files are (``run_commits``). Commits come back
-from ``_metadata`` on a restore, so before any of them runs each is checked
-against the sinks of the job's current graph (``check_commits``): a file
-that is not a pending part of one of those directories is never moved.
+The sinks (``connectors/sinks.py``) are connector sinks (``fb.Sink``, run
+by ``ConnectorSinkOperator``): a committable is the rename of one pending
+part into its final name, ``["rename", pending path, final path]``,
+committed where the connector sinks commit (in the subtask when a checkpoint
+completes and on restore; by the driver for a subtask's last ones at the end
+of input). Committables come back from checkpoints, so before any file moves
+each is checked against the sink's own FileOutput (``check_renames``): a file
+that is not a pending part of its directory is never moved.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ import re
 
 from pyflowbuf import errors
 from pyflowbuf.connectors import api as connector_api
-from pyflowbuf.checkpoint.storage import UnsafeCommitError
+from pyflowbuf.checkpoint.errors import UnsafeCommitError
 from pyflowbuf.connectors.filesystems import Directory, as_local, canonical, is_process_local, is_url, split
 
 log = logging.getLogger("pyflowbuf")
@@ -76,10 +79,17 @@ class FileOutput:
         # older checkpoint that does not say)
         self.restored_state = None
         self.uid = None
+        self.commit_key = None        # its sink's (connectors/api.py ``declare``), set by write_text/write_parquet
         self.declared_in = os.getpid()
         suffixes = "|".join(re.escape(s) for s in (suffix, *legacy_suffixes))
         self._final = re.compile(rf"{_PART}(?:{suffixes})\Z")
         self._pending = re.compile(rf"\.{_PART}(?:{suffixes})\.inprogress\Z")
+
+    def __deepcopy__(self, memo):
+        # one per sink: every copy of the sink (one per subtask, the driver's
+        # for a final commit) sees what the driver decided (seq_start, the
+        # restored parallelism) whenever the copy was made
+        return self
 
     def check_process(self) -> None:
         """Refuse a ``memory://`` directory in a process other than the one
@@ -176,7 +186,7 @@ def prepare_outputs(nodes, *, restoring: bool, checkpoint_dir=None) -> None:
 # ---------------------------------------------------------------- commits
 
 def commit_directory(action):
-    """The directory (``directory_key``) a rename commit action renames a
+    """The directory (``directory_key``) a rename committable renames a
     file in; None for what is not a rename."""
     if (isinstance(action, (list, tuple)) and len(action) == 3 and action[0] == "rename"
             and isinstance(action[1], str) and action[1]):
@@ -195,56 +205,77 @@ def _dir_key(directory: str) -> str:
     return canonical(directory) if is_url(directory) else os.path.realpath(directory)
 
 
-def check_commits(commits, outputs) -> None:
-    """Refuse, before any file moves, a commit action that the sinks
-    ``outputs`` (FileOutput) cannot have produced: a rename whose source is
-    not a pending part file of a subtask of one of their directories, whose
-    target is not that part's final name in the same directory, with a ``..``
-    in it, or whose source is a link."""
-    _check(commits, outputs)
-
-
-def _check(commits, outputs) -> list:
-    """(FileOutput, source name, target name) of each action, once all are checked."""
-    dirs = {}
-    for out in outputs:
-        dirs.setdefault(_dir_key(out.path), []).append(out)
+def check_renames(renames, output: FileOutput) -> list:
+    """``(source name, target name)`` of each rename committable of the sink
+    writing ``output``, once every one is checked: a committable read back
+    from a checkpoint may have been planted there, so one this sink cannot
+    have produced (``UnsafeCommitError``) refuses them all before any file
+    moves: a source that is not a pending part file of a subtask of its
+    directory, a target that is not that part's final name in the same
+    directory, a ``..`` in either, a source or target that is a link."""
+    dirs = {_dir_key(output.path): [output]}
     checked = []
-    for action in commits:
-        if isinstance(action, (list, tuple)) and action and action[0] == "connector":
-            # a connector sink's final commit (connectors/api.py): only a sink
-            # declared in this process's job, found by its commit key
-            if connector_api.committer(action) is None:
-                raise UnsafeCommitError(
-                    f"refusing sink commit {str(action)[:200]}: no connector sink of this job has the commit key "
-                    f"{action[1] if len(action) > 1 else None!r}", action=action)
-            checked.append((None, action, None))
-            continue
+    for action in renames:
         why = _refusal(action, dirs)
         if isinstance(why, str):
             raise UnsafeCommitError(
-                f"refusing sink commit {action!r}: {why}; only the renames of this job's part-file sinks "
-                f"run (directories: {sorted(dirs) or 'none'})", action=action)
-        checked.append(why)
+                f"refusing sink commit {action!r}: {why}; only the renames of the part files of {output.what} "
+                f"run (directory {output.path})", action=action)
+        checked.append(why[1:])
     return checked
 
 
-def run_commits(commits, outputs) -> None:
-    """Carry out sink commit actions where the files are (``os`` for a local
-    directory, the URL's fsspec file system otherwise); each is idempotent,
-    so a commit repeated after a failure (the notification may have been
-    lost) changes nothing. ``outputs``: the FileOutputs of the job's sinks;
-    an action none of them can produce (read back from a crafted
-    ``_metadata``) refuses them all."""
-    for out, src, dst in _check(commits, outputs):
-        if out is None:
-            connector_api.run_final_commit(src)
-            continue
-        d = out.dir
-        if d.has(src):
-            d.rename(src, dst)
-        elif not d.has(dst):
+def commit_renames(renames, output: FileOutput) -> None:
+    """Rename each pending part into its final name, once all are checked
+    (``check_renames``). Idempotent: a rename repeated after a failure (a
+    checkpoint's completion may have been told and not carried out, or
+    carried out and not told) changes nothing."""
+    d = output.dir
+    for src, dst in check_renames(renames, output):
+        try:
+            if d.has(src):
+                d.rename(src, dst)
+                continue
+        except FileNotFoundError:       # renamed meanwhile by another commit of the same part
+            pass
+        if not d.has(dst):
             log.warning("pyflowbuf: committed file %s is missing (and %s too)", d.path(dst), d.path(src))
+
+
+def run_commits(commits, outputs) -> None:
+    """The sink commits the driver carries out: a finished sink subtask's last
+    committables (``["connector", commit key, committables]``, see
+    ``connectors/api.py``), when the job has ended or a checkpoint holding
+    them completes or is restored. A checkpoint written before the part-file
+    sinks were connector sinks (4628c8a and earlier) lists its renames
+    (``["rename", pending part, final name]``) instead: each is handed, as a
+    committable, to the sink of ``outputs`` (the job's FileOutputs) whose
+    directory it renames in. Every action is checked before any runs: one
+    that no sink of this job can have produced (read back from a crafted
+    ``_metadata``) refuses them all (``UnsafeCommitError``)."""
+    actions = _as_connector_commits(commits, outputs)
+    sinks = [connector_api.checked_final_commit(a) for a in actions]
+    for sink, action in zip(sinks, actions):
+        connector_api.run_final_commit(action, sink)
+
+
+def _as_connector_commits(commits, outputs) -> list:
+    dirs = {}
+    for out in outputs:
+        dirs.setdefault(_dir_key(out.path), []).append(out)
+    actions, legacy = [], {}
+    for action in commits:
+        if isinstance(action, (list, tuple)) and action and action[0] == "connector":
+            actions.append(action)
+            continue
+        why = _refusal(action, dirs)
+        if isinstance(why, str) or why[0].commit_key is None:
+            why = why if isinstance(why, str) else f"{why[0].what} takes no commits"
+            raise UnsafeCommitError(
+                f"refusing sink commit {action!r}: {why}; only the renames of this job's part-file sinks "
+                f"run (directories: {sorted(dirs) or 'none'})", action=action)
+        legacy.setdefault(why[0].commit_key, []).append(list(action))
+    return actions + [["connector", key, renames] for key, renames in legacy.items()]
 
 
 def _refusal(action, dirs):

@@ -1,16 +1,19 @@
 """Sinks: the last operator of a chain; they return nothing downstream.
 
 ``CollectSink`` and ``FunctionSink`` hand batches to the driver or to a user
-function; the part-file sinks (text, Parquet) write files that a checkpoint
-commits (see ``connectors/outputs.py`` for the output modes and the commit).
+function; the part-file sinks (text, Parquet) are connector sinks (``fb.Sink``) that
+write files a checkpoint commits (see ``connectors/outputs.py`` for the
+output modes and the commit).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf.operators.contracts import Operator, _is_dataframe
+from pyflowbuf.connectors import api as connector_api
+from pyflowbuf.connectors import outputs
 from pyflowbuf.connectors.outputs import FileOutput
+from pyflowbuf.operators.contracts import Operator, _is_dataframe
 from pyflowbuf.serializers import short_repr
 
 
@@ -95,41 +98,50 @@ class FunctionSink(Operator):
         return []
 
 
-class _PartFileSink(Operator):
+class _PartFileSink(connector_api.Sink):
     """A file sink: ``path`` is a directory of part files
     ``part-<subtask>-<seq><suffix>`` (``pyflowbuf.connectors.outputs``), each
-    written under a hidden name and renamed into place when committed.
-    Without checkpoints a subtask writes one part, committed when it ends.
-    With checkpoints a part is committed only when a checkpoint covering it
-    completes (or the job ends): Flink's two-phase commit, so readers never
-    see records a recovery will write again. Subclasses write the file
-    (``_open_file``, ``_write``, ``_close_file``: whether it left a part
-    to commit, ``_has_file``)."""
+    written under a hidden name and renamed into place when committed. It is
+    a connector sink (``fb.Sink``, run by ``ConnectorSinkOperator``): a part
+    closes at each checkpoint's barrier, its rename (``["rename", pending
+    path, final path]``) is the committable, and committing it renames the
+    part, in the subtask when a checkpoint covering it completes (or on
+    restore), by the driver for the last part at the end of input: Flink's
+    two-phase commit, so readers never see records a recovery will write
+    again. Without checkpoints a subtask writes one part, committed when its
+    input ends. Subclasses write the file (``_open_file``, ``_write``,
+    ``_close_file``: whether it left a part to commit, ``_has_file``)."""
 
-    kind = "sink"
     suffix = ""
 
     def __init__(self, name, path, transactional=False, output=None):
-        super().__init__(name)
+        self.name = name
         self.output = output if output is not None else FileOutput(path, self.suffix, what=name)
         self.path = self.output.path     # a local path or a canonical fsspec URL
         self.dir = self.output.dir       # where the files are listed, written and renamed
         self.transactional = transactional
         self.seq = None
-        self.uncommitted: list = []     # (checkpoint id, action) until a checkpoint covering it completes
+        self.subtask = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # checkpoints and derived ids name it as when it was an operator of its own
+        cls._type_name = cls.__name__
 
     def open(self, subtask, parallelism):
-        super().open(subtask, parallelism)
+        self.subtask, self.parallelism = subtask, parallelism
         self.output.check_process()
         self.dir.makedirs()
         restored = self.seq is not None
         if not restored:
             self.seq = self.output.seq_start
-        # what an earlier attempt left uncommitted will be written again, and
-        # so will the parts it committed after the checkpoint restored now
+        # What an earlier attempt left will be written again: its parts after
+        # the checkpoint restored now (pending, or committed by a later
+        # checkpoint). Pending parts before it are the checkpoint's own
+        # committables, which commit once this returns; a fresh start has none.
         for name in self.dir.names():
             p = self.output.parse(name)
-            if p is not None and p[0] == subtask and (p[2] or (restored and p[1] >= self.seq)):
+            if p is not None and p[0] == subtask and (p[1] >= self.seq if restored else p[2]):
                 self.dir.remove(name)
         self._remove_orphans()
         if not self.transactional:
@@ -141,74 +153,93 @@ class _PartFileSink(Operator):
     def _name(self, hidden: bool) -> str:
         return self.output.part_name(self.subtask, self.seq, hidden)
 
-    def process_batch(self, batch):
+    def write(self, batch):
         if not self._has_file():
             self._open_file(self._name(True))
         self._write(batch)
-        return []
-
-    def _close_part(self, checkpoint_id):
-        if not self._has_file():
-            return
-        if not self._close_file():
-            return
-        self.uncommitted.append((checkpoint_id, ("rename", self._part(True), self._part(False))))
-        self.seq += 1
 
     @property
-    def commit_directory(self):
+    def _commit_directory(self):
         """Where its commits rename files: recorded with its state, so that a
         restore dropping that state can name it."""
         return self.path if self.transactional else None
 
     def prepare_commit(self, checkpoint_id):
-        if not self.transactional:
+        """The part written since the last barrier closes; its rename is the committable."""
+        if not self._has_file() or not self._close_file():
             return []
-        self._close_part(checkpoint_id)
-        return [action for _, action in self.uncommitted]
+        action = ["rename", self._part(True), self._part(False)]
+        self.seq += 1
+        return [action]
 
-    def notify_checkpoint_complete(self, checkpoint_id):
-        self.uncommitted = [(n, a) for n, a in self.uncommitted if not 0 <= n <= checkpoint_id]
+    def _check_committables(self, committables) -> None:
+        outputs.check_renames(committables, self.output)
+
+    def commit(self, committables):
+        outputs.commit_renames(committables, self.output)
+
+    def abort(self):
+        # the part being written stays hidden; the next attempt removes it
+        if self._has_file():
+            try:
+                self._close_file()
+            except Exception:       # noqa: BLE001 - the subtask failed already
+                pass
 
     def snapshot_state(self):
-        return {"seq": self.seq} if self.transactional else None
+        if not self.transactional:
+            return None
+        if self._orphans:
+            # kept from rescale to rescale: a later one that brings such a
+            # subtask back numbers its parts after the ones it committed
+            return {"seq": self.seq, "orphans": dict(self._orphans)}
+        return {"seq": self.seq}
 
-    def restore_state(self, state):
-        if self.transactional and state:
+    def restore_state(self, states):
+        state = states[0] if self.transactional and states else None
+        if state:
             self.seq = state["seq"]
             self._orphans = state.get("orphans") or {}
 
     _orphans: dict = {}
 
-    def rescale_state(self, states, index, parallelism):
+    def _rescale_writer_states(self, states, index, parallelism):
         """Subtask ``index`` goes on with the part numbers of the subtask of
-        that index, a new one after every number used. Subtask 0 also
-        cleans up after the subtasks that are gone (``orphans``): their
-        parts written after the checkpoint will be written again."""
+        that index; a new one numbers its parts after every number used, its
+        own earlier ones too (a subtask that a lower parallelism left out and
+        a higher one brings back: ``orphans``). Subtask 0 also cleans up
+        after the subtasks that are gone (``orphans``): their parts written
+        after the checkpoint will be written again (those before it are
+        committables, committed by the subtask that takes them:
+        ``ConnectorSinkOperator.rescale_state``)."""
         known = [s for s in states if s]
         if not known:
-            return None
-        state = dict(states[index]) if index < len(states) and states[index] else \
-            dict(known[0], seq=max(s["seq"] for s in known))
+            return []
+        before = {}
+        for s in known:
+            for j, seq in (s.get("orphans") or {}).items():
+                before[j] = max(seq, before.get(j, 0))
+        if index < len(states) and states[index]:
+            state = dict(states[index])
+        else:
+            state = dict(known[0], seq=max([s["seq"] for s in known] + [before.get(str(index), 0)]))
+        state.pop("orphans", None)
         if index == 0:
-            state["orphans"] = {str(j): s["seq"] for j, s in enumerate(states) if j >= parallelism and s}
-        return state
+            gone = {str(j): s["seq"] for j, s in enumerate(states) if j >= parallelism and s}
+            kept = {j: seq for j, seq in before.items() if int(j) >= parallelism and j not in gone}
+            if gone or kept:
+                state["orphans"] = {**kept, **gone}
+        return [state]
 
     def _remove_orphans(self):
         """Parts of subtasks the restored checkpoint had and this job has
-        not, numbered from the checkpoint's on (or never committed)."""
+        not, numbered from the checkpoint's on."""
         if not self._orphans:
             return
         for name in self.dir.names():
             p = self.output.parse(name)
-            if p is not None and str(p[0]) in self._orphans and (p[2] or p[1] >= self._orphans[str(p[0])]):
+            if p is not None and str(p[0]) in self._orphans and p[1] >= self._orphans[str(p[0])]:
                 self.dir.remove(name)
-
-    def finish(self):
-        if not self.transactional and self._has_file():
-            if self._close_file():
-                self.dir.rename(self._name(True), self._name(False))
-        return []
 
 
 class TextFileSink(_PartFileSink):
@@ -361,8 +392,9 @@ class ParquetFileSink(_PartFileSink):
             state["schema"] = self.schema.serialize().to_pybytes()
         return state
 
-    def restore_state(self, state):
-        super().restore_state(state)
+    def restore_state(self, states):
+        super().restore_state(states)
+        state = states[0] if states else None
         # a declared schema wins: the user may have changed it on purpose
         if self.transactional and state and state.get("schema") is not None and self.schema is None:
             pa, _ = import_pyarrow()

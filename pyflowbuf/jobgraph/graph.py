@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pyflowbuf import errors
-from pyflowbuf.operators.contracts import Operator
+from pyflowbuf.operators.contracts import Operator, type_name
 
 PARTITIONERS = ("forward", "rebalance", "hash", "broadcast")
 
@@ -240,7 +240,7 @@ def operator_type(node: Node) -> str:
     if t is None:
         if node.make_operator is not None:
             op = node.make_operator()
-            t = type(op).__name__
+            t = type_name(op)
             node._state_kind = _state_kind(op, t)
         else:
             t = "source" if node.source is not None else "iterator"

@@ -149,6 +149,9 @@ class Operator(abc.ABC):
     # A sink that writes part files names the directory of its pending
     # commits (what a restore that drops its state reports); None otherwise.
     commit_directory: Any = None
+    # What checkpoints, derived ids and job fingerprints call its kind
+    # (``type_name``); None: its class's name.
+    type_name: Any = None
     # Its node in the job graph and the uid its state is stored under: given
     # by ``place`` when its task is deployed; None for an operator run by hand
     # (an OperatorHarness), whose state is stored under its name.
@@ -318,6 +321,14 @@ class Operator(abc.ABC):
             f"operator {self.name!r}: its function returned {short_repr(value)} ({t}) where an "
             f"iterable of records belongs{why}. Return a list of records (e.g. [value]), yield them, or "
             "use map() for one record per input")
+
+
+def type_name(op) -> str:
+    """What checkpoints, derived operator ids and job fingerprints call an
+    operator's kind: its class's name, or the ``type_name`` it gives (an
+    operator that took over another's work keeps that one's name, so ids and
+    checkpoints stay valid)."""
+    return op.type_name or type(op).__name__
 
 
 def _is_dataframe(x) -> bool:

@@ -191,6 +191,8 @@ class Subtask(threading.Thread):
             self.job.task_failed(self, exc)
         finally:
             self.finished_ns = time.monotonic_ns()
+            if self.state == "CANCELED" and self.checkpoints.stopping is not None:
+                self._commit_stop_savepoint()
             if self.source is not None:
                 try:
                     self.source.close()
@@ -203,6 +205,18 @@ class Subtask(threading.Thread):
                         close(self.state != "FINISHED")
                     except Exception:
                         pass
+
+    def _commit_stop_savepoint(self) -> None:
+        """Stopped with a savepoint: the job is cancelled once it completed,
+        right after telling every subtask so (a control mail). The mail may
+        not have run yet; it runs here, so that the sinks commit what the
+        savepoint covers before the job ends (the task is frozen: only
+        control mails run)."""
+        try:
+            self.mailbox.drain()
+        except BaseException as exc:  # noqa: BLE001 - a commit that failed fails the job
+            self.state = "FAILED"
+            self.job.task_failed(self, exc)
 
     def _open(self) -> bool:
         """Restore the operators' state, open them with their Outputs, arm the
