@@ -144,3 +144,27 @@ def test_recv_timeout(cfg):
     finally:
         client.release()
         server.release()
+
+
+def test_files_with_the_key_inside_the_certificate(cfg, tmp_path):
+    """The user's own files, read where the connection is made: a PEM holding
+    certificate and key (key=None), and the CA."""
+    both, ca = tmp_path / "node.pem", tmp_path / "ca.pem"
+    both.write_bytes(cfg.cert + cfg.key)
+    ca.write_bytes(cfg.ca)
+    own = T.TLSConfig(str(both), None, str(ca), fingerprint=next(iter(cfg.fingerprints)))
+    client, server = _pair(own)
+    try:
+        client.sock.sendall(b"hello")
+        buf = bytearray(5)
+        assert server.sock.recv_into(buf) == 5 and buf == b"hello"
+    finally:
+        client.release()
+        server.release()
+
+
+def test_a_key_that_does_not_match_is_refused_when_loaded(cfg):
+    other = T.JobCertificates("other").for_attempt(0)
+    from pyflowbuf.errors import TLSUnavailableError
+    with pytest.raises(TLSUnavailableError, match="cannot use the private key: key values mismatch"):
+        T.TLSConfig(cfg.cert, other.key, cfg.ca).core_context(True)

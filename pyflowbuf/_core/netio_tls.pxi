@@ -20,10 +20,14 @@ cdef class TLSContext:
 
     def __cinit__(self, bytes cert not None, bytes key, bytes ca not None, bint server_side):
         cdef char err[256]
+        cdef const char *kp = NULL
+        cdef size_t klen = 0
         err[0] = 0
         self.server_side = server_side
-        self.ctx = fb_tls_ctx_new(server_side, <const char *>cert, len(cert),
-                                  NULL if key is None else <const char *>key, 0 if key is None else len(key),
+        if key is not None:
+            kp = <const char *>key
+            klen = len(key)
+        self.ctx = fb_tls_ctx_new(server_side, <const char *>cert, len(cert), kp, klen,
                                   <const char *>ca, len(ca), err, sizeof(err))
         if self.ctx is NULL:
             raise ValueError(err.decode(errors="replace"))

@@ -81,6 +81,12 @@ cdef object _net_error(int err, object tls):
         if s.error is None:
             s.error = exc
         return exc
+    if tls is not None and (<TLSSocket>tls)._in_handshake:
+        s = <TLSSocket>tls
+        exc = TLSError(s.peer, f"the connection failed during the TLS handshake: {os.strerror(err)}")
+        if s.error is None:
+            s.error = exc
+        return exc
     if err < 0 or err >= FB_TLS_ETLS:
         return ConnectionLostError(f"connection lost: error {err}")
     return ConnectionLostError(f"connection lost: {os.strerror(err)}")
