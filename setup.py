@@ -19,6 +19,20 @@ def _flag(name):
 
 DEBUG = _flag("PYFLOWBUF_DEBUG")
 SANITIZE = _flag("PYFLOWBUF_SANITIZE")
+# PYFLOWBUF_NO_LIBSSL=1 builds the core without libssl: TLS then runs in the
+# Python relay (pyflowbuf.net.tls.TLSRelay), at a fraction of the throughput
+NO_LIBSSL = _flag("PYFLOWBUF_NO_LIBSSL")
+
+
+def _openssl_include():
+    """The folder holding openssl/ssl.h (OpenSSL >= 1.1.1), or None."""
+    roots = [os.environ.get("OPENSSL_DIR", ""), "/usr", "/usr/local", "/opt/homebrew/opt/openssl@3",
+             "/usr/local/opt/openssl@3"]
+    for root in roots:
+        inc = os.path.join(root, "include") if root else ""
+        if inc and os.path.exists(os.path.join(inc, "openssl", "ssl.h")):
+            return inc
+    return None
 
 
 class build_ext(_build_ext):
@@ -87,12 +101,27 @@ def extensions():
         ldflags += ["-fsanitize=address,undefined"]
     if sys.platform.startswith("linux"):
         ldflags += ["-pthread"]
+    ssl_inc = None if NO_LIBSSL else _openssl_include()
+    if ssl_inc is None:
+        print("pyflowbuf: no OpenSSL headers (openssl/ssl.h) found: TLS will run in the slower Python relay "
+              "(install libssl-dev, or set OPENSSL_DIR)", file=sys.stderr)
+
+    def tls(name):
+        # only netio calls libssl (csrc/fb_tls.h)
+        if name != "netio" or ssl_inc is None:
+            return {}
+        lib = os.path.join(os.path.dirname(ssl_inc), "lib")
+        return {"macros": [("FB_HAVE_TLS", "1")], "include_dirs": [ssl_inc], "libraries": ["ssl", "crypto"],
+                "library_dirs": [lib] if os.path.isdir(lib) and ssl_inc != "/usr/include" else []}
+
     return [
         Extension(
             f"pyflowbuf._core.{name}",
             [f"pyflowbuf/_core/{name}.pyx"],
-            include_dirs=["csrc", numpy.get_include()],
-            define_macros=macros,
+            include_dirs=["csrc", numpy.get_include()] + tls(name).get("include_dirs", []),
+            define_macros=macros + tls(name).get("macros", []),
+            libraries=tls(name).get("libraries", []),
+            library_dirs=tls(name).get("library_dirs", []),
             extra_compile_args=cflags,
             extra_link_args=ldflags,
             depends=[os.path.join("csrc", f) for f in os.listdir("csrc")],

@@ -332,15 +332,15 @@ def hol(prod, nbp, secret, credit_based, stalled, window, rate):
 
 def tls_handshake_s(prod, tls):
     """One TLS handshake with the producer's TLS server (connect included)."""
-    from pyflowbuf.net.tls import TLSRelay
+    from pyflowbuf.net.tls import wrap
 
     t0 = common.perf_counter()
     sock = socket.create_connection(prod.tls_address)
-    relay = TLSRelay(sock, tls, server_side=False, peer=prod.tls_address)
-    relay.handshake(time.monotonic() + 10)
+    conn = wrap(sock, tls, server_side=False, peer=prod.tls_address)   # as ConnectionManager does
+    conn.handshake(time.monotonic() + 10)
     dt = common.perf_counter() - t0
-    relay.close()
-    relay.release()
+    conn.close()
+    conn.release()
     return dt
 
 

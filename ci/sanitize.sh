@@ -58,6 +58,7 @@ if [ $# -eq 0 ]; then
   # PYFLOWBUF_WORKER_KILLS: the random kills each property test tries.
   set -- tests/test_memory.py tests/test_channel.py tests/test_serde.py tests/test_netio.py \
          tests/test_net_frames.py tests/test_net_credit.py tests/test_net_handshake.py tests/test_net_e2e.py \
+         tests/test_net_tls.py \
          tests/test_checkpoints_workers.py tests/test_cluster.py tests/test_zygote.py \
          "tests/test_checkpoints.py::test_exactly_once_when_a_worker_process_is_killed_at_a_random_record" \
          "tests/test_unaligned.py::test_exactly_once_when_a_worker_is_killed_unaligned" \

@@ -44,6 +44,17 @@ if [ "${PYFLOWBUF_SKIP_CHROMIUM:-0}" != 1 ] && ! command -v chromium >/dev/null 
     || log "chromium could not be installed: the browser tests will be skipped"
 fi
 
+# OpenSSL's headers, so the compiled core encrypts in its own loops (libssl);
+# without them TLS runs in a slower relay thread (pyflowbuf/net/tls.py)
+if [ "${PYFLOWBUF_SKIP_LIBSSL:-0}" != 1 ] && [ ! -f /usr/include/openssl/ssl.h ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  log "no OpenSSL headers found; installing libssl-dev (TLS inside the compiled core)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq || log "apt-get update failed; trying the install with the index there is"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libssl-dev \
+    || log "libssl-dev could not be installed: TLS will run in the slower relay thread"
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating virtual environment $VENV"
   "$PY" -m venv "$VENV"

@@ -113,18 +113,67 @@ def test_records_cross_a_tls_connection_exactly(net):
     assert net.srv.stats()["buffers_sent"] > 0
 
 
-def test_capture_shows_no_record_payload_in_clear(net, monkeypatch):
-    """A tap on every byte the client's and the server's relays put on the
-    TCP socket: the records' bytes never appear, the TLS records do."""
-    taps = []
-    real_start = T.TLSRelay.start
+class _Tap:
+    """A TCP proxy in front of ``target`` that keeps every byte it forwards,
+    both ways: what anyone on the network path would see."""
 
-    def tapped_start(self):
-        buf = bytearray()
-        taps.append(buf)
-        self.tap = buf.extend
-        real_start(self)
-    monkeypatch.setattr(T.TLSRelay, "start", tapped_start)
+    def __init__(self, target):
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()
+        self.seen = []
+        self.socks = []
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self):
+        try:
+            a, _ = self.listener.accept()
+        except OSError:
+            return
+        b = socket.create_connection(self.target)
+        self.socks += [a, b]
+        for src, dst in ((a, b), (b, a)):
+            buf = bytearray()
+            self.seen.append(buf)
+            t = threading.Thread(target=self._pipe, args=(src, dst, buf), daemon=True)
+            self.threads.append(t)
+            t.start()
+
+    @staticmethod
+    def _pipe(src, dst, buf):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                buf.extend(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def close(self):
+        self.listener.close()
+        for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self.threads:
+            t.join(10)
+        for s in self.socks:
+            s.close()
+        return b"".join(bytes(b) for b in self.seen)
+
+
+def test_capture_shows_no_record_payload_in_clear(net):
+    """Every byte between the consumer and the server, both ways, taken on
+    the network path: the records' bytes never appear, the TLS records do."""
+    tap = _Tap(net.addr)
     marker = 0x5EC2E7_0DD_F00D      # an int64 record value easy to spot
     n = 5000
     mgr = net.manager(tls=net.tls)
@@ -135,10 +184,10 @@ def test_capture_shows_no_record_payload_in_clear(net, monkeypatch):
     net.srv.export("cap", 0, q, kind="int64")
     done = threading.Thread(target=lambda: (writer.write_batch([marker] * n), writer.end_input()), daemon=True)
     done.start()
-    got = consume(mgr, net.nbp, net.addr, "cap", 30)
+    got = consume(mgr, net.nbp, tap.address, "cap", 30)
     assert got == [marker] * n
     mgr.close()
-    wire = b"".join(bytes(b) for b in taps)
+    wire = tap.close()
     assert len(wire) > 8 * n                         # the records did cross, encrypted
     for order in ("little", "big"):
         assert marker.to_bytes(8, order) not in wire

@@ -14,12 +14,13 @@ error message stays in one place.
 Flow-control state lives here too (ReceiverCredit, SenderView) so the loops
 and Python share one set of books; the model-based tests drive them directly.
 
-One module in four parts, by concept: netio_wire.pxi (the socket), netio_send.pxi
+One module in five parts, by concept: netio_wire.pxi (the socket), netio_tls.pxi
+(mutual TLS 1.3 with libssl, in these same loops), netio_send.pxi
 (SenderView, SendPump), netio_credit.pxi (ReceiverCredit), netio_receive.pxi
 (ReceivePump).
 """
 cimport cython
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove, memset
@@ -34,12 +35,14 @@ from pyflowbuf.includes.errors cimport *
 from pyflowbuf.includes.net cimport *
 from pyflowbuf.includes.park cimport *
 from pyflowbuf.includes.ring cimport *
+from pyflowbuf.includes.tls cimport *
 
 import os
+import socket
 import time
 
 from pyflowbuf.errors import (CancelledError, ConnectionLostError, FlowBufError, InsufficientBuffersError,
-                              ProtocolError)
+                              ProtocolError, TLSError)
 
 DATA = 0
 EVENT = 1
@@ -87,6 +90,7 @@ cdef extern from "<errno.h>" nogil:
     enum:
         EAGAIN
         EWOULDBLOCK
+        ETIMEDOUT
 
 
 cdef extern from "<poll.h>" nogil:
@@ -114,6 +118,7 @@ cdef Py_ssize_t _send_dontwait(int fd, bytes b):
     return send(fd, <const char *>b, len(b), MSG_DONTWAIT | MSG_NOSIGNAL)
 
 
+include "netio_tls.pxi"
 include "netio_wire.pxi"
 include "netio_send.pxi"
 include "netio_credit.pxi"

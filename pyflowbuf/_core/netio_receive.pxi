@@ -79,7 +79,7 @@ cdef class ReceivePump:
         finally:
             st.done()
         if rc == RX_LOST:
-            raise _lost(<int>self.err_a)
+            raise self.wire.error(<int>self.err_a)
         if rc == RX_TRUNCATED:
             raise ProtocolError(f"truncated frame: the connection closed after "
                                 f"{FB_NET_BUFFER_HEADER + self.err_a} of {FB_NET_BUFFER_HEADER + self.err_b} bytes")
@@ -123,7 +123,7 @@ cdef class ReceivePump:
                 return n
             self.hungry = n > 0
         if self.n_due or self.rfd >= 0:
-            n = fb_recv2(self.fd, a, alen, b, blen, MSG_DONTWAIT)
+            n = self.wire.recv2(a, alen, b, blen, MSG_DONTWAIT)
             if n != -EAGAIN and n != -EWOULDBLOCK:
                 return n
             self._wake_due()
@@ -131,7 +131,7 @@ cdef class ReceivePump:
                 n = self._await_socket()
                 if n < 0:
                     return n
-        return fb_recv2(self.fd, a, alen, b, blen, 0)
+        return self.wire.recv2(a, alen, b, blen, 0)
 
     cdef bint _send_credit(self, int64_t credit, const unsigned char *rid) noexcept nogil:
         """AddCredit for one channel. A send that fails (the producer closed

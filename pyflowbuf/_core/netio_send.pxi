@@ -277,7 +277,7 @@ cdef class SendPump:
             finally:
                 st.done()
         if rc < 0:
-            raise _lost(-rc)
+            raise self.wire.error(-rc)
         if rc == RUN_BROKEN:
             raise FlowBufError(
                 "internal error: the network sender took an item without a segment pool for a data "
@@ -359,7 +359,7 @@ cdef class SendPump:
                     memmove(buf, buf + start[0], end[0] - start[0])
                     end[0] -= start[0]
                     start[0] = 0
-                n = fb_recv2(self.fd, buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0, MSG_DONTWAIT)
+                n = self.wire.recv2(buf + end[0], FB_NET_BUFFER_HEADER - end[0], NULL, 0, MSG_DONTWAIT)
                 if n == -EAGAIN or n == -EWOULDBLOCK:
                     return 0
                 if n <= 0:

@@ -58,7 +58,37 @@ cdef class _Borrowed:
         return 0
 
 
-cdef object _lost(int err):
+cdef object _net_error(int err, object tls):
+    """The one place the loops' C codes (an errno, or fb_tls.h's FB_TLS_*)
+    become exceptions: TLS failures as TLSError naming the peer and what the
+    OpenSSL reason means (``tls``: the connection's TLSSocket), the rest as
+    ConnectionLostError."""
+    cdef TLSSocket s
+    if err == FB_TLS_ETLS or err == FB_TLS_EEOF or err == FB_TLS_ENOTLS or (err == ETIMEDOUT and tls is not None
+                                                                            and (<TLSSocket>tls)._in_handshake):
+        s = <TLSSocket>tls
+        if err == FB_TLS_ETLS:
+            text = (<bytes>(<char *>s.t.reason)).decode(errors="replace")
+            if not s._in_handshake:
+                s.flush_alert()
+        elif err == FB_TLS_EEOF:
+            text = "EOF"
+        elif err == ETIMEDOUT:
+            text = "TIMEOUT"
+        else:
+            text = "NOTLS"
+        exc = TLSError(s.peer, s._explain(text, s._in_handshake))
+        if s.error is None:
+            s.error = exc
+        return exc
+    if tls is not None and (<TLSSocket>tls)._in_handshake:
+        s = <TLSSocket>tls
+        exc = TLSError(s.peer, f"the connection failed during the TLS handshake: {os.strerror(err)}")
+        if s.error is None:
+            s.error = exc
+        return exc
+    if err < 0 or err >= FB_TLS_ETLS:
+        return ConnectionLostError(f"connection lost: error {err}")
     return ConnectionLostError(f"connection lost: {os.strerror(err)}")
 
 
@@ -67,16 +97,23 @@ cdef class Wire:
     """The sending half of one connection. Every frame, from any thread, is
     written under this lock, so frames never interleave; ``close`` takes the
     descriptor away under the same lock, so no thread can write into a
-    socket number the kernel has already handed to someone else."""
+    socket number the kernel has already handed to someone else.
+
+    Given a TLSSocket, every send is encrypted by libssl on the calling
+    thread (a batch of frames per call, GIL released) and ``recv2`` reads
+    through it, so the pumps run the same loops over TLS."""
 
     cdef int fd
     cdef pthread_mutex_t mu
     cdef bint _ready
     cdef readonly object sock
+    cdef fb_tls *tls           # the TLSSocket's, or NULL on a plain connection
 
     def __cinit__(self, sock):
         self.sock = sock
         self.fd = sock.fileno()
+        if isinstance(sock, TLSSocket):
+            self.tls = &(<TLSSocket>sock).t
         if pthread_mutex_init(&self.mu, NULL) != 0:
             raise MemoryError("Wire")
         self._ready = True
@@ -88,9 +125,24 @@ cdef class Wire:
     cdef int sendv(self, iovec *iov, int n) noexcept nogil:
         cdef int rc
         pthread_mutex_lock(&self.mu)
-        rc = 9 if self.fd < 0 else fb_sendv_all(self.fd, iov, n)   # 9: EBADF
+        if self.fd < 0:
+            rc = 9      # EBADF
+        elif self.tls is not NULL:
+            rc = fb_tls_sendv(self.tls, iov, n, -1)
+        else:
+            rc = fb_sendv_all(self.fd, iov, n)
         pthread_mutex_unlock(&self.mu)
         return rc
+
+    cdef int64_t recv2(self, void *a, size_t alen, void *b, size_t blen, int flags) noexcept nogil:
+        """fb_recv2 on this connection (decrypted with TLS): bytes, 0 at its
+        end, -errno (-EAGAIN with MSG_DONTWAIT) or -FB_TLS_ETLS."""
+        if self.tls is not NULL:
+            return fb_tls_recv2(self.tls, a, alen, b, blen, flags)
+        return fb_recv2(self.fd, a, alen, b, blen, flags)
+
+    cdef object error(self, int err):
+        return _net_error(err, self.sock if self.tls is not NULL else None)
 
     def send(self, data):
         """Write all of ``data`` (GIL released)."""
@@ -106,7 +158,7 @@ cdef class Wire:
         finally:
             PyBuffer_Release(&view)
         if rc:
-            raise _lost(rc)
+            raise self.error(rc)
 
     def sendmsg(self, parts):
         """Write a list of bytes-like objects with gathered I/O (segments are
@@ -133,7 +185,7 @@ cdef class Wire:
             PyMem_Free(views)
             PyMem_Free(iov)
         if rc:
-            raise _lost(rc)
+            raise self.error(rc)
 
     def send_nowait(self, data, double timeout=0.2):
         """Best effort, never blocking on the socket: write ``data`` if the
@@ -145,9 +197,14 @@ cdef class Wire:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.001)
+        cdef iovec v
         try:
             if self.fd < 0:
                 return False
+            if self.tls is not NULL:
+                v.iov_base = <char *>b
+                v.iov_len = len(b)
+                return fb_tls_sendv(self.tls, &v, 1, fb_tls_now_ns()) == 0
             return _send_dontwait(self.fd, b) == len(b)
         finally:
             pthread_mutex_unlock(&self.mu)

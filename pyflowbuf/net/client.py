@@ -170,7 +170,7 @@ class _ClientConnection:
         self.manager = manager
         self.address = address
         self.sock = sock
-        self.tls = None           # the TLSRelay whose local end ``sock`` is, with TLS
+        self.tls = None           # with TLS: the CoreTLS (or TLSRelay) whose ``local`` is ``sock``
         self.max_buffer_size = max_buffer_size
         reader.max_buffer_size = max_buffer_size   # the handshake's reader, with what it may hold staged
         self.reader = reader
@@ -530,7 +530,7 @@ class ConnectionManager:
         try:
             P.configure_socket(sock, self.dead_peer_timeout)
             if self.tls is not None:   # TLS first, then the HMAC challenge inside it (attempt fencing)
-                relay = T.TLSRelay(sock, self.tls, server_side=False, peer=address)
+                relay = T.wrap(sock, self.tls, server_side=False, peer=address)
                 relay.handshake(deadline)
                 relay.start()
                 sock = relay.local

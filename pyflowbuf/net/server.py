@@ -376,9 +376,9 @@ class _ServerConnection:
 
     def __init__(self, server, sock, peer, accepted):
         self.server = server
-        # with TLS the loops below use the local end of the relay as they use a TCP socket
+        # with TLS the loops below use the TLS socket (or the relay's local end) as they use a TCP socket
         self.tcp = sock
-        self.tls = None if server.tls is None else T.TLSRelay(sock, server.tls, server_side=True, peer=peer)
+        self.tls = None if server.tls is None else T.wrap(sock, server.tls, server_side=True, peer=peer)
         if self.tls is not None:
             sock = self.tls.local
         self.sock = sock

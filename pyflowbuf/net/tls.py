@@ -12,14 +12,22 @@ makes a private CA per job and one certificate per job attempt in memory
 attempt is refused at the handshake; the HMAC challenge under the attempt's
 secret still runs inside the TLS connection.
 
-How it runs: ``TLSRelay`` does the handshake on the TCP socket with an
-``ssl.SSLObject`` over two ``ssl.MemoryBIO`` (as asyncio's SSL transport does),
-then one thread per connection moves bytes between that TCP socket and one
-end of a local socket pair, encrypting and decrypting up to 256 KiB (many
-frames) per ``SSL_write`` / ``SSL_read``; CPython's ``_ssl`` releases the GIL
-inside both. The exchange's send and receive loops use the other end of the
-pair exactly as they use a TCP socket, so framing, credit and ``recv_into``
-straight into segments stay as they are, and the plain path is untouched.
+How it runs: in the exchange's own loops. ``wrap`` gives a connection a
+``CoreTLS``: libssl in the compiled core (``pyflowbuf._core.netio.TLSSocket``,
+``csrc/fb_tls.h``), one ``SSL`` object per connection over the TCP socket.
+The handshake runs without the GIL by a deadline; then ``Wire`` encrypts each
+batch of frames (up to 16 buffers) with ``SSL_write`` on the sending thread,
+and the receive loop decrypts with ``SSL_read`` straight into the segment its
+channel reserved, both without the GIL; TLS_AES_128_GCM_SHA256 is preferred.
+The pinned fingerprint is checked here, on the peer certificate's DER.
+
+Where the core was built without libssl (no OpenSSL headers at build time,
+or ``PYFLOWBUF_NO_LIBSSL=1``), or ``PYFLOWBUF_TLS_RELAY=1`` is set, TLS falls
+back to ``TLSRelay``: Python's ``ssl.SSLObject`` over two ``ssl.MemoryBIO``
+in one thread per connection, which moves bytes between the TCP socket and
+one end of a local socket pair the loops use instead. It is correct but
+several times slower (a socket-pair hop and a copy per side, AES-256-GCM);
+a warning says so once per process.
 
 Example (the user's own certificate files)::
 
@@ -31,7 +39,9 @@ Example (the user's own certificate files)::
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
+import logging
 import os
 import select
 import socket
@@ -45,7 +55,10 @@ try:
 except ImportError:   # a Python built without OpenSSL: TLS asked for is refused in require_ssl()
     ssl = None
 
+from pyflowbuf._core import netio
 from pyflowbuf.errors import ConfigurationError, TLSError, TLSUnavailableError
+
+log = logging.getLogger(__name__)
 
 # plaintext taken from the pair per SSL_write, ciphertext per recv: many
 # frames per call, so the per-call overhead (GIL, syscall) is paid per batch
@@ -161,6 +174,22 @@ class TLSConfig:
                 ctx = self._contexts[server_side] = self._make_context(mod, server_side)
             return ctx
 
+    def core_context(self, server_side: bool):
+        """libssl's context of this side in the compiled core (made once per
+        process and side; the files are read here)."""
+        require_ssl()
+        with self._lock:
+            ctx = self._contexts.get(("core", server_side))
+            if ctx is None:
+                try:
+                    pems = [v if v is None or isinstance(v, bytes) else _read_file(v)
+                            for v in (self.cert, self.key, self.ca)]
+                    ctx = netio.TLSContext(pems[0], pems[1], pems[2], server_side)
+                except (OSError, ValueError) as e:
+                    raise TLSUnavailableError(f"{self!r}: cannot load the certificate, key or CA: {e}") from None
+                self._contexts[("core", server_side)] = ctx
+            return ctx
+
     def _make_context(self, mod, server_side):
         ctx = mod.SSLContext(mod.PROTOCOL_TLS_SERVER if server_side else mod.PROTOCOL_TLS_CLIENT)
         # 1.3 only: no renegotiation exists, and a 1.2 peer is refused at the hello
@@ -188,6 +217,11 @@ class TLSConfig:
         if fp not in self.fingerprints:
             raise TLSError(peer, f"the peer's certificate has fingerprint {fp}, not the pinned one "
                                  "(a certificate of another job or attempt, or a wrong fingerprint=)")
+
+
+def _read_file(path):
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _load_cert_chain(ctx, cert, key):
@@ -373,7 +407,10 @@ class AttemptTLS:
 def _reason(e, server_side):
     """An OpenSSL error, said as what it means here."""
     text = getattr(e, "verify_message", None) or getattr(e, "reason", None) or str(e)
-    code = getattr(e, "verify_code", None)
+    return _reason_text(text, getattr(e, "verify_code", None), server_side)
+
+
+def _reason_text(text, code, server_side):
     low = str(text).lower().replace("_", " ")
     if "wrong version number" in low or "http request" in low or "record layer" in low \
             or "packet length too long" in low or "unknown protocol" in low:
@@ -682,8 +719,15 @@ class TLSRelay:
 
 
 def _post_handshake_reason(e):
-    text = getattr(e, "reason", None) or str(e)
+    return _post_handshake_text(getattr(e, "reason", None) or str(e))
+
+
+def _post_handshake_text(text):
     low = str(text).lower().replace("_", " ")
+    if "alert" in low and ("certificate" in low or "unknown ca" in low):
+        # a TLS 1.3 client hears the server refuse its certificate on its first read
+        return f"the peer refused our certificate ({text}): every process needs a certificate of the " \
+               "CA of this job's tls= setting"
     if "unexpected message" in low or "renegotiat" in low or "no renegotiation" in low:
         return f"the peer sent a handshake message after the handshake ({text}): renegotiation is refused"
     return f"a TLS record after the handshake was not valid ({text}): garbage or tampering on the connection"
@@ -754,3 +798,106 @@ def handshake_socket(sock, config: TLSConfig, *, server_side: bool, peer, deadli
         ssock.close()
         raise
     return ssock
+
+
+# ------------------------------------------------------------ in the core
+
+def _explain_core(text, in_handshake, server_side):
+    """What an OpenSSL reason from the core (netio.TLSSocket) means here."""
+    if text == "EOF":
+        return "the connection closed in the middle of the TLS handshake (a truncated handshake, or the peer " \
+               "refused ours)"
+    if text == "TIMEOUT":
+        return "the TLS handshake did not finish in time (the handshake timeout): a peer that sent no or only " \
+               "part of a handshake, or a client without tls= on a TLS port"
+    if text == "NOTLS":
+        return "the compiled core has no libssl"
+    if in_handshake:
+        return _reason_text(text, None, server_side)
+    return _post_handshake_text(text)
+
+
+class CoreTLS:
+    """One connection's TLS in the compiled core: ``sock`` (also ``local``)
+    is the ``netio.TLSSocket`` the connection's Wire, pumps and FrameReader
+    use in place of ``tcp``. The same face as TLSRelay, so a connection
+    holds either: ``handshake``, ``start``, ``close``, ``release``,
+    ``error``, ``peer_closed``."""
+
+    alive = False       # no thread of its own
+
+    def __init__(self, tcp, config: TLSConfig, *, server_side: bool, peer):
+        self.tcp = tcp
+        self.config = config
+        self.server_side = server_side
+        self.peer = peer
+        self.sock = self.local = netio.TLSSocket(
+            tcp, config.core_context(server_side), peer,
+            functools.partial(_explain_core, server_side=server_side))
+        self.handshake_s = None
+
+    def handshake(self, deadline=None):
+        """The TLS handshake by ``deadline`` (time.monotonic()), then the
+        pinned fingerprint. Raises TLSError naming the peer and the reason."""
+        t0 = time.perf_counter()
+        self.sock.handshake(deadline)
+        der = self.sock.peer_certificate()
+        if der is None:
+            raise TLSError(self.peer, "the peer presented no certificate (mutual TLS needs one on both sides)")
+        self.config.check_peer(der, self.peer)
+        self.handshake_s = time.perf_counter() - t0
+
+    @property
+    def cipher(self):
+        return self.sock.cipher
+
+    def start(self):
+        pass
+
+    def join(self, timeout=None):
+        pass
+
+    def close(self):
+        """Wake every thread waiting on the connection."""
+        try:
+            self.tcp.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def release(self):
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    @property
+    def error(self):
+        return self.sock.error
+
+    @property
+    def peer_closed(self):
+        return self.sock.peer_closed
+
+
+_warned_relay = False
+
+
+def in_core() -> bool:
+    """Whether TLS runs in the compiled core (else in the relay thread)."""
+    return netio.HAVE_TLS and os.environ.get("PYFLOWBUF_TLS_RELAY", "") in ("", "0")
+
+
+def wrap(tcp, config: TLSConfig, *, server_side: bool, peer):
+    """The TLS of one connection over ``tcp`` (before its handshake): a
+    CoreTLS, or a TLSRelay where the core has no libssl. The connection
+    then uses ``.local`` as its socket."""
+    global _warned_relay
+    if in_core():
+        return CoreTLS(tcp, config, server_side=server_side, peer=peer)
+    if not _warned_relay:
+        _warned_relay = True
+        why = ("PYFLOWBUF_TLS_RELAY is set" if netio.HAVE_TLS else
+               "the compiled core was built without libssl (no OpenSSL headers at build time)")
+        log.warning("pyflowbuf.net: %s, so TLS runs in a relay thread per connection, several times slower: "
+                    "install libssl-dev (or OpenSSL's headers) and rebuild pyflowbuf", why)
+    return TLSRelay(tcp, config, server_side=server_side, peer=peer)
