@@ -337,3 +337,29 @@ def test_new_buffer_size_reaches_the_producers_queue_over_tcp():
     finally:
         mgr.close()
         srv.close()
+
+
+def test_first_measurements_seed_the_average():
+    """A gate that starts at the deployment's small size takes its first
+    measurements as its average (the largest of the first three that
+    measured a throughput): 8 KB a buffer after one period. Before, the
+    sample was capped at twice the start and averaged in (256 B -> 280 B),
+    and the size took some 10 s to reach what the job needed."""
+    d = BufferDebloater(config(), initial_size=256, seed=True)
+    assert d.announced == 256
+    assert d.update(64_000 // 5, 0.2, 8) == 8000
+    assert d.update(128_000 // 5, 0.2, 8) == 16000      # a start-up period measured too little
+    assert d.update(64_000 // 5, 0.2, 8) is None and d.size == 16000
+    # then the usual EMA
+    d.update(64_000 // 5, 0.2, 8)
+    assert d.size == round(16000 + (2 / 21) * (8000 - 16000))
+
+
+def test_a_period_without_a_throughput_does_not_seed():
+    """Idle, or records with no busy time measured (a start-up trickle):
+    no throughput is known, and a seed of 0 would start every buffer at the
+    minimum, to grow back by 10 % a period (a fast job ran at half speed)."""
+    d = BufferDebloater(config(), initial_size=256, seed=True)
+    assert d.update(0, 0.0, 0) is None and d.size == 256
+    assert d.update(743, 0.0, 0) is None and d.size == 256
+    assert d.update(64_000 // 5, 0.2, 8) == 8000

@@ -210,3 +210,33 @@ def test_off_by_default_changes_nothing():
     assert out.result == list(range(1000))
     assert getattr(ex, "_debloat_timer", None) is None
     assert not any("debloat" in v for v in env.metrics().values())
+
+
+def test_channels_start_small_when_debloating():
+    """With debloating on, every channel starts at ``min_buffer_size``: what
+    a slow sink's gate holds before the first measurement is buffers of that
+    size, not 32 KiB ones. Counted: the bytes queued at the sink's gate once
+    its producer is blocked, against the buffers queued. (No measurement
+    runs: the period is longer than the test.) Before: the channels filled
+    with whole segments, and the first aligned checkpoint waited 16 s
+    behind them."""
+    env = fb.Environment(chaining=False, debloat=True, debloat_period=600, min_buffer_size=512,
+                         num_segments=64)
+    release = threading.Event()
+
+    def held(batch):
+        release.wait(60)
+
+    env.from_sequence(0, None).map(lambda x: x, kind="int64", name="map").sink(held, batched=True, name="sink")
+    job = env.execute_async()
+    try:
+        src = next(t for t in job.tasks if t.vertex.name == "sequence")
+        sink = next(t for t in job.tasks if t.vertex.name == "sink")
+        assert all(q.buffer_size == 512 for q in job._queues)
+        gate = sink.input.gate
+        wait_for(lambda: all(not o.pool.available for o in src.outputs) and sum(gate.queued_per_channel()) >= 2,
+                 timeout=60)
+        assert sum(gate.queued_bytes_per_channel()) <= 512 * sum(gate.queued_per_channel())
+    finally:
+        release.set()
+        cancel_and_join(job)

@@ -79,10 +79,19 @@ class BufferDebloater:
     ``update`` takes one period's measurement and returns the size to
     announce upstream, or None when the change is below the threshold."""
 
-    def __init__(self, config: DebloatSettings, initial_size: int | None = None):
+    SEEDS = 3       # periods whose largest measurement starts a seeded average
+
+    def __init__(self, config: DebloatSettings, initial_size: int | None = None, seed: bool = False):
         self.config = config
         start = config.max_size if initial_size is None else initial_size
         self._ema = float(min(max(start, config.min_size), config.max_size))
+        # seed: the first measurements are the average, not samples of it
+        # (a job's gates start at the deployment's small size, which says
+        # nothing of what the job needs): the largest of the first SEEDS
+        # periods that measured a throughput, since a period at start-up
+        # (a trickle of records, a task still opening) measures too little,
+        # and from a size too small the average grows by 10 % a period only
+        self._seed = self.SEEDS if seed else 0
         self.size = round(self._ema)          # the last computed size
         self.announced = self.size            # the last size told upstream
         self.throughput = 0.0                 # bytes/s over the last period's busy time
@@ -104,8 +113,15 @@ class BufferDebloater:
         buffers = max(1, buffers_in_use)
         self.buffers_in_use = buffers
         self.desired_bytes = self.throughput * c.target
-        sample = min(self.desired_bytes / buffers, 2.0 * self._ema)
-        self._ema += c.alpha * (sample - self._ema)
+        if self._seed:
+            if self.throughput <= 0:
+                return None
+            value = self.desired_bytes / buffers
+            self._ema = value if self._seed == self.SEEDS else max(self._ema, value)
+            self._seed -= 1
+        else:
+            sample = min(self.desired_bytes / buffers, 2.0 * self._ema)
+            self._ema += c.alpha * (sample - self._ema)
         self._ema = min(max(self._ema, float(c.min_size)), float(c.max_size))
         self.size = size = round(self._ema)
         self.time_to_consume = size * buffers / self.throughput if self.throughput > 0 else 0.0
@@ -155,8 +171,10 @@ class GateDebloat:
         self.gate = side.gate
         self.multi = multi                       # a MultiInput's shared wait counts as idle too
         self.index = index
-        self.debloater = BufferDebloater(config)
         self.queues = list(self.gate.channels)
+        # from the size the channels were deployed with (initial_buffer_size)
+        start = max((q.buffer_size for q in self.queues), default=0) or None
+        self.debloater = BufferDebloater(config, start, seed=start is not None)
         remote = {id(ch.queue): ch for ch in getattr(side, "remote_channels", ())}
         self.remote = [remote.get(id(q)) for q in self.queues]
         self._records, self._bytes = self._counts()
@@ -225,6 +243,21 @@ class GateDebloat:
             "throughput_bytes_per_s": round(d.throughput, 1),
             "buffers_in_use": d.buffers_in_use,
         }
+
+
+def initial_buffer_size(spec) -> int | None:
+    """The buffer size a channel starts with when the job debloats (None:
+    whole segments): the smallest, ``min_buffer_size``.
+
+    Started at the segment size, every channel filled with 32 KiB buffers
+    in the job's first second, and the debloater, falling about 10 % a
+    period from there, took some 10 s to bring them down to what a slow
+    sink needs (363 bytes): the first aligned checkpoint waited 16 s behind
+    them. Started small, the channels hold little from the start, and the
+    first measurement (200 ms in) sets the size the job needs, larger or
+    smaller (``BufferDebloater(seed=True)``)."""
+    c = spec.debloat_config
+    return int(c.min_buffer_size) if c.enabled else None
 
 
 def gates_of(task, config: DebloatSettings) -> list:

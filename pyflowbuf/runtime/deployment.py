@@ -11,6 +11,7 @@ from pyflowbuf.checkpoint.codec import encode_value
 from pyflowbuf.checkpoint.errors import UnsupportedStateError
 from pyflowbuf._core.channel import BufferQueue, InputGate
 from pyflowbuf._core.memory import NetworkBufferPool, Notifier
+from pyflowbuf.exchange.debloat import initial_buffer_size
 from pyflowbuf.exchange.sides import EdgeKind, InputSide, MultiInput, OutputSide
 from pyflowbuf.connectors.sources import rate_limiter
 from pyflowbuf.runtime.task import Subtask
@@ -126,9 +127,12 @@ class Deployment:
         needed = [(i, j) for i in range(up.parallelism) for j in range(down.parallelism)
                   if not e.pointwise or i == j]
         queues = {}
+        start_size = initial_buffer_size(spec)
         for i, j in needed:
             if here(up, i) or here(down, j):
                 q = queues[i, j] = BufferQueue(net)
+                if start_size is not None:
+                    q.buffer_size = start_size
                 self.queues.append(q)
                 if not here(down, j):
                     job.remote.export(f"{k}/{i}", j, q, wire_kind, job._remote_failed)
@@ -143,7 +147,7 @@ class Deployment:
             # between batches, where it can take an overtaking barrier, so
             # a freed buffer must wake it (the one Notifier of its inputs).
             waker = None
-            if job._gate_output:
+            if _waits_between_batches(job, up):
                 waker = notifiers.setdefault((up.id, i), Notifier())
             pools[i] = pool = net.create_pool(lo, hi, waker)
             codec_error = None
@@ -204,9 +208,23 @@ class Deployment:
                     input_side = sides.get(0)
                 task = Subtask(job, v, i, ops, outputs.get((v.id, i), []),
                                source=source, input_side=input_side, rate_limiter=limiter)
-                if job._gate_output:
+                if _waits_between_batches(job, v):
                     task.notifier = notifiers.get((v.id, i))
                 self.tasks.append(task)
+
+
+def _waits_between_batches(job, vertex) -> bool:
+    """Whether the subtasks of ``vertex`` wait for an output buffer between
+    batches, woken by a freed buffer or a mail, rather than inside a write:
+    every task with unaligned checkpoints (an overtaking barrier gets
+    through), and a source whenever checkpoints are on: blocked inside a
+    write, a source saw a checkpoint's trigger only once a buffer came back
+    (0.02 to 0.47 s under backpressure, up to 16 s while the channels filled
+    at start-up), and every checkpoint starts at the sources."""
+    if job._gate_output:
+        return True
+    c = job.spec.checkpoint_config
+    return c is not None and c.enabled and vertex.head.source is not None
 
 
 def key_codec_error(key, allow_pickle=False):

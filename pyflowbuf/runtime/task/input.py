@@ -51,80 +51,112 @@ class BatchSizer:
 
     Between two reads the task looks at its mailbox and takes the priority
     events first (an overtaking barrier, a cancel): a batch is where they
-    wait. With a chain that is slow per record (a sink at 3 ms a record, a
+    wait. With a chain that is slow per record (a map at 3 ms a record, a
     batched function whose time grows with its batch) a batch of
     ``max_batch`` records would hold an unaligned barrier for seconds; read
     in batches of ``target_ns`` worth, it waits for one of them, or for one
-    record where a record takes longer. A fast chain keeps ``max_batch``
-    (a smaller size doubles again while batches are quick).
+    record where a record takes longer.
+
+    It starts at one record and doubles while batches are quick, so not
+    even the first batch of a slow operator holds a barrier for
+    ``max_batch`` records (starting at ``max_batch``, the first checkpoint
+    of a job with a map at 3 ms a record waited 3 s for it).
 
     A function whose cost is per call rather than per record (a round trip
-    per batch) would only get slower with smaller batches: when
-    ``PER_CALL_SAMPLES`` smaller batches in a row each took more than twice
-    the larger one's time per record, the larger size becomes the floor,
-    and a barrier waits for one such batch (what cannot be split). Several
-    in a row, not one: a thread kept off the CPU or waiting for the GIL
-    (5 ms at a time) makes one record of 3 ms look like 8, and one such
-    sample made a per-record chain a per-call one for good (the smallest of
-    several samples is the estimate noise cannot inflate). Time blocked on
-    an output buffer counts too: under backpressure reads get smaller, which
-    costs nothing there (the task would wait anyway), and grow back once it
+    per batch) would only get slower with smaller batches. Where a batch
+    at the smallest size (``floor``) is over the target, the sizer tries
+    twice the size: if twice the records take less than 1.5 times as long,
+    much of the cost is per call, and the larger size becomes the floor
+    (and it tries the next); if not, it goes back and tries again less often
+    (every 2, 4, ... up to ``MAX_GAP`` slow batches). Where twice the records
+    take ``NOT_PER_CALL`` times as long or more, the cost is per record and
+    the floor goes back to one record: a floor once set comes back down.
+    Each decision compares the fastest of ``SAMPLES`` batches at each size,
+    never one batch: a thread kept off the CPU or waiting for the GIL (5 ms
+    at a time) makes a record of 3 ms look like 8, and one such sample must
+    not make a per-record chain a per-call one. Time blocked on an output
+    buffer counts too: under backpressure reads get smaller, which costs
+    nothing there (the task would wait anyway), and grow back once it
     clears.
 
     ``observe`` takes the timings, so a test drives it with made-up ones::
 
         >>> s = BatchSizer(1024, target_ns=2_000_000)
-        >>> s.observe(200, 200 * 3_000_000)       # 3 ms a record
         >>> s.size
         1
-        >>> s.observe(1, 8_000_000)               # one record slowed by the scheduler
+        >>> for _ in range(4):
+        ...     s.observe(s.size, s.size * 3_000_000)    # 3 ms a record
+        >>> s.size, s.floor                               # twice the records took twice the time
+        (1, 1)
+        >>> s.observe(1, 8_000_000)                       # one record slowed by the scheduler
         >>> s.size, s.floor
         (1, 1)
     """
 
-    # smaller batches in a row that must look per call before the size
-    # stops shrinking (each compared with the first slow batch)
-    PER_CALL_SAMPLES = 3
+    SAMPLES = 2         # batches at a size whose fastest is that size's cost
+    MAX_GAP = 64        # slow batches at the floor between two tries of twice the size, at most
+    NOT_PER_CALL = 1.8  # twice the records at least this many times as long: per record
 
-    __slots__ = ("size", "max", "target_ns", "floor", "_prev", "_strikes")
+    __slots__ = ("size", "max", "target_ns", "floor", "_best", "_samples", "_gap", "_probe")
 
     def __init__(self, max_batch: int, target_ns: int = 2_000_000):
-        # From max_batch down, not from one record up: starting small, a
-        # function whose cost is per call would never show it (no larger
-        # batch to compare with) and stay at one record a call. The price:
-        # a first batch at a slow operator is max_batch records.
-        self.size = self.max = max_batch
+        self.max = max_batch
+        self.size = 1
         self.target_ns = target_ns
         self.floor = 1
-        self._prev = None       # (size, ns) of the first batch found slow: what smaller ones compare with
-        self._strikes = 0       # smaller batches in a row since then that looked per call
+        self._best = 0          # the fastest of the batches at this size since the last try
+        self._samples = 0
+        self._gap = self.SAMPLES
+        self._probe = None      # (size, fastest ns) it came from while it tries twice that size
+
+    def _set(self, size: int) -> None:
+        self.size = size
+        self._samples = 0
+
+    def _sample(self, ns: int) -> int:
+        self._best = ns if self._samples == 0 else min(self._best, ns)
+        self._samples += 1
+        return self._samples
 
     def observe(self, n: int, ns: int) -> None:
         """A batch of ``n`` records took ``ns`` to process."""
-        anchor = self._prev
-        if anchor is not None and n < anchor[0]:
-            if ns * anchor[0] > 2 * anchor[1] * n:
-                # per call, not per record: at a fraction of the size a
-                # record costs more than twice what it did; smaller batches
-                # do not help. (Against the first slow size, not the last:
-                # shrinking by small steps, each step alone never shows it.)
-                self._strikes += 1
-                if self._strikes >= self.PER_CALL_SAMPLES:
-                    self.floor = self.size = anchor[0]
-                    self._prev = None
-                    self._strikes = 0
-                    return
-            else:
-                self._strikes = 0
-        if ns > self.target_ns:
-            size = max(self.floor, n * self.target_ns // ns)
+        probe = self._probe
+        if probe is not None:
+            if n != self.size:
+                # a short read: no answer; back to the size it came from
+                self._probe = None
+                self._set(probe[0])
+                return
+            if self._sample(ns) < self.SAMPLES:
+                return
+            base_n, base_ns = probe
+            best = self._best
+            self._probe = None
+            if best * 2 < base_ns * 3:
+                # twice the records in less than 1.5 times the time: much
+                # of the cost is per call; smaller batches would not help
+                self.floor = self.size
+                self._gap = self.SAMPLES
+                if best > self.target_ns and self.size < self.max:
+                    self._probe = (self.size, best)
+                    self._set(min(self.max, self.size * 2))
+                return
+            if best >= base_ns * self.NOT_PER_CALL:
+                self.floor = 1      # per record at this size: a floor set by noise goes
+            self._gap = min(self.MAX_GAP, self._gap * 2)
+            self._set(base_n)
+            return
+        target = self.target_ns
+        if ns > target:
+            size = max(self.floor, n * target // ns)
             if size < self.size:
-                if anchor is None or n >= anchor[0]:
-                    self._prev = (n, ns)
-                    self._strikes = 0
-                self.size = size
-        elif ns * 2 <= self.target_ns and self.size < self.max and n >= self.size:
-            self.size = min(self.max, self.size * 2)
+                self._set(size)
+            elif n == self.size and self.size < self.max and self._sample(ns) >= self._gap:
+                # over the target at the floor: try twice the size
+                self._probe = (self.size, self._best)
+                self._set(min(self.max, self.size * 2))
+        elif ns * 2 <= target and n >= self.size and self.size < self.max:
+            self._set(min(self.max, self.size * 2))
 
 
 class InputProcessor:

@@ -304,13 +304,37 @@ class Subtask(threading.Thread):
             return True
         if self.mailbox.output_blocked():
             self.mailbox.wait_for_output()
-            # under backpressure pull what one buffer holds, so a trigger
-            # waits for at most one buffer's worth of writing
-            if policy.bytes_per_record:
-                size = int(self.job.spec.network_config.segment_size // policy.bytes_per_record)
-                policy.size = max(1, min(policy.size, size))
             return True
+        if policy.bytes_per_record:
+            # Pull no more than the free output buffers take: a write that
+            # blocks holds the trigger mail until the consumers give buffers
+            # back (the pulled batch is written whole before a barrier, since
+            # the source's position is already past it). With debloated
+            # buffers of 300 bytes, a segment's worth of records was a
+            # hundred buffers to wait for.
+            # (one buffer kept back, and a fifth, for the buffer being
+            # filled, records larger than the average and a cap lowered by
+            # the debloat timer meanwhile)
+            free = min((self._free_buffers(o.pool) for o in self.outputs), default=1)
+            size = int(0.8 * max(1, free - 1) * self._buffer_bytes() // policy.bytes_per_record)
+            policy.size = max(1, min(policy.size, size))
         return False
+
+    def _free_buffers(self, pool) -> int:
+        """Buffers ``pool`` would give now: up to its guaranteed minimum,
+        then as many as the network's unpromised segments (shared with every
+        other pool) and its cap allow."""
+        in_use = pool.in_use
+        net = getattr(self.job, "network_pool", None)
+        spare = net.unreserved_segments if net is not None else pool.max_size
+        return max(0, pool.min_size - in_use) + max(0, min(pool.max_size - max(in_use, pool.min_size), spare))
+
+    def _buffer_bytes(self) -> int:
+        """The largest buffer an output writes now: the segment size, or
+        the smallest size debloating announced on its channels."""
+        seg = self.job.spec.network_config.segment_size
+        sizes = [q.buffer_size for out in self.outputs for q in getattr(out, "queues", ()) if q.buffer_size]
+        return min(sizes) if sizes else seg
 
     def _finish(self):
         self.event_time.finish()
