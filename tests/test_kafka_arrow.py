@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf import errors
+from pipeline_helpers import cancel_and_join, wait_for
 from test_kafka import FailingMap, FailOnce, _name, env_with, fails_with, produce, read_committed
 
 ck = pytest.importorskip("confluent_kafka")
@@ -178,6 +179,38 @@ def test_arrow_exactly_once_keyed_count_through_a_failure(kafka_broker, tmp_path
     want = collections.Counter((k, c) for k, n in per_key.items() for c in range(1, n + 1))
     assert got == want, (f"seed {seed}: missing {sum((want - got).values())}, "
                          f"duplicated {sum((got - want).values())}")
+
+
+def test_arrow_watermarks_per_partition_with_a_partition_read_behind(kafka_broker, tmp_path):
+    """As test_kafka's test of the same name, with Arrow batches of one row
+    (a batch's time is its earliest row's) and the records' Kafka times:
+    partition 0 is read to its end while partition 1 has given its first 10
+    records only; one watermark per subtask would close windows on partition
+    0's times and drop the rest of partition 1 as late, per partition none is."""
+    bs = kafka_broker.bootstrap_servers
+    src = _name("in")
+    kafka_broker.create_topic(src, partitions=2)
+    rnd = random.Random(3)
+    shuffled = [t for b in range(0, 100, 10) for t in rnd.sample(range(b, b + 10), 10)]
+    first = [(0, str(t)) for t in range(100)] + [(1, str(t)) for t in shuffled[:10]]
+    # (librdkafka reads a timestamp of 0 as "now": the times start at 1000 s)
+    produce(bs, src, first, 2, timestamps=[1000.0 + int(v) for _, v in first])
+    env = fb.Environment()
+    batches = env.read_kafka(src, bootstrap_servers=bs, value_format="arrow", batch_size=1, timestamps="kafka",
+                             out_of_orderness=10.0)
+    counts = (batches.key_by(lambda b: 0).window(fb.Tumbling(10))
+              .aggregate(fb.Count(), window_function=lambda k, w, n: (w.start, n)).collect())
+    job = env.execute_async()
+    time.sleep(4.0)     # the first records read and watermarks ticked (a slow start weakens, never fails, this)
+    rest = [(1, str(t)) for t in shuffled[10:]]
+    produce(bs, src, rest, 2, timestamps=[1000.0 + int(v) for _, v in rest])
+    want = {(1000.0 + s, 20) for s in range(0, 80, 10)}
+    try:
+        wait_for(lambda: {s for s, _ in counts._parts.get(0, [])} >= {s for s, _ in want}, "windows 0-70",
+                 job=job)
+    finally:
+        cancel_and_join(job)
+    assert set(counts._parts.get(0, [])) == want
 
 
 # ---------------------------------------------------------------- arrow-json's parse, no broker
