@@ -372,7 +372,7 @@ class KafkaReader(api.SourceReader):
             if p is None or tp in done or (p[1] is not None and off + 1 >= p[1]):
                 return None
         fmt = self.s.value_format
-        if fmt != "bytes":
+        if fmt != "bytes" and fmt not in kafka_arrow.FORMATS:     # (ArrowBatches decodes the arrow ones)
             try:
                 values = [v.decode("utf-8") for v in values] if fmt == "str" else list(map(json.loads, values))
             except Exception:  # noqa: BLE001 - the full loop names the record at fault

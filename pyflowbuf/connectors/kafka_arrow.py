@@ -104,10 +104,15 @@ class ArrowBatches:
         """The records of one pull: [] or [RecordBatch]. Moves ``r``'s
         positions, watermarks' highest times and dead letters, as
         ``KafkaReader.poll`` does for the other formats."""
+        timed = r._kafka_ts
+        values = None if timed else r._fast(msgs)
+        if values is not None:
+            # the common case: no error, no partition at its end, no times
+            r.stamps = None
+            return self._batch(r, msgs, values)
         ck = r.ck
         eof = ck.KafkaError._PARTITION_EOF
         pos, done, bounded = r.pos, r.done, r.s.bounded
-        timed = r._kafka_ts
         kept = []
         seen = set()
         max_ts = r.max_ts
@@ -150,7 +155,12 @@ class ArrowBatches:
         r.stamps = array("d") if timed else None
         if not kept:
             return []
-        values = [m.value() for m in kept]
+        return self._batch(r, kept, [m.value() for m in kept], timed)
+
+    def _batch(self, r, kept, values, timed=False) -> list:
+        """[the RecordBatch of the messages ``kept``] (whose ``values`` these
+        are), or [] when none is left (all dead letters); ``timed``: its time,
+        its earliest row's, into ``r.stamps``."""
         if self.json:
             columns, good = self._parse(r, kept, values)
             if good is not None:
@@ -159,10 +169,9 @@ class ArrowBatches:
                 return []
         else:
             columns = [self.pa.array(values, self.pa.binary())]
-        batch = self.pa.RecordBatch.from_arrays(columns + self._included(kept), schema=self.out_schema)
         if timed:
-            r.stamps = array("d", [min(m.timestamp()[1] for m in kept) / 1000.0])
-        return [batch]
+            r.stamps.append(min(m.timestamp()[1] for m in kept) / 1000.0)
+        return [self.pa.RecordBatch.from_arrays(columns + self._included(kept), schema=self.out_schema)]
 
     def _included(self, kept) -> list:
         pa = self.pa
