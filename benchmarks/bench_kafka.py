@@ -98,6 +98,39 @@ def source_rate(bs, topic, n):
     return n / dt
 
 
+# ---- kafka_arrow_vs_bytes (read_kafka's Arrow batches; kept apart from the figures above) ----
+
+def _rows_rate(bs, topic, n, value_format):
+    env = fb.Environment(parallelism=1)
+    count = [0]
+    if value_format == "arrow":
+        def add(b):
+            count[0] += sum(x.num_rows for x in b)
+    else:
+        def add(b):
+            count[0] += len(b)
+    env.read_kafka(topic, bootstrap_servers=bs, bounded=True, value_format=value_format).sink(add, batched=True)
+    t0 = time.perf_counter()
+    env.execute()
+    dt = time.perf_counter() - t0
+    assert count[0] == n, (value_format, count[0], n)
+    return n / dt
+
+
+def kafka_arrow_vs_bytes(rep, bs, topic, n, reps):
+    """Rows/s of ``read_kafka(value_format="arrow")`` (a RecordBatch per pull)
+    into a counting sink, divided by ``value_format="bytes"`` (a record per
+    value) over the same topic: what the vectorized path gains at the source."""
+    rep.section("read_kafka: Arrow batches vs bytes records, into a counting sink")
+    with common.progress("arrow", reps) as adv:
+        s = common.interleaved({"arrow": lambda: _rows_rate(bs, topic, n, "arrow"),
+                                "bytes": lambda: _rows_rate(bs, topic, n, "bytes")}, reps, advance=adv)
+    rep.add("kafka_arrow_rows_per_s", s.median("arrow"), "rows/s", spread=s.spread("arrow"))
+    rep.add("kafka_bytes_records_per_s", s.median("bytes"), "records/s", spread=s.spread("bytes"))
+    rep.add("kafka_arrow_vs_bytes", s.ratio("arrow", "bytes"), "x",
+            note="value_format='arrow' rows/s / 'bytes' records/s, same topic, parallelism 1")
+
+
 def copy_rate(broker, src, n, delivery, tmp):
     bs = broker.bootstrap_servers
     out = f"out-{delivery}-{time.monotonic_ns()}"
@@ -184,6 +217,7 @@ def main(quick: bool = False) -> dict:
         rep.add("kafka_source_records_per_s", s.median("source"), "records/s", spread=s.spread("source"))
         rep.add("kafka_client_records_per_s", s.median("client"), "records/s", spread=s.spread("client"))
         rep.add("kafka_source_vs_client", s.ratio("source", "client"), "x", goal=Goal(">=", 0.8, "x"))
+        kafka_arrow_vs_bytes(rep, bs, "bench-in", n, reps)
 
         rep.section("Kafka -> map -> Kafka, checkpoint every second: exactly once vs at least once")
         with common.progress("sink", reps) as adv:

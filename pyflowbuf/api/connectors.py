@@ -89,7 +89,8 @@ class ConnectorSourceDeclarations:
                    wait_for_topics: bool = False, connect_timeout: float = kc.CONNECT_TIMEOUT_S,
                    discovery_interval: float = 10.0, dead_letter: bool = False,
                    max_prefetch_kbytes: int = 16384, pause_after: float | None = kc.PAUSE_AFTER_S,
-                   name: str = "read_kafka", kind: Any = None, rate_limit=None):
+                   name: str = "read_kafka", kind: Any = None, rate_limit=None, schema=None,
+                   batch_size: int = kc.kafka_arrow.DEFAULT_BATCH_SIZE):
         """Records of Kafka topics (confluent-kafka): ``topics`` (a name or a
         list) or ``pattern`` (a regular expression over topic names).
 
@@ -97,6 +98,12 @@ class ConnectorSourceDeclarations:
           ``include``: any of ``"key"``, ``"headers"``, ``"timestamp"``
           (seconds), ``"topic"``, ``"partition"``, ``"offset"``: each record
           is then a dict with ``"value"`` and those.
+        * ``value_format="arrow"``: for the vectorized operators, a
+          ``pyarrow.RecordBatch`` per pull of up to ``batch_size`` records,
+          with a binary column ``value`` and a column per ``include`` field;
+          ``"arrow-json"``: the JSON values parsed into the columns of
+          ``schema=`` (a ``pyarrow.Schema`` or a dict of name to type).
+          ``timestamps`` is then ``"kafka"`` (docs/kafka.md, "Arrow batches").
         * ``starting_offsets``: ``"earliest"``, ``"latest"``, ``"committed"``
           (the group's), a timestamp in seconds, or a dict ``{(topic,
           partition): offset}`` / ``{topic: {partition: offset}}``.
@@ -145,13 +152,26 @@ class ConnectorSourceDeclarations:
                 re.compile(pattern)
             except (re.error, TypeError) as exc:
                 raise ConfigurationError(f"{what}: pattern={pattern!r} is not a regular expression: {exc}") from None
-        if value_format not in kc.FORMATS:
-            raise ConfigurationError(f"{what}: value_format must be one of {kc.FORMATS}, got {value_format!r}")
+        if value_format not in kc.READ_FORMATS:
+            raise ConfigurationError(f"{what}: value_format must be one of {kc.READ_FORMATS}, got {value_format!r}")
         include = (include,) if isinstance(include, str) else tuple(include)
         fields = ("key", "headers", "timestamp", "topic", "partition", "offset")
         for f in include:
             if f not in fields:
                 raise ConfigurationError(f"{what}: include takes {fields}, got {f!r}")
+        arrow = value_format in kc.kafka_arrow.FORMATS
+        if arrow:
+            schema = kc.kafka_arrow.value_schema(what, value_format, schema, include)
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 1_000_000:
+                raise ConfigurationError(f"{what}: batch_size must be an int in 1..1000000 (records per "
+                                         f"RecordBatch), got {batch_size!r}")
+            if callable(timestamps):
+                raise ConfigurationError(
+                    f"{what}: with value_format={value_format!r} a record is a RecordBatch: timestamps= takes "
+                    "'kafka' (each partition's watermark follows its rows' times); include='timestamp' gives "
+                    "the rows' times as a column")
+        elif schema is not None:
+            raise ConfigurationError(f"{what}: schema= is for value_format='arrow-json', not {value_format!r}")
         so = starting_offsets
         if not (so in kc.STARTS or isinstance(so, dict) or
                 (isinstance(so, numbers.Real) and not isinstance(so, bool) and so >= 0)):
@@ -172,9 +192,10 @@ class ConnectorSourceDeclarations:
             starting_offsets=so, bounded=bool(bounded), timestamps=timestamps, out_of_orderness=ooo,
             idle_timeout=idle, properties=properties, wait_for_topics=wait_for_topics, connect_timeout=timeout,
             discovery_interval=discovery_interval, dead_letter=dead_letter,
-            max_prefetch_kbytes=max_prefetch_kbytes, pause_after=pause_after, name=name)
+            max_prefetch_kbytes=max_prefetch_kbytes, pause_after=pause_after, name=name, schema=schema,
+            batch_size=batch_size)
         if kind is None:
-            kind = {"bytes": "bytes", "str": "str"}.get(value_format) if not include else None
+            kind = "arrow" if arrow else {"bytes": "bytes", "str": "str"}.get(value_format) if not include else None
         link: dict = {}         # the source task hands its reader to the operator after it
         p = _parallelism(self.parallelism, parallelism)
         stream = self._source(name, lambda: kc.LinkedSourceTask(source, name, link), kind, rate_limit, p)

@@ -43,12 +43,13 @@ from array import array
 from typing import Any, Callable
 
 from pyflowbuf import errors
-from pyflowbuf.connectors import api
+from pyflowbuf.connectors import api, kafka_arrow
 from pyflowbuf.operators.contracts import Operator
 
 log = logging.getLogger("pyflowbuf.kafka")
 
 FORMATS = ("bytes", "str", "json")
+READ_FORMATS = FORMATS + kafka_arrow.FORMATS        # read_kafka's: Arrow batches too
 STARTS = ("earliest", "latest", "committed")
 DELIVERIES = ("exactly_once", "at_least_once")
 CONNECT_TIMEOUT_S = 10.0
@@ -133,7 +134,8 @@ class KafkaSource(api.Source):
                  value_format="bytes", include=(), starting_offsets="earliest", bounded=False,
                  timestamps=None, out_of_orderness=0.0, idle_timeout=None, properties=None,
                  wait_for_topics=False, connect_timeout=CONNECT_TIMEOUT_S, discovery_interval=10.0,
-                 dead_letter=False, max_prefetch_kbytes=16384, pause_after=PAUSE_AFTER_S, name="read_kafka"):
+                 dead_letter=False, max_prefetch_kbytes=16384, pause_after=PAUSE_AFTER_S, name="read_kafka",
+                 schema=None, batch_size=kafka_arrow.DEFAULT_BATCH_SIZE):
         self.bootstrap_servers = bootstrap_servers
         self.topics = list(topics) if topics is not None else None
         self.pattern = pattern
@@ -153,6 +155,8 @@ class KafkaSource(api.Source):
         self.max_prefetch_kbytes = max_prefetch_kbytes
         self.pause_after = pause_after
         self.name = name
+        self.schema = schema            # value_format="arrow-json": the values' columns
+        self.batch_size = batch_size    # value_format="arrow"/"arrow-json": rows per RecordBatch at most
         self._admin = None
 
     def __getstate__(self):
@@ -284,6 +288,7 @@ class KafkaReader(api.SourceReader):
         self.stamps = None          # the times of the last batch (timestamps=)
         self.dead = []              # undecodable records not yet handed to the dead-letter stream
         self._decode = _decoder(source.value_format)
+        self._arrow = kafka_arrow.ArrowBatches(source) if source.value_format in kafka_arrow.FORMATS else None
         ts = source.timestamps
         self._ts_fn = ts if callable(ts) else None
         self._kafka_ts = ts == "kafka"
@@ -413,17 +418,21 @@ class KafkaReader(api.SourceReader):
         if len(self.done) == len(self.pos) and self.s.bounded:
             return None
         self._resume()
+        arrow = self._arrow
         try:
             if self._stash:
                 msgs, self._stash = self._stash, []
             else:
-                msgs = self.consumer.consume(min(max_records, 10000), POLL_S)
+                # (a RecordBatch is one record downstream: its rows are not max_records)
+                msgs = self.consumer.consume(min(max_records, 10000) if arrow is None else arrow.batch_size, POLL_S)
         finally:
             self._last_pull = time.monotonic()
             self._pulling = False
         if not msgs:
             self.stamps = array("d") if self._ts_fn or self._kafka_ts else None
             return []
+        if arrow is not None:
+            return arrow.poll(self, msgs)
         timed = self._ts_fn is not None or self._kafka_ts
         if not timed and not self.s.include:
             fast = self._fast(msgs)
@@ -525,7 +534,7 @@ class KafkaReader(api.SourceReader):
             if p is None or tp in done or (p[1] is not None and off + 1 >= p[1]):
                 return None
         fmt = self.s.value_format
-        if fmt != "bytes":
+        if fmt != "bytes" and fmt not in kafka_arrow.FORMATS:     # (ArrowBatches decodes the arrow ones)
             try:
                 values = [v.decode("utf-8") for v in values] if fmt == "str" else list(map(json.loads, values))
             except Exception:  # noqa: BLE001 - the full loop names the record at fault
@@ -622,13 +631,13 @@ class KafkaReader(api.SourceReader):
 
 
 def _decoder(fmt):
-    if fmt == "bytes":
+    if fmt == "bytes" or fmt in kafka_arrow.FORMATS:     # (arrow: kafka_arrow.ArrowBatches decodes)
         return lambda b: b
     if fmt == "str":
         return lambda b: b.decode("utf-8")
     if fmt == "json":
         return json.loads
-    raise errors.ConfigurationError(f"value_format must be one of {FORMATS}, got {fmt!r}")
+    raise errors.ConfigurationError(f"value_format must be one of {READ_FORMATS}, got {fmt!r}")
 
 
 class KafkaSourceOperator(Operator):
