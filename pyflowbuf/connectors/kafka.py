@@ -972,6 +972,7 @@ class KafkaSink(api.Sink):
     def abort(self):
         if self.delivery == "at_least_once":
             return
+        self._aborted = True
         self._stop_committer()
         if self.current is not None:
             try:
@@ -1000,6 +1001,9 @@ class KafkaSink(api.Sink):
         self._stop_committer()
         # transactions left open are aborted by the successor's init_transactions
         self.producers = {}
+        if self._commit_error is not None and not getattr(self, "_aborted", False):
+            # a commit handed over at the very end (the subtask's own final commit)
+            self._raise_commit_error()
 
     def _stop_committer(self):
         if self._committer is not None:
