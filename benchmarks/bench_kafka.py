@@ -70,7 +70,8 @@ def fill(bs, topic, n):
 
 
 def client_rate(bs, topic, n):
-    got = kafka_peers.bare_client_consume_rate(bs, topic)
+    # the prefetch bound read_kafka uses (max_prefetch_kbytes), so both sides fetch alike
+    got = kafka_peers.bare_client_consume_rate(bs, topic, consumer_conf={"queued.max.messages.kbytes": 16384})
     assert got["records"] == n, (got["records"], n)
     return {"rate": got["client_records_per_s_steady"], "wall": got["client_records_per_s"]}
 
