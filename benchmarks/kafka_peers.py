@@ -384,7 +384,10 @@ class LatencyProbe:
     def _run(self, consumer):
         try:
             while not self._stop.is_set():
-                msgs = consumer.consume(10_000, 0.05)
+                # what is there now, else wait for the next record: consume(n, timeout)
+                # waits until it has n records or the timeout passed, which would add
+                # up to the timeout to every latency measured
+                msgs = consumer.consume(10_000, 0) or consumer.consume(1, 0.05)
                 now = time.time_ns()
                 batch = []
                 for m in msgs:

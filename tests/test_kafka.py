@@ -432,3 +432,53 @@ def test_an_out_of_order_partition_read_behind_another_loses_nothing(kafka_broke
     finally:
         cancel_and_join(job)
     assert set(counts._parts.get(0, [])) == want
+
+
+# ---- the default transactional id prefix: the job's name and the sink's uid
+
+def test_two_exactly_once_sinks_with_the_same_name_do_not_collide(kafka_broker, tmp_path):
+    """Same name, no prefix given: each sink's transactions are its own
+    (named by its uid), so both outputs hold every record exactly once."""
+    bs = kafka_broker.bootstrap_servers
+    src, out_a, out_b = _name("in"), _name("out-a"), _name("out-b")
+    kafka_broker.create_topic(src, partitions=2)
+    for t in (out_a, out_b):
+        kafka_broker.create_topic(t, partitions=2)
+    words = [f"w{i}" for i in range(2000)]
+    produce(bs, src, words, 2)
+    env = env_with(tmp_path, parallelism=2, checkpoint_interval=0.05, name=_name("job"))
+    read = env.read_kafka(src, bootstrap_servers=bs, value_format="str", bounded=True).uid("in")
+    slow = read.map(lambda w: time.sleep(0.0005) or w).uid("slow")     # checkpoints complete while it runs
+    slow.write_kafka(out_a, bootstrap_servers=bs, delivery="exactly_once").uid("a")
+    slow.write_kafka(out_b, bootstrap_servers=bs, delivery="exactly_once").uid("b")
+    env.execute()
+    for t in (out_a, out_b):
+        assert sorted(read_committed(bs, t, 2)) == sorted(words)
+    # each sink's commit markers are in the groups <pyflowbuf>-<job>-<uid>-<subtask>-marker
+    for uid, topic in (("a", out_a), ("b", out_b)):
+        for s in range(2):
+            c = ck.Consumer({"bootstrap.servers": bs, "group.id": f"pyflowbuf-{env.name}-{uid}-{s}-marker",
+                             "isolation.level": "read_committed"})
+            try:
+                assert c.committed([ck.TopicPartition(topic, 0)], timeout=30)[0].offset >= kc.MARKER_BIAS
+            finally:
+                c.close()
+
+
+def test_two_sinks_with_the_same_prefix_are_refused(kafka_broker, tmp_path):
+    bs = kafka_broker.bootstrap_servers
+    env = env_with(tmp_path, name="prefixes")
+    words = env.from_collection(["a", "b"])
+    # refused before anything runs (the topics do not exist)
+    words.write_kafka("x", bootstrap_servers=bs, delivery="exactly_once", transactional_id_prefix="p", name="one")
+    words.write_kafka("y", bootstrap_servers=bs, delivery="exactly_once", transactional_id_prefix="p", name="two")
+    with pytest.raises(errors.ConfigurationError, match=r"'one' and write_kafka 'two' both have .* prefix 'p'"):
+        env.execute()
+    # a prefix given that is another sink's default one
+    env = env_with(tmp_path, name="prefixes")
+    words = env.from_collection(["a", "b"])
+    words.write_kafka("x", bootstrap_servers=bs, delivery="exactly_once").uid("out")
+    words.write_kafka("y", bootstrap_servers=bs, delivery="exactly_once",
+                      transactional_id_prefix="pyflowbuf-prefixes-out")
+    with pytest.raises(errors.ConfigurationError, match="pyflowbuf-prefixes-out"):
+        env.plan()

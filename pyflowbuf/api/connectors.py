@@ -273,8 +273,10 @@ class ConnectorSinkDeclarations:
         nor duplicates them (docs/kafka.md). Readers must use
         ``isolation.level=read_committed``. It needs checkpoints; the
         transactional ids are ``<transactional_id_prefix>-<subtask>-<slot>``,
-        by default ``pyflowbuf-<job name>-<sink name>``: two sinks writing
-        at once need different ones.
+        by default ``pyflowbuf-<job name>-<the sink's uid>`` (``.uid()``, or
+        the id derived from its place in the graph); two sinks of a job with
+        the same prefix are refused (``ConfigurationError``), and two jobs
+        writing at once need different ones.
 
         Returns a ``DataSink``. A missing topic is ``KafkaTopicError``, an
         unreachable broker ``KafkaConnectionError``, both when the job starts.
@@ -305,16 +307,23 @@ class ConnectorSinkDeclarations:
             raise ConfigurationError(
                 f"{what}: delivery='exactly_once' commits a transaction when a checkpoint completes, and this "
                 "job takes no checkpoints: pass Environment(checkpoint_interval=...), or delivery='at_least_once'")
-        prefix = transactional_id_prefix or f"pyflowbuf-{env.name}-{name}"
+        prefix = transactional_id_prefix or None     # None: from the job and the sink's uid, when it runs
         sink = kc.KafkaSink(bootstrap_servers, topic, key=key, value_format=value_format, delivery=delivery,
                             transactional_id_prefix=prefix, properties=properties,
-                            connect_timeout=connect_timeout, transaction_timeout=transaction_timeout, name=name)
-        commit_key = f"kafka:{prefix}"
+                            connect_timeout=connect_timeout, transaction_timeout=transaction_timeout, name=name,
+                            job=env.name)
+        # the driver's final commits find the sink by this key: stable from run to
+        # run of the same job, one per write_kafka (its rank among the job's sinks)
+        rank = sum(isinstance(n.job_check, kc.PrefixCheck) for n in env.nodes)
+        commit_key = f"kafka:{prefix}" if prefix else f"kafka:{env.name}:{rank}"
         capi.declare(commit_key, sink)
         checkpointed = env.checkpoint_config.enabled
+        if not prefix:      # the key of checkpoints written before the prefix held the uid
+            capi.declare(f"kafka:pyflowbuf-{env.name}-{name}", sink)
 
         def make():
-            return capi.ConnectorSinkOperator(name, sink, commit_key, checkpointed)
+            return kc.KafkaSinkOperator(name, sink, commit_key, checkpointed)
 
         node = self._then(name, make, parallelism, None, sink=True)
+        node.job_check = kc.PrefixCheck(prefix, env.name, name)
         return DataSink(env, node)

@@ -118,6 +118,13 @@ def _metadata(client, bootstrap_servers, timeout, topic=None):
             "(connect_timeout= sets how long to wait)") from None
 
 
+def _consume(consumer, n):
+    """Up to ``n`` records: those the client holds now, else the first to
+    arrive within POLL_S. (``consume(n, timeout)`` alone waits until it has
+    ``n`` or the timeout passed: up to POLL_S more latency per batch.)"""
+    return consumer.consume(n, 0) or consumer.consume(1, POLL_S)
+
+
 def flink_owner(topic: str, partition: int, parallelism: int) -> int:
     """The subtask reading ``partition`` of ``topic``: a topic's partitions
     start at a subtask given by a stable hash of its name and go round."""
@@ -424,7 +431,7 @@ class KafkaReader(api.SourceReader):
                 msgs, self._stash = self._stash, []
             else:
                 # (a RecordBatch is one record downstream: its rows are not max_records)
-                msgs = self.consumer.consume(min(max_records, 10000) if arrow is None else arrow.batch_size, POLL_S)
+                msgs = _consume(self.consumer, min(max_records, 10000) if arrow is None else arrow.batch_size)
         finally:
             self._last_pull = time.monotonic()
             self._pulling = False
@@ -794,6 +801,36 @@ def sink_base(prefix: str, subtask: int) -> str:
     return f"{prefix}-{subtask}"
 
 
+def default_prefix(job: str, uid: str) -> str:
+    """A sink's transactional id prefix when none is given: its job's name
+    and the uid its state is stored under, unique in the job (and kept when
+    the job is rescaled or operators are added before it with uids given)."""
+    return f"pyflowbuf-{job}-{uid}"
+
+
+class PrefixCheck:
+    """``Node.job_check`` of a ``write_kafka`` node: once the job's ids are
+    assigned, no two Kafka sinks of the job may share a transactional id
+    prefix (their transactions would fence each other and each would read
+    the other's commit marker)."""
+
+    def __init__(self, prefix, job, name):
+        self.prefix, self.job, self.name = prefix, job, name
+
+    def resolved(self, node) -> str:
+        return self.prefix if self.prefix is not None else default_prefix(self.job, node.operator_uid)
+
+    def __call__(self, node, nodes) -> None:
+        mine = self.resolved(node)
+        for other in nodes:
+            check = other.job_check
+            if other is not node and isinstance(check, PrefixCheck) and check.resolved(other) == mine:
+                raise errors.ConfigurationError(
+                    f"write_kafka {self.name!r} and write_kafka {check.name!r} both have the transactional id "
+                    f"prefix {mine!r}: their transactions would fence each other; give each its own "
+                    "transactional_id_prefix= (or leave both out: the default holds the sink's uid)")
+
+
 def fence_list(base: str, restored) -> list:
     """The transactional ids to initialize when a sink subtask opens: those
     its restored writers recorded, and for each of their bases (and its own)
@@ -811,11 +848,17 @@ class KafkaSink(api.Sink):
     """``stream.write_kafka``'s sink; see the module docstring and docs/kafka.md.
 
     ``transactional_id_prefix`` names the transactions (and the marker
-    group) of this sink: ``<prefix>-<subtask>-<slot>``."""
+    group) of this sink: ``<prefix>-<subtask>-<slot>``; None: ``job`` and
+    the uid of its operator (``default_prefix``), set by ``KafkaSinkOperator``.
+
+    Exactly once, the task thread only writes: a checkpoint's transaction
+    gets its marker and is committed by a thread of the subtask
+    (``_committer``) while the task writes the next interval under another
+    slot's transactional id; the next barrier waits for that commit."""
 
     def __init__(self, bootstrap_servers, topic, *, key=None, value_format="str", delivery="at_least_once",
                  transactional_id_prefix=None, properties=None, connect_timeout=CONNECT_TIMEOUT_S,
-                 transaction_timeout=300.0, name="write_kafka"):
+                 transaction_timeout=300.0, name="write_kafka", job="job"):
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.key = key
@@ -826,7 +869,10 @@ class KafkaSink(api.Sink):
         self.connect_timeout = connect_timeout
         self.transaction_timeout = transaction_timeout
         self.name = name
+        self.job = job
         self.producer = None        # at least once: the subtask's producer, from open()
+        self._committer = None      # exactly once: the thread committing checkpoints' transactions
+        self._commit_error = None   # its failure, raised in the task
 
     # ---- the subtask ----
     def open(self, subtask, parallelism):
@@ -841,11 +887,16 @@ class KafkaSink(api.Sink):
             self.producer = self.ck.Producer(conf)
             self._check_topic(self.producer)
             return
+        if self.prefix is None:         # run by hand, not placed in a job (KafkaSinkOperator sets it)
+            self.prefix = default_prefix(self.job, self.name)
         self.base = sink_base(self.prefix, subtask)
         self.group = f"{self.base}-marker"
         self.producers: dict = {}           # transactional id -> Producer (initialized)
         self.prepared: dict = {}            # checkpoint id -> transactional id, awaiting commit
-        self.epoch: list = []               # [key, value] of the open transaction
+        self._lock = threading.Lock()       # ``prepared``: the committer thread removes what it committed
+        # the open transaction's encoded values and keys (keys: None while every key is None)
+        self.values: list = []
+        self.keys = None
         # fence every transactional id that the restored writers, or an earlier
         # run of this subtask, may have left a transaction open under: the
         # broker completes one that was committing and aborts the others
@@ -853,6 +904,7 @@ class KafkaSink(api.Sink):
         self.current = None
         self.last_id = getattr(self, "last_id", 0)
         self._check_topic(self._producer(f"{self.base}-0"))
+        self._committer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kafka-commit-{self.base}")
 
     def _conf(self):
         conf = _client_conf(self.bootstrap_servers, self.properties)
@@ -900,7 +952,8 @@ class KafkaSink(api.Sink):
                 f.result()
 
     def _free_slot(self):
-        busy = set(self.prepared.values())
+        with self._lock:
+            busy = set(self.prepared.values())
         i = 0
         while f"{self.base}-{i}" in busy:
             i += 1
@@ -926,16 +979,28 @@ class KafkaSink(api.Sink):
             p.poll(0)
             self._raise_delivery_errors()
             return
+        if self._commit_error is not None:
+            self._raise_commit_error()
         if self.current is None:
             self.current = self._free_slot()
             self._producer(self.current).begin_transaction()
         p, topic, cb = self.producers[self.current], self.topic, self._on_delivery
-        epoch = self.epoch
-        for r in batch:
-            v = enc(r)
-            k = None if key is None else _key_bytes(key(r))
-            epoch.append([k, v])
-            self._produce(p, topic, v, k, cb)
+        values = self.values
+        if key is None:
+            for r in batch:
+                v = enc(r)
+                values.append(v)
+                self._produce(p, topic, v, None, cb)
+        else:
+            keys = self.keys
+            if keys is None:
+                keys = self.keys = [None] * len(values)
+            for r in batch:
+                v = enc(r)
+                k = _key_bytes(key(r))
+                values.append(v)
+                keys.append(k)
+                self._produce(p, topic, v, k, cb)
         p.poll(0)
         self._raise_delivery_errors()
 
@@ -951,6 +1016,10 @@ class KafkaSink(api.Sink):
         if self.delivery == "at_least_once":
             self._flush(self.producer)
             return []
+        # an earlier checkpoint's commit is resolved before this barrier passes: a
+        # failed one then fails the task before a later checkpoint (whose snapshot no
+        # longer holds the earlier committable) can complete
+        self._drain()
         if checkpoint_id == api.END_OF_INPUT:
             # the marker grows with every commit: the end comes after the last checkpoint
             checkpoint_id = self.last_id + 1
@@ -959,13 +1028,15 @@ class KafkaSink(api.Sink):
         if self.current is None:
             return []           # nothing written in this epoch
         tid = self.current
-        p = self.producers[tid]
-        self._mark(p, checkpoint_id)
-        self._flush(p)
-        self.prepared[checkpoint_id] = tid
+        with self._lock:
+            self.prepared[checkpoint_id] = tid
         self.current = None
-        records, self.epoch = self.epoch, []
-        return [{"tid": tid, "group": self.group, "topic": self.topic, "id": checkpoint_id, "records": records}]
+        values, keys = self.values, self.keys
+        self.values, self.keys = [], None
+        # no round trip here: the flush, the marker and the commit come when the
+        # checkpoint completes; until then the records are in the checkpoint
+        return [{"tid": tid, "group": self.group, "topic": self.topic, "id": checkpoint_id,
+                 "values": values, "keys": keys}]
 
     def _mark(self, p, checkpoint_id):
         """The commit marker, in the same transaction: the marker group's offset
@@ -994,6 +1065,7 @@ class KafkaSink(api.Sink):
         if not hasattr(self, "producers"):
             # the driver, committing a finished subtask's last transaction
             self.ck, self.producers, self.prepared, self._errors = _ck(), {}, {}, []
+            self._lock = threading.Lock()
         # every transaction of these committables that this process does not
         # hold is fenced before any marker is read: a prepared transaction's
         # marker leaves its group's offset unstable until it is resolved
@@ -1001,18 +1073,46 @@ class KafkaSink(api.Sink):
         for c in sorted(committables, key=lambda c: c["id"]):
             tid = self.prepared.get(c["id"])
             if tid == c["tid"] and tid in self.producers:
-                self._commit_live(c)
+                if self._committer is not None:
+                    self._committer.submit(self._commit_in_thread, c)     # off the task thread, in order
+                else:
+                    self._commit_live(c)
             else:
                 self._recommit(c)
 
     def _commit_live(self, c):
+        """Flush, mark and commit the open transaction of committable ``c``
+        (the committer thread, or the task when there is none)."""
+        if self._commit_error is not None:
+            return          # an earlier commit failed: the task fails, the restore re-sends
         p = self.producers[c["tid"]]
         try:
+            self._flush(p)
+            self._mark(p, c["id"])
             p.commit_transaction(self.transaction_timeout)
-        except self.ck.KafkaException as exc:
+        except (self.ck.KafkaException, errors.KafkaSinkError) as exc:
             raise errors.KafkaSinkError(f"write_kafka {self.name!r}: committing the transaction of checkpoint "
                                         f"{c['id']} ({c['tid']}) failed: {exc}") from None
-        del self.prepared[c["id"]]
+        with self._lock:
+            del self.prepared[c["id"]]
+
+    def _commit_in_thread(self, c):
+        try:
+            self._commit_live(c)
+        except BaseException as exc:        # noqa: BLE001 - whatever it is, the task must fail with it
+            self._commit_error = exc        # raised by the task at its next write or barrier
+
+    def _raise_commit_error(self):
+        err, self._commit_error = self._commit_error, None
+        raise err
+
+    def _drain(self):
+        """Wait for the commits handed to the committer thread; raise the
+        first that failed."""
+        if self._committer is not None:
+            self._committer.submit(lambda: None).result()
+        if self._commit_error is not None:
+            self._raise_commit_error()
 
     def _committed_marker(self, group, topic) -> int:
         ck = self.ck
@@ -1036,7 +1136,11 @@ class KafkaSink(api.Sink):
         if self._committed_marker(c["group"], c["topic"]) >= c["id"] + MARKER_BIAS:
             return      # the transaction committed before the failure
         p.begin_transaction()
-        for k, v in c["records"]:
+        if "records" in c:      # a checkpoint of a release that kept [key, value] pairs
+            pairs = c["records"]
+        else:
+            pairs = zip(c["keys"] or [None] * len(c["values"]), c["values"])
+        for k, v in pairs:
             self._produce(p, c["topic"], v, k, self._on_delivery)
         p.send_offsets_to_transaction([self.ck.TopicPartition(c["topic"], 0, c["id"] + MARKER_BIAS)],
                                       self._group_metadata(c["group"]), self.connect_timeout)
@@ -1046,6 +1150,8 @@ class KafkaSink(api.Sink):
     def abort(self):
         if self.delivery == "at_least_once":
             return
+        self._aborted = True
+        self._stop_committer()
         if self.current is not None:
             try:
                 self.producers[self.current].abort_transaction(self.connect_timeout)
@@ -1070,5 +1176,27 @@ class KafkaSink(api.Sink):
             if self.producer is not None:
                 self.producer.flush(0)
             return
+        self._stop_committer()
         # transactions left open are aborted by the successor's init_transactions
         self.producers = {}
+        if self._commit_error is not None and not getattr(self, "_aborted", False):
+            # a commit handed over at the very end (the subtask's own final commit)
+            self._raise_commit_error()
+
+    def _stop_committer(self):
+        if self._committer is not None:
+            # the commits handed over are of completed checkpoints: they run (each
+            # within transaction_timeout), so a job cancelled right after a checkpoint
+            # completed still shows that checkpoint's records
+            self._committer.shutdown(wait=True)
+            self._committer = None
+
+
+class KafkaSinkOperator(api.ConnectorSinkOperator):
+    """``write_kafka``'s operator: a connector sink whose default
+    transactional id prefix takes the uid the job gave its state."""
+
+    def place(self, node_id, uid, out_kind, timestamped) -> None:
+        super().place(node_id, uid, out_kind, timestamped)
+        if self.sink.prefix is None and uid is not None:
+            self.sink.prefix = default_prefix(self.sink.job, uid)

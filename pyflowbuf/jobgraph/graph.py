@@ -57,6 +57,7 @@ class Node:
     legacy_uid: str | None = None                    # set by assign_uids: name#rank, as derived before ID_SCHEME
     id_info: dict | None = None                      # set by assign_uids: how derived_uid was derived
     declared_at: tuple | None = None                 # (file, line) of the user's code that declared it
+    job_check: Callable | None = None                # (node, nodes) -> None, by plan() once ids are assigned
     # facts the Stream methods (api/) give a node, read by the plan and the runtime
     timestamps: Any = None                           # its records' timestamp function (assign_timestamps), or column
     assigns_timestamps: bool = False                 # assign_timestamps: chained into a source it follows
@@ -357,6 +358,9 @@ def plan(nodes: list, chaining: bool) -> tuple[list, list]:
     output of a node inside one leaves its vertex through an edge of its own
     (``JobEdge.tag``), while the node's main output may go on chaining."""
     assign_uids(nodes)
+    for node in nodes:
+        if node.job_check is not None:      # a check of the whole job (write_kafka: prefixes differ)
+            node.job_check(node, nodes)
     vertex_of: dict = {}
     vertices: list = []
     edges: list = []
