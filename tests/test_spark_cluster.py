@@ -141,6 +141,10 @@ def test_keyed_windowed_job_on_two_executors_equals_one_process(spark, capsys):
     assert sorted(ex.addresses) == [0, 1]
     assert all(host == "127.0.0.1" for host, _ in ex.addresses.values())
     assert ex.launcher.attempts and ex.restarts == 0
+    # the one execution of every placement (test_execution_shared.py: threads and workers=2)
+    from pyflowbuf.runtime.execution import JobExecution
+    from pyflowbuf.spark.cluster import SparkLauncher
+    assert type(ex) is JobExecution and type(ex.launcher) is SparkLauncher
 
 
 # ---------------------------------------------------------------- refusals

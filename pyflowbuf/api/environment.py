@@ -24,7 +24,7 @@ from pyflowbuf.api.connectors import ConnectorSourceDeclarations
 from pyflowbuf.api.sources import SourceDeclarations
 from pyflowbuf.config import UNSET, CheckpointConfig, DebloatConfig, MetricsConfig, NetworkConfig, RestartConfig
 from pyflowbuf.errors import AlreadyExecutedError, ConfigurationError
-from pyflowbuf.cluster.driver import ClusterExecution
+from pyflowbuf.cluster.driver import WorkerLauncher
 from pyflowbuf.jobgraph.graph import Node, plan
 from pyflowbuf.jobgraph.spec import JobSpec
 from pyflowbuf.cluster import control as _control
@@ -473,7 +473,7 @@ class Environment(SourceDeclarations, ConnectorSourceDeclarations):
         if self.cluster is not None:
             return self.cluster.execution(spec)
         if self.workers:
-            return ClusterExecution(spec)
+            return JobExecution(spec, launcher=WorkerLauncher(spec))
         return JobExecution(spec)
 
     def metrics(self) -> dict:

@@ -5,8 +5,9 @@ processes, Spark barrier tasks).
 ``SubtaskGateway``: what the coordinator calls on the execution it is
 attached to (``CheckpointCoordinator.attach``): inject barriers, tell the
 subtasks a checkpoint completed or was aborted, turn a checkpoint unaligned,
-end the job after a stop-with-savepoint. ``JobExecution`` posts each call to
-its subtasks' mailboxes; ``ClusterExecution`` sends it to every worker.
+end the job after a stop-with-savepoint. The one execution
+(``JobExecution``) hands each call to its launcher, which posts it to the
+subtasks' mailboxes (threads) or sends it to every worker.
 
 ``CoordinatorGateway``: what a subtask's side of checkpoints
 (``TaskCheckpointing``) calls on its coordinator: the settings, where a
@@ -19,7 +20,7 @@ Example::
 
     from pyflowbuf.checkpointing.gateway import CoordinatorGateway, SubtaskGateway
 
-    assert isinstance(job, SubtaskGateway)               # a JobExecution or a ClusterExecution
+    assert isinstance(job, SubtaskGateway)               # a JobExecution, wherever its subtasks run
     assert isinstance(job.coordinator, CoordinatorGateway)
 """
 from __future__ import annotations

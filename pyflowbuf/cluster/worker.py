@@ -19,7 +19,7 @@ from pyflowbuf.checkpoint import CheckpointStorage, SavepointStorage
 from pyflowbuf.net import ConnectionManager, NetworkServer
 from pyflowbuf import checkpointing as ckpt
 from pyflowbuf.checkpointing.gateway import CoordinatorGateway
-from pyflowbuf.runtime.job import CANCEL_GRACE_S, JobExecution
+from pyflowbuf.runtime.execution import CANCEL_GRACE_S, JobExecution, is_secondary
 from pyflowbuf.connectors.sinks import CollectSink
 from pyflowbuf.serializers import get_serializer
 
@@ -129,11 +129,6 @@ def attempt_secret(secret: bytes, attempt: int) -> bytes:
     of an attempt that was stopped for a restart) fails authentication and
     can neither send into nor take from the processes of this one."""
     return hmac.new(secret, b"pyflowbuf attempt %d" % attempt, hashlib.sha256).digest()
-
-
-def _secondary(exc, op) -> bool:
-    """Failures that follow another one (cancellation, a peer going away)."""
-    return op == "remote exchange" or isinstance(exc, (errors.CancelledError, errors.ConnectionLostError))
 
 
 class _Sender:
@@ -316,7 +311,7 @@ def run_worker(spec, me, workers, secret, conn, attempt=0, *, host=None, port_ra
             job.join()
         except errors.JobFailedError:
             task, op, exc, tb = job.failure
-            send(("failed", task, op, f"{type(exc).__name__}: {exc}", tb, _secondary(exc, op), metrics(job)))
+            send(("failed", task, op, f"{type(exc).__name__}: {exc}", tb, is_secondary(exc, op), metrics(job)))
             return
         # consumers elsewhere may still be reading our exports
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
@@ -329,7 +324,7 @@ def run_worker(spec, me, workers, secret, conn, attempt=0, *, host=None, port_ra
         try:
             # (a peer lost while connecting is secondary: the peer's own death says why)
             send(("failed", f"worker {me}", "worker", f"{type(exc).__name__}: {exc}",
-                  traceback.format_exc(), _secondary(exc, "worker")))
+                  traceback.format_exc(), is_secondary(exc, "worker")))
         except Exception:
             pass
     finally:

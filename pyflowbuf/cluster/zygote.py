@@ -5,9 +5,9 @@ run (the checkpoint coordinator, the metrics relay, the output relay, the
 driver's monitor, which forks a restart's workers). A child forked while
 another thread held a lock (the allocator's under ASan, which does not lock
 it around ``fork()``; logging's; any C library's) starts with that lock held
-forever. So ``ClusterExecution.start`` forks the zygote first, before the
-execution starts a thread of its own, and the zygote forks every worker of
-every attempt on request. The zygote is single-threaded from then on: it
+forever. So the execution's ``start`` has ``WorkerLauncher.open`` fork the
+zygote first, before the execution starts a thread of its own, and the
+zygote forks every worker of every attempt on request. The zygote is single-threaded from then on: it
 does nothing but wait on its socket and on its children's exits, so each
 worker is forked from a process with one thread. (Threads the caller's
 process had already started are its own: the zygote is forked before ours,

@@ -280,6 +280,10 @@ class MetricsRelay:
                 del self.history[:600]
         _publish(self.listeners, snap)
 
+    def stop(self) -> None:
+        """As ``MetricsSampler.stop``: the final merged sample, the listeners closed."""
+        self.close()
+
     def close(self) -> None:
         with self._lock:
             if self._closing:

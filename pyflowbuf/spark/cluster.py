@@ -65,7 +65,8 @@ from pyflowbuf.net.tls import AttemptTLS
 from pyflowbuf.spark.tls import choose_tls, tls_setting
 from pyflowbuf.connectors import filesystems as fsx
 from pyflowbuf.cluster.locations import file_locations
-from pyflowbuf.cluster.driver import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, ClusterExecution, Launcher
+from pyflowbuf.cluster.driver import CANCEL_GRACE_S, EXIT_STATUS_WAIT_S, RemoteLauncher
+from pyflowbuf.runtime.execution import JobExecution
 from pyflowbuf.cluster.worker import run_worker
 
 log = logging.getLogger("pyflowbuf.spark")
@@ -402,10 +403,11 @@ class SparkCluster:
         """The job's TLS setting on this cluster (None: off); see ``tls``."""
         return choose_tls(self.tls, job_spec.tls, self.allow_unencrypted, self._conf)
 
-    def execution(self, job_spec) -> ClusterExecution:
+    def execution(self, job_spec) -> JobExecution:
         """The execution of the job ``job_spec`` (a ``JobSpec``: Environment
-        calls this at execute())."""
-        return ClusterExecution(job_spec, SparkLauncher(self, job_spec))
+        calls this at execute()): the one ``JobExecution``, placing its
+        subtasks as Spark barrier tasks (``SparkLauncher``)."""
+        return JobExecution(job_spec, launcher=SparkLauncher(self, job_spec))
 
     # ---- the checks before submission ----
     def _conf(self, key, default=None):
@@ -650,9 +652,10 @@ def _run_barrier_task(spec, w, host, info):
         output.close()
 
 
-class SparkLauncher(Launcher):
+class SparkLauncher(RemoteLauncher):
     """Starts a job's workers as Spark barrier tasks (see the module's
-    docstring); ClusterExecution drives them as it drives forked ones."""
+    docstring); the execution drives them as it drives forked ones
+    (``RemoteLauncher`` holds the driver's side of them)."""
 
     what = "Spark barrier tasks"
 
@@ -677,6 +680,7 @@ class SparkLauncher(Launcher):
         self._relays: list = []         # (output channel, thread) of the current attempt's workers
 
     def check(self, execution):
+        super().check(execution)
         self.cluster.check(self.job_spec)
         execution.tls = AttemptTLS(self.cluster.effective_tls(self.job_spec), self.job_spec.name)
         # the job travels pickled in the tasks' closure: a function that cannot
@@ -713,13 +717,13 @@ class SparkLauncher(Launcher):
         self.cluster.wait_for_slots(f"attempt {attempt} cannot start (no executor came back within "
                                     f"start_timeout={self.start_timeout:g} s)")
 
-    def launch(self, execution, attempt) -> dict:
+    def start_workers(self, attempt) -> dict:
         if attempt > 0:
             self._wait_for_slots(attempt)
         if self._listener is None:
             self._listener = self._start_listener()
-        secret = execution.secret
-        tls = execution.tls.for_attempt(attempt)
+        secret = self.execution.secret
+        tls = self.execution.tls.for_attempt(attempt)
         self._listener.set_secret(control_secret(secret, attempt), tls=tls)
         spec = _TaskSpec(self.description, self._listener.address, secret, attempt, self.cluster.port_range,
                          self.start_timeout, self.job_spec.allow_pickle,
@@ -773,7 +777,7 @@ class SparkLauncher(Launcher):
         except BaseException:
             for ch in conns:
                 ch.close()
-            self.stop(graceful=False)
+            self.stop_workers(graceful=False)
             raise
 
     def _relay(self, ch, w):
@@ -847,7 +851,7 @@ class SparkLauncher(Launcher):
                 "lost its control channel to the driver: its Python worker or executor ended")
         return text, (f"Spark reported: {self._error}" if self._error else "")
 
-    def stop(self, graceful: bool):
+    def stop_workers(self, graceful: bool):
         """The attempt's Spark job has ended when this returns: waited for
         (the workers were told to stop, or finished), then cancelled by its tag."""
         thread = self._thread
@@ -871,12 +875,12 @@ class SparkLauncher(Launcher):
         self._lost_reported = True
         return (f"the Spark job of the attempt ({self._tag}) failed", f"Spark reported: {self._error}")
 
-    def end_attempt(self):
+    def forget_attempt(self):
         self._end_relays()
         self._thread = None
 
-    def close(self):
-        self.stop(graceful=False)
+    def close_workers(self):
+        self.stop_workers(graceful=False)
         self._end_relays()
         if self._listener is not None:
             self._listener.close()

@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from pyflowbuf import errors
 from pyflowbuf.api import Environment
-from pyflowbuf.cluster.driver import ClusterExecution
+from pyflowbuf.runtime.execution import JobExecution
 from pyflowbuf.connectors.sources import Source
 from pyflowbuf.spark._schema import conform_batch, resolve_schema, session_timezone
 from pyflowbuf.spark.cluster import SparkCluster, SparkLauncher, run_barrier_task, task_function
@@ -129,7 +129,7 @@ class _DataflowCluster(SparkCluster):
         self.key = key
 
     def execution(self, job_spec):
-        return ClusterExecution(job_spec, DataflowLauncher(self, job_spec, self.df, self.key))
+        return JobExecution(job_spec, launcher=DataflowLauncher(self, job_spec, self.df, self.key))
 
 
 def run_dataflow(df, build: Callable[[Any], Any], schema, workers: int = 2, *, task_cpus: int = 1,
