@@ -180,21 +180,31 @@ cdef class RecordReader(_RecordDeserializer):
 
     def unread_prefix(self, int ch):
         """What this reader took from ``ch`` but has not handed out yet, as one
-        data item (or None): the start of a record that spans buffers, or the
-        rest of a buffer left after a batch ended mid-buffer. After a restore
-        it is read again first, so a record cut by the snapshot is whole."""
+        data item (or None): the start of a record that spans buffers, the
+        rest of a buffer left after a batch ended mid-buffer, or both (the
+        start, then the buffer that continues it, already taken from the gate
+        by a batch that ended there). After a restore it is read again first,
+        so a record cut by the snapshot is whole."""
         cdef ChanState *c = &self.chs[self._ch_index(ch)]
         cdef bytes data
+        # The start of a cut record and the rest of the current buffer can
+        # both be held: a batch that ends with the buffer that began the
+        # record already took the next buffer of the channel (unread, pos 0).
+        # Both go into the prefix, in that order, or the record's continuation
+        # is in neither the prefix nor the recording.
+        cdef bint rest = self.cur_ch == ch and c.has_cur and c.pos < c.cur.size
         if c.partial is not NULL:
             data = (<uint32_t>c.partial_len).to_bytes(4, "little") + \
                 PyBytes_FromStringAndSize(PyBytes_AS_STRING(<object>c.partial), c.partial_have)
         elif c.hdr_have:
             data = PyBytes_FromStringAndSize(c.hdr, c.hdr_have)
-        elif self.cur_ch == ch and c.has_cur and c.pos < c.cur.size:
+        elif rest:
             data = PyBytes_FromStringAndSize(c.base + c.pos, c.cur.size - c.pos)
             return (c.cur.type, c.cur.width, 0, 0, data)
         else:
             return None
+        if rest:
+            data += PyBytes_FromStringAndSize(c.base + c.pos, c.cur.size - c.pos)
         return (FB_DATA_RECORDS, 0, 0, 0, data)
 
     def replay(self, items):
