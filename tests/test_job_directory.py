@@ -548,3 +548,29 @@ def test_a_running_job_of_this_process_keeps_its_lock_without_a_wait(tmp_path):
         assert time.monotonic() - t0 < 30      # (a wait for an ending job would be up to 60 s)
     finally:
         cancel(job)
+
+
+def test_a_lock_is_unregistered_only_once_its_file_is_free(tmp_path, monkeypatch):
+    """A waiter that finds the ending holder gone takes the lock at once: the
+    holder must not look released while its file is still locked (the race
+    that made a notebook's "cancel, then start again" fail now and then)."""
+    from pyflowbuf.checkpoint import lock as lock_mod
+    fs = fsspec.filesystem("file")
+    held = DirectoryLock(fs, str(tmp_path), "job")
+    held._acquire()
+    held.ending = True
+    info = dict(held.info)
+    seen = []
+    real = DirectoryLock._release_file
+
+    def probe(self):
+        # the moment a waiter could look: the file is still locked here
+        seen.append(lock_mod.wait_for_ending_holder(info, 0))
+        real(self)
+
+    monkeypatch.setattr(DirectoryLock, "_release_file", probe)
+    held.release()
+    assert seen == [False]
+    after = DirectoryLock(fs, str(tmp_path), "job")
+    after._acquire()
+    after.release()

@@ -274,11 +274,13 @@ class DirectoryLock:
         if not self.held:
             return
         self.held = False
-        with _HELD_LOCK:
-            _HELD.pop(self.token, None)
         try:
             self._release_file()
         finally:
+            # unregistered only once the file is free: a waiter that finds no
+            # holder (wait_for_ending_holder) may take the lock at once
+            with _HELD_LOCK:
+                _HELD.pop(self.token, None)
             self._released.set()
 
     def _release_file(self) -> None:
