@@ -16,6 +16,7 @@ import pytest
 
 import pyflowbuf as fb
 from pipeline_helpers import wait_for
+from test_kafka import read_committed      # (the same read_committed consumer)
 
 ck = pytest.importorskip("confluent_kafka")
 pytestmark = pytest.mark.kafka
@@ -40,25 +41,6 @@ def produce(bs, topic, values, partitions):
     for i, v in enumerate(values):
         p.produce(topic, v.encode(), partition=i % partitions)
     assert p.flush(60) == 0
-
-
-def read_committed(bs, topic, partitions):
-    c = ck.Consumer({"bootstrap.servers": bs, "group.id": _name("g"), "isolation.level": "read_committed",
-                     "enable.partition.eof": True, "enable.auto.commit": False})
-    c.assign([ck.TopicPartition(topic, p, ck.OFFSET_BEGINNING) for p in range(partitions)])
-    got, ended = [], set()
-    try:
-        deadline = time.monotonic() + 60
-        while len(ended) < partitions:
-            assert time.monotonic() < deadline, "the output topic's partitions never reached their end"
-            for m in c.consume(1000, 0.5):
-                if m.error() is None:
-                    got.append(m.value().decode())
-                elif m.error().code() == ck.KafkaError._PARTITION_EOF:
-                    ended.add(m.partition())
-    finally:
-        c.close()
-    return got
 
 
 class Reconnects(logging.Handler):
