@@ -180,10 +180,10 @@ class CommitFailingSink(kc.KafkaSink):
         super().__init__(*a, **kw)
         self.once, self.when = once, when
 
-    def _commit_live(self, c):
+    def _commit_live(self, c, committer=None):
         if self.when == "before" and self.once.now():
             raise RuntimeError("injected failure between the checkpoint's completion and the commit")
-        super()._commit_live(c)
+        super()._commit_live(c, committer)
         if self.when == "after" and self.once.now():
             raise RuntimeError("injected failure right after the commit")
 

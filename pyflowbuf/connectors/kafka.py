@@ -61,6 +61,11 @@ PAUSE_AFTER_S = 1.0
 # The marker's offset is the checkpoint id plus this (offsets are >= 0, and
 # the id of the end of input is -1).
 MARKER_BIAS = 2
+# seconds a commit step may run past its own timeout before the task gives up
+# on it: send_offsets_to_transaction can block past its timeout while the group
+# coordinator is away (librdkafka issues 5456, 5511), so the task's wait has a
+# bound of its own
+COMMIT_GRACE_S = 5.0
 
 
 def _ck():
@@ -844,6 +849,73 @@ def fence_list(base: str, restored) -> list:
     return sorted({f"{b}-{i}" for b, top in highest.items() for i in range(top + 3)} | set(restored))
 
 
+class Committer:
+    """The exactly-once sink's committer: one daemon thread running handed-over
+    commits in order. ``wait`` returns when all have run, or raises
+    ``KafkaSinkError`` when the running one is past its ``deadline`` (set by
+    the commit, step by step): a librdkafka call that never returns then holds
+    neither the task nor, being a daemon thread, the process's exit."""
+
+    def __init__(self, name):
+        self._items: list = []
+        self._cv = threading.Condition()
+        self._pending = 0
+        self._stopped = False
+        self.deadline = None        # monotonic time by which the running step must end
+        self.what = ""              # the running commit, and its step, for the error
+        self.step = ""
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args):
+        with self._cv:
+            self._pending += 1
+            self._items.append((fn, args))
+            self._cv.notify_all()
+
+    def expect(self, step, seconds):
+        self.step, self.deadline = step, time.monotonic() + seconds
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while not self._items and not self._stopped:
+                    self._cv.wait()
+                if not self._items:
+                    return
+                fn, args = self._items.pop(0)
+            try:
+                fn(*args)
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self.deadline = None
+                    self._cv.notify_all()
+
+    def wait(self):
+        """Until every handed-over commit has run; ``KafkaSinkError`` once the
+        running one is past its deadline."""
+        with self._cv:
+            while self._pending:
+                d = self.deadline
+                if d is not None and time.monotonic() > d:
+                    raise errors.KafkaSinkError(f"{self.what}: {self.step} did not end in time")
+                self._cv.wait(0.1)
+
+    def stop(self):
+        """No more commits: the thread ends after those handed over."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+
+    def abandon(self):
+        """Given up on (the running commit stalled): nothing more runs."""
+        with self._cv:
+            self._items.clear()
+            self._stopped = True
+            self._cv.notify_all()
+
+
 class KafkaSink(api.Sink):
     """``stream.write_kafka``'s sink; see the module docstring and docs/kafka.md.
 
@@ -904,7 +976,7 @@ class KafkaSink(api.Sink):
         self.current = None
         self.last_id = getattr(self, "last_id", 0)
         self._check_topic(self._producer(f"{self.base}-0"))
-        self._committer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kafka-commit-{self.base}")
+        self._committer = Committer(f"kafka-commit-{self.base}")
 
     def _conf(self):
         conf = _client_conf(self.bootstrap_servers, self.properties)
@@ -1052,12 +1124,33 @@ class KafkaSink(api.Sink):
             cons.close()
         return metas[group]
 
-    def _flush(self, p):
+    def _flush(self, p, committer=None):
+        if committer is not None:
+            return self._flush_bounded(p, committer)
         left = p.flush(self.transaction_timeout)
         self._raise_delivery_errors()
         if left:
             raise errors.KafkaSinkError(f"write_kafka {self.name!r}: {left} records not delivered to "
                                         f"{self.topic!r} within {self.transaction_timeout:g} s")
+
+    def _flush_bounded(self, p, c):
+        """The committer's flush: it may take as long as deliveries go on, but
+        fails after ``connect_timeout`` with none (a broker that is away)."""
+        stall = self.connect_timeout
+        last = None
+        while True:
+            if last is None:
+                c.expect("its flush", stall + COMMIT_GRACE_S)
+            left = p.flush(min(1.0, stall))
+            self._raise_delivery_errors()
+            if not left:
+                return
+            if last is None or left < last:
+                last, since = left, time.monotonic()
+                c.expect("its flush", stall + COMMIT_GRACE_S)
+            elif time.monotonic() - since > stall:
+                raise errors.KafkaSinkError(f"write_kafka {self.name!r}: {left} records not delivered to "
+                                            f"{self.topic!r}, none for {stall:g} s (connect_timeout)")
 
     def commit(self, committables):
         if self.delivery == "at_least_once":
@@ -1074,31 +1167,40 @@ class KafkaSink(api.Sink):
             tid = self.prepared.get(c["id"])
             if tid == c["tid"] and tid in self.producers:
                 if self._committer is not None:
-                    self._committer.submit(self._commit_in_thread, c)     # off the task thread, in order
+                    self._committer.submit(self._commit_in_thread, c, self._committer)  # off the task thread, in order
                 else:
                     self._commit_live(c)
             else:
                 self._recommit(c)
 
-    def _commit_live(self, c):
+    def _commit_live(self, c, committer=None):
         """Flush, mark and commit the open transaction of committable ``c``
         (the committer thread, or the task when there is none)."""
         if self._commit_error is not None:
             return          # an earlier commit failed: the task fails, the restore re-sends
         p = self.producers[c["tid"]]
+        bounded = committer is not None
         try:
-            self._flush(p)
+            self._flush(p, committer)
+            if bounded:
+                committer.expect("its commit marker (send_offsets_to_transaction)",
+                                 self.connect_timeout + COMMIT_GRACE_S)
             self._mark(p, c["id"])
-            p.commit_transaction(self.transaction_timeout)
+            if bounded:
+                # the records are delivered: what is left is one round trip to the
+                # coordinator; a restore re-does the commit if it does not answer
+                committer.expect("its commit_transaction", self.connect_timeout + COMMIT_GRACE_S)
+            p.commit_transaction(self.connect_timeout if bounded else self.transaction_timeout)
         except (self.ck.KafkaException, errors.KafkaSinkError) as exc:
             raise errors.KafkaSinkError(f"write_kafka {self.name!r}: committing the transaction of checkpoint "
                                         f"{c['id']} ({c['tid']}) failed: {exc}") from None
         with self._lock:
             del self.prepared[c["id"]]
 
-    def _commit_in_thread(self, c):
+    def _commit_in_thread(self, c, committer):
+        committer.what = f"committing the transaction of checkpoint {c['id']} ({c['tid']})"
         try:
-            self._commit_live(c)
+            self._commit_live(c, committer)
         except BaseException as exc:        # noqa: BLE001 - whatever it is, the task must fail with it
             self._commit_error = exc        # raised by the task at its next write or barrier
 
@@ -1110,9 +1212,25 @@ class KafkaSink(api.Sink):
         """Wait for the commits handed to the committer thread; raise the
         first that failed."""
         if self._committer is not None:
-            self._committer.submit(lambda: None).result()
+            self._wait_committer()
         if self._commit_error is not None:
             self._raise_commit_error()
+
+    def _wait_committer(self):
+        step = ""
+        try:
+            self._committer.wait()
+            return
+        except errors.KafkaSinkError as exc:
+            step = exc.args[0]
+        # the stuck thread is left behind (a daemon); the restore fences its
+        # transaction and re-does the commit from the checkpoint
+        self._committer.abandon()
+        self._committer = None
+        raise errors.KafkaSinkError(
+            f"write_kafka {self.name!r}: {step} (connect_timeout={self.connect_timeout:g} s, "
+            f"+{COMMIT_GRACE_S:g} s): is the broker at {self.bootstrap_servers!r} reachable? "
+            "The job restores its latest checkpoint, whose commit is then done again") from None
 
     def _committed_marker(self, group, topic) -> int:
         ck = self.ck
@@ -1185,10 +1303,17 @@ class KafkaSink(api.Sink):
 
     def _stop_committer(self):
         if self._committer is not None:
-            # the commits handed over are of completed checkpoints: they run (each
-            # within transaction_timeout), so a job cancelled right after a checkpoint
-            # completed still shows that checkpoint's records
-            self._committer.shutdown(wait=True)
+            # the commits handed over are of completed checkpoints: they run, so a
+            # job cancelled right after a checkpoint completed still shows that
+            # checkpoint's records; one that stalls (the broker away) is given up
+            # within connect_timeout + COMMIT_GRACE_S and re-done by a restore
+            committer = self._committer
+            committer.stop()
+            try:
+                self._wait_committer()
+            except errors.KafkaSinkError as exc:
+                if self._commit_error is None:
+                    self._commit_error = exc
             self._committer = None
 
 
