@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import random
 import time
 import uuid
@@ -56,12 +55,6 @@ class Reconnects(logging.Handler):
             self.records.append((record.levelno, msg))
 
 
-@pytest.mark.skipif(
-    os.environ.get("PYFLOWBUF_KAFKA_RESTART_TEST") != "1",
-    reason="known open defect (issue 29): since the exactly-once commits moved to a committer thread, "
-           "the job sometimes neither fails nor recovers after the broker comes back (a 240 s hang, "
-           "about 1 run in 2); its leftover threads then fail later modules' leak checks. "
-           "Set PYFLOWBUF_KAFKA_RESTART_TEST=1 to run it.")
 def test_a_broker_restarted_mid_job_loses_and_duplicates_nothing(own_broker, tmp_path):
     bs = own_broker.bootstrap_servers
     src, out = _name("in"), _name("out")
