@@ -16,14 +16,17 @@ from pyflowbuf.errors import ConfigurationError, KeyTypeError, SaltedHashError
 from pyflowbuf.serializers import get_serializer, kind_label, short_repr
 
 
-def check_timeout(timeout):
-    """A job timeout: None (wait as long as it takes) or a number of seconds > 0."""
+def check_timeout(timeout, zero_ok=False):
+    """A job timeout: None (wait as long as it takes) or a number of seconds > 0
+    (>= 0 where ``zero_ok``: ``join(0)`` asks "has it ended?" without waiting,
+    as ``Thread.join(0)`` does)."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0 \
-            or math.isnan(timeout):
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or math.isnan(timeout) \
+            or not (timeout >= 0 if zero_ok else timeout > 0):
+        bound = ">= 0" if zero_ok else "> 0"
         raise ConfigurationError(
-            f"timeout must be None or a number of seconds > 0, got {timeout!r}")
+            f"timeout must be None or a number of seconds {bound}, got {timeout!r}")
     return timeout
 
 

@@ -17,7 +17,7 @@ import pytest
 import pyflowbuf as fb
 from pyflowbuf import errors
 from pyflowbuf.serializers import Serializer
-from pipeline_helpers import cancel_and_join, worker_processes_left
+from pipeline_helpers import cancel_and_join, held_sequence, wait_until_held, worker_processes_left
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -620,3 +620,35 @@ def test_workers_jobs_run_with_any_segment_size(segment_size):
     env.execute(timeout=60)
     assert sorted(out.result) == list(range(20_000))
     assert _no_children()
+
+
+
+def test_join_zero_asks_without_waiting(tmp_path):
+    """``join(0)`` is ``Thread.join(0)``: on an ended job it returns, or raises
+    the job's failure (it used to refuse 0 as a bad timeout, hiding the failure);
+    on a running job it is a TimeoutError, which cancels it like every join timeout."""
+    env = fb.Environment(parallelism=1)
+    env.from_collection(list(range(10))).map(lambda x: x + 1).collect()
+    job = env.execute_async()
+    job.join()
+    assert job.join(0) is job
+
+    env = fb.Environment(parallelism=1)
+    env.from_collection(list(range(10))).map(lambda x: 1 // (x - 5)).collect()
+    job = env.execute_async()
+    with pytest.raises(errors.JobFailedError):
+        job.join()
+    with pytest.raises(errors.JobFailedError, match="ZeroDivisionError"):
+        job.join(0)
+
+    env = fb.Environment(parallelism=1)
+    release = str(tmp_path / "release")      # never created: the source holds
+    held_sequence(env, 100, parallelism=1, rate_limit=None, hold_at=5, release=release).collect()
+    job = env.execute_async()
+    for bad in (-1, float("nan"), True, "0"):
+        with pytest.raises(errors.ConfigurationError, match=">= 0"):
+            job.join(bad)
+    wait_until_held(release, 1, job=job)
+    with pytest.raises(TimeoutError):
+        job.join(0)
+    assert job.done

@@ -300,8 +300,9 @@ class JobExecution(SubtaskGateway, AttemptEvents):
 
     def join(self, timeout=None):
         """Wait for the job; raise JobFailedError on failure, TimeoutError if it
-        did not finish (the job is then cancelled)."""
-        timeout = check_timeout(timeout)
+        did not finish (the job is then cancelled). ``join(0)`` does not wait:
+        on a job that has ended it returns or raises its failure."""
+        timeout = check_timeout(timeout, zero_ok=True)
         try:
             finished = self._done.wait(timeout)
         except BaseException:
