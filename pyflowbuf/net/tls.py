@@ -411,6 +411,10 @@ def _reason(e, server_side):
 
 
 def _reason_text(text, code, server_side):
+    """What failed in a handshake, and on which side. ``code`` is Python's
+    ``verify_code`` (our own check of the peer's certificate failed); the
+    core says so with "certificate verify failed: ..."; an alert is the
+    peer's word about our certificate."""
     low = str(text).lower().replace("_", " ")
     if "wrong version number" in low or "http request" in low or "record layer" in low \
             or "packet length too long" in low or "unknown protocol" in low:
@@ -419,11 +423,27 @@ def _reason_text(text, code, server_side):
                    "the server was started without tls=") + "; give every process the same tls= setting")
     if "unsupported protocol" in low or "no protocols available" in low or "tlsv1 alert protocol version" in low:
         return f"the peer offers no TLS 1.3 ({text}): pyflowbuf speaks TLS 1.3 only (no renegotiation)"
-    if code is not None or "certificate verify failed" in low or "unknown ca" in low or "alert" in low \
-            or "certificate" in low:
-        return f"the peer's certificate was refused ({text}): it must be valid now and signed by the CA " \
-               "of this job's tls= setting (a certificate of another CA or another job is refused)"
-    return f"{type(e).__name__}: {text}"
+    if code is not None or "certificate verify failed" in low:
+        return f"this side refused the peer's certificate ({text}): it must be valid now and signed by the CA " \
+               "of this side's tls= setting (a certificate of another CA or another job is refused)"
+    if "alert" in low:
+        return _alert_text(text, low)
+    if "certificate" in low:
+        # "peer did not return a certificate" and the like: the peer's side is at fault
+        return f"the peer's certificate was not acceptable ({text}): every process needs a certificate of the " \
+               "CA of this job's tls= setting"
+    return f"the TLS handshake failed ({text})"
+
+
+def _alert_text(text, low):
+    """The peer's alert: about OUR certificate when it names one."""
+    if "expired" in low:
+        return f"the peer refused our certificate as expired ({text}): renew this side's certificate " \
+               "(the cert of its tls= setting); the peer checks its dates at every handshake"
+    if "certificate" in low or "unknown ca" in low or "access denied" in low:
+        return f"the peer refused our certificate ({text}): it does not trust it (another CA or job, or not " \
+               "the one it pins): every process needs a certificate of the CA of this job's tls= setting"
+    return f"the peer ended the TLS handshake with an alert ({text})"
 
 
 class TLSRelay:
@@ -724,10 +744,9 @@ def _post_handshake_reason(e):
 
 def _post_handshake_text(text):
     low = str(text).lower().replace("_", " ")
-    if "alert" in low and ("certificate" in low or "unknown ca" in low):
+    if "alert" in low and ("certificate" in low or "unknown ca" in low or "access denied" in low):
         # a TLS 1.3 client hears the server refuse its certificate on its first read
-        return f"the peer refused our certificate ({text}): every process needs a certificate of the " \
-               "CA of this job's tls= setting"
+        return _alert_text(text, low)
     if "unexpected message" in low or "renegotiat" in low or "no renegotiation" in low:
         return f"the peer sent a handshake message after the handshake ({text}): renegotiation is refused"
     return f"a TLS record after the handshake was not valid ({text}): garbage or tampering on the connection"
@@ -781,11 +800,6 @@ def handshake_socket(sock, config: TLSConfig, *, server_side: bool, peer, deadli
             raise TLSError(peer, "the connection closed in the middle of the TLS handshake (a truncated "
                                  "handshake, or the peer refused ours)") from None
         except mod.SSLError as e:
-            alert = str(getattr(e, "reason", None) or "")
-            if "ALERT" in alert and getattr(e, "verify_code", None) is None:
-                # the peer's alert: it is the peer that refused this side's certificate
-                raise TLSError(peer, f"the peer refused the TLS handshake ({alert}): it does not trust this "
-                                     "side's certificate (another CA or job, or not the one it pins)") from None
             raise TLSError(peer, _reason(e, server_side)) from None
         except OSError as e:
             raise TLSError(peer, f"the connection failed during the TLS handshake: {e}") from None
