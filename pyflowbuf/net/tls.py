@@ -29,6 +29,11 @@ one end of a local socket pair the loops use instead. It is correct but
 several times slower (a socket-pair hop and a copy per side, AES-256-GCM);
 a warning says so once per process.
 
+The driver's control channel (``pyflowbuf.cluster.control_channel``) is not
+one of the exchange's loops and carries few messages: it runs Python's ssl
+on the TCP socket itself (``handshake_socket``, then ``SSLStream``), with
+no thread of its own, whatever the core was built with.
+
 Example (the user's own certificate files)::
 
     from pyflowbuf.net import NetworkServer, ConnectionManager, TLSConfig
@@ -39,6 +44,7 @@ Example (the user's own certificate files)::
 from __future__ import annotations
 
 import datetime
+import errno
 import functools
 import hashlib
 import logging
@@ -812,6 +818,150 @@ def handshake_socket(sock, config: TLSConfig, *, server_side: bool, peer, deadli
         ssock.close()
         raise
     return ssock
+
+
+class SSLStream:
+    """Python's ``ssl`` on the TCP socket itself, for a connection that
+    carries few messages but is used from several threads at once: the
+    control channel between a driver and its workers (one reader, several
+    writers). No thread of its own, unlike ``TLSRelay``.
+
+    ``ssock`` is the ``ssl.SSLSocket`` after its handshake
+    (``handshake_socket``). OpenSSL's ``SSL`` object is not safe for two
+    threads at once, so every call into it is made under a lock, on a
+    non-blocking socket: a thread that must wait releases the lock and waits
+    in ``poll()`` on the descriptor, so a writer waiting for a full socket
+    never stops the reader. Python's ssl reads no more of the socket than the
+    record it decrypts (no read-ahead), so when the descriptor is not
+    readable no message waits inside TLS either: ``select``, ``poll`` and
+    ``multiprocessing.connection.wait`` on ``fileno()`` work as on a plain
+    socket (``pending()`` holds what is left of a record half read).
+
+    A socket's face for the HMAC handshake and the channel: ``recv_into``,
+    ``sendall``, ``settimeout``/``gettimeout`` (``socket.timeout`` at the
+    end), ``shutdown`` (close_notify first, best effort), ``close``,
+    ``fileno``. A TLS failure after the handshake is raised as ``TLSError``
+    naming the peer and kept in ``error``.
+
+    Example::
+
+        stream = SSLStream(handshake_socket(sock, tls, server_side=False, peer=address,
+                                            deadline=time.monotonic() + 10), address)
+        stream.sendall(b"hello")
+    """
+
+    def __init__(self, ssock, peer):
+        self._s = ssock
+        self.peer = peer
+        self.error = None
+        self._lock = threading.Lock()           # the SSL object: one call at a time
+        self._write_lock = threading.Lock()     # one sendall at a time: its records stay together
+        self._timeout = ssock.gettimeout()
+        self._shut = False
+        self._closed = False
+        ssock.setblocking(False)
+
+    def fileno(self):
+        return self._s.fileno()
+
+    def settimeout(self, value):
+        self._timeout = value
+
+    def gettimeout(self):
+        return self._timeout
+
+    def pending(self) -> int:
+        """Plaintext bytes decrypted and not read yet."""
+        with self._lock:
+            return 0 if self._closed else self._s.pending()
+
+    def _failed(self, e):
+        if self.error is None:
+            self.error = TLSError(self.peer, _post_handshake_reason(e))
+        return self.error
+
+    def _wait(self, events, deadline):
+        ms = None
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("timed out")
+            ms = left * 1000
+        poller = select.poll()
+        try:
+            poller.register(self._s.fileno(), events)
+        except (ValueError, OSError):
+            pass        # closed meanwhile: the next call under the lock says so
+        else:
+            poller.poll(ms)
+
+    def recv_into(self, buffer, nbytes=0):
+        mod = ssl
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise OSError(errno.EBADF, "the TLS connection is closed")
+                if self._shut:
+                    return 0
+                try:
+                    return self._s.recv_into(buffer, nbytes)
+                except mod.SSLWantReadError:
+                    want = select.POLLIN
+                except mod.SSLWantWriteError:
+                    want = select.POLLOUT
+                except mod.SSLEOFError:
+                    return 0        # the peer went without close_notify: the caller sees the end
+                except mod.SSLError as e:
+                    raise self._failed(e) from None
+            self._wait(want, deadline)
+
+    def sendall(self, data):
+        mod = ssl
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        with memoryview(data) as whole, self._write_lock:
+            view = whole.cast("B")
+            pos, total = 0, len(view)
+            while pos < total:
+                # after a "want", SSL_write must be called again with the same bytes
+                chunk = view[pos:pos + CHUNK]
+                sent, want = 0, 0
+                with self._lock:
+                    if self._closed or self._shut:
+                        raise BrokenPipeError(errno.EPIPE, "the TLS connection is closed")
+                    try:
+                        sent = self._s.send(chunk)
+                    except mod.SSLWantWriteError:
+                        want = select.POLLOUT
+                    except mod.SSLWantReadError:
+                        want = select.POLLIN
+                    except mod.SSLError as e:
+                        raise self._failed(e) from None
+                if sent:
+                    pos += sent
+                else:
+                    self._wait(want, deadline)
+
+    def shutdown(self, how):
+        """close_notify (best effort, never waiting), then ``socket.shutdown``:
+        a thread waiting on the connection wakes and sees its end."""
+        mod = ssl
+        with self._lock:
+            if not self._closed and not self._shut:
+                self._shut = True
+                try:
+                    self._s.unwrap()
+                except (mod.SSLError, OSError, ValueError):
+                    pass
+        # the plain socket's shutdown: SSLSocket's would drop the SSL object under a reader
+        socket.socket.shutdown(self._s, how)
+
+    def close(self):
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._s.close()
 
 
 # ------------------------------------------------------------ in the core
