@@ -55,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 try:
     import ssl
@@ -62,7 +63,8 @@ except ImportError:   # a Python built without OpenSSL: TLS asked for is refused
     ssl = None
 
 from pyflowbuf._core import netio
-from pyflowbuf.errors import ConfigurationError, TLSError, TLSUnavailableError
+from pyflowbuf.errors import (CertificateExpiryWarning, CertificateValidityError, ConfigurationError, TLSError,
+                              TLSUnavailableError)
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,18 @@ _PAIR_BUFFER = 1 << 20
 # the last bytes (and close_notify) after the local end closed: a peer that
 # does not read them within this time is not waited for
 _FLUSH_S = 5.0
-CERT_VALIDITY_DAYS = 365
+# tls=True's CA and certificates: RFC 5280's "no well-defined expiration date"
+# (4.1.2.5). Trust in them ends with the job, not at a date: the CA lives only
+# in the driver's memory, and each attempt's certificate is pinned and replaced
+# at the next attempt. A date would only refuse the handshakes of a job that
+# runs longer (a restart's, a savepoint command's) and gain nothing.
+GENERATED_NOT_AFTER = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.timezone.utc)
+# ... and valid from a day back: hosts' clocks differ, and a certificate that
+# another host sees as not valid yet is refused there
+GENERATED_BACKDATE = datetime.timedelta(days=1)
+# a user's certificate that expires sooner than this after the job's start is
+# warned about (CertificateExpiryWarning); one already expired is refused
+EXPIRY_WARNING_DAYS = 30
 
 
 def require_ssl():
@@ -126,7 +139,9 @@ class TLSConfig:
         a peer's certificate must have; several in a list or tuple.
 
     The files are read where a connection is made (each host reads its own
-    copy, at the same path); PEM bytes travel with the job. The key never
+    copy, at the same path); PEM bytes travel with the job. At the job's
+    start their dates are checked (``check_dates``): an expired certificate is
+    refused then, one that expires within 30 days is warned about. The key never
     appears in ``repr`` and is never written to checkpoints, logs or metrics.
 
     Example::
@@ -284,7 +299,9 @@ class JobCertificates:
     attempt, each pinned, so a process of another job (another CA) or of an
     earlier attempt (another certificate) is refused at the handshake. The
     CA's key never leaves the driver; each attempt's ``TLSConfig`` travels to
-    the workers with the job, as the attempt's secret does."""
+    the workers with the job, as the attempt's secret does. None of them
+    expires (``GENERATED_NOT_AFTER``): trust ends with the job and the pin,
+    not at a date that a long-running job could outlive."""
 
     def __init__(self, name="pyflowbuf job"):
         x509, ec, hashes, NameOID = _crypto()
@@ -295,8 +312,8 @@ class JobCertificates:
         ski = x509.SubjectKeyIdentifier.from_public_key(self._key.public_key())
         self._cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
                       .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
-                      .not_valid_before(now - datetime.timedelta(minutes=5))
-                      .not_valid_after(now + datetime.timedelta(days=CERT_VALIDITY_DAYS))
+                      .not_valid_before(now - GENERATED_BACKDATE)
+                      .not_valid_after(GENERATED_NOT_AFTER)
                       .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                       .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
                                                    key_encipherment=False, data_encipherment=False,
@@ -336,8 +353,8 @@ class JobCertificates:
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
                 .issuer_name(self._cert.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
-                .not_valid_before(not_before or now - datetime.timedelta(minutes=5))
-                .not_valid_after(not_after or now + datetime.timedelta(days=CERT_VALIDITY_DAYS))
+                .not_valid_before(not_before or now - GENERATED_BACKDATE)
+                .not_valid_after(not_after or GENERATED_NOT_AFTER)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
                                              key_encipherment=False, data_encipherment=False,
@@ -379,6 +396,83 @@ def resolve(value, what="tls"):
     raise ConfigurationError(f"{what} must be True, False, None or a pyflowbuf.net.TLSConfig, got {value!r}")
 
 
+def check_dates(config: TLSConfig, *, now=None, warn_days=EXPIRY_WARNING_DAYS, stacklevel=2):
+    """A user's certificates at the job's start: ``CertificateValidityError``
+    when the certificate (or one of its chain) is expired or not valid yet,
+    or no certificate of ``ca`` is valid now (every handshake would be
+    refused); ``CertificateExpiryWarning`` when one of them, or every valid
+    one of ``ca``, expires within ``warn_days`` (handshakes after that date
+    will be refused: new connections, such as a restart's). Each message
+    names the file (or "PEM bytes"), the certificate's subject and the date.
+    Files that cannot be read or parsed here are left to the handshake, which
+    reports them; without the ``cryptography`` package nothing is checked
+    here (the handshake still checks the dates).
+
+    Example::
+
+        check_dates(TLSConfig("node.pem", "node.key", "ca.pem"))
+    """
+    try:
+        from cryptography import x509
+    except ImportError:
+        log.debug("pyflowbuf.net.tls: no 'cryptography' package: certificate dates are checked at handshakes only")
+        return
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    soon = now + datetime.timedelta(days=warn_days)
+
+    def load(value):
+        try:
+            data = value if isinstance(value, bytes) else _read_file(value)
+            return x509.load_pem_x509_certificates(data)
+        except (OSError, ValueError):
+            return []
+
+    def where(value):
+        return "given as PEM bytes" if isinstance(value, bytes) else f"in {value}"
+
+    problems, warnings_ = [], []
+    for i, c in enumerate(load(config.cert)):
+        what = "the certificate" if i == 0 else "a certificate of the chain"
+        text = f"{what} {where(config.cert)} ({_subject(c)})"
+        if c.not_valid_after_utc < now:
+            problems.append(f"{text} expired on {_date(c.not_valid_after_utc)}")
+        elif c.not_valid_before_utc > now:
+            problems.append(f"{text} is not valid before {_date(c.not_valid_before_utc)}")
+        elif c.not_valid_after_utc < soon:
+            warnings_.append(f"{text} expires on {_date(c.not_valid_after_utc)}")
+    cas = load(config.ca)
+    if cas:
+        valid = [c for c in cas if c.not_valid_before_utc <= now <= c.not_valid_after_utc]
+        if not valid:
+            last = max(cas, key=lambda c: c.not_valid_after_utc)
+            state = (f"expired on {_date(last.not_valid_after_utc)}" if last.not_valid_after_utc < now else
+                     f"is not valid before {_date(last.not_valid_before_utc)}")
+            problems.append(f"the CA {where(config.ca)} ({_subject(last)}{' and the others' if len(cas) > 1 else ''}) "
+                            f"{state}")
+        else:
+            last = max(valid, key=lambda c: c.not_valid_after_utc)
+            if last.not_valid_after_utc < soon:
+                warnings_.append(f"the CA {where(config.ca)} ({_subject(last)}) expires on "
+                                 f"{_date(last.not_valid_after_utc)}")
+    if problems:
+        raise CertificateValidityError(
+            f"tls={config!r}: {'; '.join(problems)} (now {_date(now)}): every TLS handshake would refuse it; "
+            "renew the files (every host reads its own copy)")
+    for w in warnings_:
+        warnings.warn(CertificateExpiryWarning(
+            f"tls={config!r}: {w}, within {warn_days} days: TLS handshakes after that date are refused (a "
+            "restart's, a savepoint command's); renew the files before then (every host reads its own copy)"),
+            stacklevel=stacklevel)
+
+
+def _subject(cert):
+    return cert.subject.rfc4514_string() or "no subject"
+
+
+def _date(d):
+    return d.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 class AttemptTLS:
     """The driver's side of ``tls=``: the TLSConfig of each attempt (the
     user's own for every attempt, or one certificate per attempt of the job's
@@ -390,6 +484,8 @@ class AttemptTLS:
         if self.setting is True:
             require_ssl()
             self._certs = JobCertificates(name)
+        elif self.setting is not None:
+            check_dates(self.setting)     # at the job's start: not at a handshake a year on
 
     def for_attempt(self, attempt):
         if self.setting is None:
