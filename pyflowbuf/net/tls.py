@@ -1001,7 +1001,7 @@ class SSLStream:
                 if self._shut:
                     return 0
                 try:
-                    return self._s.recv_into(buffer, nbytes)
+                    return self._s.recv_into(buffer, nbytes or None)   # (None: all of buffer)
                 except mod.SSLWantReadError:
                     want = select.POLLIN
                 except mod.SSLWantWriteError:
