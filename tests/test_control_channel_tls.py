@@ -67,7 +67,12 @@ def _refusal(listener, match):
     return hit[0]
 
 
-def test_messages_cross_without_a_relay_thread(listener, certs):
+@pytest.mark.parametrize("relay_env", [None, "1"], ids=["core", "exchange-relay-fallback"])
+def test_messages_cross_without_a_relay_thread(listener, certs, relay_env, monkeypatch):
+    """Whatever the exchange uses (the core's libssl, or the relay fallback
+    PYFLOWBUF_TLS_RELAY=1 stands for), the control channel runs no thread."""
+    if relay_env:
+        monkeypatch.setenv("PYFLOWBUF_TLS_RELAY", relay_env)
     before = _sockets()
     worker, driver = _pair(listener, certs.for_attempt(0))
     assert _tls_threads() == []
