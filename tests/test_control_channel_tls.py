@@ -17,7 +17,7 @@ import pytest
 
 import pyflowbuf as fb
 from pyflowbuf.cluster.control_channel import ControlListener, connect_control
-from pyflowbuf.errors import TLSError
+from pyflowbuf.errors import TLSError, TLSUnavailableError
 from pyflowbuf.net import TLSConfig
 from pyflowbuf.net import tls as T
 from pipeline_helpers import wait_for
@@ -235,3 +235,19 @@ def test_a_tls_job_with_workers_runs_no_relay_thread():
     assert all(any(n.startswith("pyflowbuf-net") for n in ns) for ns in names.values())   # the exchange ran
     assert not [n for ns in names.values() for n in ns if n.startswith("pyflowbuf-tls")]
     assert _tls_threads() == []
+
+
+def test_a_certificate_file_that_cannot_be_read_is_refused_at_once(tmp_path):
+    """Not by the accept thread at the first worker's connection (it ended
+    there, and the driver only learnt that no worker started)."""
+    bad = TLSConfig(str(tmp_path / "missing.pem"), None, str(tmp_path / "missing-ca.pem"))
+    with pytest.raises(TLSUnavailableError, match="missing.pem"):
+        ControlListener(SECRET, host="127.0.0.1", tls=bad).start()
+    lis = ControlListener(SECRET, host="127.0.0.1")
+    lis.start()
+    try:
+        with pytest.raises(TLSUnavailableError, match="missing.pem"):
+            lis.set_secret(b"t" * 32, tls=bad)          # as a SparkLauncher's next attempt does
+        assert lis.tls is None and lis.secret == SECRET
+    finally:
+        lis.close()

@@ -193,6 +193,14 @@ def _check_nothing_staged(reader):
 _KEEP = object()
 
 
+def _load(tls):
+    """The server side's context, made now: a certificate file that cannot be
+    read is a TLSUnavailableError for the caller, not the end of the accept
+    thread at the first worker's connection."""
+    if tls is not None:
+        tls.context(True)
+
+
 class ControlListener:
     """The driver's end: listens on ``host`` (never a wildcard: the address
     is what workers are told to connect to). A thread authenticates each
@@ -222,6 +230,7 @@ class ControlListener:
         self._closed = threading.Event()
 
     def start(self):
+        _load(self.tls)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -243,6 +252,7 @@ class ControlListener:
     def set_secret(self, secret: bytes, tls=_KEEP) -> None:
         """The next attempt's secret (and, if given, its TLSConfig)."""
         if tls is not _KEEP:
+            _load(tls)
             self.tls = tls
         self.secret = P.check_secret(secret)
         # what authenticated under the old secret and was not taken is stale
