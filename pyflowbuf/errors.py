@@ -229,6 +229,18 @@ class TLSUnavailableError(ConfigurationError):
     without OpenSSL) or no ``cryptography`` package to make certificates."""
 
 
+class CertificateValidityError(ConfigurationError):
+    """A certificate given to ``tls=`` is expired or not valid yet (or no
+    certificate of its CA is valid now), found at the job's start: every TLS
+    handshake would refuse it. The message names the file and the date."""
+
+
+class CertificateExpiryWarning(UserWarning):
+    """A certificate given to ``tls=`` expires soon after the job's start:
+    TLS handshakes after that date (a restart's, a savepoint command's) will
+    be refused. The message names the file and the date."""
+
+
 def _peer_text(peer):
     if isinstance(peer, tuple) and len(peer) >= 2:
         return f"{peer[0]}:{peer[1]}"

@@ -220,12 +220,12 @@ def test_a_client_certificate_of_another_ca_is_refused_naming_the_peer_and_the_j
             control.request(address, secret, {"op": "savepoint"}, tls=wrong_cert)
         assert exc.value.error == "TLSError"
         peer, err = refusal(job, "unable to get local issuer certificate")
-        assert peer[0] == "127.0.0.1" and "peer's certificate was refused" in err.reason
+        assert peer[0] == "127.0.0.1" and "this side refused the peer's certificate" in err.reason
         # all of another job's TLS: the client refuses the endpoint, the endpoint hears why
         with pytest.raises(control.ControlError, match="TLS with the control endpoint at .* failed") as exc:
             control.request(address, secret, {"op": "savepoint"}, tls=stranger)
         assert exc.value.error == "TLSError"
-        peer, err = refusal(job, "the peer refused the TLS handshake")
+        peer, err = refusal(job, "the peer refused our certificate")
         assert "ALERT" in err.reason
         # the right certificate and a wrong secret: the HMAC challenge still runs inside TLS
         with pytest.raises(control.ControlError, match="refused the secret"):

@@ -548,6 +548,7 @@ def _endpoint_tls(setting, name):
     if setting is None:
         return None, None
     if setting is not True:
+        T.check_dates(setting)      # an expired file is refused before the job runs, as an unreadable one
         return setting, None
     T.require_ssl()
     certs = T.JobCertificates(f"{name} control")

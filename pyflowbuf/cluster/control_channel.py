@@ -13,7 +13,12 @@ who reaches the port run code in the driver, so this channel:
   MessagePack with tuples, bytes, NumPy and Arrow, never pickle unless the
   job opted in with ``allow_pickle=True``);
 * bounds every frame (``MAX_MESSAGE``) so a peer cannot make the other end
-  allocate without limit.
+  allocate without limit;
+* with ``tls=`` (a ``pyflowbuf.net.TLSConfig``), runs inside mutual TLS 1.3
+  made with Python's ``ssl`` on the TCP socket itself
+  (``pyflowbuf.net.tls.SSLStream``): no thread per connection, and a
+  readable socket still means a message is there. It carries few messages,
+  so it does not need the exchange's loops in the compiled core.
 
 ``ControlChannel`` has the surface the driver's code uses on a pipe:
 ``send``, ``recv`` (``EOFError`` once the peer is gone), ``poll``,
@@ -57,7 +62,7 @@ class ControlChannel:
 
     def __init__(self, sock: socket.socket, *, allow_pickle: bool = False, peer=None, tls=None):
         self._sock = sock
-        self._tls = tls       # the TLSRelay whose local end ``sock`` is, with TLS
+        self._tls = tls       # with TLS: the SSLStream that ``sock`` is
         self.allow_pickle = allow_pickle
         self.peer = peer
         self._send_lock = threading.Lock()
@@ -101,8 +106,6 @@ class ControlChannel:
             except OSError as e:
                 raise EOFError(f"control channel lost: {e}") from e
             if k == 0:
-                if self._tls is not None and self._tls.error is not None:
-                    raise EOFError(f"control channel lost: {self._tls.error}")
                 if got == 0 and what == "header":
                     raise EOFError("the peer closed the control channel")
                 raise EOFError(f"the control channel closed in the middle of a message ({got} of {n} bytes)")
@@ -124,6 +127,8 @@ class ControlChannel:
     def poll(self, timeout: float | None = 0.0) -> bool:
         if self._closed:
             return True
+        if self._tls is not None and self._tls.pending():
+            return True
         r, _, _ = select.select([self._sock], [], [], timeout)
         return bool(r)
 
@@ -137,8 +142,6 @@ class ControlChannel:
         except OSError:
             pass
         self._sock.close()
-        if self._tls is not None:
-            self._tls.release()
 
     @property
     def closed(self) -> bool:
@@ -155,33 +158,29 @@ def connect_control(address, secret: bytes, *, timeout: float = P.DEFAULT_HANDSH
     secret = P.check_secret(secret)
     deadline = time.monotonic() + timeout
     sock = socket.create_connection(tuple(address), timeout=timeout)
-    relay = None
+    stream = None
     try:
         P.configure_socket(sock)
         if tls is not None:
-            relay, sock = _tls_wrap(sock, tls, False, tuple(address), deadline)
+            sock = stream = _tls_wrap(sock, tls, False, tuple(address), deadline)
         reader = P.FrameReader(sock, _NO_BUFFERS)
         P.client_handshake(sock, reader, secret, 0, deadline=deadline)
         _check_nothing_staged(reader)
-    except BaseException:
+    except BaseException as e:
         sock.close()
-        if relay is not None:
-            relay.release()
+        if stream is not None and stream.error is not None and e is not stream.error:
+            # the driver's alert after our handshake (it refused our certificate) beats the EOF seen then
+            raise stream.error from None
         raise
     sock.settimeout(None)
-    return ControlChannel(sock, allow_pickle=allow_pickle, peer=tuple(address), tls=relay)
+    return ControlChannel(sock, allow_pickle=allow_pickle, peer=tuple(address), tls=stream)
 
 
 def _tls_wrap(sock, tls, server_side, peer, deadline):
-    """The TLS handshake on ``sock``; returns the relay and the socket to use instead."""
-    relay = T.TLSRelay(sock, tls, server_side=server_side, peer=peer)
-    try:
-        relay.handshake(deadline)
-    except BaseException:
-        relay.release()
-        raise
-    relay.start()
-    return relay, relay.local
+    """Mutual TLS on ``sock`` by ``deadline`` (TLSError naming the peer, the
+    socket closed, if it fails); returns the SSLStream to use instead."""
+    return T.SSLStream(T.handshake_socket(sock, tls, server_side=server_side, peer=peer, deadline=deadline),
+                       peer)
 
 
 def _check_nothing_staged(reader):
@@ -192,6 +191,14 @@ def _check_nothing_staged(reader):
 
 
 _KEEP = object()
+
+
+def _load(tls):
+    """The server side's context, made now: a certificate file that cannot be
+    read is a TLSUnavailableError for the caller, not the end of the accept
+    thread at the first worker's connection."""
+    if tls is not None:
+        tls.context(True)
 
 
 class ControlListener:
@@ -223,6 +230,7 @@ class ControlListener:
         self._closed = threading.Event()
 
     def start(self):
+        _load(self.tls)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -244,6 +252,7 @@ class ControlListener:
     def set_secret(self, secret: bytes, tls=_KEEP) -> None:
         """The next attempt's secret (and, if given, its TLSConfig)."""
         if tls is not _KEEP:
+            _load(tls)
             self.tls = tls
         self.secret = P.check_secret(secret)
         # what authenticated under the old secret and was not taken is stale
@@ -264,24 +273,24 @@ class ControlListener:
                 if self._closed.is_set():
                     return
                 continue
-            secret, tls, relay = self.secret, self.tls, None
+            secret, tls, stream = self.secret, self.tls, None
             try:
                 P.configure_socket(sock)
                 deadline = time.monotonic() + self.handshake_timeout
                 if tls is not None:
-                    relay, sock = _tls_wrap(sock, tls, True, peer, deadline)
+                    sock = stream = _tls_wrap(sock, tls, True, peer, deadline)
                 reader = P.FrameReader(sock, _NO_BUFFERS)
                 P.server_handshake(sock, reader, secret, _NO_BUFFERS, deadline=deadline)
                 _check_nothing_staged(reader)
                 sock.settimeout(None)
             except (AuthenticationError, ProtocolError, OSError, socket.timeout) as e:
                 self.refused += 1
+                if stream is not None and stream.error is not None:
+                    e = stream.error
                 self.errors = (self.errors + [(peer, e)])[-16:]
                 sock.close()
-                if relay is not None:
-                    relay.release()
                 continue
-            ch = ControlChannel(sock, allow_pickle=self.allow_pickle, peer=peer, tls=relay)
+            ch = ControlChannel(sock, allow_pickle=self.allow_pickle, peer=peer, tls=stream)
             if secret is not self.secret:
                 ch.close()          # the secret changed meanwhile: of an attempt given up
                 continue

@@ -29,6 +29,11 @@ one end of a local socket pair the loops use instead. It is correct but
 several times slower (a socket-pair hop and a copy per side, AES-256-GCM);
 a warning says so once per process.
 
+The driver's control channel (``pyflowbuf.cluster.control_channel``) is not
+one of the exchange's loops and carries few messages: it runs Python's ssl
+on the TCP socket itself (``handshake_socket``, then ``SSLStream``), with
+no thread of its own, whatever the core was built with.
+
 Example (the user's own certificate files)::
 
     from pyflowbuf.net import NetworkServer, ConnectionManager, TLSConfig
@@ -39,6 +44,7 @@ Example (the user's own certificate files)::
 from __future__ import annotations
 
 import datetime
+import errno
 import functools
 import hashlib
 import logging
@@ -49,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 try:
     import ssl
@@ -56,7 +63,8 @@ except ImportError:   # a Python built without OpenSSL: TLS asked for is refused
     ssl = None
 
 from pyflowbuf._core import netio
-from pyflowbuf.errors import ConfigurationError, TLSError, TLSUnavailableError
+from pyflowbuf.errors import (CertificateExpiryWarning, CertificateValidityError, ConfigurationError, TLSError,
+                              TLSUnavailableError)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +75,18 @@ _PAIR_BUFFER = 1 << 20
 # the last bytes (and close_notify) after the local end closed: a peer that
 # does not read them within this time is not waited for
 _FLUSH_S = 5.0
-CERT_VALIDITY_DAYS = 365
+# tls=True's CA and certificates: RFC 5280's "no well-defined expiration date"
+# (4.1.2.5). Trust in them ends with the job, not at a date: the CA lives only
+# in the driver's memory, and each attempt's certificate is pinned and replaced
+# at the next attempt. A date would only refuse the handshakes of a job that
+# runs longer (a restart's, a savepoint command's) and gain nothing.
+GENERATED_NOT_AFTER = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.timezone.utc)
+# ... and valid from a day back: hosts' clocks differ, and a certificate that
+# another host sees as not valid yet is refused there
+GENERATED_BACKDATE = datetime.timedelta(days=1)
+# a user's certificate that expires sooner than this after the job's start is
+# warned about (CertificateExpiryWarning); one already expired is refused
+EXPIRY_WARNING_DAYS = 30
 
 
 def require_ssl():
@@ -120,7 +139,9 @@ class TLSConfig:
         a peer's certificate must have; several in a list or tuple.
 
     The files are read where a connection is made (each host reads its own
-    copy, at the same path); PEM bytes travel with the job. The key never
+    copy, at the same path); PEM bytes travel with the job. At the job's
+    start their dates are checked (``check_dates``): an expired certificate is
+    refused then, one that expires within 30 days is warned about. The key never
     appears in ``repr`` and is never written to checkpoints, logs or metrics.
 
     Example::
@@ -278,7 +299,9 @@ class JobCertificates:
     attempt, each pinned, so a process of another job (another CA) or of an
     earlier attempt (another certificate) is refused at the handshake. The
     CA's key never leaves the driver; each attempt's ``TLSConfig`` travels to
-    the workers with the job, as the attempt's secret does."""
+    the workers with the job, as the attempt's secret does. None of them
+    expires (``GENERATED_NOT_AFTER``): trust ends with the job and the pin,
+    not at a date that a long-running job could outlive."""
 
     def __init__(self, name="pyflowbuf job"):
         x509, ec, hashes, NameOID = _crypto()
@@ -289,8 +312,8 @@ class JobCertificates:
         ski = x509.SubjectKeyIdentifier.from_public_key(self._key.public_key())
         self._cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
                       .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
-                      .not_valid_before(now - datetime.timedelta(minutes=5))
-                      .not_valid_after(now + datetime.timedelta(days=CERT_VALIDITY_DAYS))
+                      .not_valid_before(now - GENERATED_BACKDATE)
+                      .not_valid_after(GENERATED_NOT_AFTER)
                       .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                       .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
                                                    key_encipherment=False, data_encipherment=False,
@@ -330,8 +353,8 @@ class JobCertificates:
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
                 .issuer_name(self._cert.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
-                .not_valid_before(not_before or now - datetime.timedelta(minutes=5))
-                .not_valid_after(not_after or now + datetime.timedelta(days=CERT_VALIDITY_DAYS))
+                .not_valid_before(not_before or now - GENERATED_BACKDATE)
+                .not_valid_after(not_after or GENERATED_NOT_AFTER)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
                                              key_encipherment=False, data_encipherment=False,
@@ -373,6 +396,83 @@ def resolve(value, what="tls"):
     raise ConfigurationError(f"{what} must be True, False, None or a pyflowbuf.net.TLSConfig, got {value!r}")
 
 
+def check_dates(config: TLSConfig, *, now=None, warn_days=EXPIRY_WARNING_DAYS, stacklevel=2):
+    """A user's certificates at the job's start: ``CertificateValidityError``
+    when the certificate (or one of its chain) is expired or not valid yet,
+    or no certificate of ``ca`` is valid now (every handshake would be
+    refused); ``CertificateExpiryWarning`` when one of them, or every valid
+    one of ``ca``, expires within ``warn_days`` (handshakes after that date
+    will be refused: new connections, such as a restart's). Each message
+    names the file (or "PEM bytes"), the certificate's subject and the date.
+    Files that cannot be read or parsed here are left to the handshake, which
+    reports them; without the ``cryptography`` package nothing is checked
+    here (the handshake still checks the dates).
+
+    Example::
+
+        check_dates(TLSConfig("node.pem", "node.key", "ca.pem"))
+    """
+    try:
+        from cryptography import x509
+    except ImportError:
+        log.debug("pyflowbuf.net.tls: no 'cryptography' package: certificate dates are checked at handshakes only")
+        return
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    soon = now + datetime.timedelta(days=warn_days)
+
+    def load(value):
+        try:
+            data = value if isinstance(value, bytes) else _read_file(value)
+            return x509.load_pem_x509_certificates(data)
+        except (OSError, ValueError):
+            return []
+
+    def where(value):
+        return "given as PEM bytes" if isinstance(value, bytes) else f"in {value}"
+
+    problems, warnings_ = [], []
+    for i, c in enumerate(load(config.cert)):
+        what = "the certificate" if i == 0 else "a certificate of the chain"
+        text = f"{what} {where(config.cert)} ({_subject(c)})"
+        if c.not_valid_after_utc < now:
+            problems.append(f"{text} expired on {_date(c.not_valid_after_utc)}")
+        elif c.not_valid_before_utc > now:
+            problems.append(f"{text} is not valid before {_date(c.not_valid_before_utc)}")
+        elif c.not_valid_after_utc < soon:
+            warnings_.append(f"{text} expires on {_date(c.not_valid_after_utc)}")
+    cas = load(config.ca)
+    if cas:
+        valid = [c for c in cas if c.not_valid_before_utc <= now <= c.not_valid_after_utc]
+        if not valid:
+            last = max(cas, key=lambda c: c.not_valid_after_utc)
+            state = (f"expired on {_date(last.not_valid_after_utc)}" if last.not_valid_after_utc < now else
+                     f"is not valid before {_date(last.not_valid_before_utc)}")
+            problems.append(f"the CA {where(config.ca)} ({_subject(last)}{' and the others' if len(cas) > 1 else ''}) "
+                            f"{state}")
+        else:
+            last = max(valid, key=lambda c: c.not_valid_after_utc)
+            if last.not_valid_after_utc < soon:
+                warnings_.append(f"the CA {where(config.ca)} ({_subject(last)}) expires on "
+                                 f"{_date(last.not_valid_after_utc)}")
+    if problems:
+        raise CertificateValidityError(
+            f"tls={config!r}: {'; '.join(problems)} (now {_date(now)}): every TLS handshake would refuse it; "
+            "renew the files (every host reads its own copy)")
+    for w in warnings_:
+        warnings.warn(CertificateExpiryWarning(
+            f"tls={config!r}: {w}, within {warn_days} days: TLS handshakes after that date are refused (a "
+            "restart's, a savepoint command's); renew the files before then (every host reads its own copy)"),
+            stacklevel=stacklevel)
+
+
+def _subject(cert):
+    return cert.subject.rfc4514_string() or "no subject"
+
+
+def _date(d):
+    return d.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 class AttemptTLS:
     """The driver's side of ``tls=``: the TLSConfig of each attempt (the
     user's own for every attempt, or one certificate per attempt of the job's
@@ -384,6 +484,8 @@ class AttemptTLS:
         if self.setting is True:
             require_ssl()
             self._certs = JobCertificates(name)
+        elif self.setting is not None:
+            check_dates(self.setting)     # at the job's start: not at a handshake a year on
 
     def for_attempt(self, attempt):
         if self.setting is None:
@@ -411,6 +513,10 @@ def _reason(e, server_side):
 
 
 def _reason_text(text, code, server_side):
+    """What failed in a handshake, and on which side. ``code`` is Python's
+    ``verify_code`` (our own check of the peer's certificate failed); the
+    core says so with "certificate verify failed: ..."; an alert is the
+    peer's word about our certificate."""
     low = str(text).lower().replace("_", " ")
     if "wrong version number" in low or "http request" in low or "record layer" in low \
             or "packet length too long" in low or "unknown protocol" in low:
@@ -419,11 +525,27 @@ def _reason_text(text, code, server_side):
                    "the server was started without tls=") + "; give every process the same tls= setting")
     if "unsupported protocol" in low or "no protocols available" in low or "tlsv1 alert protocol version" in low:
         return f"the peer offers no TLS 1.3 ({text}): pyflowbuf speaks TLS 1.3 only (no renegotiation)"
-    if code is not None or "certificate verify failed" in low or "unknown ca" in low or "alert" in low \
-            or "certificate" in low:
-        return f"the peer's certificate was refused ({text}): it must be valid now and signed by the CA " \
-               "of this job's tls= setting (a certificate of another CA or another job is refused)"
-    return f"{type(e).__name__}: {text}"
+    if code is not None or "certificate verify failed" in low:
+        return f"this side refused the peer's certificate ({text}): it must be valid now and signed by the CA " \
+               "of this side's tls= setting (a certificate of another CA or another job is refused)"
+    if "alert" in low:
+        return _alert_text(text, low)
+    if "certificate" in low:
+        # "peer did not return a certificate" and the like: the peer's side is at fault
+        return f"the peer's certificate was not acceptable ({text}): every process needs a certificate of the " \
+               "CA of this job's tls= setting"
+    return f"the TLS handshake failed ({text})"
+
+
+def _alert_text(text, low):
+    """The peer's alert: about OUR certificate when it names one."""
+    if "expired" in low:
+        return f"the peer refused our certificate as expired ({text}): renew this side's certificate " \
+               "(the cert of its tls= setting); the peer checks its dates at every handshake"
+    if "certificate" in low or "unknown ca" in low or "access denied" in low:
+        return f"the peer refused our certificate ({text}): it does not trust it (another CA or job, or not " \
+               "the one it pins): every process needs a certificate of the CA of this job's tls= setting"
+    return f"the peer ended the TLS handshake with an alert ({text})"
 
 
 class TLSRelay:
@@ -724,10 +846,9 @@ def _post_handshake_reason(e):
 
 def _post_handshake_text(text):
     low = str(text).lower().replace("_", " ")
-    if "alert" in low and ("certificate" in low or "unknown ca" in low):
+    if "alert" in low and ("certificate" in low or "unknown ca" in low or "access denied" in low):
         # a TLS 1.3 client hears the server refuse its certificate on its first read
-        return f"the peer refused our certificate ({text}): every process needs a certificate of the " \
-               "CA of this job's tls= setting"
+        return _alert_text(text, low)
     if "unexpected message" in low or "renegotiat" in low or "no renegotiation" in low:
         return f"the peer sent a handshake message after the handshake ({text}): renegotiation is refused"
     return f"a TLS record after the handshake was not valid ({text}): garbage or tampering on the connection"
@@ -781,11 +902,6 @@ def handshake_socket(sock, config: TLSConfig, *, server_side: bool, peer, deadli
             raise TLSError(peer, "the connection closed in the middle of the TLS handshake (a truncated "
                                  "handshake, or the peer refused ours)") from None
         except mod.SSLError as e:
-            alert = str(getattr(e, "reason", None) or "")
-            if "ALERT" in alert and getattr(e, "verify_code", None) is None:
-                # the peer's alert: it is the peer that refused this side's certificate
-                raise TLSError(peer, f"the peer refused the TLS handshake ({alert}): it does not trust this "
-                                     "side's certificate (another CA or job, or not the one it pins)") from None
             raise TLSError(peer, _reason(e, server_side)) from None
         except OSError as e:
             raise TLSError(peer, f"the connection failed during the TLS handshake: {e}") from None
@@ -798,6 +914,150 @@ def handshake_socket(sock, config: TLSConfig, *, server_side: bool, peer, deadli
         ssock.close()
         raise
     return ssock
+
+
+class SSLStream:
+    """Python's ``ssl`` on the TCP socket itself, for a connection that
+    carries few messages but is used from several threads at once: the
+    control channel between a driver and its workers (one reader, several
+    writers). No thread of its own, unlike ``TLSRelay``.
+
+    ``ssock`` is the ``ssl.SSLSocket`` after its handshake
+    (``handshake_socket``). OpenSSL's ``SSL`` object is not safe for two
+    threads at once, so every call into it is made under a lock, on a
+    non-blocking socket: a thread that must wait releases the lock and waits
+    in ``poll()`` on the descriptor, so a writer waiting for a full socket
+    never stops the reader. Python's ssl reads no more of the socket than the
+    record it decrypts (no read-ahead), so when the descriptor is not
+    readable no message waits inside TLS either: ``select``, ``poll`` and
+    ``multiprocessing.connection.wait`` on ``fileno()`` work as on a plain
+    socket (``pending()`` holds what is left of a record half read).
+
+    A socket's face for the HMAC handshake and the channel: ``recv_into``,
+    ``sendall``, ``settimeout``/``gettimeout`` (``socket.timeout`` at the
+    end), ``shutdown`` (close_notify first, best effort), ``close``,
+    ``fileno``. A TLS failure after the handshake is raised as ``TLSError``
+    naming the peer and kept in ``error``.
+
+    Example::
+
+        stream = SSLStream(handshake_socket(sock, tls, server_side=False, peer=address,
+                                            deadline=time.monotonic() + 10), address)
+        stream.sendall(b"hello")
+    """
+
+    def __init__(self, ssock, peer):
+        self._s = ssock
+        self.peer = peer
+        self.error = None
+        self._lock = threading.Lock()           # the SSL object: one call at a time
+        self._write_lock = threading.Lock()     # one sendall at a time: its records stay together
+        self._timeout = ssock.gettimeout()
+        self._shut = False
+        self._closed = False
+        ssock.setblocking(False)
+
+    def fileno(self):
+        return self._s.fileno()
+
+    def settimeout(self, value):
+        self._timeout = value
+
+    def gettimeout(self):
+        return self._timeout
+
+    def pending(self) -> int:
+        """Plaintext bytes decrypted and not read yet."""
+        with self._lock:
+            return 0 if self._closed else self._s.pending()
+
+    def _failed(self, e):
+        if self.error is None:
+            self.error = TLSError(self.peer, _post_handshake_reason(e))
+        return self.error
+
+    def _wait(self, events, deadline):
+        ms = None
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("timed out")
+            ms = left * 1000
+        poller = select.poll()
+        try:
+            poller.register(self._s.fileno(), events)
+        except (ValueError, OSError):
+            pass        # closed meanwhile: the next call under the lock says so
+        else:
+            poller.poll(ms)
+
+    def recv_into(self, buffer, nbytes=0):
+        mod = ssl
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise OSError(errno.EBADF, "the TLS connection is closed")
+                if self._shut:
+                    return 0
+                try:
+                    return self._s.recv_into(buffer, nbytes or None)   # (None: all of buffer)
+                except mod.SSLWantReadError:
+                    want = select.POLLIN
+                except mod.SSLWantWriteError:
+                    want = select.POLLOUT
+                except mod.SSLEOFError:
+                    return 0        # the peer went without close_notify: the caller sees the end
+                except mod.SSLError as e:
+                    raise self._failed(e) from None
+            self._wait(want, deadline)
+
+    def sendall(self, data):
+        mod = ssl
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        with memoryview(data) as whole, self._write_lock:
+            view = whole.cast("B")
+            pos, total = 0, len(view)
+            while pos < total:
+                # after a "want", SSL_write must be called again with the same bytes
+                chunk = view[pos:pos + CHUNK]
+                sent, want = 0, 0
+                with self._lock:
+                    if self._closed or self._shut:
+                        raise BrokenPipeError(errno.EPIPE, "the TLS connection is closed")
+                    try:
+                        sent = self._s.send(chunk)
+                    except mod.SSLWantWriteError:
+                        want = select.POLLOUT
+                    except mod.SSLWantReadError:
+                        want = select.POLLIN
+                    except mod.SSLError as e:
+                        raise self._failed(e) from None
+                if sent:
+                    pos += sent
+                else:
+                    self._wait(want, deadline)
+
+    def shutdown(self, how):
+        """close_notify (best effort, never waiting), then ``socket.shutdown``:
+        a thread waiting on the connection wakes and sees its end."""
+        mod = ssl
+        with self._lock:
+            if not self._closed and not self._shut:
+                self._shut = True
+                try:
+                    self._s.unwrap()
+                except (mod.SSLError, OSError, ValueError):
+                    pass
+        # the plain socket's shutdown: SSLSocket's would drop the SSL object under a reader
+        socket.socket.shutdown(self._s, how)
+
+    def close(self):
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._s.close()
 
 
 # ------------------------------------------------------------ in the core
