@@ -117,3 +117,9 @@ def test_one_exchange_keeps_the_whole_target():
     assert path_exchanges(edges) == {(1, 0): 1}
     assert path_exchanges([]) == {}
 
+
+
+def test_a_chain_longer_than_the_recursion_limit():
+    n = 3000
+    share = path_exchanges(_graph(n, [(i, i + 1) for i in range(n - 1)]))
+    assert set(share.values()) == {n - 1}

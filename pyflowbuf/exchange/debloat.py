@@ -175,34 +175,40 @@ def path_exchanges(edges) -> dict:
     each holding the target made a checkpoint four targets long. A gate
     that takes ``target / exchanges`` keeps every path within the target.
     ``edges``: objects with ``source`` and ``target`` (each with an ``id``)
-    and ``input_index``, the job graph's edges. A cycle, which a job graph
-    does not have, counts each edge once."""
+    and ``input_index``, the job graph's edges."""
     edges = list(edges)
-    ins: dict = {}
-    outs: dict = {}
-    for e in edges:
-        outs.setdefault(e.source.id, []).append(e)
-        ins.setdefault(e.target.id, []).append(e)
-
-    def longest(vid, by, end, memo, seen=frozenset()):
-        if vid in memo:
-            return memo[vid]
-        if vid in seen:
-            return 0
-        seen = seen | {vid}
-        n = max((1 + longest(end(e).id, by, end, memo, seen) for e in by.get(vid, ())), default=0)
-        memo[vid] = n
-        return n
-
-    up: dict = {}
-    down: dict = {}
+    up = _longest(edges, lambda e: e.source.id, lambda e: e.target.id)
+    down = _longest(edges, lambda e: e.target.id, lambda e: e.source.id)
     out: dict = {}
     for e in edges:
-        n = (longest(e.source.id, ins, lambda x: x.source, up) + 1
-             + longest(e.target.id, outs, lambda x: x.target, down))
+        n = up.get(e.source.id, 0) + 1 + down.get(e.target.id, 0)
         key = (e.target.id, e.input_index)
         out[key] = max(out.get(key, 1), n)
     return out
+
+
+def _longest(edges, tail, head) -> dict:
+    """Per vertex id: the most edges on a path ending there, edges going
+    from ``tail(e)`` to ``head(e)`` (Kahn's order, no recursion: a job may
+    have more vertices than Python's recursion limit). Vertices on a cycle
+    are never ready and keep what reached them."""
+    into: dict = {}
+    outs: dict = {}
+    for e in edges:
+        into[head(e)] = into.get(head(e), 0) + 1
+        into.setdefault(tail(e), 0)
+        outs.setdefault(tail(e), []).append(e)
+    depth = dict.fromkeys(into, 0)
+    ready = [v for v, n in into.items() if n == 0]
+    while ready:
+        v = ready.pop()
+        for e in outs.get(v, ()):
+            h = head(e)
+            depth[h] = max(depth[h], depth[v] + 1)
+            into[h] -= 1
+            if into[h] == 0:
+                ready.append(h)
+    return depth
 
 
 class GateDebloat:
