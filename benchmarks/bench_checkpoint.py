@@ -396,7 +396,7 @@ def rescale_restore(keys, value_size, repeats, tmp) -> dict:
             _state_job(env, keys, value_size, p)
             ex = JobExecution(env.job_spec())      # the runtime receives the job as a JobSpec
             ex.restore_from = sp
-            ex._build()
+            ex.launcher.build()
             t0 = time.perf_counter()
             ex._start_checkpointing([])
             took = time.perf_counter() - t0
