@@ -26,7 +26,10 @@ unaligned_inflight_bytes_over_pool
     the largest checkpoint's in-flight bytes / the network memory (goal <= 1).
 unaligned_throughput_ratio
     records/s of the keyed count with unaligned checkpoints every second / none
-    (goal >= 0.9). All four again with ``_workers2``: workers=2, barriers cross TCP.
+    (goal >= 0.9). All four again with ``_workers2``: workers=2. The backpressured
+    jobs run at parallelism 1, and a subtask's worker is ``subtask % workers``: all
+    five run in worker 0, so the trigger and acknowledgements cross the control
+    pipe and no exchange crosses TCP.
 unaligned_checkpoint_ms_backpressure, aligned_checkpoint_s_backpressure
     issue 32: the backpressured job as Flink's benchmark has it, a sink 20x
     slower per record (a priority event can come between two records):
@@ -191,10 +194,11 @@ def throughput_case(n, mode, tmp, workers=None):
 
 def unaligned_section(rep, p, tmp, workers=None, aligned=None):
     """Aligned and unaligned checkpoints under the same backpressure, and what
-    unaligned checkpoints cost without it; ``workers=2``: barriers cross TCP.
+    unaligned checkpoints cost without it; ``workers=2``: in a worker process (at
+    parallelism 1 every subtask of the backpressured job in the same one).
     ``aligned``: the aligned run of this configuration, if one was made."""
     sfx = "" if workers is None else f"_workers{workers}"
-    where = "in one process" if workers is None else f"with workers={workers} (barriers cross TCP)"
+    where = "in one process" if workers is None else f"with workers={workers} (parallelism 1: one worker runs every subtask)"
     rep.section(f"aligned vs unaligned under backpressure (sink 20x slower), {where}")
     al = aligned or backpressure_durations(p["ua_seconds"], p["bp_rate"], tmp, "aligned", workers)
     ua = backpressure_durations(p["ua_seconds"], p["bp_rate"], tmp, "unaligned", workers)

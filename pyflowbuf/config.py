@@ -316,7 +316,10 @@ class DebloatConfig(_Config):
     Parameters
     ----------
     enabled : debloat the job's input gates.
-    target : seconds of in-flight data per gate (throughput x target).
+    target : seconds of in-flight data on a path from a source to a sink:
+        each input gate holds throughput x target / N, N the exchanges of
+        the longest path through it, since an aligned barrier crosses them
+        one after another (Flink gives each gate the whole target).
     period : seconds between measurements.
     samples : measurements the buffer size's moving average spans.
     threshold : the fraction a new size must differ by to be announced.

@@ -7,7 +7,9 @@ measurement into a buffer size, the way Flink's BufferDebloater does:
 
 - throughput = bytes the gate delivered / time the gate was not empty;
 - buffers in use = the buffers queued over the gate's channels (at least 1);
-- desired total = throughput * target;
+- desired total = throughput * the gate's share of the target: the target
+  divided by the exchanges on the longest source-to-sink path through the
+  gate (``path_exchanges``; Flink gives every gate the whole target);
 - size = EMA (alpha = 2 / (samples + 1)) of desired / buffers, the sample
   capped at twice the last value, clamped to [min_buffer_size, segment size];
 - the size is announced upstream only when it moved by at least the
@@ -34,7 +36,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pyflowbuf._core.memory import DEFAULT_SEGMENT_SIZE
 from pyflowbuf.exchange.sides import MultiInput
@@ -163,10 +165,62 @@ def output_pool_cap(lo: int, hi: int, nsub: int, segment_size: int, channels) ->
     return min(hi, max(lo + cap, nsub + 1))
 
 
-class GateDebloat:
-    """One input gate's debloater, fed by the consuming task's mailbox."""
+def path_exchanges(edges) -> dict:
+    """For each input of each vertex, ``(vertex id, input index)``: the
+    number of exchanges on the longest source-to-sink path through it.
 
-    def __init__(self, side, config: DebloatSettings, multi=None, index: int = 0):
+    An aligned barrier crosses the exchanges of a path one after another
+    (it enters a channel only once the task before it has read what was
+    queued ahead of it), so the times their gates hold add up: four gates
+    each holding the target made a checkpoint four targets long. A gate
+    that takes ``target / exchanges`` keeps every path within the target.
+    ``edges``: objects with ``source`` and ``target`` (each with an ``id``)
+    and ``input_index``, the job graph's edges."""
+    edges = list(edges)
+    up = _longest(edges, lambda e: e.source.id, lambda e: e.target.id)
+    down = _longest(edges, lambda e: e.target.id, lambda e: e.source.id)
+    out: dict = {}
+    for e in edges:
+        n = up.get(e.source.id, 0) + 1 + down.get(e.target.id, 0)
+        key = (e.target.id, e.input_index)
+        out[key] = max(out.get(key, 1), n)
+    return out
+
+
+def _longest(edges, tail, head) -> dict:
+    """Per vertex id: the most edges on a path ending there, edges going
+    from ``tail(e)`` to ``head(e)`` (Kahn's order, no recursion: a job may
+    have more vertices than Python's recursion limit). Vertices on a cycle
+    are never ready and keep what reached them."""
+    into: dict = {}
+    outs: dict = {}
+    for e in edges:
+        into[head(e)] = into.get(head(e), 0) + 1
+        into.setdefault(tail(e), 0)
+        outs.setdefault(tail(e), []).append(e)
+    depth = dict.fromkeys(into, 0)
+    ready = [v for v, n in into.items() if n == 0]
+    while ready:
+        v = ready.pop()
+        for e in outs.get(v, ()):
+            h = head(e)
+            depth[h] = max(depth[h], depth[v] + 1)
+            into[h] -= 1
+            if into[h] == 0:
+                ready.append(h)
+    return depth
+
+
+class GateDebloat:
+    """One input gate's debloater, fed by the consuming task's mailbox.
+
+    ``exchanges``: how many exchanges the longest path through this gate
+    crosses (``path_exchanges``); the gate holds that share of the target."""
+
+    def __init__(self, side, config: DebloatSettings, multi=None, index: int = 0, exchanges: int = 1):
+        if exchanges > 1:
+            config = replace(config, target=config.target / exchanges)
+        self.exchanges = exchanges
         self.side = side
         self.gate = side.gate
         self.multi = multi                       # a MultiInput's shared wait counts as idle too
@@ -242,6 +296,8 @@ class GateDebloat:
             "segments_held": sum(p.in_use for p in pools) if pools else self.gate.queued_buffers,
             "throughput_bytes_per_s": round(d.throughput, 1),
             "buffers_in_use": d.buffers_in_use,
+            # this gate's share of the target (the target / its path's exchanges)
+            "target_s": round(d.config.target, 6),
         }
 
 
@@ -260,14 +316,18 @@ def initial_buffer_size(spec) -> int | None:
     return int(c.min_buffer_size) if c.enabled else None
 
 
-def gates_of(task, config: DebloatSettings) -> list:
-    """GateDebloats for every input gate of ``task`` (none for a source)."""
+def gates_of(task, config: DebloatSettings, paths: dict | None = None) -> list:
+    """GateDebloats for every input gate of ``task`` (none for a source);
+    ``paths``: ``path_exchanges`` of the job's edges (None: each gate holds
+    the whole target)."""
     inp = task.input
     if inp is None:
         return []
+    paths = paths or {}
+    vid = task.vertex.id
     if isinstance(inp, MultiInput):
-        return [GateDebloat(s, config, inp, i) for i, s in enumerate(inp.sides)]
-    return [GateDebloat(inp, config)]
+        return [GateDebloat(s, config, inp, i, exchanges=paths.get((vid, i), 1)) for i, s in enumerate(inp.sides)]
+    return [GateDebloat(inp, config, exchanges=paths.get((vid, 0), 1))]
 
 
 class DebloatTimer(threading.Thread):
@@ -288,6 +348,8 @@ class DebloatTimer(threading.Thread):
         self.released_bytes = 0
         self.ticks = 0
         self.lock = threading.Lock()  # held by a tick; the job takes it to count segments
+        # each gate's share of the target: the exchanges of its longest path
+        self.paths = path_exchanges(getattr(job, "edges", ()))
 
     def stop(self):
         self._stop_event.set()
@@ -314,7 +376,7 @@ class DebloatTimer(threading.Thread):
             live.add(id(t))
             entry = self._gates.get(id(t))
             if entry is None:
-                entry = self._gates[id(t)] = (t, gates_of(t, self.config), [0], threading.Lock())
+                entry = self._gates[id(t)] = (t, gates_of(t, self.config, self.paths), [0], threading.Lock())
             task, gates, pending, lock = entry
             if task.finished_ns or job.cancelled:
                 continue
