@@ -76,8 +76,10 @@ def test_json_endpoints_match_metrics_and_checkpoints_field_by_field(tmp_path):
         for r in rows:
             m = metrics[r["task"]]
             assert r["vertex"] == m["vertex"] and r["subtask"] == m["subtask"]
-            compared = [k for k in model.SUBTASK_FIELDS if k in m]
+            compared = [k for k in model.SUBTASK_FIELDS if k in m and k not in model.WHOLE_FIELDS]
             assert {k: r[k] for k in compared} == {k: m[k] for k in compared}
+            for k in model.WHOLE_FIELDS:          # rates in whole units, rounded half up
+                assert isinstance(r[k], int) and r[k] == math.floor(m[k] + 0.5), k
             assert r["worker"] is None and r["host"] == socket.gethostname()
         assert [r["task"] for r in get(url, "api/subtasks?vertex=1")] == [t for t in metrics if t.startswith("keyed")]
 
@@ -309,6 +311,7 @@ def test_infinite_and_nan_figures_are_null_in_the_json():
         def metrics(self):
             return {"sequence -> sink (1/1)": {"state": "RUNNING", "debloat_time_to_consume_s": math.inf,
                                                 "busy_ms_per_s": math.nan, "records_in": 5,
+                                                "records_in_per_s": math.inf, "bytes_out_per_s": math.nan,
                                                 "watermark": math.inf}}
 
         def checkpoints(self):
@@ -321,6 +324,7 @@ def test_infinite_and_nan_figures_are_null_in_the_json():
         rows = get(server.url, "api/subtasks")
         assert rows[0]["debloat_time_to_consume_s"] is None and rows[0]["busy_ms_per_s"] is None
         assert rows[0]["records_in"] == 5 and rows[0]["watermark"] is None and rows[0]["watermark_end"]
+        assert rows[0]["records_in_per_s"] is None and rows[0]["bytes_out_per_s"] is None
         assert get(server.url, "api/checkpoints")[0]["duration_s"] is None
         assert get(server.url, "api/checkpoints/1")["timeline"][0]["ack_ms"] is None
         assert get(server.url, "api/watermarks")[0]["watermark_end"]
@@ -637,7 +641,7 @@ def reference_top(vertices, metrics, n):
         out[kind] = [{"task": model.task_name(v, i), "vertex_id": v.id, "subtask": i, "worker": None,
                       field: m.get(field) if isinstance(m.get(field), (int, float)) and math.isfinite(m.get(field))
                       else None,
-                      "level": m.get("level"), "records_in_per_s": m.get("records_in_per_s")}
+                      "level": m.get("level"), "records_in_per_s": math.floor(m["records_in_per_s"] + 0.5)}
                      for v, i, m in ranked[:n]]
     return out
 
