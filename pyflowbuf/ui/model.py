@@ -197,7 +197,9 @@ def _live(m: dict) -> bool:
 
 
 def subtasks(view: JobView, metrics: dict | None = None, vertex_id: int | None = None) -> list:
-    """One row per subtask (of ``vertex_id``, or all), in plan order."""
+    """One row per subtask (of ``vertex_id``, or all), in plan order: its
+    figures as its metrics sample has them, the rates in whole units
+    (``WHOLE_FIELDS``), infinities and NaN as None."""
     if metrics is None:
         metrics = view.metrics()
     where = view.placement()
