@@ -26,17 +26,23 @@ ui_server_cpu_ms_per_s
 ui_poll_cpu_ms_800
     CPU time (of this thread) to build one poll's answer (/api/live of the
     subtask view: job and every subtask) for 50 operator chains at
-    parallelism 16 (800 subtasks, their metrics made up), median of
-    repetitions: at one poll a second, this over 1000 ms is the share of one
-    core a page costs the job's process at the size the issue names,
-    whatever the machine's load. Built once per metrics sample, however many
-    pages poll.
+    parallelism 16 (800 subtasks, their metrics made up with the precision
+    the sampler gives them: rates at full float precision, ms per second to
+    0.1, pool usage to 0.001), median of repetitions: at one poll a second,
+    this over 1000 ms is the share of one core a page costs the job's
+    process at the size the issue names, whatever the machine's load. Built
+    once per metrics sample, however many pages poll.
+ui_poll_bytes_800
+    bytes of that answer.
+ui_poll_top_cpu_ms_800, ui_poll_top_bytes_800
+    the same for the Top N view (ranked by the server: 3 x 10 rows).
 
 Run: ``python benchmarks/run.py ui [--quick] [--json]``.
 """
 from __future__ import annotations
 
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -150,15 +156,27 @@ class _WideJob:
         s.sink(lambda b: None, batched=True, name="sink")
         self.spec = env.job_spec()          # what the view reads of a job
         self._m = {}
+        rnd = random.Random(30)             # the same figures every run
         for v in self.spec.plan()[0]:
             for i in range(v.parallelism):
+                bp = round(rnd.uniform(0, 1000), 1)
+                idle = round(rnd.uniform(0, 1000 - bp), 1)
+                # the sampler's precision (runtime/metrics.py): rates as measured, times and pools rounded
                 self._m[f"{v.name} ({i + 1}/{v.parallelism})"] = {
-                    "state": "RUNNING", "level": "HIGH", "busy_ms_per_s": 100.0, "idle_ms_per_s": 0.0,
-                    "backpressured_ms_per_s": 900.0, "records_in": 10 ** 6, "records_out": 10 ** 6,
-                    "records_in_per_s": 1e5, "records_out_per_s": 1e5, "bytes_in": 8e6, "bytes_out": 8e6,
-                    "in_pool_usage": 0.5, "out_pool_usage": 0.9, "vertex": v.name, "subtask": i,
+                    "state": "RUNNING", "level": rnd.choice(["OK", "LOW", "HIGH"]),
+                    "busy_ms_per_s": round(1000 - bp - idle, 1), "idle_ms_per_s": idle,
+                    "backpressured_ms_per_s": bp, "records_in": rnd.randrange(10 ** 9),
+                    "records_out": rnd.randrange(10 ** 9), "records_in_per_s": rnd.uniform(0, 2e5),
+                    "records_out_per_s": rnd.uniform(0, 2e5), "bytes_in": rnd.randrange(10 ** 11),
+                    "bytes_out": rnd.randrange(10 ** 11), "bytes_in_per_s": rnd.uniform(0, 2e7),
+                    "bytes_out_per_s": rnd.uniform(0, 2e7), "buffers_out": rnd.randrange(10 ** 6),
+                    "remote_buffers_in": 0, "credit_available": None, "sender_backlog": None,
+                    "last_checkpoint": 0, "checkpoint_alignment_ms": 0.0,
+                    "in_pool_usage": round(rnd.random(), 3), "out_pool_usage": round(rnd.random(), 3),
+                    "vertex": v.name, "subtask": i,
                     "debloat": [{"gate": 0, "buffer_size": 4096, "inflight_bytes": 8192}],
-                    "debloat_buffer_size": 4096, "debloat_inflight_bytes": 8192}
+                    "debloat_buffer_size": 4096, "debloat_inflight_bytes": 8192,
+                    "debloat_time_to_consume_s": round(rnd.random(), 4), "debloat_segments_held": 11}
 
     def metrics(self):
         return dict(self._m)
@@ -167,7 +185,7 @@ class _WideJob:
         return []
 
 
-def poll_cpu_ms_800(repeats: int, view: str) -> float:
+def poll_cpu_ms_800(repeats: int, view: str) -> tuple:
     from pyflowbuf import ui
     job = _WideJob()            # the view holds its job weakly
     server = ui.UiServer(job)
@@ -177,9 +195,9 @@ def poll_cpu_ms_800(repeats: int, view: str) -> float:
             server._cache.clear()
             server._by_sample.clear()       # a new sample each poll: the whole build
             t = time.thread_time()
-            server.answer("/api/live", {"view": [view]})
+            body = server.answer("/api/live", {"view": [view]})[2]
             took.append((time.thread_time() - t) * 1000)
-        return statistics.median(took)
+        return statistics.median(took), len(body)
     finally:
         server.close()
 
@@ -217,10 +235,14 @@ def main(quick: bool = False) -> dict:
     rep.add("ui_server_cpu_ms_per_s", statistics.median(server_cpu) if server_cpu else float("nan"), "ms",
             note=f"{statistics.median(server_cpu) / 10:.2f} % of the job's GIL time" if server_cpu else "")
     rep.section("what one poll costs at 800 subtasks (50 chains x parallelism 16)")
-    cpu = poll_cpu_ms_800(20 if quick else 60, "subtasks")
+    cpu, size = poll_cpu_ms_800(20 if quick else 60, "subtasks")
     rep.add("ui_poll_cpu_ms_800", cpu, "ms", note=f"the subtask view; {cpu / 10:.2f} % of one core at one "
                                                   "poll a second")
-    cpu = poll_cpu_ms_800(20 if quick else 60, "graph")
+    rep.add("ui_poll_bytes_800", size, "B", note="the subtask view")
+    cpu, size = poll_cpu_ms_800(20 if quick else 60, "top")
+    rep.add("ui_poll_top_cpu_ms_800", cpu, "ms", note="the Top N view, ranked by the server")
+    rep.add("ui_poll_top_bytes_800", size, "B", note="the Top N view")
+    cpu, _ = poll_cpu_ms_800(20 if quick else 60, "graph")
     rep.add("ui_poll_graph_cpu_ms_800", cpu, "ms", note="the graph view")
     return rep.as_dict()
 

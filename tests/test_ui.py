@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pyflowbuf as fb
 from pyflowbuf import errors
@@ -74,8 +76,10 @@ def test_json_endpoints_match_metrics_and_checkpoints_field_by_field(tmp_path):
         for r in rows:
             m = metrics[r["task"]]
             assert r["vertex"] == m["vertex"] and r["subtask"] == m["subtask"]
-            compared = [k for k in model.SUBTASK_FIELDS if k in m]
+            compared = [k for k in model.SUBTASK_FIELDS if k in m and k not in model.WHOLE_FIELDS]
             assert {k: r[k] for k in compared} == {k: m[k] for k in compared}
+            for k in model.WHOLE_FIELDS:          # rates in whole units, rounded half up
+                assert isinstance(r[k], int) and r[k] == math.floor(m[k] + 0.5), k
             assert r["worker"] is None and r["host"] == socket.gethostname()
         assert [r["task"] for r in get(url, "api/subtasks?vertex=1")] == [t for t in metrics if t.startswith("keyed")]
 
@@ -307,6 +311,7 @@ def test_infinite_and_nan_figures_are_null_in_the_json():
         def metrics(self):
             return {"sequence -> sink (1/1)": {"state": "RUNNING", "debloat_time_to_consume_s": math.inf,
                                                 "busy_ms_per_s": math.nan, "records_in": 5,
+                                                "records_in_per_s": math.inf, "bytes_out_per_s": math.nan,
                                                 "watermark": math.inf}}
 
         def checkpoints(self):
@@ -319,6 +324,7 @@ def test_infinite_and_nan_figures_are_null_in_the_json():
         rows = get(server.url, "api/subtasks")
         assert rows[0]["debloat_time_to_consume_s"] is None and rows[0]["busy_ms_per_s"] is None
         assert rows[0]["records_in"] == 5 and rows[0]["watermark"] is None and rows[0]["watermark_end"]
+        assert rows[0]["records_in_per_s"] is None and rows[0]["bytes_out_per_s"] is None
         assert get(server.url, "api/checkpoints")[0]["duration_s"] is None
         assert get(server.url, "api/checkpoints/1")["timeline"][0]["ack_ms"] is None
         assert get(server.url, "api/watermarks")[0]["watermark_end"]
@@ -362,7 +368,8 @@ def test_live_answers_each_view_in_one_request_as_its_endpoints_do(tmp_path):
         for query, part, endpoint in [("view=graph", "graph", "api/graph"),
                                       ("view=subtasks", "subtasks", "api/subtasks"),
                                       ("view=subtasks&vertex=1", "subtasks", "api/subtasks?vertex=1"),
-                                      ("view=top", "subtasks", "api/subtasks"),
+                                      ("view=top", "top", "api/top"),
+                                      ("view=top&n=3", "top", "api/top?n=3"),
                                       ("view=checkpoints", "checkpoints", "api/checkpoints"),
                                       (f"view=checkpoints&checkpoint={cid}", "checkpoint", f"api/checkpoints/{cid}"),
                                       ("view=watermarks", "watermarks", "api/watermarks")]:
@@ -374,7 +381,9 @@ def test_live_answers_each_view_in_one_request_as_its_endpoints_do(tmp_path):
         assert get(url, "api/live?view=subtasks")["vertices"] == \
             [{"id": v.id, "name": v.name, "parallelism": v.parallelism} for v in vertices]
         for query, code in [("view=nope", 400), ("view=subtasks&vertex=x", 400),
-                            ("view=checkpoints&checkpoint=abc", 400), ("view=checkpoints&checkpoint=99999", 404)]:
+                            ("view=checkpoints&checkpoint=abc", 400), ("view=checkpoints&checkpoint=99999", 404),
+                            ("view=top&n=0", 400), ("view=top&n=x", 400), ("view=top&n=-1", 400),
+                            ("view=top&n=1001", 400), ("view=top&n=%C2%B2", 400)]:
             assert status_of(url + "api/live?" + query) == code, query
     finally:
         if not job.done:
@@ -397,6 +406,11 @@ def test_answers_are_built_once_per_metrics_sample_and_shared(monkeypatch):
         assert first[0]["subtasks"][0]["records_in"] == 1
         job.resample(7)                        # the runtime's next sample
         assert get(server.url, "api/subtasks")[0]["records_in"] == 7 and len(built) == 2
+        ranked = []
+        real_top = model.top
+        monkeypatch.setattr(model, "top", lambda *a, **k: ranked.append(1) or real_top(*a, **k))
+        tops = [get(server.url, "api/live?view=top")["top"] for _ in range(3)]
+        assert len(ranked) == 1 and tops[0] == tops[2] and tops[0]["running"] == 4
     finally:
         server.close()
 
@@ -605,3 +619,97 @@ def test_refused_and_silent_https_clients_leave_no_connection_behind(monkeypatch
         wait_for(lambda: not server._conns, "every connection gone from the view's set")
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------- Top N, ranked by the server
+
+def reference_top(vertices, metrics, n):
+    """Top N as the page ranked it before the server did, in plain Python:
+    the running subtasks in plan order, sorted (stably) by each figure, most
+    first, a figure not reported (None, NaN, missing) last; the first n."""
+    running = [(v, i, metrics[model.task_name(v, i)]) for v in vertices for i in range(v.parallelism)
+               if model.task_name(v, i) in metrics
+               and metrics[model.task_name(v, i)].get("state", "RUNNING") in ("RUNNING", "CREATED")]
+
+    def figure(m, field):
+        x = m.get(field)
+        return x if isinstance(x, (int, float)) and math.isfinite(x) else -math.inf
+    out = {"n": n, "running": len(running)}
+    for kind, field in (("backpressured", "backpressured_ms_per_s"), ("busy", "busy_ms_per_s"),
+                        ("idle", "idle_ms_per_s")):
+        ranked = sorted(running, key=lambda e: -figure(e[2], field))
+        out[kind] = [{"task": model.task_name(v, i), "vertex_id": v.id, "subtask": i, "worker": None,
+                      field: m.get(field) if isinstance(m.get(field), (int, float)) and math.isfinite(m.get(field))
+                      else None,
+                      "level": m.get("level"), "records_in_per_s": math.floor(m["records_in_per_s"] + 0.5)}
+                     for v, i, m in ranked[:n]]
+    return out
+
+
+_figure = st.one_of(st.floats(0, 1000, allow_nan=False), st.integers(0, 1000), st.sampled_from([0.0, 500.0]),
+                    st.none(), st.just(math.nan))
+_subtask = st.one_of(st.none(), st.fixed_dictionaries(
+    {"state": st.sampled_from(["RUNNING", "RUNNING", "CREATED", "FINISHED", "CANCELED"]),
+     "level": st.sampled_from(["OK", "LOW", "HIGH"]), "records_in_per_s": st.floats(0, 1e6)},
+    optional={"busy_ms_per_s": _figure, "idle_ms_per_s": _figure, "backpressured_ms_per_s": _figure}))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), n=st.integers(1, 12))
+def test_top_n_is_the_ranking_of_env_metrics(data, n):
+    # the server's Top N against a ranking of the same sample computed here;
+    # ties (the many 0.0 and 500.0) in plan order, unreported figures last
+    from pyflowbuf import ui
+    job = _SampledJob(_TOP_ENV)
+    vertices = job.spec.plan()[0]
+    sample = {}
+    for v in vertices:
+        for i in range(v.parallelism):
+            m = data.draw(_subtask)
+            if m is not None:
+                sample[model.task_name(v, i)] = m
+    job.sample = sample
+    server = ui.UiServer(job)
+    try:
+        got = json.loads(server.answer("/api/top", {"n": [str(n)]})[2])
+        assert got == reference_top(vertices, job.metrics(), n)
+        if n == model.TOP_N:
+            assert json.loads(server.answer("/api/top", {})[2]) == got       # the page's default
+    finally:
+        server.close()
+
+
+def _wide_env():
+    env = fb.Environment(parallelism=4, name="ui-top")
+    s = env.from_sequence(0, 10)
+    for i in range(3):
+        s = s.map(lambda x: x, name=f"op{i}").rebalance()
+    s.sink(lambda b: None, batched=True, name="sink")
+    return env
+
+
+_TOP_ENV = _wide_env()
+
+
+def test_top_n_of_a_running_job_names_its_slow_sink():
+    env = fb.Environment(parallelism=2, metrics_interval=0.2, ui_port=0, name="ui-top-job")
+    (env.from_sequence(0, None).rebalance()
+        .sink(lambda b: time.sleep(0.001 * len(b)), batched=True, name="slow sink"))
+    job = env.execute_async()
+    try:
+        url = job.ui_url
+
+        def sink_busiest():
+            top = get(url, "api/live?view=top")["top"]
+            return top["running"] == 4 and top["busy"][0]["task"].startswith("slow sink") and top
+        top = wait_for(sink_busiest, "the slow sink the busiest subtask", job=job)
+        assert len(top["busy"]) == len(top["idle"]) == len(top["backpressured"]) == 4      # fewer run than n
+        assert top["n"] == model.TOP_N
+        vertices = env.plan()[0]
+        metrics = env.metrics()
+        ranked = model.top(job.ui.view, metrics, 3)
+        assert ranked == reference_top(vertices, metrics, 3)
+        assert len(get(url, "api/top?n=1")["busy"]) == 1
+    finally:
+        cancel_and_join(job)
+        job.ui.close()

@@ -10,6 +10,7 @@ how to ask a job handle for its plan, its state and where its subtasks run.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import socket
 import time
@@ -25,12 +26,23 @@ SUBTASK_FIELDS = (
     "in_pool_usage", "out_pool_usage", "last_checkpoint", "checkpoint_alignment_ms",
     "debloat_buffer_size", "debloat_time_to_consume_s", "debloat_inflight_bytes", "debloat_segments_held",
 )
+# Rates the view sends in whole units (the page shows none finer: records per
+# second as integers, bytes per second not at all): a 17-digit float costs JSON
+# encoding three times an integer's, and these are 4 of a subtask row's floats,
+# the most costly part of an answer at 800 subtasks. Rounded half up, as the
+# page's Math.round does.
+WHOLE_FIELDS = frozenset(("records_in_per_s", "records_out_per_s", "bytes_in_per_s", "bytes_out_per_s"))
 # the figures of a checkpoint in the history table, copied as they are
 CHECKPOINT_FIELDS = ("id", "kind", "status", "trigger_time", "duration_s", "alignment", "acknowledged",
                      "tasks", "state_bytes", "size", "inflight_bytes", "savepoint")
 # one subtask's phases in a checkpoint's timeline, copied as they are
 PHASE_FIELDS = ("source", "unaligned", "start_delay_ms", "alignment_ms", "inflight_wait_ms", "sync_ms",
                 "write_queue_ms", "async_ms", "ack_ms", "bytes", "state_bytes", "inflight_bytes")
+# Top N: how many of each ranking by default (what the page shows), the most
+# one request may ask for, and the rankings: (name in the answer, the figure ranked by)
+TOP_N = 10
+TOP_N_MAX = 1000
+TOP_RANKINGS = (("backpressured", "backpressured_ms_per_s"), ("busy", "busy_ms_per_s"), ("idle", "idle_ms_per_s"))
 _LEVEL_RANK = {"OK": 0, "LOW": 1, "HIGH": 2}
 _LIVE = ("RUNNING", "CREATED")
 
@@ -39,6 +51,13 @@ def _num(x):
     """JSON has no infinities or NaN: None for those."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
+    return x
+
+
+def _whole(x):
+    """A rate in whole units for the JSON (``WHOLE_FIELDS``); None for inf and NaN."""
+    if x.__class__ is float:
+        return math.floor(x + 0.5) if x - x == 0 else None
     return x
 
 
@@ -178,7 +197,9 @@ def _live(m: dict) -> bool:
 
 
 def subtasks(view: JobView, metrics: dict | None = None, vertex_id: int | None = None) -> list:
-    """One row per subtask (of ``vertex_id``, or all), in plan order."""
+    """One row per subtask (of ``vertex_id``, or all), in plan order: its
+    figures as its metrics sample has them, the rates in whole units
+    (``WHOLE_FIELDS``), infinities and NaN as None."""
     if metrics is None:
         metrics = view.metrics()
     where = view.placement()
@@ -191,11 +212,16 @@ def subtasks(view: JobView, metrics: dict | None = None, vertex_id: int | None =
             row = {"task": name, "vertex": v.name, "vertex_id": v.id, "subtask": i, "key": key,
                    "reported": m is not None}
             if m is not None:
-                # (inline, not _num: 800 subtasks x 23 fields each poll) inf - inf and nan - nan are nan
+                # (inline, not _num: 800 subtasks x 25 fields each poll) inf - inf and nan - nan are nan
                 for k in SUBTASK_FIELDS:
                     if k in m:
                         x = m[k]
-                        row[k] = None if x.__class__ is float and x - x != 0 else x
+                        if x.__class__ is float:
+                            if x - x != 0:
+                                x = None
+                            elif k in WHOLE_FIELDS:
+                                x = math.floor(x + 0.5)
+                        row[k] = x
                 wm = m.get("watermark")
                 row["watermark"] = _num(wm)
                 row["watermark_end"] = wm == math.inf
@@ -204,6 +230,42 @@ def subtasks(view: JobView, metrics: dict | None = None, vertex_id: int | None =
             row["host"] = view.host if w is None else (w[1] or view.host)
             rows.append(row)
     return rows
+
+
+def _ranked_by(field):
+    def key(entry):
+        x = entry[2].get(field)
+        # a figure not reported (None, NaN, missing) ranks below every reported one
+        return -x if x.__class__ in (int, float) and x - x == 0 else math.inf
+    return key
+
+
+def top(view: JobView, metrics: dict | None = None, n: int = TOP_N) -> dict:
+    """The ``n`` running subtasks of the whole job with the most backpressured,
+    busy and idle time, most first (ties in plan order): a row each with the
+    figure ranked by, its level, records in per second, and where it runs.
+    ``running`` counts the running subtasks ranked; a ranking holds fewer than
+    ``n`` when fewer run. Built here, not in the page: an answer of 3 x n rows,
+    not every subtask's."""
+    if metrics is None:
+        metrics = view.metrics()
+    running = []
+    for v in view.vertices:
+        for i, (name, _) in enumerate(view.names[v.id]):
+            m = metrics.get(name)
+            if m is not None and _live(m):
+                running.append((v, i, m, name))
+    where = view.placement() if running else {}
+    out = {"n": n, "running": len(running)}
+    for kind, field in TOP_RANKINGS:
+        rows = []
+        for v, i, m, name in heapq.nsmallest(n, running, key=_ranked_by(field)):     # stable: ties in plan order
+            w = where.get(name)
+            rows.append({"task": name, "vertex_id": v.id, "subtask": i, "worker": None if w is None else w[0],
+                         field: _num(m.get(field)), "level": m.get("level"),
+                         "records_in_per_s": _whole(m.get("records_in_per_s"))})
+        out[kind] = rows
+    return out
 
 
 def graph(view: JobView, metrics: dict | None = None) -> dict:

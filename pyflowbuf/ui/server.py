@@ -226,7 +226,7 @@ class UiServer:
             return 200, "application/json", self._live(query)
         if what == "job":
             return 200, "application/json", _dumps(model.job_info(self.view))
-        if what in ("graph", "subtasks"):
+        if what in ("graph", "subtasks", "top"):
             return 200, "application/json", self._sampled(what, query, self.view.metrics())
         key = path + "?" + "&".join(f"{k}={v}" for k, v in sorted(query.items()) if k != "token")
         now = time.monotonic()
@@ -244,8 +244,8 @@ class UiServer:
     def _live(self, query: dict) -> bytes:
         """What an open page asks for each second, in one answer:
         ``{"job": /api/job, <part>: ...}`` with the part its ``view`` shows
-        (graph; subtasks and the vertices, of ``vertex`` or all; top:
-        subtasks; checkpoints, or one checkpoint with ``checkpoint=ID``;
+        (graph; subtasks and the vertices, of ``vertex`` or all; top, of
+        ``n`` a ranking; checkpoints, or one checkpoint with ``checkpoint=ID``;
         watermarks), each as its own endpoint answers it."""
         view = query.get("view", ["graph"])[0]
         if view not in LIVE_VIEWS:
@@ -253,11 +253,13 @@ class UiServer:
         parts = [(b"job", _dumps(model.job_info(self.view)))]
         if view == "graph":
             parts.append((b"graph", self._sampled("graph", {}, self.view.metrics())))
-        elif view in ("subtasks", "top"):
-            q = {"vertex": query["vertex"]} if view == "subtasks" and "vertex" in query else {}
+        elif view == "subtasks":
+            q = {"vertex": query["vertex"]} if "vertex" in query else {}
             parts.append((b"subtasks", self._sampled("subtasks", q, self.view.metrics())))
-            if view == "subtasks":
-                parts.append((b"vertices", self._vertices))
+            parts.append((b"vertices", self._vertices))
+        elif view == "top":
+            q = {"n": query["n"]} if "n" in query else {}
+            parts.append((b"top", self._sampled("top", q, self.view.metrics())))
         elif view == "checkpoints" and "checkpoint" in query:
             parts.append((b"checkpoint", self.answer("/api/checkpoints/" + query["checkpoint"][0], {})[2]))
         else:
@@ -296,6 +298,11 @@ class UiServer:
                                            f"(ids: {[v.id for v in view.vertices]})")
                 vertex = int(vertex)
             return model.subtasks(view, metrics, vertex_id=vertex)
+        if what == "top":
+            n = query.get("n", [str(model.TOP_N)])[0]
+            if not (n.isascii() and n.isdigit() and len(n) <= 6) or not 1 <= int(n) <= model.TOP_N_MAX:
+                raise _BadRequest(400, f"n={n!r}: how many subtasks each ranking shows, 1..{model.TOP_N_MAX}")
+            return model.top(view, metrics, int(n))
         if what == "checkpoints":
             return model.checkpoint_history(view)
         if what.startswith("checkpoints/"):

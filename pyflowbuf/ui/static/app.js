@@ -5,7 +5,6 @@
 (function () {
   const TOKEN = new URLSearchParams(location.search).get("token");
   const POLL_MS = 1000;
-  const TOP_N = 10;
   const main = document.getElementById("main");
   let job = null;           // the last /api/job answer
   let ended = false;        // the job ended and its final state was drawn
@@ -191,14 +190,13 @@
     if (!rows.length) s += '<tr><td class="l muted" colspan="5">no running subtask</td></tr>';
     return s + "</tbody></table></div>";
   }
-  function renderTop(rows) {
-    const running = rows.filter(function (r) { return r.reported && live(r); });
-    function by(k) { return running.slice().sort(function (a, b) { return b[k] - a[k]; }).slice(0, TOP_N); }
+  // Ranked by the server, once per metrics sample: n rows of each ranking, not every subtask.
+  function renderTop(t) {
     main.innerHTML = '<div class="grid3">' +
-      topTable("Most backpressured", by("backpressured_ms_per_s"), ["backpressured_ms_per_s", "backpr. ms/s"], "top-bp") +
-      topTable("Busiest", by("busy_ms_per_s"), ["busy_ms_per_s", "busy ms/s"], "top-busy") +
-      topTable("Most idle", by("idle_ms_per_s"), ["idle_ms_per_s", "idle ms/s"], "top-idle") + "</div>" +
-      '<p class="muted">The ' + TOP_N + " of " + running.length + " running subtasks with the most of each; click one for its operator chain's subtasks.</p>";
+      topTable("Most backpressured", t.backpressured, ["backpressured_ms_per_s", "backpr. ms/s"], "top-bp") +
+      topTable("Busiest", t.busy, ["busy_ms_per_s", "busy ms/s"], "top-busy") +
+      topTable("Most idle", t.idle, ["idle_ms_per_s", "idle ms/s"], "top-idle") + "</div>" +
+      '<p class="muted">The ' + t.n + " of " + t.running + " running subtasks with the most of each; click one for its operator chain's subtasks.</p>";
   }
 
   function renderCheckpoints(list) {
@@ -266,6 +264,7 @@
     let q = "live?view=" + encodeURIComponent(r.view);
     if (r.view === "subtasks" && r.arg) q += "&vertex=" + encodeURIComponent(r.arg);
     if (r.view === "checkpoints" && r.arg) q += "&checkpoint=" + encodeURIComponent(r.arg);
+    if (r.view === "top" && r.arg) q += "&n=" + encodeURIComponent(r.arg);   // #top/20: 20 of each
     if (["graph", "subtasks", "top", "checkpoints", "watermarks"].indexOf(r.view) < 0) {
       return api("job").then(function (j) { return { job: j, render: function () {
         main.innerHTML = '<p class="muted">No such view: ' + esc(r.view) + "</p>"; } }; });
@@ -274,7 +273,7 @@
       let render;
       if (r.view === "graph") render = function () { renderGraph(a.graph); };
       else if (r.view === "subtasks") render = function () { renderSubtasks(a.subtasks, a.vertices, r.arg, a.job.subtasks); };
-      else if (r.view === "top") render = function () { renderTop(a.subtasks); };
+      else if (r.view === "top") render = function () { renderTop(a.top); };
       else if (r.view === "checkpoints") render = function () { if (r.arg) { renderTimeline(a.checkpoint); } else { renderCheckpoints(a.checkpoints); } };
       else render = function () { renderWatermarks(a.watermarks); };
       return { job: a.job, render: render };
