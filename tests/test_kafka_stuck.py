@@ -130,3 +130,4 @@ def test_cancel_ends_a_job_whose_commit_never_returns(kafka_broker, tmp_path, he
         if not job.done:
             job.cancel()
     assert took < 30, f"the cancel took {took:.1f} s"
+
