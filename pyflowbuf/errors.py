@@ -170,7 +170,31 @@ class KafkaDecodeError(FlowBufError, ValueError):
 
 class KafkaSinkError(FlowBufError, RuntimeError):
     """``write_kafka`` could not deliver or commit: a record the broker
-    refused, a transaction that failed, a producer fenced by a newer one."""
+    refused, a transaction that failed, a producer fenced by a newer one, a
+    step that did not end in time. Besides its message it carries what it
+    knows (None where it does not apply): ``topic``, ``transactional_id``,
+    ``step`` (``"commit_transaction"``...), ``checkpoint_id``,
+    ``error_name`` (librdkafka's, e.g. ``"_FENCED"``), ``retriable`` and
+    ``fatal`` (librdkafka's flags for that error). A client error it wraps
+    is its ``__cause__``."""
+
+    def __init__(self, message="", *, topic=None, transactional_id=None, step=None, checkpoint_id=None,
+                 error_name=None, retriable=None, fatal=None):
+        super().__init__(message)
+        self.topic = topic
+        self.transactional_id = transactional_id
+        self.step = step
+        self.checkpoint_id = checkpoint_id
+        self.error_name = error_name
+        self.retriable = retriable
+        self.fatal = fatal
+
+
+class KafkaFencedError(KafkaSinkError):
+    """An exactly-once ``write_kafka`` producer was fenced: a newer producer
+    initialized the same transactional id, which is what another job (or a
+    second run of this one) writing with the same ``transactional_id_prefix``
+    at the same time does."""
 
 
 class UnitWarning(UserWarning):

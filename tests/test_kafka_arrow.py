@@ -273,3 +273,54 @@ def test_arrow_json_rows_and_dead_letters_match_parsing_each_value_alone(values)
     assert got == want
     assert [d["offset"] for d in r.dead] == bad
     assert [d["value"] for d in r.dead] == [raw[i] for i in bad]
+
+
+# ---------------------------------------------------------------- the pull size
+
+def test_an_arrow_pull_holds_at_most_the_rows_asked_for(kafka_broker):
+    """A pull asked for n records gives a RecordBatch of at most n rows (the
+    bytes path's cap), not up to batch_size whatever was asked."""
+    from pyflowbuf.connectors.kafka import KafkaSource
+
+    bs = kafka_broker.bootstrap_servers
+    src = _name("in")
+    kafka_broker.create_topic(src, partitions=2)
+    produce(bs, src, [f"v{i}" for i in range(600)], 2)
+    source = KafkaSource(bs, [src], value_format="arrow", bounded=True, pause_after=None)
+    reader = source.create_reader(0, 1)
+    try:
+        reader.add_splits({(src, 0): None, (src, 1): None})
+        rnd = random.Random(7)
+        got = []
+        while True:
+            n = rnd.choice([1, 7, 50, 333])
+            pulled = reader.poll(n)
+            if pulled is None:
+                break
+            assert len(pulled) <= 1 and all(b.num_rows <= n for b in pulled), (n, [b.num_rows for b in pulled])
+            got += [v for b in pulled for v in b.column("value").to_pylist()]
+    finally:
+        reader.close()
+    assert sorted(got) == sorted(f"v{i}".encode() for i in range(600))
+
+
+def test_an_arrow_source_under_backpressure_pulls_the_runtimes_size(kafka_broker):
+    """A slow sink in its own task: every batch the source pulled holds at
+    most max_batch rows (the pull size the runtime asks for), not batch_size
+    (10,000)."""
+    bs = kafka_broker.bootstrap_servers
+    src = _name("in")
+    kafka_broker.create_topic(src, partitions=1)
+    produce(bs, src, [f"v{i}" for i in range(5000)], 1)
+    env = fb.Environment(max_batch=64)
+    rows = []
+
+    def slow(batches):
+        time.sleep(0.002)
+        rows.extend(b.num_rows for b in batches)
+
+    (env.read_kafka(src, bootstrap_servers=bs, value_format="arrow", bounded=True)
+        .rebalance().sink(slow, batched=True))
+    env.execute()
+    assert sum(rows) == 5000
+    assert max(rows) <= 64, collections.Counter(rows).most_common(5)

@@ -345,6 +345,9 @@ class Sink:
     _type_name: str | None = None
     _commit_directory: str | None = None
     _check_committables = None
+    # called from another thread when the job is cancelled (the Kafka sink's
+    # waits for the broker end then); None: nothing to wake
+    _cancel = None
     _rescale_writer_states = None
 
 
@@ -494,6 +497,13 @@ class ConnectorSinkOperator(Operator):
             if done:
                 self.sink.commit(done)
         return []
+
+    def cancel_connector(self) -> None:
+        """(Another thread) The job is cancelled: a sink that waits on an
+        outside system (``_cancel``) stops waiting soon."""
+        cancel = self.sink._cancel
+        if cancel is not None:
+            cancel()
 
     def close_connector(self, failed: bool) -> None:
         """The subtask ended (``failed``: by a failure or a cancel)."""

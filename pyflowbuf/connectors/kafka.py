@@ -66,6 +66,10 @@ MARKER_BIAS = 2
 # coordinator is away (librdkafka issues 5456, 5511), so the task's wait has a
 # bound of its own
 COMMIT_GRACE_S = 5.0
+# seconds a cancelled job's sink still waits for the commit running then (a
+# commit of a completed checkpoint that ends in that time shows its records;
+# one that does not is done again by a restore of that checkpoint)
+CANCEL_WAIT_S = 2.0
 
 
 def _ck():
@@ -435,8 +439,7 @@ class KafkaReader(api.SourceReader):
             if self._stash:
                 msgs, self._stash = self._stash, []
             else:
-                # (a RecordBatch is one record downstream: its rows are not max_records)
-                msgs = _consume(self.consumer, min(max_records, 10000) if arrow is None else arrow.batch_size)
+                msgs = _consume(self.consumer, min(max_records, 10000 if arrow is None else arrow.batch_size))
         finally:
             self._last_pull = time.monotonic()
             self._pulling = False
@@ -769,6 +772,10 @@ class LinkedSourceTask(api.SourceTask):
     def __init__(self, source, name, link):
         super().__init__(source, name)
         self.link = link
+        if source.value_format in kafka_arrow.FORMATS:
+            # (the runtime's pull size counts rows then: KafkaReader.poll asks
+            # the client for at most that many, as for the other formats)
+            self.rows_of = kafka_arrow.rows_of
 
     def open(self, subtask, parallelism):
         super().open(subtask, parallelism)
@@ -854,16 +861,23 @@ class Committer:
     commits in order. ``wait`` returns when all have run, or raises
     ``KafkaSinkError`` when the running one is past its ``deadline`` (set by
     the commit, step by step): a librdkafka call that never returns then holds
-    neither the task nor, being a daemon thread, the process's exit."""
+    neither the task nor, being a daemon thread, the process's exit. After
+    ``cancel`` (the job is cancelled) ``wait`` waits at most CANCEL_WAIT_S more
+    and then raises ``CancelledError``."""
 
     def __init__(self, name):
         self._items: list = []
         self._cv = threading.Condition()
         self._pending = 0
         self._stopped = False
+        self.abandoned = False      # given up on: a step still running ends as soon as it can
+        self.cancelled_at = None    # monotonic time of the job's cancel
         self.deadline = None        # monotonic time by which the running step must end
+        self.bound = 0.0            # the running step's allowance in seconds (for the error)
         self.what = ""              # the running commit, and its step, for the error
         self.step = ""
+        self.checkpoint_id = None
+        self.tid = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -874,7 +888,14 @@ class Committer:
             self._cv.notify_all()
 
     def expect(self, step, seconds):
-        self.step, self.deadline = step, time.monotonic() + seconds
+        if self.abandoned:
+            # (the thread of a given-up commit: stop before the next call to the broker)
+            raise errors.KafkaSinkError(f"{self.what}: given up before {step}", step=step)
+        self.step, self.bound, self.deadline = step, seconds, time.monotonic() + seconds
+
+    def on(self, what, checkpoint_id=None, tid=None):
+        """The commit that runs now (named in a deadline's error)."""
+        self.what, self.checkpoint_id, self.tid = what, checkpoint_id, tid
 
     def _run(self):
         while True:
@@ -894,13 +915,27 @@ class Committer:
 
     def wait(self):
         """Until every handed-over commit has run; ``KafkaSinkError`` once the
-        running one is past its deadline."""
+        running one is past its deadline, ``CancelledError`` once the job was
+        cancelled CANCEL_WAIT_S ago."""
         with self._cv:
             while self._pending:
+                now = time.monotonic()
                 d = self.deadline
-                if d is not None and time.monotonic() > d:
-                    raise errors.KafkaSinkError(f"{self.what}: {self.step} did not end in time")
+                if d is not None and now > d:
+                    raise errors.KafkaSinkError(
+                        f"{self.what}: {self.step} did not end within {self.bound:g} s", step=self.step,
+                        checkpoint_id=self.checkpoint_id, transactional_id=self.tid)
+                c = self.cancelled_at
+                if c is not None and now > c + CANCEL_WAIT_S:
+                    raise errors.CancelledError(f"{self.what}: {self.step}: the job was cancelled")
                 self._cv.wait(0.1)
+
+    def cancel(self):
+        """(Any thread) The job is cancelled: ``wait`` gives up soon."""
+        with self._cv:
+            if self.cancelled_at is None:
+                self.cancelled_at = time.monotonic()
+            self._cv.notify_all()
 
     def stop(self):
         """No more commits: the thread ends after those handed over."""
@@ -913,7 +948,20 @@ class Committer:
         with self._cv:
             self._items.clear()
             self._stopped = True
+            self.abandoned = True
             self._cv.notify_all()
+
+
+def _error_name(exc):
+    """librdkafka's error of a KafkaException (or None), and its name."""
+    err = exc.args[0] if getattr(exc, "args", None) else None
+    if err is None or not hasattr(err, "name"):
+        return None, None
+    return err, err.name()
+
+
+# librdkafka's errors of a producer that a newer one with its transactional id fenced
+FENCED_ERRORS = ("_FENCED", "PRODUCER_FENCED", "INVALID_PRODUCER_EPOCH")
 
 
 class KafkaSink(api.Sink):
@@ -926,7 +974,11 @@ class KafkaSink(api.Sink):
     Exactly once, the task thread only writes: a checkpoint's transaction
     gets its marker and is committed by a thread of the subtask
     (``_committer``) while the task writes the next interval under another
-    slot's transactional id; the next barrier waits for that commit."""
+    slot's transactional id; the next barrier waits for that commit. Every
+    other call that waits for the broker (fencing on open, the re-send of a
+    restored checkpoint, the driver's final commit, the at-least-once flush)
+    has a deadline too, so a broker that is away fails the task (or the job)
+    with ``KafkaSinkError`` instead of holding it."""
 
     def __init__(self, bootstrap_servers, topic, *, key=None, value_format="str", delivery="at_least_once",
                  transactional_id_prefix=None, properties=None, connect_timeout=CONNECT_TIMEOUT_S,
@@ -945,6 +997,42 @@ class KafkaSink(api.Sink):
         self.producer = None        # at least once: the subtask's producer, from open()
         self._committer = None      # exactly once: the thread committing checkpoints' transactions
         self._commit_error = None   # its failure, raised in the task
+        self._cancelled = False     # the job was cancelled (``_cancel``, from another thread)
+
+    # ---- errors ----
+    def _where(self, tid=None) -> str:
+        return f"write_kafka {self.name!r} (topic {self.topic!r}" + (f", transactional id {tid!r})" if tid else ")")
+
+    def _client_error(self, exc, step, tid=None, checkpoint_id=None, hint=""):
+        """``KafkaSinkError`` (``KafkaFencedError`` for a fenced producer) for
+        librdkafka's ``exc`` in ``step``; raise it ``from exc``."""
+        err, name = _error_name(exc)
+        fatal = err.fatal() if err is not None else None
+        retriable = err.retriable() if err is not None else None
+        text = err.str() if err is not None else str(exc)
+        cls = errors.KafkaSinkError
+        if name in FENCED_ERRORS:
+            cls = errors.KafkaFencedError
+            hint = ("a newer producer initialized this transactional id: is another job (or a second run of this "
+                    "one) writing with the same transactional_id_prefix now? Give each its own "
+                    "transactional_id_prefix=" + (f"; else {hint}" if hint else ""))
+        elif not hint:
+            hint = ("the job restores its latest checkpoint and writes it again" if not fatal else
+                    "the producer cannot go on (fatal): the job restores its latest checkpoint with new producers")
+        of = "" if checkpoint_id is None else f" of checkpoint {checkpoint_id}"
+        return cls(f"{self._where(tid)}: {step}{of} failed: {name or type(exc).__name__}: {text} "
+                   f"(retriable: {'yes' if retriable else 'no'}, fatal: {'yes' if fatal else 'no'}): {hint}",
+                   topic=self.topic, transactional_id=tid, step=step, checkpoint_id=checkpoint_id,
+                   error_name=name, retriable=retriable, fatal=fatal)
+
+    def _in_context(self, exc, c, step):
+        """A ``KafkaSinkError`` of a commit's step (a delivery refused, a
+        flush without progress) with the commit it belongs to."""
+        if exc.checkpoint_id is not None:
+            return exc
+        return type(exc)(f"{c.what}: {step}: {exc}", topic=self.topic, transactional_id=c.tid, step=step,
+                         checkpoint_id=c.checkpoint_id, error_name=exc.error_name, retriable=exc.retriable,
+                         fatal=exc.fatal)
 
     # ---- the subtask ----
     def open(self, subtask, parallelism):
@@ -969,14 +1057,26 @@ class KafkaSink(api.Sink):
         # the open transaction's encoded values and keys (keys: None while every key is None)
         self.values: list = []
         self.keys = None
+        self.current = None
+        self.last_id = getattr(self, "last_id", 0)
+        self._committer = Committer(f"kafka-commit-{self.base}")
+        if self._cancelled:
+            self._committer.cancel()
         # fence every transactional id that the restored writers, or an earlier
         # run of this subtask, may have left a transaction open under: the
         # broker completes one that was committing and aborts the others
-        self._init_all(fence_list(self.base, getattr(self, "_fence", ())))
-        self.current = None
-        self.last_id = getattr(self, "last_id", 0)
+        self._bounded(self._fence, fence_list(self.base, getattr(self, "_fence_ids", ())),
+                      what=f"{self._where()}: opening subtask {subtask}")
         self._check_topic(self._producer(f"{self.base}-0"))
-        self._committer = Committer(f"kafka-commit-{self.base}")
+
+    def _cancel(self):
+        """(Another thread) The job is cancelled: what the task waits for in
+        this sink gives up within CANCEL_WAIT_S (a commit that ends sooner
+        still ends)."""
+        self._cancelled = True
+        c = self._committer
+        if c is not None:
+            c.cancel()
 
     def _conf(self):
         conf = _client_conf(self.bootstrap_servers, self.properties)
@@ -993,7 +1093,7 @@ class KafkaSink(api.Sink):
                 "create it first (its partitions and replication are yours to choose)")
         self.partitions = len(tm.partitions)
 
-    def _producer(self, tid):
+    def _producer(self, tid, checkpoint_id=None):
         p = self.producers.get(tid)
         if p is None:
             conf = self._conf()
@@ -1004,24 +1104,69 @@ class KafkaSink(api.Sink):
                 # fences every earlier producer of this id and aborts its open transaction
                 p.init_transactions(self.connect_timeout)
             except self.ck.KafkaException as exc:
-                raise errors.KafkaConnectionError(
-                    f"write_kafka {self.name!r}: init_transactions of {tid!r} at "
-                    f"bootstrap_servers={self.bootstrap_servers!r} failed within {self.connect_timeout:g} s: "
-                    f"{exc.args[0].str() if exc.args else exc}") from None
+                err, name = _error_name(exc)
+                if name in ("_TIMED_OUT", "_TRANSPORT", "_ALL_BROKERS_DOWN", "COORDINATOR_NOT_AVAILABLE"):
+                    raise errors.KafkaConnectionError(
+                        f"write_kafka {self.name!r}: init_transactions of {tid!r} at "
+                        f"bootstrap_servers={self.bootstrap_servers!r} failed within {self.connect_timeout:g} s: "
+                        f"{err.str()}") from exc
+                raise self._client_error(exc, "init_transactions", tid, checkpoint_id) from exc
             self.producers[tid] = p
         return p
 
-    def _init_all(self, tids):
-        """``_producer`` of each, at once: an init_transactions waits for the
-        broker (a round trip or more each), and they are independent."""
+    def _fence(self, tids, c=None, checkpoints=None):
+        """``_producer`` of each, at once (daemon threads: a call that never
+        returns holds no exit): an init_transactions waits for the broker (a
+        round trip or more each), and they are independent. ``checkpoints``:
+        the checkpoint of a transactional id, for an error."""
         tids = [t for t in tids if t not in self.producers]
+        of = (checkpoints or {}).get
+        if c is not None:
+            c.expect(f"fencing {len(tids)} transactional id(s) (init_transactions)",
+                     self.connect_timeout + COMMIT_GRACE_S)
         if len(tids) < 2:
             for t in tids:
-                self._producer(t)
+                self._producer(t, of(t))
             return
-        with concurrent.futures.ThreadPoolExecutor(len(tids)) as pool:
-            for f in [pool.submit(self._producer, t) for t in tids]:
-                f.result()
+        failed = []
+
+        def init(t):
+            try:
+                self._producer(t, of(t))
+            except BaseException as exc:    # noqa: BLE001 - raised below, in the caller's thread
+                failed.append(exc)
+
+        threads = [threading.Thread(target=init, args=(t,), name=f"kafka-init-{t}", daemon=True) for t in tids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failed:
+            raise failed[0]
+
+    def _bounded(self, fn, *args, what):
+        """Run ``fn(*args, committer)`` on the committer thread and wait for it:
+        each of its steps (``committer.expect``) within its deadline, else
+        ``KafkaSinkError`` (the thread is left behind, a daemon). The driver,
+        which has no committer, gets one for the call."""
+        c = self._committer
+        if c is None:
+            c = self._committer = Committer(f"kafka-commit-{self.prefix}-driver")
+            if self._cancelled:
+                c.cancel()
+        box = []
+
+        def run():
+            c.on(what)
+            try:
+                fn(*args, c)
+            except BaseException as exc:    # noqa: BLE001 - raised in the waiting thread
+                box.append(exc)
+
+        c.submit(run)
+        self._wait_committer()
+        if box:
+            raise box[0]
 
     def _free_slot(self):
         with self._lock:
@@ -1040,7 +1185,8 @@ class KafkaSink(api.Sink):
             err = self._errors[0]
             self._errors = []
             raise errors.KafkaSinkError(f"write_kafka {self.name!r}: a record was not delivered to "
-                                        f"{self.topic!r}: {err.str()}")
+                                        f"{self.topic!r}: {err.str()}", topic=self.topic, step="produce",
+                                        error_name=err.name(), retriable=err.retriable(), fatal=err.fatal())
 
     def write(self, batch):
         enc, key = self._enc, self.key
@@ -1053,40 +1199,67 @@ class KafkaSink(api.Sink):
             return
         if self._commit_error is not None:
             self._raise_commit_error()
-        if self.current is None:
-            self.current = self._free_slot()
-            self._producer(self.current).begin_transaction()
-        p, topic, cb = self.producers[self.current], self.topic, self._on_delivery
-        values = self.values
-        if key is None:
-            for r in batch:
-                v = enc(r)
-                values.append(v)
-                self._produce(p, topic, v, None, cb)
-        else:
-            keys = self.keys
-            if keys is None:
-                keys = self.keys = [None] * len(values)
-            for r in batch:
-                v = enc(r)
-                k = _key_bytes(key(r))
-                values.append(v)
-                keys.append(k)
-                self._produce(p, topic, v, k, cb)
+        try:
+            if self.current is None:
+                self.current = self._free_slot()
+                self._producer(self.current).begin_transaction()
+            p, topic, cb = self.producers[self.current], self.topic, self._on_delivery
+            values = self.values
+            if key is None:
+                for r in batch:
+                    v = enc(r)
+                    values.append(v)
+                    self._produce(p, topic, v, None, cb)
+            else:
+                keys = self.keys
+                if keys is None:
+                    keys = self.keys = [None] * len(values)
+                for r in batch:
+                    v = enc(r)
+                    k = _key_bytes(key(r))
+                    values.append(v)
+                    keys.append(k)
+                    self._produce(p, topic, v, k, cb)
+        except self.ck.KafkaException as exc:
+            # (begin_transaction, or produce refused by the producer's state: fenced, fatal)
+            raise self._client_error(exc, "writing a transaction", self.current,
+                                     checkpoint_id=self.last_id + 1) from exc
         p.poll(0)
         self._raise_delivery_errors()
 
-    def _produce(self, p, topic, v, k, cb):
+    def _produce(self, p, topic, v, k, cb, c=None):
+        try:
+            p.produce(topic, v, k, on_delivery=cb)
+        except BufferError:
+            self._produce_when_room(p, topic, v, k, cb, c)
+
+    def _produce_when_room(self, p, topic, v, k, cb, c):
+        """The client's queue is full: wait for deliveries to make room, for at
+        most ``connect_timeout`` without any (a broker that is away)."""
+        since = time.monotonic()
         while True:
+            p.poll(0.05)
             try:
                 p.produce(topic, v, k, on_delivery=cb)
-                return
             except BufferError:
-                p.poll(0.05)        # the client's queue is full: wait for deliveries
+                pass
+            else:
+                if c is not None:
+                    c.expect(c.step, self.connect_timeout + COMMIT_GRACE_S)     # progress: a new allowance
+                return
+            if self._cancelled:
+                raise errors.CancelledError(f"{self._where()}: cancelled while its queue was full")
+            if c is not None and c.abandoned:
+                raise errors.KafkaSinkError(f"{self._where()}: given up while its queue was full")
+            if time.monotonic() - since > self.connect_timeout:
+                raise errors.KafkaSinkError(
+                    f"{self._where()}: the client's queue stayed full for {self.connect_timeout:g} s "
+                    f"(connect_timeout) with no delivery: is the broker at {self.bootstrap_servers!r} reachable?",
+                    topic=self.topic, step="produce")
 
     def prepare_commit(self, checkpoint_id):
         if self.delivery == "at_least_once":
-            self._flush(self.producer)
+            self._flush_at_least_once(checkpoint_id)
             return []
         # an earlier checkpoint's commit is resolved before this barrier passes: a
         # failed one then fails the task before a later checkpoint (whose snapshot no
@@ -1110,11 +1283,37 @@ class KafkaSink(api.Sink):
         return [{"tid": tid, "group": self.group, "topic": self.topic, "id": checkpoint_id,
                  "values": values, "keys": keys}]
 
-    def _mark(self, p, checkpoint_id):
+    def _flush_at_least_once(self, checkpoint_id):
+        """At least once, at a barrier: every delivery confirmed. It may take as
+        long as deliveries go on, but fails after ``connect_timeout`` with none
+        (a broker that is away; its own flush would wait for the records'
+        delivery timeout, 300 s), and ends at once on a cancel."""
+        p, stall = self.producer, self.connect_timeout
+        last, since = None, time.monotonic()
+        which = "the end of input" if checkpoint_id == api.END_OF_INPUT else f"checkpoint {checkpoint_id}"
+        while True:
+            left = p.flush(min(0.2, stall))
+            self._raise_delivery_errors()
+            if not left:
+                return
+            if self._cancelled:
+                raise errors.CancelledError(f"{self._where()}: cancelled while flushing for {which}")
+            if last is None or left < last:
+                last, since = left, time.monotonic()
+            elif time.monotonic() - since > stall:
+                raise errors.KafkaSinkError(
+                    f"{self._where()}: its flush at the barrier of {which} (at least once) did not end: "
+                    f"{left} records not delivered, none for {stall:g} s (connect_timeout): is the broker at "
+                    f"{self.bootstrap_servers!r} reachable? The job restores its latest checkpoint and writes "
+                    "them again", topic=self.topic, step="flush",
+                    checkpoint_id=None if checkpoint_id == api.END_OF_INPUT else checkpoint_id)
+
+    def _mark(self, p, checkpoint_id, group=None, topic=None):
         """The commit marker, in the same transaction: the marker group's offset
         of the topic's partition 0 becomes the checkpoint id (+ MARKER_BIAS)."""
-        p.send_offsets_to_transaction([self.ck.TopicPartition(self.topic, 0, checkpoint_id + MARKER_BIAS)],
-                                      self._group_metadata(self.group), self.connect_timeout)
+        topic = topic or self.topic
+        p.send_offsets_to_transaction([self.ck.TopicPartition(topic, 0, checkpoint_id + MARKER_BIAS)],
+                                      self._group_metadata(group or self.group), self.connect_timeout)
 
     def _group_metadata(self, group):
         metas = self.__dict__.setdefault("_metas", {})
@@ -1123,15 +1322,6 @@ class KafkaSink(api.Sink):
             metas[group] = cons.consumer_group_metadata()
             cons.close()
         return metas[group]
-
-    def _flush(self, p, committer=None):
-        if committer is not None:
-            return self._flush_bounded(p, committer)
-        left = p.flush(self.transaction_timeout)
-        self._raise_delivery_errors()
-        if left:
-            raise errors.KafkaSinkError(f"write_kafka {self.name!r}: {left} records not delivered to "
-                                        f"{self.topic!r} within {self.transaction_timeout:g} s")
 
     def _flush_bounded(self, p, c):
         """The committer's flush: it may take as long as deliveries go on, but
@@ -1145,12 +1335,15 @@ class KafkaSink(api.Sink):
             self._raise_delivery_errors()
             if not left:
                 return
+            if c.abandoned:
+                raise errors.KafkaSinkError(f"{self._where()}: given up during its flush")
             if last is None or left < last:
                 last, since = left, time.monotonic()
                 c.expect("its flush", stall + COMMIT_GRACE_S)
             elif time.monotonic() - since > stall:
                 raise errors.KafkaSinkError(f"write_kafka {self.name!r}: {left} records not delivered to "
-                                            f"{self.topic!r}, none for {stall:g} s (connect_timeout)")
+                                            f"{self.topic!r}, none for {stall:g} s (connect_timeout)",
+                                            topic=self.topic, step="flush")
 
     def commit(self, committables):
         if self.delivery == "at_least_once":
@@ -1159,46 +1352,47 @@ class KafkaSink(api.Sink):
             # the driver, committing a finished subtask's last transaction
             self.ck, self.producers, self.prepared, self._errors = _ck(), {}, {}, []
             self._lock = threading.Lock()
-        # every transaction of these committables that this process does not
-        # hold is fenced before any marker is read: a prepared transaction's
-        # marker leaves its group's offset unstable until it is resolved
-        self._init_all({c["tid"] for c in committables if self.prepared.get(c["id"]) != c["tid"]})
+            self._committer = None
+        live, restored = [], []
         for c in sorted(committables, key=lambda c: c["id"]):
             tid = self.prepared.get(c["id"])
-            if tid == c["tid"] and tid in self.producers:
-                if self._committer is not None:
-                    self._committer.submit(self._commit_in_thread, c, self._committer)  # off the task thread, in order
-                else:
-                    self._commit_live(c)
-            else:
-                self._recommit(c)
+            (live if tid == c["tid"] and tid in self.producers else restored).append(c)
+        if restored:
+            ids = ", ".join(str(c["id"]) for c in restored)
+            self._bounded(self._recommit_all, restored,
+                          what=f"{self._where()}: committing checkpoint(s) {ids} again (restored)")
+        for c in live:
+            if self._committer is None:
+                self._committer = Committer(f"kafka-commit-{self.base}")
+            self._committer.submit(self._commit_in_thread, c, self._committer)     # off the task thread, in order
 
-    def _commit_live(self, c, committer=None):
+    def _commit_live(self, c, committer):
         """Flush, mark and commit the open transaction of committable ``c``
-        (the committer thread, or the task when there is none)."""
+        (the committer thread)."""
         if self._commit_error is not None:
             return          # an earlier commit failed: the task fails, the restore re-sends
         p = self.producers[c["tid"]]
-        bounded = committer is not None
+        step = "flush"
         try:
-            self._flush(p, committer)
-            if bounded:
-                committer.expect("its commit marker (send_offsets_to_transaction)",
-                                 self.connect_timeout + COMMIT_GRACE_S)
+            self._flush_bounded(p, committer)
+            step = "send_offsets_to_transaction"
+            committer.expect("its commit marker (send_offsets_to_transaction)", self.connect_timeout + COMMIT_GRACE_S)
             self._mark(p, c["id"])
-            if bounded:
-                # the records are delivered: what is left is one round trip to the
-                # coordinator; a restore re-does the commit if it does not answer
-                committer.expect("its commit_transaction", self.connect_timeout + COMMIT_GRACE_S)
-            p.commit_transaction(self.connect_timeout if bounded else self.transaction_timeout)
-        except (self.ck.KafkaException, errors.KafkaSinkError) as exc:
-            raise errors.KafkaSinkError(f"write_kafka {self.name!r}: committing the transaction of checkpoint "
-                                        f"{c['id']} ({c['tid']}) failed: {exc}") from None
+            # the records are delivered: what is left is one round trip to the
+            # coordinator; a restore re-does the commit if it does not answer
+            step = "commit_transaction"
+            committer.expect("its commit_transaction", self.connect_timeout + COMMIT_GRACE_S)
+            p.commit_transaction(self.connect_timeout)
+        except self.ck.KafkaException as exc:
+            raise self._client_error(exc, step, c["tid"], c["id"],
+                                     hint="the job restores this checkpoint and commits it again") from exc
+        except errors.KafkaSinkError as exc:
+            raise self._in_context(exc, committer, step) from exc
         with self._lock:
             del self.prepared[c["id"]]
 
     def _commit_in_thread(self, c, committer):
-        committer.what = f"committing the transaction of checkpoint {c['id']} ({c['tid']})"
+        committer.on(f"{self._where(c['tid'])}: committing the transaction of checkpoint {c['id']}", c["id"], c["tid"])
         try:
             self._commit_live(c, committer)
         except BaseException as exc:        # noqa: BLE001 - whatever it is, the task must fail with it
@@ -1217,20 +1411,27 @@ class KafkaSink(api.Sink):
             self._raise_commit_error()
 
     def _wait_committer(self):
-        step = ""
         try:
             self._committer.wait()
             return
         except errors.KafkaSinkError as exc:
-            step = exc.args[0]
-        # the stuck thread is left behind (a daemon); the restore fences its
-        # transaction and re-does the commit from the checkpoint
+            stalled = exc
+        except errors.CancelledError:
+            # the stuck thread is left behind (a daemon); a restore of the
+            # checkpoint re-does its commit
+            self._committer.abandon()
+            self._committer = None
+            raise
         self._committer.abandon()
         self._committer = None
+        driver = not hasattr(self, "base")
         raise errors.KafkaSinkError(
-            f"write_kafka {self.name!r}: {step} (connect_timeout={self.connect_timeout:g} s, "
-            f"+{COMMIT_GRACE_S:g} s): is the broker at {self.bootstrap_servers!r} reachable? "
-            "The job restores its latest checkpoint, whose commit is then done again") from None
+            f"{stalled.args[0]} (connect_timeout={self.connect_timeout:g} s + {COMMIT_GRACE_S:g} s): is the broker "
+            f"at {self.bootstrap_servers!r} reachable? "
+            + ("The job fails; its final commit is done again by a restore of its latest checkpoint" if driver else
+               "The job restores its latest checkpoint, whose commit is then done again"),
+            topic=self.topic, step=stalled.step, checkpoint_id=stalled.checkpoint_id,
+            transactional_id=stalled.transactional_id) from None
 
     def _committed_marker(self, group, topic) -> int:
         ck = self.ck
@@ -1243,27 +1444,59 @@ class KafkaSink(api.Sink):
             cons.close()
         return got.offset
 
-    def _recommit(self, c):
+    def _recommit_all(self, committables, c):
+        """(The committer thread) The committables of a restored checkpoint, or
+        the driver's final ones: every transaction they name that this
+        process does not hold is fenced before any marker is read (a prepared
+        transaction's marker leaves its group's offset unstable until it is
+        resolved), then each is committed again if its marker says it was
+        not."""
+        self._fence({x["tid"] for x in committables}, c, {x["tid"]: x["id"] for x in committables})
+        for x in committables:
+            c.on(f"{self._where(x['tid'])}: committing the transaction of checkpoint {x['id']} again (restored)",
+                 x["id"], x["tid"])
+            self._recommit(x, c)
+
+    def _recommit(self, x, c):
         """A committable whose transaction this process did not keep open
         (a restore): if its marker is not committed, send its records again
-        under a new transaction with the marker."""
-        tid = c["tid"]
-        # fences (and completes or aborts) what an earlier producer of tid left
-        # open, so that the marker read next is final
-        p = self._producer(tid)
-        if self._committed_marker(c["group"], c["topic"]) >= c["id"] + MARKER_BIAS:
-            return      # the transaction committed before the failure
-        p.begin_transaction()
-        if "records" in c:      # a checkpoint of a release that kept [key, value] pairs
-            pairs = c["records"]
-        else:
-            pairs = zip(c["keys"] or [None] * len(c["values"]), c["values"])
-        for k, v in pairs:
-            self._produce(p, c["topic"], v, k, self._on_delivery)
-        p.send_offsets_to_transaction([self.ck.TopicPartition(c["topic"], 0, c["id"] + MARKER_BIAS)],
-                                      self._group_metadata(c["group"]), self.connect_timeout)
-        self._flush(p)
-        p.commit_transaction(self.transaction_timeout)
+        under a new transaction with the marker. Each step within its
+        deadline (``c.expect``)."""
+        tid, grace = x["tid"], self.connect_timeout + COMMIT_GRACE_S
+        step = "init_transactions"
+        try:
+            # fences (and completes or aborts) what an earlier producer of tid left
+            # open, so that the marker read next is final
+            c.expect("fencing it (init_transactions)", grace)
+            p = self._producer(tid)
+            step = "reading its commit marker"
+            c.expect("reading its commit marker (committed offsets)", grace)
+            if self._committed_marker(x["group"], x["topic"]) >= x["id"] + MARKER_BIAS:
+                return      # the transaction committed before the failure
+            step = "begin_transaction"
+            p.begin_transaction()
+            if "records" in x:      # a checkpoint of a release that kept [key, value] pairs
+                pairs = x["records"]
+            else:
+                pairs = zip(x["keys"] or [None] * len(x["values"]), x["values"])
+            step = "sending its records again"
+            c.expect("sending its records again (produce)", grace)
+            for k, v in pairs:
+                self._produce(p, x["topic"], v, k, self._on_delivery, c)
+            step = "send_offsets_to_transaction"
+            c.expect("its commit marker (send_offsets_to_transaction)", grace)
+            self._mark(p, x["id"], x["group"], x["topic"])
+            step = "flush"
+            self._flush_bounded(p, c)
+            step = "commit_transaction"
+            c.expect("its commit_transaction", grace)
+            p.commit_transaction(self.connect_timeout)
+        except self.ck.KafkaException as exc:
+            raise self._client_error(exc, step, tid, x["id"],
+                                     hint="the job fails or restores its latest checkpoint, whose commit "
+                                          "is then done again") from exc
+        except errors.KafkaSinkError as exc:
+            raise self._in_context(exc, c, step) from exc
 
     def abort(self):
         if self.delivery == "at_least_once":
@@ -1284,7 +1517,7 @@ class KafkaSink(api.Sink):
         return {"tids": sorted(self.producers), "last_id": self.last_id}
 
     def restore_state(self, states):
-        self._fence = [t for s in states for t in s.get("tids", ())]
+        self._fence_ids = [t for s in states for t in s.get("tids", ())]
         self.last_id = max([s.get("last_id", 0) for s in states] + [0])
 
     def close(self):
@@ -1306,12 +1539,13 @@ class KafkaSink(api.Sink):
             # the commits handed over are of completed checkpoints: they run, so a
             # job cancelled right after a checkpoint completed still shows that
             # checkpoint's records; one that stalls (the broker away) is given up
-            # within connect_timeout + COMMIT_GRACE_S and re-done by a restore
+            # within connect_timeout + COMMIT_GRACE_S (CANCEL_WAIT_S after a
+            # cancel) and re-done by a restore
             committer = self._committer
             committer.stop()
             try:
                 self._wait_committer()
-            except errors.KafkaSinkError as exc:
+            except (errors.KafkaSinkError, errors.CancelledError) as exc:
                 if self._commit_error is None:
                     self._commit_error = exc
             self._committer = None

@@ -255,5 +255,12 @@ class ArrowBatches:
         return [c.combine_chunks() for c in table.columns]
 
 
+def rows_of(batch) -> int:
+    """The rows of a pull (its RecordBatches): what the source task's pull
+    size counts for this source, so a pull holds no more rows than the
+    bytes path would hold records."""
+    return sum(b.num_rows for b in batch)
+
+
 def _schema_text(schema) -> str:
     return "{" + ", ".join(f"{f.name}: {f.type}" for f in schema) + "}"

@@ -611,7 +611,13 @@ class JobExecution(SubtaskGateway, AttemptEvents):
             self._attempts_over()
             if self.coordinator is not None:
                 if self.failure is None and not self.cancelled and self._coordinates():
-                    self.coordinator.finish_job()     # sinks commit their final output
+                    try:
+                        self.coordinator.finish_job()     # sinks commit their final output
+                    except BaseException as exc:  # noqa: BLE001 - a final commit that failed fails the job
+                        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                        with self._lock:
+                            self.failure = ("job", "final commit", exc, tb)
+                            self._failure_secondary = False
                 self._stop_checkpointing()
         finally:
             try:

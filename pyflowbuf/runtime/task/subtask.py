@@ -252,6 +252,9 @@ class Subtask(threading.Thread):
         policy = self.pull_policy = PullPolicy(
             1 if flush_every_record else job.spec.max_batch, 4 * network.segment_size, limiter=limiter)
         count_bytes = limiter is not None and limiter.counts_bytes
+        # a source whose record holds many rows (read_kafka's Arrow batches) has
+        # its pull sized in rows: the byte cap then holds per row, not per batch
+        rows_of = getattr(src, "rows_of", None)
         bytes_before = 0
         while not job.cancelled:
             if mailbox.mails:
@@ -290,7 +293,7 @@ class Subtask(threading.Thread):
             else:
                 flusher.flush_if_due(time.monotonic_ns())
             written = sum(o.bytes for o in outputs)
-            policy.observe(len(batch), pulled_ns, written - bytes_before)
+            policy.observe(len(batch) if rows_of is None else rows_of(batch), pulled_ns, written - bytes_before)
             bytes_before = written
 
     def _source_waits(self, policy) -> bool:
@@ -353,6 +356,10 @@ class Subtask(threading.Thread):
         wakeup = None if self.source is None else self.source.wakeup
         if wakeup is not None:
             wakeup()
+        for op in self.operators:      # a connector sink waiting for its outside system
+            cancel = getattr(op, "cancel_connector", None)
+            if cancel is not None:
+                cancel()
 
     # ---- counters for metrics ----
     def counters(self) -> dict:
