@@ -32,11 +32,11 @@ class FailOnceBeforeCommit(KafkaSink):
 
     failed = []
 
-    def _commit_live(self, c):
+    def _commit_live(self, c, *rest):
         if not self.failed:
             self.failed.append(c["id"])
             raise RuntimeError(f"injected failure before committing checkpoint {c['id']}")
-        super()._commit_live(c)
+        super()._commit_live(c, *rest)
 
 
 def read_committed(bootstrap, topic, partitions):

@@ -491,6 +491,13 @@ def test_run_twice_the_second_restores_and_the_output_is_exactly_once(tmp_path, 
         assert last_json(out)["restored_from"] == newest
 
 
+def _ctrl_c_as_in_a_terminal():
+    """A suite started in the background (``nohup``, ``&``) has SIGINT
+    ignored, and a child inherits that: Python then installs no Ctrl-C
+    handler and the signal would do nothing. The job runs as from a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, code, extra", [(signal.SIGINT, 130, []), (signal.SIGTERM, 143, ["--workers", "2"])],
                          ids=["ctrl-c", "sigterm-workers"])
 def test_ctrl_c_cancels_with_130_and_restore_latest_resumes_exactly_once(tmp_path, sig, code, extra):
@@ -502,7 +509,8 @@ def test_ctrl_c_cancels_with_130_and_restore_latest_resumes_exactly_once(tmp_pat
     (tmp_path / "job.py").write_text(watching_job_source("ck", "out"))
     feed(tmp_path / "in", range(n // 2))
     proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", "--restore", "latest", *extra],
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         wait_for_checkpoint(proc, tmp_path / "ck")
         proc.send_signal(sig)
@@ -527,7 +535,8 @@ def interrupted_run(tmp_path, *args):
     """``python -m pyflowbuf run job.py ARGS`` in ``tmp_path``, Ctrl-C once a
     checkpoint is complete: (the process, its stdout, its stderr)."""
     proc = subprocess.Popen([sys.executable, "-m", "pyflowbuf", "run", "job.py", *args],
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         wait_for_checkpoint(proc, tmp_path / "ck")
         proc.send_signal(signal.SIGINT)
