@@ -196,7 +196,8 @@
       topTable("Most backpressured", t.backpressured, ["backpressured_ms_per_s", "backpr. ms/s"], "top-bp") +
       topTable("Busiest", t.busy, ["busy_ms_per_s", "busy ms/s"], "top-busy") +
       topTable("Most idle", t.idle, ["idle_ms_per_s", "idle ms/s"], "top-idle") + "</div>" +
-      '<p class="muted">The ' + t.n + " of " + t.running + " running subtasks with the most of each; click one for its operator chain's subtasks.</p>";
+      '<p class="muted">' + (t.n < t.running ? "The " + t.n + " of " + t.running + " running subtasks" : "All " + t.running + " running subtasks") +
+      " with the most of each first; click one for its operator chain's subtasks.</p>";
   }
 
   function renderCheckpoints(list) {
