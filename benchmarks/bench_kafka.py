@@ -135,6 +135,37 @@ def steady_rate(broker, src, n, delivery, tmp):
     """The keyed count's steady rate over the pre-filled ``src``: visible
     output records per second between 10 % and 90 % of ``n``."""
     ck = _ck()
+    bs = broker.bootstrap_servers
+    out = f"out-{delivery}-{time.monotonic_ns()}"
+    kafka_peers.create_topic(bs, out, PARTITIONS)       # every partition led: its offsets can be asked
+    env = fb.Environment(parallelism=1, checkpoint_interval=1.0, checkpoint_dir=f"{tmp}/chk-{out}")
+    keyed_count(env, bs, src, out, delivery)
+    probe = ck.Consumer({"bootstrap.servers": bs, "group.id": f"probe-{out}", "isolation.level": "read_committed"})
+    job = env.execute_async()
+    samples = []
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                got = _visible(probe, out)
+            except _ck().KafkaException:    # the probe's metadata not yet current: "not leader"
+                time.sleep(0.05)
+                continue
+            samples.append((time.perf_counter(), got))
+            if got >= 0.9 * n:
+                break
+            if time.monotonic() > deadline or job.done:
+                raise RuntimeError(f"{delivery}: {got} of {n} records visible when the job stopped or timed out")
+            time.sleep(0.05)
+    finally:
+        job.cancel()
+        job.join(60)
+        probe.close()
+    a = next(s for s in samples if s[1] >= 0.1 * n)
+    b = samples[-1]
+    return (b[1] - a[1]) / (b[0] - a[0])
+
+
 # ---- kafka_arrow_vs_bytes (read_kafka's Arrow batches; kept apart from the figures above) ----
 
 def _rows_rate(bs, topic, n, value_format):
@@ -166,38 +197,6 @@ def kafka_arrow_vs_bytes(rep, bs, topic, n, reps):
     rep.add("kafka_bytes_records_per_s", s.median("bytes"), "records/s", spread=s.spread("bytes"))
     rep.add("kafka_arrow_vs_bytes", s.ratio("arrow", "bytes"), "x",
             note="value_format='arrow' rows/s / 'bytes' records/s, same topic, parallelism 1")
-
-
-def copy_rate(broker, src, n, delivery, tmp):
-    bs = broker.bootstrap_servers
-    out = f"out-{delivery}-{time.monotonic_ns()}"
-    kafka_peers.create_topic(bs, out, PARTITIONS)       # every partition led: its offsets can be asked
-    env = fb.Environment(parallelism=1, checkpoint_interval=1.0, checkpoint_dir=f"{tmp}/chk-{out}")
-    keyed_count(env, bs, src, out, delivery)
-    probe = ck.Consumer({"bootstrap.servers": bs, "group.id": f"probe-{out}", "isolation.level": "read_committed"})
-    job = env.execute_async()
-    samples = []
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                got = _visible(probe, out)
-            except _ck().KafkaException:    # the probe's metadata not yet current: "not leader"
-                time.sleep(0.05)
-                continue
-            samples.append((time.perf_counter(), got))
-            if got >= 0.9 * n:
-                break
-            if time.monotonic() > deadline or job.done:
-                raise RuntimeError(f"{delivery}: {got} of {n} records visible when the job stopped or timed out")
-            time.sleep(0.05)
-    finally:
-        job.cancel()
-        job.join(60)
-        probe.close()
-    a = next(s for s in samples if s[1] >= 0.1 * n)
-    b = samples[-1]
-    return (b[1] - a[1]) / (b[0] - a[0])
 
 
 def latency(broker, delivery, rate, sizes, tmp):
