@@ -31,6 +31,7 @@ class SourceOperator(Protocol):
     wakeup: Callable[[], None] | None
     not_rewindable_because: str | None
     rescale_positions: Callable[[list, int], list] | None
+    rows_of: Callable[[list], int] | None
 
     def open(self, subtask: int, parallelism: int) -> None: ...
 

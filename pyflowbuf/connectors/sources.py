@@ -37,6 +37,9 @@ class Source:
     # positions of ``parallelism`` subtasks from those a checkpoint recorded
     # at another parallelism; None: its positions cannot be redistributed
     rescale_positions: Callable[[list, int], list] | None = None
+    # ``rows_of(batch) -> rows``: for a source whose record holds many rows
+    # (Arrow batches), so its pull is sized in rows; None: a record is a row
+    rows_of: Callable[[list], int] | None = None
 
     def open(self, subtask: int, parallelism: int) -> None:
         self.subtask = subtask

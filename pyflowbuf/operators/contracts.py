@@ -129,6 +129,9 @@ class Operator(abc.ABC):
     # ``metrics() -> dict``: counters of its own (late records of windows),
     # summed over a chain; None: it has none.
     metrics: Any = None
+    # ``cancel_connector()``: a connector sink stops waiting for its outside
+    # system when the task is cancelled (ConnectorSinkOperator); None: it never waits.
+    cancel_connector: Any = None
     # Operators of event time (``TimerOperator``) say so: at end of input a
     # harness first gives them the +inf watermark, as a task's inputs do.
     event_time = False

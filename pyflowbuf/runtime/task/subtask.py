@@ -254,7 +254,7 @@ class Subtask(threading.Thread):
         count_bytes = limiter is not None and limiter.counts_bytes
         # a source whose record holds many rows (read_kafka's Arrow batches) has
         # its pull sized in rows: the byte cap then holds per row, not per batch
-        rows_of = getattr(src, "rows_of", None)
+        rows_of = src.rows_of
         bytes_before = 0
         while not job.cancelled:
             if mailbox.mails:
@@ -357,9 +357,8 @@ class Subtask(threading.Thread):
         if wakeup is not None:
             wakeup()
         for op in self.operators:      # a connector sink waiting for its outside system
-            cancel = getattr(op, "cancel_connector", None)
-            if cancel is not None:
-                cancel()
+            if op.cancel_connector is not None:
+                op.cancel_connector()
 
     # ---- counters for metrics ----
     def counters(self) -> dict:
