@@ -288,3 +288,22 @@ def worker_processes_left(timeout: float = 10.0):
         if (not found and not multiprocessing.active_children()) or time.monotonic() > deadline:
             return found + [(p.pid, p.name, "multiprocessing") for p in multiprocessing.active_children()]
         time.sleep(0.05)
+
+
+# ---- descriptors and threads a connection may leave behind
+
+def open_sockets() -> int:
+    """Sockets open in this process (TCP, and a TLS relay's pairs): a refused
+    or closed connection must leave none behind."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass        # closed while listed
+    return n
+
+
+def tls_relay_threads() -> list:
+    """The names of this process's TLS relay threads (``pyflowbuf-tls...``)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("pyflowbuf-tls")]

@@ -20,7 +20,7 @@ from pyflowbuf.cluster.control_channel import ControlListener, connect_control
 from pyflowbuf.errors import TLSError, TLSUnavailableError
 from pyflowbuf.net import TLSConfig
 from pyflowbuf.net import tls as T
-from pipeline_helpers import wait_for
+from pipeline_helpers import open_sockets, tls_relay_threads, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,18 +40,6 @@ def listener(certs):
     lis.close()
 
 
-def _tls_threads():
-    return [t.name for t in threading.enumerate() if t.name.startswith("pyflowbuf-tls")]
-
-
-def _sockets():
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return n
 
 
 def _pair(listener, tls):
@@ -73,9 +61,9 @@ def test_messages_cross_without_a_relay_thread(listener, certs, relay_env, monke
     PYFLOWBUF_TLS_RELAY=1 stands for), the control channel runs no thread."""
     if relay_env:
         monkeypatch.setenv("PYFLOWBUF_TLS_RELAY", relay_env)
-    before = _sockets()
+    before = open_sockets()
     worker, driver = _pair(listener, certs.for_attempt(0))
-    assert _tls_threads() == []
+    assert tls_relay_threads() == []
     big = np.arange(300_000, dtype=np.int64)             # many TLS records in one message
     for msg in [(0, ("hello", 1)), (0, ("metrics", "x" * 70_000)), (0, ("rows", big)), (1, ())]:
         worker.send(msg)
@@ -86,12 +74,12 @@ def test_messages_cross_without_a_relay_thread(listener, certs, relay_env, monke
             assert got == msg
         driver.send(msg[:1])
         assert worker.recv() == msg[:1]
-    assert _tls_threads() == []
+    assert tls_relay_threads() == []
     worker.close()
     with pytest.raises(EOFError):
         driver.recv()
     driver.close()
-    wait_for(lambda: _sockets() <= before, lambda: f"sockets: {_sockets()} now, {before} before")
+    wait_for(lambda: open_sockets() <= before, lambda: f"sockets: {open_sockets()} now, {before} before")
 
 
 def test_wait_sees_every_message_that_arrived(listener, certs):
@@ -234,7 +222,7 @@ def test_a_tls_job_with_workers_runs_no_relay_thread():
     assert len(names) == 2                      # both workers reported
     assert all(any(n.startswith("pyflowbuf-net") for n in ns) for ns in names.values())   # the exchange ran
     assert not [n for ns in names.values() for n in ns if n.startswith("pyflowbuf-tls")]
-    assert _tls_threads() == []
+    assert tls_relay_threads() == []
 
 
 def test_a_certificate_file_that_cannot_be_read_is_refused_at_once(tmp_path):

@@ -21,7 +21,7 @@ import pytest
 
 import pyflowbuf as fb
 from cli_helpers import ENV, cli
-from pipeline_helpers import cancel_and_join, wait_for
+from pipeline_helpers import cancel_and_join, open_sockets, wait_for
 from pyflowbuf.cluster import control
 from pyflowbuf.errors import TLSError
 from pyflowbuf.net import TLSConfig
@@ -213,7 +213,7 @@ def test_a_client_certificate_of_another_ca_is_refused_naming_the_peer_and_the_j
         address, secret = control.control_address(info), control.control_secret(info)
         good = control.client_tls(info)
         stranger = T.JobCertificates("another job").for_attempt(0)
-        sockets = _sockets()
+        sockets = open_sockets()
         # trusts the job's endpoint, presents a certificate of another CA: the endpoint refuses it
         wrong_cert = TLSConfig(stranger.cert, stranger.key, good.ca, fingerprint=sorted(good.fingerprints))
         with pytest.raises(control.ControlError, match="refused this client's certificate") as exc:
@@ -233,18 +233,10 @@ def test_a_client_certificate_of_another_ca_is_refused_naming_the_peer_and_the_j
         wait_for(lambda: job.control.refused == 3, "the endpoint to count the refusal", job=job)
         assert isinstance(job.control.errors[-1][1], fb.errors.AuthenticationError)
         assert not job.done
-        wait_for(lambda: _sockets() <= sockets, lambda: f"sockets: {_sockets()} now, {sockets} before", job=job)
+        wait_for(lambda: open_sockets() <= sockets, lambda: f"sockets: {open_sockets()} now, {sockets} before", job=job)
         answer = control.request(address, secret, {"op": "savepoint", "path": str(tmp_path / "sp")}, tls=good)
         assert answer["ok"]
 
-
-def _sockets():
-    """Sockets open in this process: a refused connection leaves none behind."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-    return n
 
 
 def test_tls_options_on_a_tls_true_or_plaintext_job_are_usage_errors(tmp_path, user_pki):

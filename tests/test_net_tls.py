@@ -16,7 +16,7 @@ from pyflowbuf.errors import (AuthenticationError, ConnectionLostError, Protocol
                               TLSUnavailableError)
 from pyflowbuf.net import tls as T
 from pyflowbuf.net import TLSConfig
-from pipeline_helpers import wait_for
+from pipeline_helpers import open_sockets, tls_relay_threads, wait_for
 from test_net_handshake import consume, export
 
 pytestmark = pytest.mark.timeout(90)
@@ -35,29 +35,16 @@ def net(loopback_network, certs):
     check at the end that no relay thread or descriptor stayed behind."""
     net = loopback_network(256)
     cfg = certs.for_attempt(0)
-    fds = _fds()
+    fds = open_sockets()
     net.tls = cfg
     net.srv = net.server(tls=cfg, handshake_timeout=HANDSHAKE_TIMEOUT)
     net.addr = net.srv.address
     yield net
     net.close()
-    wait_for(lambda: not _relay_threads(), lambda: f"relay threads left: {_relay_threads()}", timeout=20)
-    wait_for(lambda: _fds() <= fds, lambda: f"sockets: {_fds()} now, {fds} before", timeout=20)
+    wait_for(lambda: not tls_relay_threads(), lambda: f"relay threads left: {tls_relay_threads()}", timeout=20)
+    wait_for(lambda: open_sockets() <= fds, lambda: f"sockets: {open_sockets()} now, {fds} before", timeout=20)
 
 
-def _relay_threads():
-    return [t.name for t in threading.enumerate() if t.name.startswith("pyflowbuf-tls")]
-
-
-def _fds():
-    """Sockets open in this process (TCP and the relays' pairs)."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return n
 
 
 def serves(net, pid, n=20000, tls=None):
