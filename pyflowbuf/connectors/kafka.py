@@ -1288,25 +1288,41 @@ class KafkaSink(api.Sink):
         long as deliveries go on, but fails after ``connect_timeout`` with none
         (a broker that is away; its own flush would wait for the records'
         delivery timeout, 300 s), and ends at once on a cancel."""
-        p, stall = self.producer, self.connect_timeout
-        last, since = None, time.monotonic()
+        stall = self.connect_timeout
         which = "the end of input" if checkpoint_id == api.END_OF_INPUT else f"checkpoint {checkpoint_id}"
-        while True:
-            left = p.flush(min(0.2, stall))
-            self._raise_delivery_errors()
-            if not left:
-                return
+
+        def stopped():
             if self._cancelled:
                 raise errors.CancelledError(f"{self._where()}: cancelled while flushing for {which}")
+
+        left = self._flush_while_delivering(self.producer, 0.2, stopped)
+        if left:
+            raise errors.KafkaSinkError(
+                f"{self._where()}: its flush at the barrier of {which} (at least once) did not end: "
+                f"{left} records not delivered, none for {stall:g} s (connect_timeout): is the broker at "
+                f"{self.bootstrap_servers!r} reachable? The job restores its latest checkpoint and writes "
+                "them again", topic=self.topic, step="flush",
+                checkpoint_id=None if checkpoint_id == api.END_OF_INPUT else checkpoint_id)
+
+    def _flush_while_delivering(self, p, poll_s, stopped, progressed=None):
+        """Flush ``p`` for as long as deliveries go on: 0 once every record is
+        delivered, or the count left when none was for ``connect_timeout`` (a
+        broker that is away). ``stopped()`` may raise (a cancel, a commit given
+        up); ``progressed()`` runs whenever a delivery happened."""
+        stall = self.connect_timeout
+        last = since = None
+        while True:
+            left = p.flush(min(poll_s, stall))
+            self._raise_delivery_errors()
+            if not left:
+                return 0
+            stopped()
             if last is None or left < last:
                 last, since = left, time.monotonic()
+                if progressed is not None:
+                    progressed()
             elif time.monotonic() - since > stall:
-                raise errors.KafkaSinkError(
-                    f"{self._where()}: its flush at the barrier of {which} (at least once) did not end: "
-                    f"{left} records not delivered, none for {stall:g} s (connect_timeout): is the broker at "
-                    f"{self.bootstrap_servers!r} reachable? The job restores its latest checkpoint and writes "
-                    "them again", topic=self.topic, step="flush",
-                    checkpoint_id=None if checkpoint_id == api.END_OF_INPUT else checkpoint_id)
+                return left
 
     def _mark(self, p, checkpoint_id, group=None, topic=None):
         """The commit marker, in the same transaction: the marker group's offset
@@ -1327,23 +1343,18 @@ class KafkaSink(api.Sink):
         """The committer's flush: it may take as long as deliveries go on, but
         fails after ``connect_timeout`` with none (a broker that is away)."""
         stall = self.connect_timeout
-        last = None
-        while True:
-            if last is None:
-                c.expect("its flush", stall + COMMIT_GRACE_S)
-            left = p.flush(min(1.0, stall))
-            self._raise_delivery_errors()
-            if not left:
-                return
+
+        def stopped():
             if c.abandoned:
                 raise errors.KafkaSinkError(f"{self._where()}: given up during its flush")
-            if last is None or left < last:
-                last, since = left, time.monotonic()
-                c.expect("its flush", stall + COMMIT_GRACE_S)
-            elif time.monotonic() - since > stall:
-                raise errors.KafkaSinkError(f"write_kafka {self.name!r}: {left} records not delivered to "
-                                            f"{self.topic!r}, none for {stall:g} s (connect_timeout)",
-                                            topic=self.topic, step="flush")
+
+        c.expect("its flush", stall + COMMIT_GRACE_S)
+        left = self._flush_while_delivering(p, 1.0, stopped,
+                                            lambda: c.expect("its flush", stall + COMMIT_GRACE_S))
+        if left:
+            raise errors.KafkaSinkError(f"write_kafka {self.name!r}: {left} records not delivered to "
+                                        f"{self.topic!r}, none for {stall:g} s (connect_timeout)",
+                                        topic=self.topic, step="flush")
 
     def commit(self, committables):
         if self.delivery == "at_least_once":
