@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime
 import json
 import os
 import random
@@ -142,6 +143,35 @@ def test_starting_offsets_latest_timestamp_and_explicit(kafka_broker, tmp_path):
     assert run(starting_offsets={(src, 0): 95}) == list(range(95, 100))
     assert run(starting_offsets={src: {0: 98}}) == [98, 99]
     assert run(starting_offsets="latest") == []
+    # an aware datetime is its instant; explicit offsets name a partition that exists
+    assert run(starting_offsets=datetime.datetime.fromtimestamp(1090.0, datetime.timezone.utc)) == list(range(90, 100))
+    with fails_with(errors.ConfigurationError, r"partition\(s\) \[3\] of topic .* has partitions 0\.\.0"):
+        run(starting_offsets={(src, 3): 0})
+
+
+def test_a_bounded_read_with_more_subtasks_than_partitions(kafka_broker, tmp_path):
+    """Subtasks that own no partition end at once; with threads they share
+    the source object, and the first to end closed the metadata client the
+    others were still asking ("Handle has been closed")."""
+    bs = kafka_broker.bootstrap_servers
+    src = _name("in")
+    kafka_broker.create_topic(src, partitions=2)
+    produce(bs, src, [str(i) for i in range(200)], 2)
+    for p in (3, 4, 6):
+        env = fb.Environment(parallelism=p)
+        res = env.read_kafka(src, bootstrap_servers=bs, value_format="str", bounded=True).collect()
+        env.execute()
+        assert sorted(map(int, res.result)) == list(range(200)), p
+
+
+def test_a_value_json_cannot_write_is_a_typed_error(kafka_broker):
+    out = _name("out")
+    kafka_broker.create_topic(out, partitions=1)
+    env = fb.Environment()
+    env.from_collection([{"a": 1}, {"b": {2, 3}}], kind="pickle").write_kafka(
+        out, bootstrap_servers=kafka_broker.bootstrap_servers, value_format="json", delivery="at_least_once")
+    with fails_with(errors.RecordTypeError, r"value_format='json' cannot write the record \{'b': \{2, 3\}\}"):
+        env.execute()
 
 
 # ---------------------------------------------------------------- exactly once through failures
@@ -395,6 +425,16 @@ def test_bad_arguments_are_refused_where_declared():
         env.read_kafka("t", bootstrap_servers="x:1", value_format="xml")
     with pytest.raises(errors.ConfigurationError, match="starting_offsets"):
         env.read_kafka("t", bootstrap_servers="x:1", starting_offsets="yesterday")
+    # wrong units and wrong shapes of starting_offsets
+    with pytest.raises(errors.ConfigurationError, match=r"looks like milliseconds: pass seconds \(1700000000\.0\)"):
+        env.read_kafka("t", bootstrap_servers="x:1", starting_offsets=1_700_000_000_000)
+    with pytest.raises(errors.ConfigurationError, match="has no time zone"):
+        env.read_kafka("t", bootstrap_servers="x:1", starting_offsets=datetime.datetime(2024, 1, 1))
+    for bad in ({("t", 0): -1}, {("t", -1): 0}, {"t": 5}, {("t", 0, 1): 0}, float("nan"), -1.0):
+        with pytest.raises(errors.ConfigurationError, match="starting_offsets"):
+            env.read_kafka("t", bootstrap_servers="x:1", starting_offsets=bad)
+    with pytest.raises(errors.ConfigurationError, match="names topic 'u', which this source does not read"):
+        env.read_kafka("t", bootstrap_servers="x:1", starting_offsets={("u", 0): 0})
     with pytest.raises(errors.ConfigurationError, match="delivery"):
         env.from_collection(["a"]).write_kafka("t", bootstrap_servers="x:1", delivery="twice")
 

@@ -3,6 +3,7 @@
 ``pyflowbuf/connectors/api.py`` and its Kafka connector)."""
 from __future__ import annotations
 
+import datetime
 import math
 import numbers
 import re
@@ -105,8 +106,9 @@ class ConnectorSourceDeclarations:
           ``schema=`` (a ``pyarrow.Schema`` or a dict of name to type).
           ``timestamps`` is then ``"kafka"`` (docs/kafka.md, "Arrow batches").
         * ``starting_offsets``: ``"earliest"``, ``"latest"``, ``"committed"``
-          (the group's), a timestamp in seconds, or a dict ``{(topic,
-          partition): offset}`` / ``{topic: {partition: offset}}``.
+          (the group's), a timestamp in seconds (or an aware ``datetime``),
+          or a dict ``{(topic, partition): offset}`` / ``{topic: {partition:
+          offset}}``; a timestamp in milliseconds is refused.
         * ``bounded=True``: read up to the end offsets seen at the start, then
           end (the end-of-partition signal decides, not the reported offset).
         * ``timestamps``: ``"kafka"`` (the records' own) or a function of the
@@ -172,12 +174,7 @@ class ConnectorSourceDeclarations:
                     "the rows' times as a column")
         elif schema is not None:
             raise ConfigurationError(f"{what}: schema= is for value_format='arrow-json', not {value_format!r}")
-        so = starting_offsets
-        if not (so in kc.STARTS or isinstance(so, dict) or
-                (isinstance(so, numbers.Real) and not isinstance(so, bool) and so >= 0)):
-            raise ConfigurationError(
-                f"{what}: starting_offsets must be 'earliest', 'latest', 'committed', a timestamp in seconds or "
-                f"a dict of offsets per (topic, partition), got {so!r}")
+        so = _starting_offsets(what, starting_offsets, topics)
         if timestamps is not None and timestamps != "kafka" and not callable(timestamps):
             raise ConfigurationError(f"{what}: timestamps must be 'kafka' or a function of the record, "
                                      f"got {timestamps!r}")
@@ -327,3 +324,57 @@ class ConnectorSinkDeclarations:
         node = self._then(name, make, parallelism, None, sink=True)
         node.job_check = kc.PrefixCheck(prefix, env.name, name)
         return DataSink(env, node)
+
+
+# a timestamp past this many seconds (the year 5138) is one in milliseconds
+_SECONDS_AT_MOST = 1e11
+
+
+def _starting_offsets(what, so, topics):
+    """read_kafka's ``starting_offsets``, checked; a datetime becomes its
+    timestamp in seconds."""
+    if isinstance(so, str) and so in kc.STARTS:
+        return so
+    if isinstance(so, datetime.datetime):
+        if so.tzinfo is None:
+            raise ConfigurationError(
+                f"{what}: starting_offsets={so!r} has no time zone, so the instant it means is unclear: "
+                "give an aware datetime (e.g. datetime(..., tzinfo=timezone.utc)) or seconds since the epoch")
+        return so.timestamp()
+    if isinstance(so, numbers.Real) and not isinstance(so, bool):
+        if not (so >= 0 and math.isfinite(so)):
+            raise ConfigurationError(f"{what}: starting_offsets as a timestamp is seconds since the epoch, "
+                                     f">= 0, got {so!r}")
+        if so > _SECONDS_AT_MOST:
+            raise ConfigurationError(
+                f"{what}: starting_offsets={so!r} is a timestamp in seconds far in the future (the year "
+                f"{1970 + int(so // 31_556_952)}); it looks like milliseconds: pass seconds ({so / 1000!r}), "
+                "as time.time() gives")
+        return so
+    if isinstance(so, dict):
+        for key, val in so.items():
+            if isinstance(key, tuple):
+                ok = (len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int)
+                      and not isinstance(key[1], bool) and key[1] >= 0)
+                offsets, topic = {key[1] if ok else None: val}, key[0] if ok else None
+            else:
+                ok, topic = isinstance(key, str) and isinstance(val, dict), key
+                offsets = val if ok else {}
+                ok = ok and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in offsets)
+            if not ok:
+                raise ConfigurationError(
+                    f"{what}: starting_offsets as a dict maps (topic, partition) to an offset, or a topic to "
+                    f"{{partition: offset}}; got the entry {key!r}: {val!r}")
+            if topics is not None and topic not in topics:
+                raise ConfigurationError(f"{what}: starting_offsets names topic {topic!r}, which this source does "
+                                         f"not read (topics {topics!r})")
+            for part, off in offsets.items():
+                if not (off in ("earliest", "latest") or
+                        (isinstance(off, int) and not isinstance(off, bool) and off >= 0)):
+                    raise ConfigurationError(
+                        f"{what}: starting_offsets for {topic}/{part} must be an offset >= 0, 'earliest' or "
+                        f"'latest', got {off!r}")
+        return so
+    raise ConfigurationError(
+        f"{what}: starting_offsets must be 'earliest', 'latest', 'committed', a timestamp in seconds (or an "
+        f"aware datetime) or a dict of offsets per (topic, partition), got {so!r}")

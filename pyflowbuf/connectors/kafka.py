@@ -173,20 +173,28 @@ class KafkaSource(api.Source):
         self.name = name
         self.schema = schema            # value_format="arrow-json": the values' columns
         self.batch_size = batch_size    # value_format="arrow"/"arrow-json": rows per RecordBatch at most
-        self._admin = None
+        # the metadata client, one per subtask thread: with threads every subtask
+        # shares this object, and one that ends (a bounded subtask with no
+        # partitions) closes its client while the others still ask theirs
+        self._admins = threading.local()
 
     def __getstate__(self):
         d = dict(self.__dict__)
-        d["_admin"] = None
+        del d["_admins"]
         return d
 
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._admins = threading.local()
+
     def _client(self):
-        if self._admin is None:
+        admin = getattr(self._admins, "client", None)
+        if admin is None:
             ck = _ck()
             conf = _client_conf(self.bootstrap_servers, self.properties)
             conf.update({"group.id": self.group_id, "enable.auto.commit": False})
-            self._admin = ck.Consumer(conf)
-        return self._admin
+            admin = self._admins.client = ck.Consumer(conf)
+        return admin
 
     def splits(self):
         deadline = time.monotonic() + self.connect_timeout
@@ -202,12 +210,31 @@ class KafkaSource(api.Source):
                     continue
                 found.extend((t, p) for p in sorted(tm.partitions))
             if not missing or self.wait_for_topics:
+                self._check_explicit_offsets(md)
                 return found
             if time.monotonic() > deadline:
                 raise errors.KafkaTopicError(
                     f"read_kafka {self.name!r}: topic(s) {', '.join(map(repr, missing))} do not exist at "
                     f"{self.bootstrap_servers}: create them, or pass wait_for_topics=True to wait for them")
             time.sleep(0.2)     # just created: metadata may lag a moment
+
+    def _check_explicit_offsets(self, md):
+        """Explicit starting offsets name partitions that exist: one that does
+        not is a typo, and would otherwise leave its topic's other partitions
+        read from the earliest offset as if nothing had been asked."""
+        so = self.starting_offsets
+        if not isinstance(so, dict):
+            return
+        for key, val in so.items():
+            topic, parts = (key[0], [key[1]]) if isinstance(key, tuple) else (key, list(val))
+            tm = md.topics.get(topic)
+            if tm is None or tm.error is not None or not tm.partitions:
+                continue        # not there (yet): wait_for_topics
+            absent = sorted(p for p in parts if p not in tm.partitions)
+            if absent:
+                raise errors.ConfigurationError(
+                    f"read_kafka {self.name!r}: starting_offsets names partition(s) {absent} of topic {topic!r}, "
+                    f"which has partitions 0..{max(tm.partitions)} at {self.bootstrap_servers}")
 
     def owner(self, split, parallelism):
         return flink_owner(split[0], split[1], parallelism)
@@ -219,9 +246,11 @@ class KafkaSource(api.Source):
         return {"topics": self.topics, "pattern": self.pattern}
 
     def close_admin(self):
-        if self._admin is not None:
-            self._admin.close()
-            self._admin = None
+        """Closes the calling subtask thread's metadata client."""
+        admin = getattr(self._admins, "client", None)
+        if admin is not None:
+            self._admins.client = None
+            admin.close()
 
 
 class FetchPauser:
@@ -797,7 +826,14 @@ def _encoder(fmt):
     if fmt == "str":
         return lambda v: (v if isinstance(v, str) else str(v)).encode("utf-8")
     if fmt == "json":
-        return lambda v: json.dumps(v, separators=(",", ":")).encode("utf-8")
+        def enc_json(v):
+            try:
+                return json.dumps(v, separators=(",", ":")).encode("utf-8")
+            except (TypeError, ValueError) as exc:
+                raise errors.RecordTypeError(
+                    f"write_kafka: value_format='json' cannot write the record {v!r:.200} ({exc}): map it to "
+                    "JSON's types first (dict with str keys, list, str, int, float, bool, None)") from exc
+        return enc_json
     raise errors.ConfigurationError(f"value_format must be one of {FORMATS}, got {fmt!r}")
 
 
