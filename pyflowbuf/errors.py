@@ -223,6 +223,15 @@ class SaltedHashError(ConfigurationError):
     SparkCluster. The message names the key function and the fix."""
 
 
+class FreshStartWarning(UserWarning):
+    """A job starts fresh (no ``restore_from``) in a checkpoint directory that
+    holds checkpoints of an earlier run of the same job. A fresh start is what
+    Flink does too, but a rerun that meant to resume would read its sources
+    again from their start, and once it has completed its own checkpoints its
+    retention removes the earlier run's: the message names the newest and the
+    way to resume (``restore_from="latest"``)."""
+
+
 class NonRestoredStateWarning(UserWarning):
     """A restore with ``allow_non_restored_state=True`` dropped the state of
     an operator the job no longer has; for a file sink also its pending

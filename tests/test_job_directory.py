@@ -60,9 +60,9 @@ def cancel(job):
     cancel_and_join(job, failure_ok=True)
 
 
-def run_until_a_checkpoint(env):
+def run_until_a_checkpoint(env, **kw):
     """Start the job and cancel it once a checkpoint of it completed."""
-    job = env.execute_async()
+    job = env.execute_async(**kw)
     wait_for(lambda: any(c["status"] == "completed" for c in env.checkpoints()), "a completed checkpoint")
     cancel_and_join(job, failure_ok=True)
     return job
@@ -410,6 +410,32 @@ def test_a_restart_never_restores_a_checkpoint_of_an_earlier_run(tmp_path):
     assert env.last_execution.restarts == 1
     assert env.last_execution.restored_from is None, f"restored chk-{old} of the earlier run"
     assert finals(out.result) == expected(n)
+
+
+def test_a_fresh_rerun_over_an_earlier_runs_checkpoints_says_so_and_how_to_resume(tmp_path):
+    """A rerun without restore_from starts fresh (as in Flink), which is what
+    a rerun that meant to resume would not notice: it reads its input again,
+    and its retention removes the checkpoints it could have resumed from. The
+    warning names the newest and restore_from='latest'; the first run and a
+    resumed run say nothing."""
+    import warnings
+    ck = str(tmp_path / "ck")
+
+    def run(**kw):
+        env = fb.Environment(checkpoint_interval=0.05, checkpoint_dir=ck, name="counts")
+        counting(env, N, RATE)
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            run_until_a_checkpoint(env, **kw)
+        return [w for w in got if issubclass(w.category, errors.FreshStartWarning)]
+
+    assert run() == []
+    newest = CheckpointStorage(ck).latest().checkpoint_id
+    [w] = run()
+    assert f"earlier run of job 'counts' (newest chk-{newest})" in str(w.message)
+    assert "restore_from='latest'" in str(w.message)
+    assert w.filename == __file__          # the user's line, not pyflowbuf's
+    assert run(restore_from="latest") == []
 
 
 # ---------------------------------------------------------------- restore_from="15", --restore PATH

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import warnings
 from hashlib import blake2b
 
 from pyflowbuf import errors
 from pyflowbuf.checkpoint.errors import CheckpointDirectoryInUseError, IncompatibleCheckpointError
 from pyflowbuf.checkpoint.lock import DirectoryLock, wait_for_ending_holder
 from pyflowbuf.checkpoint.storage import CheckpointStorage
-from pyflowbuf.config import DEFAULT_CHECKPOINT_DIR
+from pyflowbuf.config import DEFAULT_CHECKPOINT_DIR, _caller_stacklevel
 from pyflowbuf.operators.contracts import Operator, type_name
 
 log = logging.getLogger("pyflowbuf.checkpoint")
@@ -197,6 +198,20 @@ def open_directory(storage, job_name: str, fingerprint: dict) -> JobDirectory:
 
 
 ENDING_JOB_WAIT_S = 60.0     # how long a new job waits for a cancelled job of this process to end
+
+
+def warn_fresh_start(storage, job_name: str) -> None:
+    """A fresh start over an earlier run's checkpoints of the same job is
+    allowed (a rerun starts fresh, as in Flink), but said: a rerun that meant
+    to resume would otherwise read its input again and, once its own
+    checkpoints complete, remove the ones it could have resumed from."""
+    earlier = sorted(cid for cid, job in storage.owners().items() if job == job_name)
+    if earlier:
+        warnings.warn(errors.FreshStartWarning(
+            f"checkpoint_dir {storage.url} holds checkpoints of an earlier run of job {job_name!r} (newest "
+            f"chk-{earlier[-1]}); this run starts fresh, as restore_from was not given, and its retention "
+            f"removes them once {storage.retained} checkpoint(s) of its own have completed. To resume instead, "
+            "run with restore_from='latest' (pyflowbuf run --restore latest)"), stacklevel=_caller_stacklevel())
 
 
 def check_no_other_job(storage, job_name: str) -> None:

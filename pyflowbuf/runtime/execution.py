@@ -519,6 +519,8 @@ class JobExecution(SubtaskGateway, AttemptEvents):
         jobdir.check_restore_point(storage, self.restore_from, meta, spec, fingerprint)
         jobdir.check_no_other_job(storage, spec.name)
         self._started_from = meta
+        if self.restore_from is None:
+            jobdir.warn_fresh_start(storage, spec.name)
         if meta is None:
             restore_mod.started_fresh(self)
         return meta
