@@ -310,7 +310,7 @@ def initial_buffer_size(spec) -> int | None:
     period from there, took some 10 s to bring them down to what a slow
     sink needs (363 bytes): the first aligned checkpoint waited 16 s behind
     them. Started small, the channels hold little from the start, and the
-    first measurement (200 ms in) sets the size the job needs, larger or
+    first measurement (a quarter period in, DebloatTimer) sets the size the job needs, larger or
     smaller (``BufferDebloater(seed=True)``)."""
     c = spec.debloat_config
     return int(c.min_buffer_size) if c.enabled else None
@@ -356,8 +356,18 @@ class DebloatTimer(threading.Thread):
         if self.is_alive() and self is not threading.current_thread():
             self.join()
 
+    # Channels start at the smallest buffer size (initial_buffer_size) until a
+    # measurement sizes them: a fast job ships tiny buffers until then, so
+    # the seeding periods are short; a quarter period still sees records flow.
+    SEED_PERIOD_FRACTION = 0.25
+
+    def _wait_s(self) -> float:
+        if self.ticks < BufferDebloater.SEEDS:
+            return self.config.period * self.SEED_PERIOD_FRACTION
+        return self.config.period
+
     def run(self):
-        while not self._stop_event.wait(self.config.period):
+        while not self._stop_event.wait(self._wait_s()):
             try:
                 with self.lock:
                     self.tick()
