@@ -56,7 +56,7 @@
 #define FB_TLS_ENOTLS 100003 /* the core was built without libssl */
 #define FB_TLS_RECORD 16384  /* TLS's largest record payload */
 #define FB_TLS_FLUSH (256 * 1024)
-#define FB_TLS_INBUF (256 * 1024)   /* one recv's worth of ciphertext */
+#define FB_TLS_INBUF (256 * 1024)   /* one recv's worth of ciphertext; allocated at a connection's first read */
 #define FB_TLS_REASON 320
 
 typedef struct fb_tls {
