@@ -226,7 +226,8 @@ def loop_context(tls, server_side):
     import _ssl
 
     ctx = tls._make_context(ssl, server_side)
-    lib = ctypes.CDLL(_ssl.__file__)    # its libssl, the one the context lives in
+    # its libssl, the one the context lives in (None: _ssl is built into the interpreter)
+    lib = ctypes.CDLL(getattr(_ssl, "__file__", None))
     lib.SSL_CTX_set_ciphersuites.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     lib.SSL_CTX_set_ciphersuites.restype = ctypes.c_int
     # PySSLContext: the object's head, then its SSL_CTX *
