@@ -11,11 +11,11 @@
  * costs a memmove of up to all of it per 16 KiB record (a 256 KiB one made
  * the receiver spend more on that than on AES). Reading into it directly
  * cost a recv per record instead; `in` costs one copy, from a buffer still
- * in cache, and a recv per up to 16 records: receiver CPU per byte 0.60 ->
- * 0.51 ns on a loopback stream. Writing, the BIO appends the records
+ * in cache, and a recv per up to 16 records: the receiving thread's CPU per
+ * byte of a loopback stream went from 0.61 to 0.50 ns (medians of 11 pairs). Writing, the BIO appends the records
  * libssl makes to an output buffer, and a whole batch of frames leaves in one
  * send of up to FB_TLS_FLUSH bytes. (Sending each record from libssl's own
- * buffer saves that copy but cost the sender more CPU per byte, 0.55 -> 0.7
+ * buffer saves that copy but cost the sender more CPU per byte, 0.56 -> 0.73
  * ns: each send is a trip through TCP, which on loopback also delivers.)
  *
  * Threads: a connection is read by one thread and written by several (the
