@@ -22,6 +22,19 @@ remote_tls_records_vs_plain
     records/s of a per-record pipeline (``Environment(workers=2)``: a source,
     a map per record, a key_by to a keyed reduce, a sink) with ``tls=True`` /
     without: the exchange between the two worker processes is encrypted.
+tls_loop_vs_plain_loop / remote_tls_vs_tls_loop
+    the limit of this machine: MB/s of a bare TLS loop (Python's ssl, the
+    same certificates, TLS 1.3, mutual, our cipher suite: one thread
+    ``sendall`` of 1 MiB in the producer process, one thread ``recv_into`` a
+    1 MiB buffer here) / a bare plain loop (the same on a plain socket); and
+    ours with TLS / that bare TLS loop: below 1, our framing and credit cost
+    more than TLS itself. All four run interleaved.
+*_send_cpu_ns_per_byte / *_recv_cpu_ns_per_byte, remote_tls_cpu_vs_plain, tls_loop_cpu_vs_plain_loop
+    CPU time per byte of the producer and of the consumer process (all
+    their threads) in those four cases; the *_cpu_vs_* ratios (plain's CPU
+    per byte / TLS's) are what the throughput ratios fall to when the CPUs
+    are busy with other work (a shared machine), the ratios above being
+    what they are with a core free for each side.
 tls_handshake_ms
     one connection's TLS handshake (connect, both certificates checked, the
     pin), the median of several, on loopback.
@@ -36,6 +49,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import resource
 import socket
 import sys
 import threading
@@ -50,6 +64,8 @@ import common  # noqa: E402
 from common import Goal  # noqa: E402
 
 SEG = 32 * 1024
+LOOP_CHUNK = 1 << 20
+LOOP_SUITES = b"TLS_AES_128_GCM_SHA256"   # what ours negotiates (fb_tls.h prefers it)
 GOALS = {
     "remote_vs_raw_socket": Goal(">=", 0.7, "x"),
     "hol_credit_other_channel_ratio": Goal(">=", 0.8, "x"),
@@ -70,6 +86,12 @@ def params(quick: bool) -> dict:
 
 
 # --------------------------------------------------------------------------- the producer process
+
+def _cpu_s():
+    """CPU seconds of this process, all its threads (dead ones included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
 
 def _producer_main(conn, secret, tls=None):
     """Serves commands from the benchmark process until told to quit."""
@@ -142,12 +164,18 @@ def _producer_main(conn, secret, tls=None):
             for _ in range(nbytes // SEG):
                 s.sendall(chunk)
             s.close()
+        elif op == "loop":
+            _, port, nbytes, use_tls = cmd
+            _loop_send(port, nbytes, tls if use_tls else None)
         elif op == "buffers":
             srv = encrypted if cmd[4:] and cmd[4] else plain
             buffers(cmd[1], cmd[2], cmd[3])
         elif op == "records":
             srv = plain
             records(cmd[1], cmd[2], cmd[3])
+        elif op == "cpu":
+            conn.send(_cpu_s())
+            continue
         conn.send("ok")
     plain.close()
     if encrypted is not None:
@@ -173,6 +201,9 @@ class Producer:
         self._n += 1
         return f"bench/{self._n}"
 
+    def cpu_s(self):
+        return self.call("cpu").recv()
+
     def close(self):
         try:
             self.conn.send(("quit",))
@@ -180,6 +211,73 @@ class Producer:
         finally:
             if self.proc.is_alive():
                 self.proc.kill()
+
+
+# --------------------------------------------------------------------------- the bare loops
+
+def loop_context(tls, server_side):
+    """Python's ssl context for the bare TLS loop: the same certificates,
+    TLS 1.3 only and mutual as ours (``TLSConfig._make_context``), and our
+    cipher suite. Python's ssl has no call for TLS 1.3's suites (its default
+    prefers AES-256-GCM), so it is set on the context's SSL_CTX through
+    libssl itself; ``bare_loop`` checks what was negotiated."""
+    import ctypes
+    import ssl
+    import _ssl
+
+    ctx = tls._make_context(ssl, server_side)
+    # its libssl, the one the context lives in (None: _ssl is built into the interpreter)
+    lib = ctypes.CDLL(getattr(_ssl, "__file__", None))
+    lib.SSL_CTX_set_ciphersuites.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.SSL_CTX_set_ciphersuites.restype = ctypes.c_int
+    # PySSLContext: the object's head, then its SSL_CTX *
+    ptr = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
+    if not lib.SSL_CTX_set_ciphersuites(ptr, LOOP_SUITES):
+        raise RuntimeError("cannot set the bare loop's TLS 1.3 cipher suites")
+    return ctx
+
+
+def _loop_send(port, nbytes, tls):
+    """The bare loop's sender: ``sendall`` of LOOP_CHUNK bytes, over TLS
+    (the TLS client) when ``tls`` is given."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is not None:
+        s = loop_context(tls, False).wrap_socket(s, server_side=False)
+    chunk = bytearray(LOOP_CHUNK)
+    for _ in range(nbytes // LOOP_CHUNK):
+        s.sendall(chunk)
+    s.close()
+
+
+def bare_loop(prod, nbytes, tls=None):
+    """Bytes/s of the bare loop: one sender thread (in the producer process)
+    ``sendall`` of 1 MiB, one receiver thread (here) ``recv_into`` a 1 MiB
+    buffer, over loopback; over Python's ssl (mutual TLS 1.3, our suite)
+    when ``tls`` is given."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    reply = prod.call("loop", ls.getsockname()[1], nbytes, tls is not None)
+    c, _ = ls.accept()
+    ls.close()
+    if tls is not None:
+        c = loop_context(tls, True).wrap_socket(c, server_side=True)
+        if c.cipher()[0] != LOOP_SUITES.decode():
+            raise RuntimeError(f"the bare TLS loop negotiated {c.cipher()[0]}, not {LOOP_SUITES.decode()}")
+    mv = memoryview(bytearray(LOOP_CHUNK))
+    got = 0
+    t0 = None
+    while got < nbytes:
+        n = c.recv_into(mv)
+        if n == 0:
+            break
+        if t0 is None:
+            t0 = common.perf_counter()
+        got += n
+    dt = common.perf_counter() - t0
+    c.close()
+    reply.recv()
+    assert got == nbytes, (got, nbytes)
+    return got / dt
 
 
 # --------------------------------------------------------------------------- cases
@@ -330,6 +428,18 @@ def hol(prod, nbp, secret, credit_based, stalled, window, rate):
     return counted[0] / dt
 
 
+def with_cpu(prod, nbytes, fn):
+    """``fn`` as a case that also says the CPU time per byte of each
+    process: ``send_ns``, the producer's, ``recv_ns``, this one's (the
+    receiving thread and the consumer's), all their threads."""
+    def case():
+        p0, c0 = prod.cpu_s(), _cpu_s()
+        rate = fn()
+        p1, c1 = prod.cpu_s(), _cpu_s()
+        return {"rate": rate, "send_ns": (p1 - p0) / nbytes * 1e9, "recv_ns": (c1 - c0) / nbytes * 1e9}
+    return case
+
+
 def tls_handshake_s(prod, tls):
     """One TLS handshake with the producer's TLS server (connect included)."""
     from pyflowbuf.net.tls import wrap
@@ -383,11 +493,28 @@ def main(quick: bool = False) -> dict:
         rep.add("raw_socket_mb_per_s", s.median("raw") / 1e6, "MB/s", spread=s.spread("raw"))
         rep.add("remote_vs_raw_socket", s.ratio("remote", "raw"), "x", GOALS["remote_vs_raw_socket"])
 
-        rep.section("mutual TLS 1.3: the same stream over one TLS connection, a per-record job, handshakes")
-        s = common.interleaved({"tls": lambda: remote_stream(prod, nbp, secret, nbytes, tls),
-                                "plain": lambda: remote_stream(prod, nbp, secret, nbytes)}, p["repeats"])
+        rep.section("mutual TLS 1.3: the same stream over one TLS connection, the bare loops, a per-record job, "
+                    "handshakes")
+        s = common.interleaved({
+            "tls": with_cpu(prod, nbytes, lambda: remote_stream(prod, nbp, secret, nbytes, tls)),
+            "plain": with_cpu(prod, nbytes, lambda: remote_stream(prod, nbp, secret, nbytes)),
+            "loop_tls": with_cpu(prod, nbytes, lambda: bare_loop(prod, nbytes, tls)),
+            "loop_plain": with_cpu(prod, nbytes, lambda: bare_loop(prod, nbytes))}, p["repeats"])
         rep.add("remote_tls_mb_per_s", s.median("tls") / 1e6, "MB/s", spread=s.spread("tls"))
+        rep.add("remote_plain_mb_per_s", s.median("plain") / 1e6, "MB/s", spread=s.spread("plain"))
         rep.add("remote_tls_vs_plain", s.ratio("tls", "plain"), "x", GOALS["remote_tls_vs_plain"])
+        rep.add("tls_loop_mb_per_s", s.median("loop_tls") / 1e6, "MB/s", spread=s.spread("loop_tls"),
+                note=LOOP_SUITES.decode())
+        rep.add("plain_loop_mb_per_s", s.median("loop_plain") / 1e6, "MB/s", spread=s.spread("loop_plain"))
+        rep.add("tls_loop_vs_plain_loop", s.ratio("loop_tls", "loop_plain"), "x")
+        rep.add("remote_tls_vs_tls_loop", s.ratio("tls", "loop_tls"), "x")
+        names = {"tls": "remote_tls", "plain": "remote_plain", "loop_tls": "tls_loop", "loop_plain": "plain_loop"}
+        for case, name in names.items():
+            for side in ("send", "recv"):
+                rep.add(f"{name}_{side}_cpu_ns_per_byte", s.median(case, f"{side}_ns"), "ns")
+        cpu = {c: s.median(c, "send_ns") + s.median(c, "recv_ns") for c in ("tls", "plain", "loop_tls", "loop_plain")}
+        rep.add("remote_tls_cpu_vs_plain", cpu["plain"] / cpu["tls"], "x")
+        rep.add("tls_loop_cpu_vs_plain_loop", cpu["loop_plain"] / cpu["loop_tls"], "x")
         s = common.interleaved({"tls": lambda: job_records(p["job_records"], True),
                                 "plain": lambda: job_records(p["job_records"], None)}, p["job_repeats"])
         rep.add("job_records_per_s_tls", s.median("tls"), "records/s", spread=s.spread("tls"))

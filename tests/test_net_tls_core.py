@@ -1,7 +1,10 @@
 """TLS inside the exchange's own loops (libssl in the compiled core,
 csrc/fb_tls.h, netio.TLSSocket): no relay thread, AES-128-GCM, batches of
 frames byte-exact through Wire and the readers, and the relay fallback."""
+import fcntl
 import socket
+import struct
+import termios
 import threading
 import time
 
@@ -11,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from pyflowbuf._core import netio
 from pyflowbuf.errors import TLSError
 from pyflowbuf.net import tls as T
+from pipeline_helpers import wait_for
 from test_net_handshake import consume, export
 
 pytestmark = [pytest.mark.timeout(90),
@@ -104,6 +108,35 @@ def test_batches_cross_byte_exact(cfg, pieces, split):
             got += (a + b)[:n] if n > split else a[:n]
         t.join()
         assert got == want
+    finally:
+        client.release()
+        server.release()
+
+
+def _queued(sock) -> int:
+    """Bytes waiting in the socket's receive queue."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def test_queued_ciphertext_is_taken_in_few_system_calls(cfg):
+    """Ciphertext already on the socket is received in large reads, not one
+    recv per 16 KiB record (libssl asks for one record at a time): system
+    calls were a large share of the receiver's CPU per byte."""
+    client, server = _pair(cfg)
+    try:
+        server.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        data = bytes(range(256)) * 512                  # 128 KiB: 8 full records
+        client.sock.sendall(data)
+        wait_for(lambda: _queued(server.tcp) >= len(data) + 8 * 22, "all the ciphertext queued at the receiver")
+        before = server.sock.stats()["recv_calls"]
+        got = bytearray()
+        buf = bytearray(len(data))
+        while len(got) < len(data):
+            n = server.sock.recv_into(buf)
+            assert n > 0
+            got += buf[:n]
+        assert got == data
+        assert server.sock.stats()["recv_calls"] - before <= 2
     finally:
         client.release()
         server.release()
