@@ -11,6 +11,8 @@ import datetime
 
 import pytest
 
+from pyflowbuf.errors import ConfigurationError
+
 from pyflowbuf._core.channel import BufferQueue
 from pyflowbuf.errors import (AuthenticationError, ConnectionLostError, ProtocolError, TLSError,
                               TLSUnavailableError)
@@ -200,10 +202,15 @@ def test_repr_and_pickle_keep_the_key_out_of_logs(certs):
 
 
 def test_config_is_checked():
-    with pytest.raises(ValueError, match="ca is required"):
+    # ConfigurationError, the job API's error for a bad setting (a ValueError too)
+    with pytest.raises(ConfigurationError, match="ca is required"):
         TLSConfig("c.pem", "k.pem")
-    with pytest.raises(ValueError, match="64 hex digits"):
+    with pytest.raises(ConfigurationError, match="64 hex digits"):
         TLSConfig("c.pem", "k.pem", "ca.pem", fingerprint="abc")
+    with pytest.raises(ConfigurationError, match="64 hex digits"):      # a SHA-1 fingerprint
+        TLSConfig("c.pem", "k.pem", "ca.pem", fingerprint="e9:f3:1e:d2" + "00" * 16)
+    with pytest.raises(ConfigurationError, match="must be PEM"):
+        TLSConfig(b"not pem", "k.pem", "ca.pem")
     with pytest.raises(TypeError, match="TLSConfig"):
         from pyflowbuf.net import NetworkServer
         NetworkServer(os.urandom(32), tls=True)

@@ -109,7 +109,7 @@ def _norm_fingerprint(fp) -> str:
         raise TypeError(f"fingerprint must be a hex str (SHA-256 of the certificate), got {type(fp).__name__}")
     text = fp.replace(":", "").strip().lower()
     if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
-        raise ValueError(f"fingerprint must be the SHA-256 of a certificate: 64 hex digits (colons allowed), "
+        raise ConfigurationError(f"fingerprint must be the SHA-256 of a certificate: 64 hex digits (colons allowed), "
                          f"got {fp!r}")
     return text
 
@@ -119,7 +119,7 @@ def _pem_or_path(value, what):
         return None
     if isinstance(value, (bytes, bytearray)):
         if b"-----BEGIN" not in value:
-            raise ValueError(f"TLSConfig: {what} given as bytes must be PEM (-----BEGIN ...)")
+            raise ConfigurationError(f"TLSConfig: {what} given as bytes must be PEM (-----BEGIN ...)")
         return bytes(value)
     if isinstance(value, (str, os.PathLike)):
         return os.fspath(value)
@@ -154,11 +154,11 @@ class TLSConfig:
     def __init__(self, cert, key=None, ca=None, *, fingerprint=None):
         self.cert = _pem_or_path(cert, "cert")
         if self.cert is None:
-            raise ValueError("TLSConfig: cert is required (both sides present a certificate)")
+            raise ConfigurationError("TLSConfig: cert is required (both sides present a certificate)")
         self.key = _pem_or_path(key, "key")
         self.ca = _pem_or_path(ca, "ca")
         if self.ca is None:
-            raise ValueError("TLSConfig: ca is required (the CA that signed the peers' certificates)")
+            raise ConfigurationError("TLSConfig: ca is required (the CA that signed the peers' certificates)")
         if fingerprint is None:
             self.fingerprints = None
         elif isinstance(fingerprint, (list, tuple, set, frozenset)):
