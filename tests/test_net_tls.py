@@ -11,10 +11,8 @@ import datetime
 
 import pytest
 
-from pyflowbuf.errors import ConfigurationError
-
 from pyflowbuf._core.channel import BufferQueue
-from pyflowbuf.errors import (AuthenticationError, ConnectionLostError, ProtocolError, TLSError,
+from pyflowbuf.errors import (AuthenticationError, ConfigurationError, ConnectionLostError, ProtocolError, TLSError,
                               TLSUnavailableError)
 from pyflowbuf.net import tls as T
 from pyflowbuf.net import TLSConfig
