@@ -374,8 +374,9 @@ def flink_section(rep, p, tmp, ours: dict) -> None:
     rep.section("the same job on Flink 2.3 (benchmarks/flink_peer), sink 20x slower per record")
     try:
         prepared = flink_peer.prepare()
-    except flink_peer.FlinkPeerUnavailable as e:
-        rep.add("flink_aligned_checkpoint_s_backpressure", float("nan"), "s", note=f"Flink peer skipped: {e}")
+    except (flink_peer.FlinkPeerUnavailable, OSError) as e:
+        rep.add("flink_aligned_checkpoint_s_backpressure", float("nan"), "s",
+                note=f"Flink peer skipped: {str(e).splitlines()[0]}")
         return
     secs, rate = p["phase_seconds"], p["bp_rate"]
     runs = {"aligned": (3 * secs, "aligned", "unchained"), "aligned_chained": (3 * secs, "aligned", "chained"),
@@ -384,7 +385,7 @@ def flink_section(rep, p, tmp, ours: dict) -> None:
     for name, (run_s, mode, topology) in runs.items():
         try:
             got[name] = flink_peer.run(rate, run_s, mode, topology, BP_KEYS, tmp=tmp, prepared=prepared)
-        except flink_peer.FlinkPeerFailed as e:
+        except (flink_peer.FlinkPeerFailed, OSError) as e:
             rep.con.print(f"  Flink peer {name}: {str(e).splitlines()[0]}")
             got[name] = None
 
