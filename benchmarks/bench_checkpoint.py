@@ -39,11 +39,22 @@ unaligned_checkpoint_ms_backpressure, aligned_checkpoint_s_backpressure
     this key, the unchained job (5 tasks, 4 exchanges): measured here side
     by side, Flink 2.3 takes 4.7-4.8 s on exactly that topology
     (``flink_aligned_checkpoint_s_backpressure``) and about 1 s with its
-    default chaining, so the issue's 4.8 s was the unchained job's.
+    default chaining, so the issue's 4.8 s was the unchained job's. Flink
+    holds the same bytes in flight per exchange; its records are about twice
+    the size of ours, so fewer of them wait ahead of a barrier
+    (docs/checkpoints.md, "What bounds an aligned checkpoint under
+    backpressure").
     ``..._batched_sink``: the same with the batched sink.
     ``aligned_checkpoint_s_backpressure_chained``: the aligned run with
     chaining on (2 tasks, 1 exchange: Flink's default topology for this
-    job); in one process only.
+    job); in one process only. ``aligned_checkpoint_s_backpressure_debloat``:
+    aligned with buffer debloating on (goal <= 1.5 s, its target being 1 s).
+    ``unaligned_checkpoint_ms_slow_operator``: unaligned, with an operator at
+    3 ms a record before the batched sink (goal <= 50 ms).
+    ``checkpoint_phase_breakdown`` (and ``_aligned``, ``_aligned_debloat``,
+    ``_slow_operator``): the phases of the median checkpoint (see
+    docs/checkpoints.md, "Where a checkpoint's time goes"). All again with
+    ``_workers2``.
 flink_aligned_checkpoint_s_backpressure, ..._chained, flink_unaligned_checkpoint_ms_backpressure
     the same job on Flink 2.3 (benchmarks/flink_peer: a local MiniCluster,
     default network buffers, 32 KiB segments, a checkpoint every second to
@@ -54,14 +65,7 @@ flink_aligned_checkpoint_s_backpressure, ..._chained, flink_unaligned_checkpoint
     (``_chained``), ``unaligned_checkpoint_vs_flink``: ours / Flink's
     median, same topology. Skipped, with the reason in the note, where there
     is no JDK or no Maven to fetch Flink (``python benchmarks/flink_peer
-    install`` fetches it once). ``aligned_checkpoint_s_backpressure_debloat``: aligned
-    with buffer debloating on (goal <= 1.5 s, its target being 1 s).
-    ``unaligned_checkpoint_ms_slow_operator``: unaligned, with an operator at
-    3 ms a record before the batched sink (goal <= 50 ms).
-    ``checkpoint_phase_breakdown`` (and ``_aligned``, ``_aligned_debloat``,
-    ``_slow_operator``): the phases of the median checkpoint (see
-    docs/checkpoints.md, "Where a checkpoint's time goes"). All again with
-    ``_workers2``.
+    install`` fetches it once).
 recovery_s, state_write_s
     a job builds about 100 MB of keyed state (quick: 30 MB), one checkpoint
     completes, then an operator fails: from the failure to the first record
