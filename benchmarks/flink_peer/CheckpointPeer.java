@@ -14,8 +14,9 @@
 //
 // Prints Flink's own log line for each completed checkpoint (CheckpointCoordinator at INFO,
 // the rest of Flink at WARN) and at the end one line
-//   PEER sink_records=N sink_seconds=S checkpoints_completed=C
-// counted from the first record the sink took to the cancel. Then it exits the JVM.
+//   PEER sink_records=N sink_seconds=S
+// (the sink's records from its first one, over SECONDS, before the cancel). Then it exits
+// the JVM.
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicLong;
 import java.util.concurrent.locks.LockSupport;
