@@ -366,7 +366,23 @@ class DebloatTimer(threading.Thread):
             return self.config.period * self.SEED_PERIOD_FRACTION
         return self.config.period
 
+    def _entry(self, t):
+        entry = self._gates.get(id(t))
+        if entry is None:
+            entry = self._gates[id(t)] = (t, gates_of(t, self.config, self.paths), [0], threading.Lock())
+        return entry
+
     def run(self):
+        # The gates' measurements start now, not at the first tick: made there,
+        # a gate measured nothing in its first period, and its channels kept
+        # the smallest size one period longer.
+        try:
+            with self.lock:
+                for t in list(self.job.tasks):
+                    if t.input is not None:
+                        self._entry(t)
+        except Exception:   # (a job tearing down under it: the ticks make the entries)
+            pass
         while not self._stop_event.wait(self._wait_s()):
             try:
                 with self.lock:
@@ -384,10 +400,7 @@ class DebloatTimer(threading.Thread):
             if t.input is None:
                 continue
             live.add(id(t))
-            entry = self._gates.get(id(t))
-            if entry is None:
-                entry = self._gates[id(t)] = (t, gates_of(t, self.config, self.paths), [0], threading.Lock())
-            task, gates, pending, lock = entry
+            task, gates, pending, lock = self._entry(t)
             if task.finished_ns or job.cancelled:
                 continue
             if pending[0]:
