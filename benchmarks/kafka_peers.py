@@ -15,6 +15,9 @@ on ``sys.path``) and calls, against its running broker:
 * ``spark_keyed_count(bootstrap, in_topic, out_topic)``: the same keyed
   count job on Spark Structured Streaming (the denominators of
   ``kafka_throughput_vs_spark`` and ``kafka_p99_vs_spark_microbatch``);
+* ``spark_latency(spark, bootstrap, in_topic, out_topic, rate=...)``: one
+  more latency run of that job in the same session, so the benchmark can
+  repeat Spark's latency interleaved with its own and take medians;
 * ``paced_produce`` and ``LatencyProbe``: the paced producer and the
   ``read_committed`` output consumer that the latency figures of both sides
   are measured with, so ours and Spark's are measured the same way.
@@ -226,9 +229,21 @@ def _consumer(bootstrap, **conf):
 
 
 def _assign_from_beginning(consumer, topic, partitions):
-    from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+    """Assign every partition at its log start offset, asked first: given
+    the logical OFFSET_BEGINNING, a fresh consumer's first fetch waits for
+    librdkafka's fixed 500 ms retry of the offset query (``read_kafka``
+    resolves it the same way, ``KafkaReader._resolve_beginnings``), which
+    the latency probe would add to the first records it sees."""
+    from confluent_kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
 
-    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
+    tps = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)]
+    try:
+        got = consumer.offsets_for_times(tps, timeout=5.0)     # timestamp -2: the earliest offset
+        tps = [TopicPartition(topic, r.partition, r.offset if r.error is None and r.offset >= 0 else OFFSET_BEGINNING)
+               for r in got]
+    except KafkaException:
+        pass        # (no leader yet) the logical offset: correct, only slower
+    consumer.assign(tps)
 
 
 def bare_client_consume_rate(bootstrap: str, topic: str, *, num_messages: int = 10_000, timeout: float = 1.0,
@@ -663,6 +678,27 @@ def spark_keyed_count(bootstrap: str, in_topic: str, out_topic: str, *, rate: fl
     finally:
         if own_session and spark is not None:
             spark.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def spark_latency(spark, bootstrap: str, in_topic: str, out_topic: str, *, rate: float,
+                  latency_s: float = QUICK["latency_s"], warmup_s: float = QUICK["warmup_s"],
+                  api: str = "applyInPandasWithState", keys: int = DEFAULT_KEYS, partitions: int | None = None,
+                  work_dir: str | None = None) -> dict:
+    """One latency run of the keyed count on Spark at ``rate`` (what
+    ``spark_keyed_count`` measures after its throughput run), in a session
+    that has run it before (``spark_keyed_count(..., spark=session)``: its
+    Python workers started), on fresh topics ``<in_topic>.latency-<tag>`` /
+    ``<out_topic>.latency-<tag>``: so a caller can repeat it, interleaved
+    with its own runs, and take medians. Returns the ``spark_e2e_*`` figures."""
+    partitions = partitions or partitions_of(bootstrap, in_topic)
+    tag = uuid.uuid4().hex[:6]
+    work = tempfile.mkdtemp(prefix="kafka-peers-spark-latency-", dir=work_dir)
+    try:
+        return _spark_latency(spark, bootstrap, f"{in_topic}.latency-{tag}", f"{out_topic}.latency-{tag}",
+                              partitions, os.path.join(work, "latency"), api=api, rate=rate, latency_s=latency_s,
+                              warmup_s=warmup_s, keys=keys)
+    finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
