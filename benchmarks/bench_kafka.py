@@ -235,9 +235,9 @@ def latency(broker, delivery, rate, sizes, tmp):
     return {"p50": pct["p50_ms"], "p99": pct["p99_ms"], "behind": sent["behind_s"]}
 
 
-def _spark_latency(session, bs, rate, sizes):
+def _spark_latency(session, bs, rate, sizes, tmp):
     got = kafka_peers.spark_latency(session, bs, "spark-in", "spark-out", rate=rate, latency_s=sizes["latency_s"],
-                                    warmup_s=sizes["warmup_s"])
+                                    warmup_s=sizes["warmup_s"], work_dir=tmp)
     return {"p50": got["spark_e2e_p50_ms"], "p99": got["spark_e2e_p99_ms"],
             "all_seen": float(got["spark_latency_all_seen"])}
 
@@ -322,7 +322,7 @@ def main(quick: bool = False) -> dict:
                 s = _interleaved_with_gc({
                     "eo": lambda: latency(broker, "exactly_once", rate, sizes, tmp),
                     "alo": lambda: latency(broker, "at_least_once", rate, sizes, tmp),
-                    "spark": lambda: _spark_latency(session, bs, spark_rate, sizes),
+                    "spark": lambda: _spark_latency(session, bs, spark_rate, sizes, tmp),
                 }, reps, advance=adv)
         finally:
             session.stop()

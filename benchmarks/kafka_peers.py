@@ -690,16 +690,16 @@ def spark_latency(spark, bootstrap: str, in_topic: str, out_topic: str, *, rate:
     that has run it before (``spark_keyed_count(..., spark=session)``: its
     Python workers started), on fresh topics ``<in_topic>.latency-<tag>`` /
     ``<out_topic>.latency-<tag>``: so a caller can repeat it, interleaved
-    with its own runs, and take medians. Returns the ``spark_e2e_*`` figures."""
+    with its own runs, and take medians. Returns the ``spark_e2e_*`` figures.
+    The query's checkpoint goes to a new folder in ``work_dir``, left there
+    for the caller to remove after ``spark.stop()``: the batch that stopping
+    the query interrupts may still write its state a moment later."""
     partitions = partitions or partitions_of(bootstrap, in_topic)
     tag = uuid.uuid4().hex[:6]
     work = tempfile.mkdtemp(prefix="kafka-peers-spark-latency-", dir=work_dir)
-    try:
-        return _spark_latency(spark, bootstrap, f"{in_topic}.latency-{tag}", f"{out_topic}.latency-{tag}",
-                              partitions, os.path.join(work, "latency"), api=api, rate=rate, latency_s=latency_s,
-                              warmup_s=warmup_s, keys=keys)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return _spark_latency(spark, bootstrap, f"{in_topic}.latency-{tag}", f"{out_topic}.latency-{tag}",
+                          partitions, os.path.join(work, "latency"), api=api, rate=rate, latency_s=latency_s,
+                          warmup_s=warmup_s, keys=keys)
 
 
 def _raise_if_failed(query):
