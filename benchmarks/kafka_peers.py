@@ -20,7 +20,9 @@ on ``sys.path``) and calls, against its running broker:
   repeat Spark's latency interleaved with its own and take medians;
 * ``paced_produce`` and ``LatencyProbe``: the paced producer and the
   ``read_committed`` output consumer that the latency figures of both sides
-  are measured with, so ours and Spark's are measured the same way.
+  are measured with, so ours and Spark's are measured the same way; both
+  run in a process of their own (``latency_in_subprocess``), apart from
+  either job.
 
 The records (both sides use these; ``encode_value`` / ``parse_value``)
 ======================================================================
@@ -465,6 +467,44 @@ class LatencyProbe:
         return {"records": seen, "p50_ms": q(0.50), "p99_ms": q(0.99), "max_ms": q(1.0)}
 
 
+def latency_run(bootstrap: str, in_topic: str, out_topic: str, rate: float, seconds: float, warmup_s: float,
+                keys: int = DEFAULT_KEYS) -> dict:
+    """Produce at ``rate`` into ``in_topic`` for ``warmup_s + seconds`` while a
+    ``LatencyProbe`` reads ``out_topic``; the percentiles of the records
+    produced after the first ``warmup_s`` seconds (a record not seen within
+    ``max(60, 4 * seconds)`` counts as infinitely late), and how the run went."""
+    probe = LatencyProbe(bootstrap, out_topic).start()
+    try:
+        sent = paced_produce(bootstrap, in_topic, rate, warmup_s + seconds, keys=keys)
+        since = sent["start_ns"] + int(warmup_s * 1e9)
+        expected = sent["records"] - int(rate * warmup_s)
+        drained = probe.wait_for(lambda p: p.count_since(since) >= expected, timeout=max(60.0, 4 * seconds))
+    finally:
+        probe.stop()
+    pct = probe.percentiles(since_ns=since, expected=expected)
+    return {**pct, "all_seen": bool(drained), "behind_s": sent["behind_s"], "records_sent": sent["records"]}
+
+
+def latency_in_subprocess(bootstrap: str, in_topic: str, out_topic: str, rate: float, seconds: float,
+                          warmup_s: float, keys: int = DEFAULT_KEYS) -> dict:
+    """``latency_run`` in a Python process of its own (this file run with
+    ``--latency-run``), as the applications producing and reading a topic
+    are: the paced producer and the probe share no interpreter (GIL,
+    garbage collector) with the job measured. For both sides alike: a
+    pyflowbuf job in threads would otherwise share its GIL with them (at
+    tens of thousands of records a second, a tenth of it or more), where
+    Spark's job runs in its JVM and Python workers."""
+    args = json.dumps({"bootstrap": bootstrap, "in_topic": in_topic, "out_topic": out_topic, "rate": rate,
+                       "seconds": seconds, "warmup_s": warmup_s, "keys": keys})
+    import subprocess
+
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--latency-run", args], capture_output=True,
+                          text=True, timeout=warmup_s + seconds + max(60.0, 4 * seconds) + 120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the latency run ({in_topic!r} -> {out_topic!r}) failed: {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 # --------------------------------------------------------------------------- Spark
 
 
@@ -712,25 +752,19 @@ def _spark_latency(spark, bootstrap, in_topic, out_topic, partitions, checkpoint
                    warmup_s, keys) -> dict:
     create_topic(bootstrap, in_topic, partitions)
     create_topic(bootstrap, out_topic, partitions)
-    probe = LatencyProbe(bootstrap, out_topic).start()
     q = _keyed_count_query(spark, bootstrap, in_topic, out_topic, checkpoint, api=api,
                            trigger={"processingTime": "0 seconds"})
     try:
-        sent = paced_produce(bootstrap, in_topic, rate, warmup_s + latency_s, keys=keys)
-        since = sent["start_ns"] + int(warmup_s * 1e9)
-        expected = sent["records"] - int(rate * warmup_s)
-        drained = probe.wait_for(lambda p: p.count_since(since) >= expected, timeout=max(60.0, 4 * latency_s))
+        pct = latency_in_subprocess(bootstrap, in_topic, out_topic, rate, latency_s, warmup_s, keys=keys)
         _raise_if_failed(q)
     finally:
         # stopping interrupts the batch under way: Spark logs that as errors
         spark.sparkContext.setLogLevel("OFF")
         q.stop()
         spark.sparkContext.setLogLevel("ERROR")
-        probe.stop()
-    pct = probe.percentiles(since_ns=since, expected=expected)
     batches = _batch_figures([json.loads(p.json) for p in q.recentProgress])
     return {"spark_latency_rate": rate, "spark_latency_records": pct["records"],
-            "spark_latency_all_seen": bool(drained), "spark_latency_producer_behind_s": sent["behind_s"],
+            "spark_latency_all_seen": pct["all_seen"], "spark_latency_producer_behind_s": pct["behind_s"],
             "spark_e2e_p50_ms": pct["p50_ms"], "spark_e2e_p99_ms": pct["p99_ms"], "spark_e2e_max_ms": pct["max_ms"],
             "spark_latency_median_batch_ms": batches["median_batch_ms"]}
 
@@ -763,6 +797,10 @@ def run_peers(bootstrap: str, *, quick: bool = True, spark: bool = True, partiti
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--latency-run"]:       # latency_in_subprocess's child
+        print(json.dumps(latency_run(**json.loads(argv[1]))))
+        return 0
     parser = argparse.ArgumentParser(description="The Kafka benchmark's peers, on a local broker of their own.")
     parser.add_argument("--quick", action="store_true", help="about a minute: smaller topics, shorter latency run")
     parser.add_argument("--no-spark", action="store_true", help="only the bare client")
