@@ -15,9 +15,14 @@ on ``sys.path``) and calls, against its running broker:
 * ``spark_keyed_count(bootstrap, in_topic, out_topic)``: the same keyed
   count job on Spark Structured Streaming (the denominators of
   ``kafka_throughput_vs_spark`` and ``kafka_p99_vs_spark_microbatch``);
+* ``spark_latency(spark, bootstrap, in_topic, out_topic, rate=...)``: one
+  more latency run of that job in the same session, so the benchmark can
+  repeat Spark's latency interleaved with its own and take medians;
 * ``paced_produce`` and ``LatencyProbe``: the paced producer and the
   ``read_committed`` output consumer that the latency figures of both sides
-  are measured with, so ours and Spark's are measured the same way.
+  are measured with, so ours and Spark's are measured the same way; both
+  run in a process of their own (``latency_in_subprocess``), apart from
+  either job.
 
 The records (both sides use these; ``encode_value`` / ``parse_value``)
 ======================================================================
@@ -226,9 +231,21 @@ def _consumer(bootstrap, **conf):
 
 
 def _assign_from_beginning(consumer, topic, partitions):
-    from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+    """Assign every partition at its log start offset, asked first: given
+    the logical OFFSET_BEGINNING, a fresh consumer's first fetch waits for
+    librdkafka's fixed 500 ms retry of the offset query (``read_kafka``
+    resolves it the same way, ``KafkaReader._resolve_beginnings``), which
+    the latency probe would add to the first records it sees."""
+    from confluent_kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
 
-    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
+    tps = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)]
+    try:
+        got = consumer.offsets_for_times(tps, timeout=5.0)     # timestamp -2: the earliest offset
+        tps = [TopicPartition(topic, r.partition, r.offset if r.error is None and r.offset >= 0 else OFFSET_BEGINNING)
+               for r in got]
+    except KafkaException:
+        pass        # (no leader yet) the logical offset: correct, only slower
+    consumer.assign(tps)
 
 
 def bare_client_consume_rate(bootstrap: str, topic: str, *, num_messages: int = 10_000, timeout: float = 1.0,
@@ -450,6 +467,44 @@ class LatencyProbe:
         return {"records": seen, "p50_ms": q(0.50), "p99_ms": q(0.99), "max_ms": q(1.0)}
 
 
+def latency_run(bootstrap: str, in_topic: str, out_topic: str, rate: float, seconds: float, warmup_s: float,
+                keys: int = DEFAULT_KEYS) -> dict:
+    """Produce at ``rate`` into ``in_topic`` for ``warmup_s + seconds`` while a
+    ``LatencyProbe`` reads ``out_topic``; the percentiles of the records
+    produced after the first ``warmup_s`` seconds (a record not seen within
+    ``max(60, 4 * seconds)`` counts as infinitely late), and how the run went."""
+    probe = LatencyProbe(bootstrap, out_topic).start()
+    try:
+        sent = paced_produce(bootstrap, in_topic, rate, warmup_s + seconds, keys=keys)
+        since = sent["start_ns"] + int(warmup_s * 1e9)
+        expected = sent["records"] - int(rate * warmup_s)
+        drained = probe.wait_for(lambda p: p.count_since(since) >= expected, timeout=max(60.0, 4 * seconds))
+    finally:
+        probe.stop()
+    pct = probe.percentiles(since_ns=since, expected=expected)
+    return {**pct, "all_seen": bool(drained), "behind_s": sent["behind_s"], "records_sent": sent["records"]}
+
+
+def latency_in_subprocess(bootstrap: str, in_topic: str, out_topic: str, rate: float, seconds: float,
+                          warmup_s: float, keys: int = DEFAULT_KEYS) -> dict:
+    """``latency_run`` in a Python process of its own (this file run with
+    ``--latency-run``), as the applications producing and reading a topic
+    are: the paced producer and the probe share no interpreter (GIL,
+    garbage collector) with the job measured. For both sides alike: a
+    pyflowbuf job in threads would otherwise share its GIL with them (at
+    tens of thousands of records a second, a tenth of it or more), where
+    Spark's job runs in its JVM and Python workers."""
+    args = json.dumps({"bootstrap": bootstrap, "in_topic": in_topic, "out_topic": out_topic, "rate": rate,
+                       "seconds": seconds, "warmup_s": warmup_s, "keys": keys})
+    import subprocess
+
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--latency-run", args], capture_output=True,
+                          text=True, timeout=warmup_s + seconds + max(60.0, 4 * seconds) + 120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the latency run ({in_topic!r} -> {out_topic!r}) failed: {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 # --------------------------------------------------------------------------- Spark
 
 
@@ -666,6 +721,27 @@ def spark_keyed_count(bootstrap: str, in_topic: str, out_topic: str, *, rate: fl
         shutil.rmtree(work, ignore_errors=True)
 
 
+def spark_latency(spark, bootstrap: str, in_topic: str, out_topic: str, *, rate: float,
+                  latency_s: float = QUICK["latency_s"], warmup_s: float = QUICK["warmup_s"],
+                  api: str = "applyInPandasWithState", keys: int = DEFAULT_KEYS, partitions: int | None = None,
+                  work_dir: str | None = None) -> dict:
+    """One latency run of the keyed count on Spark at ``rate`` (what
+    ``spark_keyed_count`` measures after its throughput run), in a session
+    that has run it before (``spark_keyed_count(..., spark=session)``: its
+    Python workers started), on fresh topics ``<in_topic>.latency-<tag>`` /
+    ``<out_topic>.latency-<tag>``: so a caller can repeat it, interleaved
+    with its own runs, and take medians. Returns the ``spark_e2e_*`` figures.
+    The query's checkpoint goes to a new folder in ``work_dir``, left there
+    for the caller to remove after ``spark.stop()``: the batch that stopping
+    the query interrupts may still write its state a moment later."""
+    partitions = partitions or partitions_of(bootstrap, in_topic)
+    tag = uuid.uuid4().hex[:6]
+    work = tempfile.mkdtemp(prefix="kafka-peers-spark-latency-", dir=work_dir)
+    return _spark_latency(spark, bootstrap, f"{in_topic}.latency-{tag}", f"{out_topic}.latency-{tag}",
+                          partitions, os.path.join(work, "latency"), api=api, rate=rate, latency_s=latency_s,
+                          warmup_s=warmup_s, keys=keys)
+
+
 def _raise_if_failed(query):
     exc = query.exception()
     if exc is not None:
@@ -676,25 +752,19 @@ def _spark_latency(spark, bootstrap, in_topic, out_topic, partitions, checkpoint
                    warmup_s, keys) -> dict:
     create_topic(bootstrap, in_topic, partitions)
     create_topic(bootstrap, out_topic, partitions)
-    probe = LatencyProbe(bootstrap, out_topic).start()
     q = _keyed_count_query(spark, bootstrap, in_topic, out_topic, checkpoint, api=api,
                            trigger={"processingTime": "0 seconds"})
     try:
-        sent = paced_produce(bootstrap, in_topic, rate, warmup_s + latency_s, keys=keys)
-        since = sent["start_ns"] + int(warmup_s * 1e9)
-        expected = sent["records"] - int(rate * warmup_s)
-        drained = probe.wait_for(lambda p: p.count_since(since) >= expected, timeout=max(60.0, 4 * latency_s))
+        pct = latency_in_subprocess(bootstrap, in_topic, out_topic, rate, latency_s, warmup_s, keys=keys)
         _raise_if_failed(q)
     finally:
         # stopping interrupts the batch under way: Spark logs that as errors
         spark.sparkContext.setLogLevel("OFF")
         q.stop()
         spark.sparkContext.setLogLevel("ERROR")
-        probe.stop()
-    pct = probe.percentiles(since_ns=since, expected=expected)
     batches = _batch_figures([json.loads(p.json) for p in q.recentProgress])
     return {"spark_latency_rate": rate, "spark_latency_records": pct["records"],
-            "spark_latency_all_seen": bool(drained), "spark_latency_producer_behind_s": sent["behind_s"],
+            "spark_latency_all_seen": pct["all_seen"], "spark_latency_producer_behind_s": pct["behind_s"],
             "spark_e2e_p50_ms": pct["p50_ms"], "spark_e2e_p99_ms": pct["p99_ms"], "spark_e2e_max_ms": pct["max_ms"],
             "spark_latency_median_batch_ms": batches["median_batch_ms"]}
 
@@ -727,6 +797,10 @@ def run_peers(bootstrap: str, *, quick: bool = True, spark: bool = True, partiti
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--latency-run"]:       # latency_in_subprocess's child
+        print(json.dumps(latency_run(**json.loads(argv[1]))))
+        return 0
     parser = argparse.ArgumentParser(description="The Kafka benchmark's peers, on a local broker of their own.")
     parser.add_argument("--quick", action="store_true", help="about a minute: smaller topics, shorter latency run")
     parser.add_argument("--no-spark", action="store_true", help="only the bare client")

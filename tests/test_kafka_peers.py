@@ -75,3 +75,16 @@ def test_paced_records_are_all_seen_by_the_probe(kafka_broker):
         probe.stop()
     pct = probe.percentiles(since_ns=sent["start_ns"], expected=2_000)
     assert pct["records"] == 2_000 and 0 < pct["p50_ms"] <= pct["p99_ms"] < 60_000
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(180)
+def test_a_latency_run_in_its_own_process_sees_every_record(kafka_broker):
+    """latency_in_subprocess (the producer and the probe apart from the job
+    measured) over a topic that is its own output: every record after the
+    warm-up is seen, and the child's figures come back."""
+    bootstrap, topic = kafka_broker.bootstrap_servers, f"peers-sub-{uuid.uuid4().hex[:8]}"
+    kafka_peers.create_topic(bootstrap, topic, 2)
+    got = kafka_peers.latency_in_subprocess(bootstrap, topic, topic, rate=2_000, seconds=1.0, warmup_s=0.5, keys=5)
+    assert got["all_seen"] and got["records"] == 2_000 and got["records_sent"] == 3_000
+    assert 0 < got["p50_ms"] <= got["p99_ms"] < 60_000

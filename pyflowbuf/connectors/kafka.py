@@ -58,6 +58,10 @@ POLL_S = 0.1
 # long block, not the short waits of steady backpressure: each pause drops
 # the prefetched records, fetched again on resume)
 PAUSE_AFTER_S = 1.0
+# at most this long for the log start offsets of partitions read from the
+# beginning (KafkaReader._resolve_beginnings); past it the logical offset is
+# assigned, which costs librdkafka's 500 ms retry at worst
+RESOLVE_BEGINNING_S = 1.0
 # The marker's offset is the checkpoint id plus this (offsets are >= 0, and
 # the id of the end of input is -1).
 MARKER_BIAS = 2
@@ -380,7 +384,32 @@ class KafkaReader(api.SourceReader):
             self.last_seen[tp] = time.monotonic()
             assign.append(ck.TopicPartition(topic, partition, ck.OFFSET_BEGINNING if nxt is None else nxt))
         if assign:
+            self._resolve_beginnings(assign)
             self.consumer.incremental_assign(assign)
+
+    def _resolve_beginnings(self, assign):
+        """Replace OFFSET_BEGINNING in ``assign`` by the log start offsets,
+        asked in one request. A fresh consumer given a logical offset asks
+        for it while it still talks to the bootstrap connection, and when
+        the partition moves to its leader's connection librdkafka retries
+        that query only after a fixed 500 ms: every job reading from the
+        beginning started fetching half a second late. An explicit offset
+        needs no query. If the broker does not answer (a leader not yet
+        elected, say), the logical offset stays: correct, only slower."""
+        ck = self.ck
+        logical = [tp for tp in assign if tp.offset == ck.OFFSET_BEGINNING]
+        if not logical:
+            return
+        try:
+            # a ListOffsets timestamp of -2 (OFFSET_BEGINNING) asks for the earliest offset
+            got = self.consumer.offsets_for_times(
+                [ck.TopicPartition(tp.topic, tp.partition, ck.OFFSET_BEGINNING) for tp in logical],
+                timeout=min(self.s.connect_timeout, RESOLVE_BEGINNING_S))
+        except ck.KafkaException:
+            return
+        for tp, r in zip(logical, got):
+            if r.error is None and r.offset >= 0:
+                tp.offset = r.offset
 
     def _end(self, topic, partition):
         try:
