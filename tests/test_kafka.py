@@ -494,11 +494,22 @@ def test_two_exactly_once_sinks_with_the_same_name_do_not_collide(kafka_broker, 
     env.execute()
     for t in (out_a, out_b):
         assert sorted(read_committed(bs, t, 2)) == sorted(words)
-    # each sink's commit markers are in the groups <pyflowbuf>-<job>-<uid>-<subtask>-marker
+    # each sink's commit markers are in groups <pyflowbuf>-<job>-<uid>-<subtask>-marker-<writer's token>
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bs})
+
+    def marker_groups():
+        # (a listing right after the client starts may come back empty)
+        listed = [g.group_id for g in admin.list_consumer_groups().result(30).valid]
+        return {(uid, s): [g for g in listed if re.fullmatch(rf"pyflowbuf-{env.name}-{uid}-{s}-marker-[0-9a-f]+", g)]
+                for uid in "ab" for s in range(2)}
+
+    groups = wait_for(lambda: (lambda m: m if all(m.values()) else None)(marker_groups()), "the marker groups")
     for uid, topic in (("a", out_a), ("b", out_b)):
         for s in range(2):
-            c = ck.Consumer({"bootstrap.servers": bs, "group.id": f"pyflowbuf-{env.name}-{uid}-{s}-marker",
-                             "isolation.level": "read_committed"})
+            [group] = groups[uid, s]
+            c = ck.Consumer({"bootstrap.servers": bs, "group.id": group, "isolation.level": "read_committed"})
             try:
                 assert c.committed([ck.TopicPartition(topic, 0)], timeout=30)[0].offset >= kc.MARKER_BIAS
             finally:

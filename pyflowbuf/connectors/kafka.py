@@ -1029,6 +1029,26 @@ def _error_name(exc):
 FENCED_ERRORS = ("_FENCED", "PRODUCER_FENCED", "INVALID_PRODUCER_EPOCH")
 
 
+def _from_client(exc) -> bool:
+    """A SystemError of confluent-kafka's own making: it called a Python
+    callback (a delivery report) while an exception of its own was pending,
+    which CPython reports as "... returned a result with an exception set",
+    chaining the pending one. Not a user function's error."""
+    return isinstance(exc, SystemError) and "with an exception set" in str(exc)
+
+
+def _client_exception(exc, kafka_exception):
+    """``exc`` if it is librdkafka's error, else the one a SystemError of
+    confluent-kafka's callbacks chained (None if it chained none)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kafka_exception):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class KafkaSink(api.Sink):
     """``stream.write_kafka``'s sink; see the module docstring and docs/kafka.md.
 
@@ -1070,17 +1090,33 @@ class KafkaSink(api.Sink):
 
     def _client_error(self, exc, step, tid=None, checkpoint_id=None, hint=""):
         """``KafkaSinkError`` (``KafkaFencedError`` for a fenced producer) for
-        librdkafka's ``exc`` in ``step``; raise it ``from exc``."""
-        err, name = _error_name(exc)
+        librdkafka's ``exc`` in ``step``; raise it ``from exc``. ``exc`` may
+        be the SystemError that confluent-kafka raises from a callback (see
+        ``_from_client``), and librdkafka's ``_FATAL`` ("Unable to produce
+        message: Fatal error") says only that the producer failed before:
+        both are named by the error that made the producer fail
+        (``_fatal_error``: a fencing, typically)."""
+        inner = _client_exception(exc, self.ck.KafkaException)
+        err, name = _error_name(inner) if inner is not None else (None, None)
+        self._note_fatal(exc, tid)
+        if name in (None, "_FATAL"):
+            cause = self._fatal_error(tid)
+            if cause is not None:
+                err, name = cause, cause.name()
+        text = err.str() if err is not None else f"{type(exc).__name__}: {exc}"
+        if name not in FENCED_ERRORS and not (err is not None and err.retriable()):
+            cause = self._fenced_since(tid)
+            if cause is not None:
+                text = f"{cause.str()} (the step itself failed with {name}: {text})"
+                err, name = cause, cause.name()
         fatal = err.fatal() if err is not None else None
         retriable = err.retriable() if err is not None else None
-        text = err.str() if err is not None else str(exc)
         cls = errors.KafkaSinkError
         if name in FENCED_ERRORS:
             cls = errors.KafkaFencedError
             hint = ("a newer producer initialized this transactional id: is another job (or a second run of this "
-                    "one) writing with the same transactional_id_prefix now? Give each its own "
-                    "transactional_id_prefix=" + (f"; else {hint}" if hint else ""))
+                    f"one) writing with the same transactional_id_prefix ({self.prefix!r}) now? Each job (and each "
+                    "sink) needs its own: give it transactional_id_prefix=" + (f"; else {hint}" if hint else ""))
         elif not hint:
             hint = ("the job restores its latest checkpoint and writes it again" if not fatal else
                     "the producer cannot go on (fatal): the job restores its latest checkpoint with new producers")
@@ -1115,8 +1151,13 @@ class KafkaSink(api.Sink):
         if self.prefix is None:         # run by hand, not placed in a job (KafkaSinkOperator sets it)
             self.prefix = default_prefix(self.job, self.name)
         self.base = sink_base(self.prefix, subtask)
-        self.group = f"{self.base}-marker"
+        # the commit markers of this writer go to a group of its own, named in its
+        # committables (so in its checkpoints): a job (or a fresh run of this one)
+        # sharing the prefix marks its commits elsewhere, and a restore never
+        # takes another writer's marker for this one's (docs/kafka.md)
+        self.group = f"{self.base}-marker-{os.urandom(6).hex()}"
         self.producers: dict = {}           # transactional id -> Producer (initialized)
+        self._fatal: dict = {}              # transactional id -> the fatal error its producer raised
         self.prepared: dict = {}            # checkpoint id -> transactional id, awaiting commit
         self._lock = threading.Lock()       # ``prepared``: the committer thread removes what it committed
         # the open transaction's encoded values and keys (keys: None while every key is None)
@@ -1178,6 +1219,49 @@ class KafkaSink(api.Sink):
                 raise self._client_error(exc, "init_transactions", tid, checkpoint_id) from exc
             self.producers[tid] = p
         return p
+
+    def _note_fatal(self, exc, tid):
+        """Keep the fatal error (a fencing) that ``exc`` carries for ``tid``."""
+        inner = _client_exception(exc, self.ck.KafkaException)
+        err, name = _error_name(inner) if inner is not None else (None, None)
+        if err is not None and err.fatal() and name != "_FATAL":
+            self.__dict__.setdefault("_fatal", {}).setdefault(tid, err)
+
+    def _fatal_error(self, tid):
+        """The error that made ``tid``'s producer fail (of any of this sink's,
+        without ``tid``), or None. confluent-kafka raises it once, from the
+        poll that serves it; every call after that reports only ``_FATAL``,
+        so it is kept when seen, and served here when it was not yet."""
+        fatal = self.__dict__.setdefault("_fatal", {})
+        p = getattr(self, "producers", {}).get(tid)
+        if p is not None and tid not in fatal:
+            try:
+                p.poll(0)
+            except Exception as exc:    # noqa: BLE001 - the producer failed already: this is its error
+                self._note_fatal(exc, tid)
+        if tid is not None:
+            return fatal.get(tid)
+        return next(iter(fatal.values()), None)
+
+    def _fenced_since(self, tid):
+        """The fencing of ``tid``'s producer, for a failure that does not say
+        (None if it was not fenced): a commit cut short by another producer's
+        init_transactions can fail with "Unknown broker error". Aborting the
+        failed transaction (as is due after it anyway) then fails with the
+        fencing. Only on a failure's path; the restore fences and aborts it in
+        any case."""
+        p = getattr(self, "producers", {}).get(tid)
+        if p is None:
+            return None
+        try:
+            p.abort_transaction(min(self.connect_timeout, 2.0))
+        except Exception as exc:    # noqa: BLE001 - what it says is the answer
+            self._note_fatal(exc, tid)
+            inner = _client_exception(exc, self.ck.KafkaException)
+            if inner is not None and _error_name(inner)[1] in FENCED_ERRORS:
+                return _error_name(inner)[0]
+        cause = self.__dict__.get("_fatal", {}).get(tid)
+        return cause if cause is not None and cause.name() in FENCED_ERRORS else None
 
     def _fence(self, tids, c=None, checkpoints=None):
         """``_producer`` of each, at once (daemon threads: a call that never
@@ -1245,10 +1329,12 @@ class KafkaSink(api.Sink):
         if err is not None:
             self._errors.append(err)
 
-    def _raise_delivery_errors(self):
+    def _raise_delivery_errors(self, tid=None):
         if self._errors:
             err = self._errors[0]
             self._errors = []
+            if self.delivery == "exactly_once" and (err.fatal() or err.name() in FENCED_ERRORS + ("_FATAL",)):
+                raise self._client_error(self.ck.KafkaException(err), "produce", tid)
             raise errors.KafkaSinkError(f"write_kafka {self.name!r}: a record was not delivered to "
                                         f"{self.topic!r}: {err.str()}", topic=self.topic, step="produce",
                                         error_name=err.name(), retriable=err.retriable(), fatal=err.fatal())
@@ -1285,12 +1371,14 @@ class KafkaSink(api.Sink):
                     values.append(v)
                     keys.append(k)
                     self._produce(p, topic, v, k, cb)
-        except self.ck.KafkaException as exc:
+            p.poll(0)
+        except (self.ck.KafkaException, SystemError) as exc:
             # (begin_transaction, or produce refused by the producer's state: fenced, fatal)
+            if isinstance(exc, SystemError) and not _from_client(exc):
+                raise
             raise self._client_error(exc, "writing a transaction", self.current,
                                      checkpoint_id=self.last_id + 1) from exc
-        p.poll(0)
-        self._raise_delivery_errors()
+        self._raise_delivery_errors(self.current)
 
     def _produce(self, p, topic, v, k, cb, c=None):
         try:
@@ -1459,7 +1547,9 @@ class KafkaSink(api.Sink):
             step = "commit_transaction"
             committer.expect("its commit_transaction", self.connect_timeout + COMMIT_GRACE_S)
             p.commit_transaction(self.connect_timeout)
-        except self.ck.KafkaException as exc:
+        except (self.ck.KafkaException, SystemError) as exc:
+            if isinstance(exc, SystemError) and not _from_client(exc):
+                raise
             raise self._client_error(exc, step, c["tid"], c["id"],
                                      hint="the job restores this checkpoint and commits it again") from exc
         except errors.KafkaSinkError as exc:
@@ -1567,7 +1657,9 @@ class KafkaSink(api.Sink):
             step = "commit_transaction"
             c.expect("its commit_transaction", grace)
             p.commit_transaction(self.connect_timeout)
-        except self.ck.KafkaException as exc:
+        except (self.ck.KafkaException, SystemError) as exc:
+            if isinstance(exc, SystemError) and not _from_client(exc):
+                raise
             raise self._client_error(exc, step, tid, x["id"],
                                      hint="the job fails or restores its latest checkpoint, whose commit "
                                           "is then done again") from exc
