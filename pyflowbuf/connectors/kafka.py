@@ -177,28 +177,33 @@ class KafkaSource(api.Source):
         self.name = name
         self.schema = schema            # value_format="arrow-json": the values' columns
         self.batch_size = batch_size    # value_format="arrow"/"arrow-json": rows per RecordBatch at most
-        # the metadata client, one per subtask thread: with threads every subtask
-        # shares this object, and one that ends (a bounded subtask with no
-        # partitions) closes its client while the others still ask theirs
-        self._admins = threading.local()
+        # the metadata client, shared by this object's readers (with threads,
+        # every subtask's): closed when the last reader closes, not the first,
+        # whose subtask may end at once (no partition) while others still ask.
+        # Not thread-local: a client left on a thread's locals is freed in a
+        # forked child (a worker), where librdkafka's locks deadlock.
+        self._admin = None
+        self._admin_users = 0
+        self._admin_lock = threading.Lock()
 
     def __getstate__(self):
         d = dict(self.__dict__)
-        del d["_admins"]
+        d["_admin"], d["_admin_users"] = None, 0
+        del d["_admin_lock"]
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
-        self._admins = threading.local()
+        self._admin_lock = threading.Lock()
 
     def _client(self):
-        admin = getattr(self._admins, "client", None)
-        if admin is None:
-            ck = _ck()
-            conf = _client_conf(self.bootstrap_servers, self.properties)
-            conf.update({"group.id": self.group_id, "enable.auto.commit": False})
-            admin = self._admins.client = ck.Consumer(conf)
-        return admin
+        with self._admin_lock:
+            if self._admin is None:
+                ck = _ck()
+                conf = _client_conf(self.bootstrap_servers, self.properties)
+                conf.update({"group.id": self.group_id, "enable.auto.commit": False})
+                self._admin = ck.Consumer(conf)
+            return self._admin
 
     def splits(self):
         deadline = time.monotonic() + self.connect_timeout
@@ -244,16 +249,21 @@ class KafkaSource(api.Source):
         return flink_owner(split[0], split[1], parallelism)
 
     def create_reader(self, subtask, parallelism):
+        with self._admin_lock:
+            self._admin_users += 1
         return KafkaReader(self, subtask)
 
     def identity(self):
         return {"topics": self.topics, "pattern": self.pattern}
 
     def close_admin(self):
-        """Closes the calling subtask thread's metadata client."""
-        admin = getattr(self._admins, "client", None)
+        """A reader is done with the metadata client; the last one closes it."""
+        with self._admin_lock:
+            self._admin_users = max(0, self._admin_users - 1)
+            admin = self._admin if self._admin_users == 0 else None
+            if admin is not None:
+                self._admin = None
         if admin is not None:
-            self._admins.client = None
             admin.close()
 
 
@@ -700,7 +710,9 @@ class KafkaReader(api.SourceReader):
                 consumer.close()
         except Exception:
             pass
-        self.s.close_admin()
+        if not self.__dict__.get("_admin_released"):       # (once per reader: it counts readers)
+            self._admin_released = True
+            self.s.close_admin()
 
 
 def _decoder(fmt):
