@@ -310,8 +310,8 @@ def initial_buffer_size(spec) -> int | None:
     period from there, took some 10 s to bring them down to what a slow
     sink needs (363 bytes): the first aligned checkpoint waited 16 s behind
     them. Started small, the channels hold little from the start, and the
-    first measurement (a quarter period in, DebloatTimer) sets the size the job needs, larger or
-    smaller (``BufferDebloater(seed=True)``)."""
+    first measurement (a quarter period in: DebloatTimer) sets the size the
+    job needs, larger or smaller (``BufferDebloater(seed=True)``)."""
     c = spec.debloat_config
     return int(c.min_buffer_size) if c.enabled else None
 
