@@ -44,7 +44,6 @@ Example (prints the peer's figures as JSON)::
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
 import re
@@ -53,6 +52,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+
+from pyflowbuf.connectors import maven
 
 FLINK_VERSION = "2.3.0"
 LOG4J_VERSION = "2.24.3"       # binds Flink's slf4j 1.7 API, so the coordinator's lines reach stdout
@@ -111,43 +112,18 @@ def cache_dir() -> str:
     return os.path.join(base, "pyflowbuf", f"flink-{FLINK_VERSION}")
 
 
-def _jars_complete(folder: str) -> bool:
-    return os.path.exists(os.path.join(folder, ".complete"))
-
-
 def install(quiet: bool = False) -> str:
     """Fetch Flink's jars from Maven Central into ``cache_dir()`` (once: a
     complete cache is kept) and return that folder. Needs ``mvn``."""
     target = cache_dir()
-    if _jars_complete(target):
+    fetched = maven.fetch_jars(
+        target, _POM.format(flink=FLINK_VERSION, log4j=LOG4J_VERSION), expect="flink-runtime-*.jar",
+        label=f"flink:{FLINK_VERSION}", error=FlinkPeerUnavailable,
+        missing_mvn=f"fetching Flink {FLINK_VERSION} needs Maven (mvn) to resolve org.apache.flink:flink-streaming-java "
+                    f"from Maven Central; install Maven, or put the jars of flink-streaming-java, flink-clients and "
+                    f"flink-runtime {FLINK_VERSION} with their dependencies in {target} (and an empty .complete file)")
+    if not fetched:
         return target
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise FlinkPeerUnavailable(
-            f"fetching Flink {FLINK_VERSION} needs Maven (mvn) to resolve org.apache.flink:flink-streaming-java "
-            f"from Maven Central; install Maven, or put the jars of flink-streaming-java, flink-clients and "
-            f"flink-runtime {FLINK_VERSION} with their dependencies in {target} (and an empty .complete file)")
-    parent = os.path.dirname(target) or "."
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".flink-jars-", dir=parent)
-    try:
-        pom = os.path.join(staging, "pom.xml")
-        with open(pom, "w") as f:
-            f.write(_POM.format(flink=FLINK_VERSION, log4j=LOG4J_VERSION))
-        libs = os.path.join(staging, "libs")
-        cmd = [mvn, "-B", "-q", "-f", pom, "dependency:copy-dependencies",
-               f"-DoutputDirectory={libs}", "-DincludeScope=runtime"]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        if run.returncode != 0 or not glob.glob(os.path.join(libs, "flink-runtime-*.jar")):
-            raise FlinkPeerUnavailable(f"mvn could not fetch Flink {FLINK_VERSION} ({' '.join(cmd)}):\n"
-                                       f"{(run.stdout + run.stderr)[-3000:]}")
-        with open(os.path.join(libs, ".complete"), "w") as f:
-            f.write(f"flink:{FLINK_VERSION}\n")
-        if os.path.exists(target):          # an incomplete earlier try
-            shutil.rmtree(target)
-        os.replace(libs, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     if not quiet:
         print(f"Flink {FLINK_VERSION} jars in {target}")
     return target
@@ -168,7 +144,7 @@ def prepare(fetch: bool = True) -> dict:
     ``FlinkPeerUnavailable`` with the reason when it cannot."""
     java, javac = _tool("java"), _tool("javac")
     libs = cache_dir()
-    if not _jars_complete(libs):
+    if not maven.complete(libs):
         if not fetch:
             raise FlinkPeerUnavailable(f"Flink {FLINK_VERSION}'s jars are not in {libs}: run "
                                        "`python benchmarks/flink_peer install` (needs mvn)")

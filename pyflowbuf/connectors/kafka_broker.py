@@ -37,6 +37,7 @@ import tempfile
 import time
 import uuid
 
+from pyflowbuf.connectors import maven
 from pyflowbuf.errors import KafkaBrokerError
 
 KAFKA_VERSION = "4.1.1"
@@ -90,35 +91,14 @@ def install(quiet: bool = False) -> str:
     """Fetch the broker's jars from Maven Central into ``cache_dir()`` (once:
     a complete cache is kept) and return that folder. Needs ``mvn``."""
     target = cache_dir()
-    done = os.path.join(target, ".complete")
-    if os.path.exists(done):
+    fetched = maven.fetch_jars(
+        target, _POM.format(scala=SCALA_VERSION, kafka=KAFKA_VERSION, log4j=LOG4J_VERSION),
+        expect="kafka_*.jar", label=f"kafka_{SCALA_VERSION}:{KAFKA_VERSION}", error=KafkaBrokerError,
+        missing_mvn="fetching the Kafka broker needs Maven (mvn) to resolve org.apache.kafka:kafka_"
+                    f"{SCALA_VERSION}:{KAFKA_VERSION} from Maven Central; install Maven, or unpack a Kafka "
+                    f"{KAFKA_VERSION} release and set KAFKA_HOME to it")
+    if not fetched:
         return target
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise KafkaBrokerError(
-            "fetching the Kafka broker needs Maven (mvn) to resolve org.apache.kafka:kafka_"
-            f"{SCALA_VERSION}:{KAFKA_VERSION} from Maven Central; install Maven, or unpack a Kafka "
-            f"{KAFKA_VERSION} release and set KAFKA_HOME to it")
-    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".kafka-jars-", dir=os.path.dirname(target) or ".")
-    try:
-        pom = os.path.join(staging, "pom.xml")
-        with open(pom, "w") as f:
-            f.write(_POM.format(scala=SCALA_VERSION, kafka=KAFKA_VERSION, log4j=LOG4J_VERSION))
-        libs = os.path.join(staging, "libs")
-        cmd = [mvn, "-B", "-q", "-f", pom, "dependency:copy-dependencies",
-               f"-DoutputDirectory={libs}", "-DincludeScope=runtime"]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        if run.returncode != 0 or not glob.glob(os.path.join(libs, "kafka_*.jar")):
-            raise KafkaBrokerError(f"mvn could not fetch the Kafka broker ({' '.join(cmd)}):\n"
-                                   f"{(run.stdout + run.stderr)[-3000:]}")
-        with open(os.path.join(libs, ".complete"), "w") as f:
-            f.write(f"kafka_{SCALA_VERSION}:{KAFKA_VERSION}\n")
-        if os.path.exists(target):          # an incomplete earlier try
-            shutil.rmtree(target)
-        os.replace(libs, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     if not quiet:
         print(f"Kafka {KAFKA_VERSION} broker jars in {target}")
     return target
