@@ -250,6 +250,21 @@ def _loop_send(port, nbytes, tls):
     s.close()
 
 
+def _receive(c, mv, nbytes):
+    """Read ``nbytes`` (or to EOF) into ``mv`` over and over: the bytes got
+    and the seconds from the first byte."""
+    got = 0
+    t0 = None
+    while got < nbytes:
+        n = c.recv_into(mv)
+        if n == 0:
+            break
+        if t0 is None:
+            t0 = common.perf_counter()
+        got += n
+    return got, common.perf_counter() - t0
+
+
 def bare_loop(prod, nbytes, tls=None):
     """Bytes/s of the bare loop: one sender thread (in the producer process)
     ``sendall`` of 1 MiB, one receiver thread (here) ``recv_into`` a 1 MiB
@@ -264,16 +279,7 @@ def bare_loop(prod, nbytes, tls=None):
         if c.cipher()[0] != LOOP_SUITES.decode():
             raise RuntimeError(f"the bare TLS loop negotiated {c.cipher()[0]}, not {LOOP_SUITES.decode()}")
     mv = memoryview(bytearray(LOOP_CHUNK))
-    got = 0
-    t0 = None
-    while got < nbytes:
-        n = c.recv_into(mv)
-        if n == 0:
-            break
-        if t0 is None:
-            t0 = common.perf_counter()
-        got += n
-    dt = common.perf_counter() - t0
+    got, dt = _receive(c, mv, nbytes)
     c.close()
     reply.recv()
     assert got == nbytes, (got, nbytes)
@@ -289,16 +295,7 @@ def raw_stream(prod, nbytes):
     ls.close()
     buf = bytearray(SEG)
     mv = memoryview(buf)
-    got = 0
-    t0 = None
-    while got < nbytes:
-        n = c.recv_into(mv)
-        if n == 0:
-            break
-        if t0 is None:
-            t0 = common.perf_counter()
-        got += n
-    dt = common.perf_counter() - t0
+    got, dt = _receive(c, mv, nbytes)
     c.close()
     reply.recv()
     assert got == nbytes
