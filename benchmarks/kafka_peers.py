@@ -20,9 +20,9 @@ on ``sys.path``) and calls, against its running broker:
   repeat Spark's latency interleaved with its own and take medians;
 * ``paced_produce`` and ``LatencyProbe``: the paced producer and the
   ``read_committed`` output consumer that the latency figures of both sides
-  are measured with, so ours and Spark's are measured the same way; both
-  run in a process of their own (``latency_in_subprocess``), apart from
-  either job.
+  are measured with, so ours and Spark's are measured the same way; each
+  runs in a process of its own (``latency_in_subprocess``), apart from
+  either job and from each other.
 
 The records (both sides use these; ``encode_value`` / ``parse_value``)
 ======================================================================
@@ -377,12 +377,21 @@ class LatencyProbe:
         ... produce, run the job ...
         probe.wait_for(lambda p: p.count_since(t_ns) >= n, timeout=60)
         probe.stop(); probe.percentiles(since_ns=t_ns)   # {"p50_ms", "p99_ms", ...}
+
+    The consuming thread only keeps each batch's values and receive time:
+    the values are parsed when asked for (``count_since``, ``percentiles``),
+    so that at tens of thousands of records a second the probe takes as
+    little of the machine as it can while the job runs (it shares the cores
+    with it and the broker).
     """
 
     def __init__(self, bootstrap: str, topic: str, *, isolation: str = "read_committed"):
         self.bootstrap, self.topic = bootstrap, topic
         self._conf = {"isolation.level": isolation, "enable.partition.eof": False}
-        self._samples = []              # (produce_ts_ns, latency_ns), in arrival order
+        self._batches = []              # (receive time ns, [values]), in arrival order
+        self._received = 0
+        self._samples = []              # (produce_ts_ns, latency_ns): the batches parsed so far
+        self._parsed = 0                # batches parsed into _samples
         self._counted = {}              # since_ns -> (samples scanned, count)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -406,27 +415,41 @@ class LatencyProbe:
                 # up to the timeout to every latency measured
                 msgs = consumer.consume(10_000, 0) or consumer.consume(1, 0.05)
                 now = time.time_ns()
-                batch = []
-                for m in msgs:
-                    if m.error() is not None:
-                        raise RuntimeError(f"consuming {self.topic!r}: {m.error()}")
-                    ts = int(m.value().rsplit(b",", 1)[1])
-                    batch.append((ts, now - ts))
-                if batch:
-                    with self._lock:
-                        self._samples.extend(batch)
+                if not msgs:
+                    continue
+                values = [m.value() if m.error() is None else _message_error(self.topic, m) for m in msgs]
+                with self._lock:
+                    self._batches.append((now, values))
+                    self._received += len(values)
         except BaseException as exc:     # noqa: BLE001 - reported by wait_for/stop
             self.error = exc
         finally:
             consumer.close()
 
+    @property
+    def received(self) -> int:
+        """Records received so far (no parsing: cheap to poll)."""
+        return self._received
+
+    def _parse_new(self):
+        """(Under the lock) the batches received since the last call, parsed
+        into ``_samples``."""
+        batches, samples = self._batches, self._samples
+        for i in range(self._parsed, len(batches)):
+            now, values = batches[i]
+            for v in values:
+                ts = int(v.rsplit(b",", 1)[1])
+                samples.append((ts, now - ts))
+        self._parsed = len(batches)
+        return samples
+
     def count_since(self, since_ns: int = 0) -> int:
         """Records seen that were produced at or after ``since_ns``. Polled
         while the job runs, so it scans only what arrived since the last
-        call for the same ``since_ns`` (the probe shares the cores with it)."""
+        call for the same ``since_ns``."""
         with self._lock:
+            samples = self._parse_new()
             scanned, count = self._counted.get(since_ns, (0, 0))
-            samples = self._samples
             count += sum(1 for i in range(scanned, len(samples)) if samples[i][0] >= since_ns)
             self._counted[since_ns] = (len(samples), count)
             return count
@@ -454,7 +477,7 @@ class LatencyProbe:
         percentile that falls among them is NaN (``None`` in JSON), never a
         figure made low by the records that had not arrived."""
         with self._lock:
-            lat = sorted(l for ts, l in self._samples if ts >= since_ns and (until_ns is None or ts < until_ns))
+            lat = sorted(l for ts, l in self._parse_new() if ts >= since_ns and (until_ns is None or ts < until_ns))
         seen = len(lat)
         if expected is not None and expected > seen:
             lat += [math.inf] * (expected - seen)
@@ -465,6 +488,10 @@ class LatencyProbe:
             v = lat[min(len(lat) - 1, int(p * len(lat)))]
             return v / 1e6 if math.isfinite(v) else math.nan
         return {"records": seen, "p50_ms": q(0.50), "p99_ms": q(0.99), "max_ms": q(1.0)}
+
+
+def _message_error(topic, m):
+    raise RuntimeError(f"consuming {topic!r}: {m.error()}")
 
 
 def latency_run(bootstrap: str, in_topic: str, out_topic: str, rate: float, seconds: float, warmup_s: float,
@@ -487,22 +514,57 @@ def latency_run(bootstrap: str, in_topic: str, out_topic: str, rate: float, seco
 
 def latency_in_subprocess(bootstrap: str, in_topic: str, out_topic: str, rate: float, seconds: float,
                           warmup_s: float, keys: int = DEFAULT_KEYS) -> dict:
-    """``latency_run`` in a Python process of its own (this file run with
-    ``--latency-run``), as the applications producing and reading a topic
-    are: the paced producer and the probe share no interpreter (GIL,
-    garbage collector) with the job measured. For both sides alike: a
-    pyflowbuf job in threads would otherwise share its GIL with them (at
-    tens of thousands of records a second, a tenth of it or more), where
+    """``latency_run``'s figures, with the paced producer and the probe each
+    in a Python process of its own (this file run with ``--latency-probe``
+    and ``--paced-produce``), as the applications producing and reading a
+    topic are: they share no interpreter (GIL, garbage collector) with the
+    job measured, nor with each other (at tens of thousands of records a
+    second, a probe parsing in the producer's process put the producer
+    hundreds of milliseconds behind its schedule). For both sides alike: a
+    pyflowbuf job in threads would otherwise share its GIL with them, where
     Spark's job runs in its JVM and Python workers."""
-    args = json.dumps({"bootstrap": bootstrap, "in_topic": in_topic, "out_topic": out_topic, "rate": rate,
-                       "seconds": seconds, "warmup_s": warmup_s, "keys": keys})
     import subprocess
 
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--latency-run", args], capture_output=True,
-                          text=True, timeout=warmup_s + seconds + max(60.0, 4 * seconds) + 120)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the latency run ({in_topic!r} -> {out_topic!r}) failed: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    me = os.path.abspath(__file__)
+    drain_s = max(60.0, 4 * seconds)
+    probe = subprocess.Popen([sys.executable, me, "--latency-probe", json.dumps({"bootstrap": bootstrap,
+                                                                                  "topic": out_topic})],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if probe.stdout.readline().strip() != "ready":      # assigned: what is produced from now on is seen
+            raise RuntimeError(f"the latency probe of {out_topic!r} did not start: {probe.communicate()[1][-3000:]}")
+        args = json.dumps({"bootstrap": bootstrap, "topic": in_topic, "rate": rate, "seconds": warmup_s + seconds,
+                           "keys": keys})
+        prod = subprocess.run([sys.executable, me, "--paced-produce", args], capture_output=True, text=True,
+                              timeout=warmup_s + seconds + 120)
+        if prod.returncode != 0:
+            raise RuntimeError(f"the paced producer into {in_topic!r} failed: {prod.stderr[-3000:]}")
+        sent = json.loads(prod.stdout.strip().splitlines()[-1])
+        since = sent["start_ns"] + int(warmup_s * 1e9)
+        expected = sent["records"] - int(rate * warmup_s)
+        out, err = probe.communicate(json.dumps({"since": since, "expected": expected, "timeout": drain_s}) + "\n",
+                                     timeout=drain_s + 120)
+        if probe.returncode != 0:
+            raise RuntimeError(f"the latency probe of {out_topic!r} failed: {err[-3000:]}")
+    finally:
+        if probe.poll() is None:
+            probe.kill()
+            probe.wait()
+    pct = json.loads(out.strip().splitlines()[-1])
+    return {**pct, "behind_s": sent["behind_s"], "records_sent": sent["records"]}
+
+
+def _probe_child(args: dict) -> dict:
+    """``--latency-probe``: probe ``topic``, say "ready", then read what to
+    wait for from stdin and print the figures."""
+    probe = LatencyProbe(args["bootstrap"], args["topic"]).start()
+    print("ready", flush=True)
+    want = json.loads(sys.stdin.readline())
+    try:
+        drained = probe.wait_for(lambda p: p.count_since(want["since"]) >= want["expected"], timeout=want["timeout"])
+    finally:
+        probe.stop()
+    return {**probe.percentiles(since_ns=want["since"], expected=want["expected"]), "all_seen": bool(drained)}
 
 
 # --------------------------------------------------------------------------- Spark
@@ -798,8 +860,12 @@ def run_peers(bootstrap: str, *, quick: bool = True, spark: bool = True, partiti
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--latency-run"]:       # latency_in_subprocess's child
-        print(json.dumps(latency_run(**json.loads(argv[1]))))
+    if argv[:1] == ["--latency-probe"]:     # latency_in_subprocess's children
+        print(json.dumps(_probe_child(json.loads(argv[1]))))
+        return 0
+    if argv[:1] == ["--paced-produce"]:
+        a = json.loads(argv[1])
+        print(json.dumps(paced_produce(a["bootstrap"], a["topic"], a["rate"], a["seconds"], keys=a["keys"])))
         return 0
     parser = argparse.ArgumentParser(description="The Kafka benchmark's peers, on a local broker of their own.")
     parser.add_argument("--quick", action="store_true", help="about a minute: smaller topics, shorter latency run")
