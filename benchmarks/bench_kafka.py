@@ -18,8 +18,8 @@
 * ``kafka_e2e_p50_ms`` / ``kafka_e2e_p99_ms``: produce -> read_committed
   visibility through the exactly-once keyed count at half its steady rate;
   the ``_at_least_once`` keys are the same with no commit wait. Measured as
-  Spark's is (``kafka_peers.paced_produce`` and ``LatencyProbe``, in a
-  process of their own apart from either job, the first
+  Spark's is (``kafka_peers.paced_produce`` and ``LatencyProbe``, each in a
+  process of its own apart from either job, the first
   ``warmup_s`` seconds of records not counted on either side: the jobs'
   start and their first checkpoints), with ``buffer_timeout=0.01`` (the
   throughput runs keep the default 0.1 s).
