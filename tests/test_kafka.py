@@ -494,7 +494,10 @@ def test_two_exactly_once_sinks_with_the_same_name_do_not_collide(kafka_broker, 
     env.execute()
     for t in (out_a, out_b):
         assert sorted(read_committed(bs, t, 2)) == sorted(words)
-    # each sink's commit markers are in groups <pyflowbuf>-<job>-<uid>-<subtask>-marker-<writer's token>
+    # each sink's commit markers are in groups
+    # pyflowbuf-<job>-<checkpoint directory's scope>-<uid>-<subtask>-marker-<writer's token>
+    scope = kc.checkpoint_scope(env.checkpoint_config.directory)
+    assert re.fullmatch(r"[0-9a-f]{8}", scope)
     from confluent_kafka.admin import AdminClient
 
     admin = AdminClient({"bootstrap.servers": bs})
@@ -502,7 +505,7 @@ def test_two_exactly_once_sinks_with_the_same_name_do_not_collide(kafka_broker, 
     def marker_groups():
         # (a listing right after the client starts may come back empty)
         listed = [g.group_id for g in admin.list_consumer_groups().result(30).valid]
-        return {(uid, s): [g for g in listed if re.fullmatch(rf"pyflowbuf-{env.name}-{uid}-{s}-marker-[0-9a-f]+", g)]
+        return {(uid, s): [g for g in listed if re.fullmatch(rf"pyflowbuf-{env.name}-{scope}-{uid}-{s}-marker-[0-9a-f]+", g)]
                 for uid in "ab" for s in range(2)}
 
     groups = wait_for(lambda: (lambda m: m if all(m.values()) else None)(marker_groups()), "the marker groups")

@@ -331,3 +331,63 @@ def test_a_system_error_of_a_user_function_is_not_taken_for_the_client(fencing):
     sink.key = key
     with pytest.raises(SystemError, match="C extension"):
         sink.write(["x"])
+
+
+# ---- the default prefix: two copies of one job, in two checkpoint directories
+
+def test_two_copies_of_a_job_with_the_default_prefix_in_two_directories_do_not_fence_each_other(kafka_broker,
+                                                                                                tmp_path):
+    """Two runs of one script (the same job name, the same sink uid, no
+    prefix given), each with its own checkpoint directory, at once: the
+    default prefix holds the directory, so neither fences the other; both
+    keep committing and each output has every record once."""
+    bs = kafka_broker.bootstrap_servers
+    outs = [_name("out-copy"), _name("out-copy")]
+    for out in outs:
+        kafka_broker.create_topic(out, partitions=1)
+
+    def copy(i):
+        env = fb.Environment(checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / f"copy{i}"), parallelism=1,
+                             restart_attempts=0)
+        (env.from_sequence(0, 3000, rate_limit=3000).uid("seq").map(str).uid("str")
+            .write_kafka(outs[i], bootstrap_servers=bs, delivery="exactly_once").uid("out"))
+        return env
+    envs = [copy(0), copy(1)]
+    a = envs[0].execute_async("copy-job")
+    b = None
+    try:
+        wait_for(lambda: committed_checkpoints(a) >= 2, "the first copy's first checkpoints", job=a)
+        b = envs[1].execute_async("copy-job")
+        a.join(120)
+        b.join(120)
+    finally:
+        cancel_and_join(a, failure_ok=True)
+        if b is not None:
+            cancel_and_join(b, failure_ok=True)
+    prefixes = [kc.default_prefix("copy-job", "out", kc.checkpoint_scope(tmp_path / f"copy{i}")) for i in (0, 1)]
+    assert prefixes[0] != prefixes[1] and all(p.startswith("pyflowbuf-copy-job-") for p in prefixes)
+    for out in outs:
+        assert sorted(map(int, read_committed(bs, out, 1))) == list(range(3000))
+
+
+def test_the_default_prefix_takes_the_name_and_directory_the_job_starts_with(tmp_path):
+    """``execute("name")`` renames the job after ``write_kafka`` was
+    called, and the default directory follows the name: the sink's default
+    prefix is made of what the job starts with. A relative directory is
+    named by its absolute path."""
+    env = fb.Environment(checkpoint_interval=1.0, checkpoint_dir=str(tmp_path / "chk"))
+    env.from_collection(["a"]).write_kafka("out", bootstrap_servers="127.0.0.1:9", delivery="exactly_once").uid("o")
+    check = next(n.job_check for n in env.nodes if isinstance(n.job_check, kc.PrefixCheck))
+    env.name = "payments"
+    check.bind(env)
+    assert (check.job, check.scope) == ("payments", kc.checkpoint_scope(tmp_path / "chk"))
+    assert (check.sink.job, check.sink.scope) == ("payments", check.scope)
+    assert kc.default_prefix(check.job, "o", check.scope) == f"pyflowbuf-payments-{check.scope}-o"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert kc.checkpoint_scope("chk") == kc.checkpoint_scope(tmp_path / "chk")
+    finally:
+        os.chdir(cwd)
+    assert kc.checkpoint_scope("s3://bucket/chk/") == kc.checkpoint_scope("s3://bucket/chk")
+    assert kc.checkpoint_scope(None) is None

@@ -305,10 +305,12 @@ class ConnectorSinkDeclarations:
                 f"{what}: delivery='exactly_once' commits a transaction when a checkpoint completes, and this "
                 "job takes no checkpoints: pass Environment(checkpoint_interval=...), or delivery='at_least_once'")
         prefix = transactional_id_prefix or None     # None: from the job and the sink's uid, when it runs
+        cc = env.checkpoint_config
+        scope = kc.checkpoint_scope(cc.directory) if cc is not None and cc.enabled else None
         sink = kc.KafkaSink(bootstrap_servers, topic, key=key, value_format=value_format, delivery=delivery,
                             transactional_id_prefix=prefix, properties=properties,
                             connect_timeout=connect_timeout, transaction_timeout=transaction_timeout, name=name,
-                            job=env.name)
+                            job=env.name, scope=scope)
         # the driver's final commits find the sink by this key: stable from run to
         # run of the same job, one per write_kafka (its rank among the job's sinks)
         rank = sum(isinstance(n.job_check, kc.PrefixCheck) for n in env.nodes)
@@ -322,7 +324,7 @@ class ConnectorSinkDeclarations:
             return kc.KafkaSinkOperator(name, sink, commit_key, checkpointed)
 
         node = self._then(name, make, parallelism, None, sink=True)
-        node.job_check = kc.PrefixCheck(prefix, env.name, name)
+        node.job_check = kc.PrefixCheck(prefix, env.name, name, scope, sink)
         return DataSink(env, node)
 
 

@@ -417,6 +417,10 @@ class Environment(SourceDeclarations, ConnectorSourceDeclarations):
         try:
             if job_name is not None:
                 self.name = job_name
+            for node in self.nodes:     # what a node takes from the job as it starts (its name, its directory)
+                bind = getattr(node.job_check, "bind", None)
+                if bind is not None:
+                    bind(self)
             job = self._execution()
         except BaseException:
             with self._claim_lock:

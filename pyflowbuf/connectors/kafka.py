@@ -32,6 +32,7 @@ docs/kafka.md has the protocol and its failure cases.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import logging
 import os
@@ -900,11 +901,28 @@ def sink_base(prefix: str, subtask: int) -> str:
     return f"{prefix}-{subtask}"
 
 
-def default_prefix(job: str, uid: str) -> str:
-    """A sink's transactional id prefix when none is given: its job's name
-    and the uid its state is stored under, unique in the job (and kept when
-    the job is rescaled or operators are added before it with uids given)."""
-    return f"pyflowbuf-{job}-{uid}"
+def default_prefix(job: str, uid: str, scope: str | None = None) -> str:
+    """A sink's transactional id prefix when none is given: its job's name,
+    the ``checkpoint_scope`` of its checkpoint directory, and the uid its
+    state is stored under, unique in the job (and kept when the job is
+    rescaled or operators are added before it with uids given)."""
+    return f"pyflowbuf-{job}-{uid}" if scope is None else f"pyflowbuf-{job}-{scope}-{uid}"
+
+
+def checkpoint_scope(directory) -> str | None:
+    """Eight hex digits naming a checkpoint directory (its absolute path, or
+    its URL): in the default transactional id prefix, so two jobs of the
+    same name and sinks of the same uid (two copies of a script, or two
+    scripts left with the default name "job") write under different ids
+    when their checkpoints go to different places, and do not fence each
+    other. Two runs in one directory at once are refused anyway
+    (``CheckpointDirectoryInUseError``); a restart or restore from that
+    directory keeps the ids."""
+    if directory is None:
+        return None
+    d = os.fspath(directory)
+    d = d.rstrip("/") if "://" in d else os.path.abspath(os.path.expanduser(d))
+    return hashlib.sha1(d.encode("utf-8")).hexdigest()[:8]
 
 
 class PrefixCheck:
@@ -913,11 +931,22 @@ class PrefixCheck:
     prefix (their transactions would fence each other and each would read
     the other's commit marker)."""
 
-    def __init__(self, prefix, job, name):
-        self.prefix, self.job, self.name = prefix, job, name
+    def __init__(self, prefix, job, name, scope=None, sink=None):
+        self.prefix, self.job, self.name, self.scope, self.sink = prefix, job, name, scope, sink
+
+    def bind(self, env) -> None:
+        """When the job starts: the job's name and checkpoint directory as
+        they are then (``execute("payments")`` renames the job and moves its
+        default directory after ``write_kafka`` was called)."""
+        cc = env.checkpoint_config
+        self.job = env.name
+        self.scope = checkpoint_scope(cc.directory) if cc is not None and cc.enabled else None
+        if self.sink is not None:
+            self.sink.job, self.sink.scope = self.job, self.scope
 
     def resolved(self, node) -> str:
-        return self.prefix if self.prefix is not None else default_prefix(self.job, node.operator_uid)
+        return self.prefix if self.prefix is not None else default_prefix(self.job, node.operator_uid,
+                                                                          getattr(self, "scope", None))
 
     def __call__(self, node, nodes) -> None:
         mine = self.resolved(node)
@@ -1089,7 +1118,7 @@ class KafkaSink(api.Sink):
 
     def __init__(self, bootstrap_servers, topic, *, key=None, value_format="str", delivery="at_least_once",
                  transactional_id_prefix=None, properties=None, connect_timeout=CONNECT_TIMEOUT_S,
-                 transaction_timeout=300.0, name="write_kafka", job="job"):
+                 transaction_timeout=300.0, name="write_kafka", job="job", scope=None):
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.key = key
@@ -1101,6 +1130,7 @@ class KafkaSink(api.Sink):
         self.transaction_timeout = transaction_timeout
         self.name = name
         self.job = job
+        self.scope = scope          # checkpoint_scope of the job's checkpoint directory (default prefix)
         self.producer = None        # at least once: the subtask's producer, from open()
         self._committer = None      # exactly once: the thread committing checkpoints' transactions
         self._commit_error = None   # its failure, raised in the task
@@ -1171,7 +1201,7 @@ class KafkaSink(api.Sink):
             self._check_topic(self.producer)
             return
         if self.prefix is None:         # run by hand, not placed in a job (KafkaSinkOperator sets it)
-            self.prefix = default_prefix(self.job, self.name)
+            self.prefix = default_prefix(self.job, self.name, getattr(self, "scope", None))
         self.base = sink_base(self.prefix, subtask)
         # the commit markers of this writer go to a group of its own, named in its
         # committables (so in its checkpoints): a job (or a fresh run of this one)
@@ -1754,4 +1784,4 @@ class KafkaSinkOperator(api.ConnectorSinkOperator):
     def place(self, node_id, uid, out_kind, timestamped) -> None:
         super().place(node_id, uid, out_kind, timestamped)
         if self.sink.prefix is None and uid is not None:
-            self.sink.prefix = default_prefix(self.sink.job, uid)
+            self.sink.prefix = default_prefix(self.sink.job, uid, getattr(self.sink, "scope", None))
