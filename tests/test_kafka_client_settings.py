@@ -99,3 +99,14 @@ def test_only_failed_deliveries_are_reported_and_one_fails_the_job(kafka_broker,
     assert producers
     for conf in producers:
         assert conf["delivery.report.only.error"] is True and callable(conf["on_delivery"])
+
+
+@pytest.mark.parametrize("key", ["on_delivery", "dr_cb", "dr_msg_cb"])
+def test_a_delivery_callback_in_properties_is_refused(key):
+    """The sink's delivery callback is what turns a failed delivery into the
+    job's error: one given in ``properties`` would replace it (and lose
+    that error), so it is refused when the job is built."""
+    env = fb.Environment()
+    with pytest.raises(errors.ConfigurationError, match=rf"'{key}' is the sink's own"):
+        env.from_collection(["a"]).write_kafka("out", bootstrap_servers="127.0.0.1:9",
+                                               properties={key: lambda err, msg: None})

@@ -270,10 +270,11 @@ class ConnectorSinkDeclarations:
         nor duplicates them (docs/kafka.md). Readers must use
         ``isolation.level=read_committed``. It needs checkpoints; the
         transactional ids are ``<transactional_id_prefix>-<subtask>-<slot>``,
-        by default ``pyflowbuf-<job name>-<the sink's uid>`` (``.uid()``, or
-        the id derived from its place in the graph); two sinks of a job with
-        the same prefix are refused (``ConfigurationError``), and two jobs
-        writing at once need different ones.
+        by default ``pyflowbuf-<job name>-<directory>-<the sink's uid>``
+        (eight hex digits naming the checkpoint directory; ``.uid()``, or the
+        id derived from its place in the graph); two sinks of a job with the
+        same prefix are refused (``ConfigurationError``), and two jobs
+        writing at once with prefixes given need different ones.
 
         Returns a ``DataSink``. A missing topic is ``KafkaTopicError``, an
         unreachable broker ``KafkaConnectionError``, both when the job starts.
@@ -295,6 +296,10 @@ class ConnectorSinkDeclarations:
         if key is not None and not callable(key):
             raise ConfigurationError(f"{what}: key must be a function of the record, got {key!r}")
         _properties(what, properties)
+        taken = sorted({"on_delivery", "dr_cb", "dr_msg_cb"} & set(properties or ()))
+        if taken:
+            raise ConfigurationError(f"{what}: {taken[0]!r} is the sink's own (it turns a failed delivery into "
+                                     "the job's KafkaSinkError), not a property")
         if delivery == "exactly_once" and properties and "transactional.id" in properties:
             raise ConfigurationError(f"{what}: the transactional ids are the sink's own "
                                      "(transactional_id_prefix= names them), not a property")
@@ -304,7 +309,7 @@ class ConnectorSinkDeclarations:
             raise ConfigurationError(
                 f"{what}: delivery='exactly_once' commits a transaction when a checkpoint completes, and this "
                 "job takes no checkpoints: pass Environment(checkpoint_interval=...), or delivery='at_least_once'")
-        prefix = transactional_id_prefix or None     # None: from the job and the sink's uid, when it runs
+        prefix = transactional_id_prefix or None     # None: from the job, its directory and the sink's uid
         cc = env.checkpoint_config
         scope = kc.checkpoint_scope(cc.directory) if cc is not None and cc.enabled else None
         sink = kc.KafkaSink(bootstrap_servers, topic, key=key, value_format=value_format, delivery=delivery,
