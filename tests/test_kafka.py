@@ -532,7 +532,8 @@ def test_two_sinks_with_the_same_prefix_are_refused(kafka_broker, tmp_path):
     env = env_with(tmp_path, name="prefixes")
     words = env.from_collection(["a", "b"])
     words.write_kafka("x", bootstrap_servers=bs, delivery="exactly_once").uid("out")
-    words.write_kafka("y", bootstrap_servers=bs, delivery="exactly_once",
-                      transactional_id_prefix="pyflowbuf-prefixes-out")
-    with pytest.raises(errors.ConfigurationError, match="pyflowbuf-prefixes-out"):
+    taken = kc.default_prefix("prefixes", "out", kc.checkpoint_scope(env.checkpoint_config.directory))
+    assert taken.startswith("pyflowbuf-prefixes-") and taken.endswith("-out")
+    words.write_kafka("y", bootstrap_servers=bs, delivery="exactly_once", transactional_id_prefix=taken)
+    with pytest.raises(errors.ConfigurationError, match=taken):
         env.plan()

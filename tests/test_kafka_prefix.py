@@ -379,7 +379,7 @@ def test_the_default_prefix_takes_the_name_and_directory_the_job_starts_with(tmp
     env.from_collection(["a"]).write_kafka("out", bootstrap_servers="127.0.0.1:9", delivery="exactly_once").uid("o")
     check = next(n.job_check for n in env.nodes if isinstance(n.job_check, kc.PrefixCheck))
     env.name = "payments"
-    check.bind(env)
+    check.bind(env.name, env.checkpoint_config)
     assert (check.job, check.scope) == ("payments", kc.checkpoint_scope(tmp_path / "chk"))
     assert (check.sink.job, check.sink.scope) == ("payments", check.scope)
     assert kc.default_prefix(check.job, "o", check.scope) == f"pyflowbuf-payments-{check.scope}-o"

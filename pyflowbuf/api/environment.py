@@ -420,7 +420,7 @@ class Environment(SourceDeclarations, ConnectorSourceDeclarations):
             for node in self.nodes:     # what a node takes from the job as it starts (its name, its directory)
                 bind = getattr(node.job_check, "bind", None)
                 if bind is not None:
-                    bind(self)
+                    bind(self.name, self.checkpoint_config)
             job = self._execution()
         except BaseException:
             with self._claim_lock:

@@ -934,12 +934,12 @@ class PrefixCheck:
     def __init__(self, prefix, job, name, scope=None, sink=None):
         self.prefix, self.job, self.name, self.scope, self.sink = prefix, job, name, scope, sink
 
-    def bind(self, env) -> None:
+    def bind(self, job_name, checkpoint_config) -> None:
         """When the job starts: the job's name and checkpoint directory as
         they are then (``execute("payments")`` renames the job and moves its
         default directory after ``write_kafka`` was called)."""
-        cc = env.checkpoint_config
-        self.job = env.name
+        cc = checkpoint_config
+        self.job = job_name
         self.scope = checkpoint_scope(cc.directory) if cc is not None and cc.enabled else None
         if self.sink is not None:
             self.sink.job, self.sink.scope = self.job, self.scope
