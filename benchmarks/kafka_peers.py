@@ -335,12 +335,17 @@ def check_keyed_count_output(values: list, expected_records: int) -> dict:
 
 def paced_produce(bootstrap: str, topic: str, rate: float, seconds: float, *, keys: int = DEFAULT_KEYS,
                   start_seq: int = 0, stop: threading.Event | None = None,
-                  producer_conf: dict | None = None) -> dict:
+                  producer_conf: dict | None = None, mark_s: float | None = None) -> dict:
     """Produce input records at ``rate`` records/s for ``seconds`` (each
     value stamped when handed to the client; ``linger.ms=1``), then flush.
     Returns ``{"records", "start_ns", "seconds", "behind_s"}``: ``behind_s``
     is how far the producer itself lagged its schedule at worst (a figure
-    taken at a rate this loop cannot keep is not at that rate)."""
+    taken at a rate this loop cannot keep is not at that rate). With
+    ``mark_s``, also ``"mark_ns"`` (``start_ns`` + ``mark_s``) and
+    ``"records_after_mark"``: how many records were stamped at or after it,
+    counted, not estimated from the rate (``rate * mark_s`` was one off
+    whenever it was not a whole number, and a probe then waited for a
+    record that was never sent)."""
     if rate <= 0 or seconds <= 0:
         raise ValueError(f"rate and seconds must be positive, got {rate}, {seconds}")
     producer = _producer(bootstrap, **{"linger.ms": 1, **(producer_conf or {})})
@@ -348,6 +353,8 @@ def paced_produce(bootstrap: str, topic: str, rate: float, seconds: float, *, ke
     total = int(rate * seconds)
     sent, behind = 0, 0.0
     start_ns = time.time_ns()
+    mark_ns = None if mark_s is None else start_ns + int(mark_s * 1e9)
+    first_after = None if mark_s is not None else 0     # the first record stamped at or after mark_ns
     t0 = time.perf_counter()
     while sent < total and not (stop is not None and stop.is_set()):
         now = time.perf_counter() - t0
@@ -357,14 +364,20 @@ def paced_produce(bootstrap: str, topic: str, rate: float, seconds: float, *, ke
         while sent < due:
             seq = start_seq + sent
             kb = key_bytes[seq % keys]
-            _produce(producer, topic, kb, b"%s,%d,%d" % (kb, seq, time.time_ns()))
+            ts = time.time_ns()
+            if first_after is None and ts >= mark_ns:
+                first_after = sent
+            _produce(producer, topic, kb, b"%s,%d,%d" % (kb, seq, ts))
             sent += 1
         producer.poll(0)
         wait = (sent / rate) - (time.perf_counter() - t0)
         if wait > 0:
             time.sleep(min(wait, 0.002))
     producer.flush(60)
-    return {"records": sent, "start_ns": start_ns, "seconds": time.perf_counter() - t0, "behind_s": behind}
+    out = {"records": sent, "start_ns": start_ns, "seconds": time.perf_counter() - t0, "behind_s": behind}
+    if mark_s is not None:
+        out.update(mark_ns=mark_ns, records_after_mark=0 if first_after is None else sent - first_after)
+    return out
 
 
 class LatencyProbe:
@@ -502,9 +515,8 @@ def latency_run(bootstrap: str, in_topic: str, out_topic: str, rate: float, seco
     ``max(60, 4 * seconds)`` counts as infinitely late), and how the run went."""
     probe = LatencyProbe(bootstrap, out_topic).start()
     try:
-        sent = paced_produce(bootstrap, in_topic, rate, warmup_s + seconds, keys=keys)
-        since = sent["start_ns"] + int(warmup_s * 1e9)
-        expected = sent["records"] - int(rate * warmup_s)
+        sent = paced_produce(bootstrap, in_topic, rate, warmup_s + seconds, keys=keys, mark_s=warmup_s)
+        since, expected = sent["mark_ns"], sent["records_after_mark"]
         drained = probe.wait_for(lambda p: p.count_since(since) >= expected, timeout=max(60.0, 4 * seconds))
     finally:
         probe.stop()
@@ -534,14 +546,13 @@ def latency_in_subprocess(bootstrap: str, in_topic: str, out_topic: str, rate: f
         if probe.stdout.readline().strip() != "ready":      # assigned: what is produced from now on is seen
             raise RuntimeError(f"the latency probe of {out_topic!r} did not start: {probe.communicate()[1][-3000:]}")
         args = json.dumps({"bootstrap": bootstrap, "topic": in_topic, "rate": rate, "seconds": warmup_s + seconds,
-                           "keys": keys})
+                           "keys": keys, "mark_s": warmup_s})
         prod = subprocess.run([sys.executable, me, "--paced-produce", args], capture_output=True, text=True,
                               timeout=warmup_s + seconds + 120)
         if prod.returncode != 0:
             raise RuntimeError(f"the paced producer into {in_topic!r} failed: {prod.stderr[-3000:]}")
         sent = json.loads(prod.stdout.strip().splitlines()[-1])
-        since = sent["start_ns"] + int(warmup_s * 1e9)
-        expected = sent["records"] - int(rate * warmup_s)
+        since, expected = sent["mark_ns"], sent["records_after_mark"]
         out, err = probe.communicate(json.dumps({"since": since, "expected": expected, "timeout": drain_s}) + "\n",
                                      timeout=drain_s + 120)
         if probe.returncode != 0:
@@ -551,7 +562,8 @@ def latency_in_subprocess(bootstrap: str, in_topic: str, out_topic: str, rate: f
             probe.kill()
             probe.wait()
     pct = json.loads(out.strip().splitlines()[-1])
-    return {**pct, "behind_s": sent["behind_s"], "records_sent": sent["records"]}
+    return {**pct, "behind_s": sent["behind_s"], "records_sent": sent["records"],
+            "records_after_mark": sent["records_after_mark"]}
 
 
 def _probe_child(args: dict) -> dict:
@@ -865,7 +877,8 @@ def main(argv=None) -> int:
         return 0
     if argv[:1] == ["--paced-produce"]:
         a = json.loads(argv[1])
-        print(json.dumps(paced_produce(a["bootstrap"], a["topic"], a["rate"], a["seconds"], keys=a["keys"])))
+        print(json.dumps(paced_produce(a["bootstrap"], a["topic"], a["rate"], a["seconds"], keys=a["keys"],
+                                       mark_s=a.get("mark_s"))))
         return 0
     parser = argparse.ArgumentParser(description="The Kafka benchmark's peers, on a local broker of their own.")
     parser.add_argument("--quick", action="store_true", help="about a minute: smaller topics, shorter latency run")

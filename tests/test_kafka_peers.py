@@ -4,6 +4,7 @@ reported as a low figure. Spark's run is left to the benchmark (minutes)."""
 import importlib.util
 import math
 import os
+import time
 import uuid
 
 import pytest
@@ -88,3 +89,19 @@ def test_a_latency_run_in_its_own_process_sees_every_record(kafka_broker):
     got = kafka_peers.latency_in_subprocess(bootstrap, topic, topic, rate=2_000, seconds=1.0, warmup_s=0.5, keys=5)
     assert got["all_seen"] and got["records"] == 2_000 and got["records_sent"] == 3_000
     assert 0 < got["p50_ms"] <= got["p99_ms"] < 60_000
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(180)
+def test_a_latency_run_at_a_rate_with_a_fractional_warm_up_count_waits_for_no_record_never_sent(kafka_broker):
+    """At 1999.7 records/s the warm-up of 0.5 s holds 999.85 records: the
+    records after it are counted by the producer, so the probe sees every
+    one it waits for (estimated from the rate, it waited for one more, a
+    minute, and reported the run as not all seen)."""
+    bootstrap, topic = kafka_broker.bootstrap_servers, f"peers-frac-{uuid.uuid4().hex[:8]}"
+    kafka_peers.create_topic(bootstrap, topic, 2)
+    t0 = time.monotonic()
+    got = kafka_peers.latency_in_subprocess(bootstrap, topic, topic, rate=1999.7, seconds=1.0, warmup_s=0.5, keys=5)
+    assert got["all_seen"] and got["records"] == got["records_after_mark"], got
+    assert 1990 <= got["records"] <= 2010 and got["records_sent"] == int(1999.7 * 1.5), got
+    assert time.monotonic() - t0 < 50, "the probe waited out its drain time"
