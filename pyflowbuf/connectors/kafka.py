@@ -1241,7 +1241,7 @@ class KafkaSink(api.Sink):
         conf.setdefault("partitioner", "murmur2_random")     # the Java client's: the same key, the same partition
         conf.setdefault("linger.ms", 5)
         # only failed deliveries come back as reports: a report per record cost
-        # the sink's thread a Python call and a message object each (a third of
+        # the sink's thread a Python call and a message object each (a fifth of
         # its time at tens of thousands of records a second), and nothing here
         # needs the good ones (flush and commit_transaction wait for every record)
         conf.setdefault("delivery.report.only.error", True)
