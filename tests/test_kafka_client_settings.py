@@ -93,8 +93,8 @@ def test_only_failed_deliveries_are_reported_and_one_fails_the_job(kafka_broker,
         exc = exc.__cause__
     sink_errors = [e for e in chain if isinstance(e, errors.KafkaSinkError)]
     assert sink_errors, chain
-    assert out in str(sink_errors[0]) and "MSG_SIZE_TOO_LARGE" in str(sink_errors[0]).upper().replace(" ", "_") \
-        or "too large" in str(sink_errors[0]).lower(), str(sink_errors[0])
+    msg = str(sink_errors[0])
+    assert out in msg and ("MSG_SIZE_TOO_LARGE" in msg.upper().replace(" ", "_") or "too large" in msg.lower()), msg
     producers = [c for c in client_confs["producer"] if c.get("enable.idempotence")]
     assert producers
     for conf in producers:

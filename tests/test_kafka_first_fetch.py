@@ -66,39 +66,36 @@ def _topic_with_a_truncated_partition(kafka_broker):
     return bs, src
 
 
-def test_partitions_read_from_the_beginning_are_assigned_at_their_log_start(kafka_broker):
+def _from_the_beginning(kafka_broker, **spy_kw):
+    """Both partitions of a truncated topic read from the beginning by one
+    reader: what it assigned, and every record it read."""
     from pyflowbuf.connectors.kafka import KafkaSource
 
     bs, src = _topic_with_a_truncated_partition(kafka_broker)
     reader = KafkaSource(bs, [src], pause_after=None).create_reader(0, 1)
-    reader.consumer = spy = AssignSpy(reader.consumer)
+    reader.consumer = spy = AssignSpy(reader.consumer, **spy_kw)
     try:
         reader.add_splits({(src, 0): None, (src, 1): None})
-        # explicit offsets, none logical (negative): no offset query, no 500 ms retry
-        assert sorted(spy.assigned) == [(src, 0, 0), (src, 1, 4)]
+        assigned = sorted(spy.assigned)
         got = _read_all(reader, 16)
     finally:
         reader.consumer = spy._c
         reader.close()
     assert sorted(got) == sorted([f"v{i}".encode() for i in range(10)] + [f"w{i}".encode() for i in range(4, 10)])
+    return src, assigned
+
+
+def test_partitions_read_from_the_beginning_are_assigned_at_their_log_start(kafka_broker):
+    src, assigned = _from_the_beginning(kafka_broker)
+    # explicit offsets, none logical (negative): no offset query, no 500 ms retry
+    assert assigned == [(src, 0, 0), (src, 1, 4)]
 
 
 def test_a_failed_start_offset_lookup_keeps_the_logical_beginning(kafka_broker):
     """The broker not answering the lookup (no leader yet): the logical
     offset is assigned, and the reader still reads from the log start."""
-    from pyflowbuf.connectors.kafka import KafkaSource
-
-    bs, src = _topic_with_a_truncated_partition(kafka_broker)
-    reader = KafkaSource(bs, [src], pause_after=None).create_reader(0, 1)
-    reader.consumer = spy = AssignSpy(reader.consumer, fail_lookup=True)
-    try:
-        reader.add_splits({(src, 0): None, (src, 1): None})
-        assert sorted(spy.assigned) == [(src, 0, ck.OFFSET_BEGINNING), (src, 1, ck.OFFSET_BEGINNING)]
-        got = _read_all(reader, 16)
-    finally:
-        reader.consumer = spy._c
-        reader.close()
-    assert sorted(got) == sorted([f"v{i}".encode() for i in range(10)] + [f"w{i}".encode() for i in range(4, 10)])
+    src, assigned = _from_the_beginning(kafka_broker, fail_lookup=True)
+    assert assigned == [(src, 0, ck.OFFSET_BEGINNING), (src, 1, ck.OFFSET_BEGINNING)]
 
 
 def test_restored_and_explicit_offsets_are_assigned_as_they_are(kafka_broker):

@@ -105,11 +105,7 @@ class FlinkPeerFailed(RuntimeError):
 def cache_dir() -> str:
     """Where the jars go: ``$PYFLOWBUF_FLINK_LIBS``, or
     ``~/.cache/pyflowbuf/flink-<version>`` (``$XDG_CACHE_HOME`` honoured)."""
-    given = os.environ.get("PYFLOWBUF_FLINK_LIBS")
-    if given:
-        return given
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pyflowbuf", f"flink-{FLINK_VERSION}")
+    return maven.cache_folder("PYFLOWBUF_FLINK_LIBS", f"flink-{FLINK_VERSION}")
 
 
 def install(quiet: bool = False) -> str:

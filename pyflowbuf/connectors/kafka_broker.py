@@ -71,11 +71,7 @@ logger.broker.level = info
 def cache_dir() -> str:
     """Where ``install`` puts the broker's jars: ``$PYFLOWBUF_KAFKA_LIBS``, or
     ``~/.cache/pyflowbuf/kafka-<version>`` (``$XDG_CACHE_HOME`` honoured)."""
-    given = os.environ.get("PYFLOWBUF_KAFKA_LIBS")
-    if given:
-        return given
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pyflowbuf", f"kafka-{KAFKA_VERSION}")
+    return maven.cache_folder("PYFLOWBUF_KAFKA_LIBS", f"kafka-{KAFKA_VERSION}")
 
 
 def find_libs() -> str | None:

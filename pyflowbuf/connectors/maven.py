@@ -14,6 +14,16 @@ import tempfile
 COMPLETE = ".complete"
 
 
+def cache_folder(env_var: str, name: str) -> str:
+    """A jar cache folder: ``$<env_var>`` when set, else
+    ``~/.cache/pyflowbuf/<name>`` (``$XDG_CACHE_HOME`` honoured)."""
+    given = os.environ.get(env_var)
+    if given:
+        return given
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pyflowbuf", name)
+
+
 def complete(folder: str) -> bool:
     return os.path.exists(os.path.join(folder, COMPLETE))
 

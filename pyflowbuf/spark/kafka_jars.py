@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 
+from pyflowbuf.connectors import maven
 from pyflowbuf.errors import KafkaJarsError
 
 GROUP = "org.apache.spark"
@@ -75,11 +76,7 @@ def cache_dir() -> str:
     """Where ``install`` puts the jars: ``$PYFLOWBUF_SPARK_KAFKA_JARS``, or
     ``~/.cache/pyflowbuf/spark-kafka-<pyspark version>`` (``$XDG_CACHE_HOME``
     honoured)."""
-    given = os.environ.get("PYFLOWBUF_SPARK_KAFKA_JARS")
-    if given:
-        return given
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pyflowbuf", f"spark-kafka-{spark_version()}")
+    return maven.cache_folder("PYFLOWBUF_SPARK_KAFKA_JARS", f"spark-kafka-{spark_version()}")
 
 
 def _artifact_id(jar_name: str) -> str:
