@@ -342,6 +342,7 @@ def test_two_copies_of_a_job_with_the_default_prefix_in_two_directories_do_not_f
     default prefix holds the directory, so neither fences the other; both
     keep committing and each output has every record once."""
     bs = kafka_broker.bootstrap_servers
+    N = 20_000          # 4 s at the rate limit: the first copy still runs when the second opens
     outs = [_name("out-copy"), _name("out-copy")]
     for out in outs:
         kafka_broker.create_topic(out, partitions=1)
@@ -349,7 +350,7 @@ def test_two_copies_of_a_job_with_the_default_prefix_in_two_directories_do_not_f
     def copy(i):
         env = fb.Environment(checkpoint_interval=0.1, checkpoint_dir=str(tmp_path / f"copy{i}"), parallelism=1,
                              restart_attempts=0)
-        (env.from_sequence(0, 3000, rate_limit=3000).uid("seq").map(str).uid("str")
+        (env.from_sequence(0, N, rate_limit=5000).uid("seq").map(str).uid("str")
             .write_kafka(outs[i], bootstrap_servers=bs, delivery="exactly_once").uid("out"))
         return env
     envs = [copy(0), copy(1)]
@@ -358,6 +359,8 @@ def test_two_copies_of_a_job_with_the_default_prefix_in_two_directories_do_not_f
     try:
         wait_for(lambda: committed_checkpoints(a) >= 2, "the first copy's first checkpoints", job=a)
         b = envs[1].execute_async("copy-job")
+        wait_for(lambda: committed_checkpoints(b) >= 2, "the second copy's first checkpoints", job=b)
+        overlapped = not a.done       # the second opened its producers beside the first's
         a.join(120)
         b.join(120)
     finally:
@@ -366,8 +369,9 @@ def test_two_copies_of_a_job_with_the_default_prefix_in_two_directories_do_not_f
             cancel_and_join(b, failure_ok=True)
     prefixes = [kc.default_prefix("copy-job", "out", kc.checkpoint_scope(tmp_path / f"copy{i}")) for i in (0, 1)]
     assert prefixes[0] != prefixes[1] and all(p.startswith("pyflowbuf-copy-job-") for p in prefixes)
+    assert overlapped, "the first copy ended before the second started: nothing was tried"
     for out in outs:
-        assert sorted(map(int, read_committed(bs, out, 1))) == list(range(3000))
+        assert sorted(map(int, read_committed(bs, out, 1))) == list(range(N))
 
 
 def test_the_default_prefix_takes_the_name_and_directory_the_job_starts_with(tmp_path):
